@@ -1,0 +1,15 @@
+"""gemtrace: share NVIDIA GPUs between groups of processes with quotas, and show who uses what.
+
+The stack, top to bottom:
+    cli.py        command line (agent, run, check-config, status, top)
+    agent.py      the agent's main loop: wires config, region, scheduler, probes, exporter
+    config.py     the resource file (parse, validate, reload)
+    scheduler.py  per-GPU time-share policy (pure) driving region control words
+    region.py     ctypes mirror of hook/gemtrace_region.h (the gates' shared memory)
+    probes/       eBPF uprobes on libcuda (bpf/*.c) and NVML readers
+    accounting.py per-process / per-group figures merged from eBPF, gates and NVML
+    enforcement.py memory-quota OOM killer
+    exporter.py   Prometheus collectors; metrics.py is the one catalogue of metric names
+"""
+
+__version__ = "0.1.0"

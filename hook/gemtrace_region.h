@@ -1,0 +1,116 @@
+/*
+ * gemtrace_region.h - the one definition of the shared-memory region between the agent and the gates.
+ *
+ * The agent creates $GEMTRACE_STATE_DIR/region (default /run/gemtrace/region), a file of exactly
+ * sizeof(struct gt_region) bytes, and every gate maps it MAP_SHARED. gemtrace/region.py mirrors this
+ * header with ctypes; tests/test_region_layout.py compiles a program printing sizeof/offsetof of
+ * every field and compares, so the two cannot drift. Change a field: bump GT_REGION_VERSION.
+ *
+ * Ownership (nothing here is protected by a lock, so a process killed at any instruction blocks nobody):
+ *   - header, gpus[], groups[], control[][]: written by the agent only.
+ *   - slots[i]: written only by the process that claimed it (CAS of `pid` from 0), except that the
+ *     agent frees the slot of a process that has died (it zeroes the slot, then stores pid = 0).
+ *
+ * Time: every *_ns field is CLOCK_MONOTONIC nanoseconds (Python: time.monotonic_ns()).
+ *
+ * Launch gating (per GPU, per group): control[gpu][group].held is a futex word (shared, not
+ * FUTEX_PRIVATE). 0 = released: launches proceed after one atomic load. 1 = held: a launching thread
+ *   1. drains: if its process launched on that GPU since it last drained, it synchronises the
+ *      context and stores slots[i].drained_ns[gpu] = now (the end of its burst);
+ *   2. adds 1 to slots[i].waiting[gpu], futex-waits on `held` (timeout GT_HOLD_RECHECK_NS so it can
+ *      re-check the heartbeat), and leaves when held == 0 or the heartbeat is older than
+ *      GT_HEARTBEAT_STALE_NS (no agent: never hang); then subtracts 1 from waiting[gpu].
+ * The agent stores held = 0 then FUTEX_WAKEs all waiters on the word; on a clean stop it releases
+ * every word and stores heartbeat_ns = 0.
+ *
+ * Memory (per GPU, per group, the limit is groups[g].memory_limit): a gate reserves optimistically:
+ * it adds the size to its own slots[i].memory[gpu] (seq_cst), then sums memory[gpu] over every
+ * slot with pid != 0 and the same group; above the limit it subtracts the size again and returns
+ * CUDA_ERROR_OUT_OF_MEMORY without calling the driver. Two racing reservations may both fail near
+ * the limit; neither can overshoot. A slot's counters only ever subtract what that process added.
+ */
+#ifndef GEMTRACE_REGION_H
+#define GEMTRACE_REGION_H
+
+#include <stdint.h>
+
+#define GT_REGION_MAGIC 0x45434152544d4547ULL /* "GEMTRACE" read as a little-endian uint64 */
+#define GT_REGION_VERSION 1u
+#define GT_REGION_FILE "region"
+#define GT_DEFAULT_STATE_DIR "/run/gemtrace"
+
+#define GT_MAX_GPUS 8
+#define GT_MAX_GROUPS 64
+#define GT_MAX_SLOTS 1024
+#define GT_NAME_LEN 64 /* group names, NUL-terminated */
+#define GT_UUID_LEN 48 /* "GPU-" + 36 characters + NUL, padded */
+#define GT_COMM_LEN 16
+
+#define GT_NO_LIMIT UINT64_MAX                     /* memory_limit of a group without one */
+#define GT_UTIL_ONE 1000000u                       /* min/max utilisation in parts per million */
+#define GT_HEARTBEAT_STALE_NS 2000000000ull        /* gates ignore `held` when the agent is silent this long */
+#define GT_HOLD_RECHECK_NS 100000000ull            /* a held launch re-checks the heartbeat this often */
+
+enum gt_slot_flags {
+    GT_SLOT_GATED = 1u << 0, /* the gate is loaded in this process (always set by gates) */
+};
+
+struct gt_header {
+    uint64_t magic;              /* GT_REGION_MAGIC, stored last when the agent creates the file */
+    uint32_t version;            /* GT_REGION_VERSION; a reader refuses any other */
+    uint32_t size;               /* sizeof(struct gt_region) */
+    int32_t agent_pid;           /* pid of the agent that owns the region, 0 when none */
+    uint32_t n_gpus;             /* entries of gpus[] in use */
+    uint64_t heartbeat_ns;       /* agent's last tick; 0 = agent stopped cleanly */
+    uint64_t config_generation;  /* bumped whenever groups[] change */
+    uint64_t reserved[11];
+};
+
+struct gt_gpu {                  /* agent-owned; index = gpu index used everywhere else */
+    char uuid[GT_UUID_LEN];      /* NVML UUID, "GPU-..." */
+    uint64_t memory_total;       /* bytes */
+    uint64_t reserved[1];
+};
+
+struct gt_group {                /* agent-owned; a name keeps its index for the region's life */
+    char name[GT_NAME_LEN];      /* empty = unused entry */
+    uint64_t memory_limit;       /* bytes per GPU, GT_NO_LIMIT for none */
+    uint32_t min_util_ppm;       /* 0..GT_UTIL_ONE */
+    uint32_t max_util_ppm;       /* 0..GT_UTIL_ONE */
+    uint32_t defined;            /* 1 while the resource file defines the group */
+    uint32_t reserved0;
+    uint64_t reserved[4];
+};
+
+struct gt_control {              /* agent-owned, one cache line per GPU and group */
+    uint32_t held;               /* futex word: 0 released, 1 held */
+    uint32_t reserved0;
+    uint64_t grant_seq;          /* bumped on every release, for observers */
+    uint64_t reserved[6];
+};
+
+struct gt_slot {                 /* written only by its process (see the top of this file) */
+    int32_t pid;                 /* 0 = free; claimed by CAS 0 -> getpid() */
+    uint32_t group;              /* index into groups[] */
+    uint32_t flags;              /* enum gt_slot_flags */
+    uint32_t gpu_mask;           /* bit g set once the process used gpus[g] */
+    uint64_t start_time;         /* /proc/PID/stat field 22 (clock ticks), tells a reused pid apart */
+    char comm[GT_COMM_LEN];
+    uint64_t memory[GT_MAX_GPUS];         /* bytes held through the gate */
+    uint64_t launches[GT_MAX_GPUS];       /* kernel launches admitted */
+    uint64_t busy_ns[GT_MAX_GPUS];        /* GPU time of this process's finished bursts */
+    uint64_t last_launch_ns[GT_MAX_GPUS]; /* when the last launch was admitted */
+    uint64_t drained_ns[GT_MAX_GPUS];     /* when the process last had no work queued (drain or sync) */
+    uint32_t waiting[GT_MAX_GPUS];        /* threads blocked on control[gpu][group].held */
+    uint64_t reserved[4];
+};
+
+struct gt_region {
+    struct gt_header header;
+    struct gt_gpu gpus[GT_MAX_GPUS];
+    struct gt_group groups[GT_MAX_GROUPS];
+    struct gt_control control[GT_MAX_GPUS][GT_MAX_GROUPS];
+    struct gt_slot slots[GT_MAX_SLOTS];
+};
+
+#endif /* GEMTRACE_REGION_H */
