@@ -1,0 +1,29 @@
+"""`make bench`: run every benchmark on the simulated GPU, one after the other.
+
+Each bench/bench_<name>.py is standalone: it prints a table and appends its dated results, with the
+machine, to bench/results/<name>.md. GPU benchmarks live in bench/gpu/ and run on the GPU machine
+(bench/gpu/run_all.sh).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def main() -> int:
+    failed = []
+    for script in sorted(HERE.glob("bench_*.py")):
+        print(f"== {script.name}", flush=True)
+        if subprocess.run([sys.executable, str(script)], cwd=HERE.parent).returncode != 0:
+            failed.append(script.name)
+    if failed:
+        print("failed: " + ", ".join(failed), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
