@@ -1,0 +1,358 @@
+"""The time-share policy of one GPU: which group may launch now, and until when.
+
+Pure logic: plain data in (the clock's `now`, which groups want the GPU, whether the group that holds
+it went idle, when a held group finished draining), decisions out (the group released, when to look
+again). It never touches the region, a clock or a thread; gemtrace/scheduler.py is the adapter that
+reads the gates' slots, turns them into an `Observation`, and writes the decision into the futex words.
+Tests drive it with a fake clock (tests/test_policy.py).
+
+The design (docs/scheduler.md says why, and what it measured) is a token in the spirit of Gemini's:
+one group at a time is released on a GPU for a slice; at the slice's end it is held, and the next
+group is released only after the held group's processes drained (or a drain timeout), so that each
+interval of GPU time belongs to exactly one group and is charged to it, overrun included.
+
+  - MaxUtil is a credit bucket per group (refilled at MaxUtil per second of wall time, spent by the
+    GPU time charged): exact over the long run whatever the slice lengths, also for a group alone.
+  - MinUtil is time owed (accrued at MinUtil while the group wants the GPU, spent by its GPU time):
+    a group that is owed time goes first, for a slice that pays the debt.
+  - The rest (unreserved, or reserved and unused) goes to the wanting group with the least GPU time
+    over a decayed window (max-min fairness): work-conserving, and the holder keeps the GPU without a
+    needless switch while nobody else wants it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+MS = 1_000_000  # ns
+
+
+@dataclass(frozen=True)
+class Quota:
+    """A group's share of one GPU's time: at least `min_util` while it has work, at most `max_util`."""
+
+    min_util: float = 0.0
+    max_util: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_util <= self.max_util <= 1.0:
+            raise ValueError(
+                f"quota needs 0 <= MinUtil <= MaxUtil <= 1, got {self.min_util}, {self.max_util}"
+            )
+
+
+@dataclass(frozen=True)
+class GroupUsage:
+    """What a group got on one GPU: GPU time charged to it, time it wanted the GPU but was held,
+    and its share of the GPU's time over the decayed window (0..1)."""
+
+    gpu_seconds: float
+    throttled_seconds: float
+    util_ratio: float
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    """Times in ns. The slice adapts between min and max: long enough that the measured drain
+    (a held group finishing its queued work) stays a small part of it."""
+
+    slice_ns: int = 20 * MS
+    min_slice_ns: int = 5 * MS
+    max_slice_ns: int = 60 * MS
+    drain_slices: int = 4  # a slice lasts at least this many measured drains
+    drain_timeout_ns: int = 50 * MS
+    window_ns: int = 1000 * MS  # time constant of the decayed usage (ordering, util_ratio)
+    poll_ns: int = 4 * MS  # looking for demand, or for the holder going idle while others wait
+    drain_poll_ns: int = 250_000
+    # A group owed less than this much wall time is not worth a switch.
+    owed_min_ns: int = 1 * MS
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What the adapter saw in the region at `now`.
+
+    demand: groups that want the GPU (a thread waiting on its word, or launches that moved since the
+        last look); the holder is in it while it is busy.
+    holder_idle_since: the holder is quiet (no launch since the last look, nothing queued): when it
+        last had work; None while it is busy.
+    drained_at: while a held group drains: when its last process finished; None while not done.
+    """
+
+    demand: frozenset[int] = frozenset()
+    holder_idle_since: int | None = None
+    drained_at: int | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    released: int | None  # the one group whose launches may proceed on this GPU (None: all held)
+    draining: int | None  # the group just held that is finishing its queued work
+    wake_at: int  # look again no later than this (ns, the policy's clock)
+
+
+class Phase(Enum):
+    IDLE = "idle"  # nobody released
+    RUNNING = "running"  # one group released
+    DRAINING = "draining"  # the last holder held, its queued work finishing
+
+
+@dataclass
+class _Account:
+    quota: Quota
+    gpu_ns: float = 0.0
+    throttled_ns: float = 0.0
+    usage: float = 0.0  # decayed GPU time, ns
+    cap_credit: float = 0.0  # MaxUtil bucket, ns of GPU time it may still use
+    owed: float = 0.0  # MinUtil debt, ns of GPU time it is owed
+    last_run: int = -1  # when it was last released, for round-robin among equals
+
+
+@dataclass
+class TimeSharePolicy:
+    """The scheduling decisions for one GPU. Call `step` whenever the adapter looks at the region,
+    and at the latest at the returned `wake_at`."""
+
+    params: PolicyParams = field(default_factory=PolicyParams)
+    now: int = 0
+
+    def __post_init__(self) -> None:
+        self._accounts: dict[int, _Account] = {}
+        self._phase = Phase.IDLE
+        self._holder: int | None = None
+        self._released_at = 0
+        self._slice_end = 0
+        self._hold_at = 0
+        self._charging = False  # the holder is charged for the time passing
+        self._demand: frozenset[int] = frozenset()
+        self._drain_ns = 0.0  # decayed mean of measured drains
+        self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
+        self._last = self.now
+
+    # -- configuration -------------------------------------------------------------------------
+
+    def set_quotas(self, now: int, quotas: Mapping[int, Quota]) -> None:
+        self._advance(now)
+        for group in list(self._accounts):
+            if group not in quotas:
+                del self._accounts[group]
+                if group == self._holder:
+                    # An unscheduled group launches freely (the adapter releases its word); nothing
+                    # to drain that would belong to anyone else's account.
+                    self._phase, self._holder, self._charging = Phase.IDLE, None, False
+        for group, quota in quotas.items():
+            account = self._accounts.get(group)
+            if account is None:
+                self._accounts[group] = _Account(quota, cap_credit=self._cap_capacity())
+            else:
+                account.quota = quota
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def holder(self) -> int | None:
+        return self._holder
+
+    def slice_ns(self) -> int:
+        p = self.params
+        return int(min(p.max_slice_ns, max(p.slice_ns, p.drain_slices * self._drain_ns)))
+
+    # -- the decision ----------------------------------------------------------------------------
+
+    def step(self, now: int, obs: Observation) -> Decision:
+        self._advance(now)
+        self._demand = frozenset(g for g in obs.demand if g in self._accounts)
+        if self._phase is Phase.RUNNING:
+            self._step_running(now, obs)
+        if self._phase is Phase.DRAINING:
+            self._step_draining(now, obs)
+        if self._phase is Phase.IDLE:
+            self._step_idle(now)
+        return Decision(self._holder if self._phase is Phase.RUNNING else None,
+                        self._holder if self._phase is Phase.DRAINING else None,
+                        self._wake_at(now))
+
+    def _step_running(self, now: int, obs: Observation) -> None:
+        holder = self._holder
+        assert holder is not None
+        if obs.holder_idle_since is not None:
+            if self._charging:
+                # It ran out of work at holder_idle_since: the time since was not GPU time.
+                self._refund(holder, now - max(obs.holder_idle_since, self._released_at))
+                self._charging = False
+        elif not self._charging:
+            self._charging = True  # busy again (seen at this look: at most a poll late)
+        others = [g for g in self._demand if g != holder and self._eligible(g, now)]
+        if not self._may_continue(holder):
+            self._hold(now)
+        elif obs.holder_idle_since is not None and others:
+            self._hold(now)  # revoke early: it does not use its slice, someone else wants the GPU
+        elif now >= self._slice_end:
+            pick = self._choose(now)
+            if pick is None or pick == holder:
+                # Nobody else (or the holder again): keep it, no needless switch.
+                self._slice_end = now + self._slice_for(holder, owed_first=self._is_owed(holder))
+            else:
+                self._hold(now)
+
+    def _step_draining(self, now: int, obs: Observation) -> None:
+        holder = self._holder
+        assert holder is not None
+        timed_out = now >= self._hold_at + self.params.drain_timeout_ns
+        if obs.drained_at is None and not timed_out:
+            return
+        end = now if obs.drained_at is None else max(min(obs.drained_at, now), self._released_at)
+        if self._charging and end < now:
+            self._refund(holder, now - end)
+        drain = max(0, end - self._hold_at)
+        self._drain_ns = 0.75 * self._drain_ns + 0.25 * drain
+        self._phase, self._holder, self._charging = Phase.IDLE, None, False
+
+    def _step_idle(self, now: int) -> None:
+        pick = self._choose(now)
+        if pick is None:
+            return
+        owed = self._is_owed(pick)
+        self._phase, self._holder, self._charging = Phase.RUNNING, pick, True
+        self._released_at = now
+        self._accounts[pick].last_run = now
+        self._slice_end = now + self._slice_for(pick, owed_first=owed)
+
+    def _hold(self, now: int) -> None:
+        self._phase = Phase.DRAINING
+        self._hold_at = now
+
+    # -- choosing ------------------------------------------------------------------------------
+
+    def _eligible(self, group: int, now: int) -> bool:
+        """May the group be released now? Under its MaxUtil with credit for a whole slice (so a
+        capped group runs in a few long slices, not many short ones)."""
+        quota = self._accounts[group].quota
+        if quota.max_util <= 0.0:
+            return False
+        if quota.max_util >= 1.0:
+            return True
+        return self._accounts[group].cap_credit >= self.slice_ns() * (1.0 - quota.max_util)
+
+    def _may_continue(self, group: int) -> bool:
+        """May the holder keep the GPU? While its credit lasts for a useful stretch more (what is
+        left stays in the bucket for its next slice)."""
+        quota = self._accounts[group].quota
+        if quota.max_util >= 1.0:
+            return True
+        return quota.max_util > 0.0 and self._accounts[group].cap_credit >= MS * (1.0 - quota.max_util)
+
+    def _is_owed(self, group: int) -> bool:
+        account = self._accounts[group]
+        return account.quota.min_util > 0.0 and account.owed >= self.params.owed_min_ns
+
+    def _choose(self, now: int) -> int | None:
+        """MinUtil debt first (most behind, relative to its MinUtil), then the least decayed usage;
+        on a tie the holder, then the one that waited longest."""
+        candidates = [g for g in self._demand if g == self._holder and self._may_continue(g)
+                      or self._eligible(g, now)]
+        if not candidates:
+            return None
+        owed = [g for g in candidates if self._is_owed(g)]
+        if owed:
+            return max(owed, key=lambda g: (self._accounts[g].owed / self._accounts[g].quota.min_util,
+                                            g == self._holder))
+        return min(candidates, key=lambda g: (self._accounts[g].usage, g != self._holder,
+                                              self._accounts[g].last_run))
+
+    def _slice_for(self, group: int, owed_first: bool) -> int:
+        p = self.params
+        account = self._accounts[group]
+        quota = account.quota
+        length = float(self.slice_ns())
+        if owed_first and quota.min_util < 1.0:
+            # Long enough to pay the debt (time owed grows at min_util while it runs).
+            length = min(float(p.max_slice_ns), max(float(p.min_slice_ns),
+                                                    account.owed / (1.0 - quota.min_util)))
+        if quota.max_util < 1.0:
+            # Until the MaxUtil credit is spent (it refills at max_util while it runs).
+            length = min(length, max(0.0, account.cap_credit) / (1.0 - quota.max_util))
+        return max(1, int(length))
+
+    def _wake_at(self, now: int) -> int:
+        p = self.params
+        if self._phase is Phase.DRAINING:
+            # Expect the drain to take about as long as the last ones: look at a fraction of that.
+            poll = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
+            return min(now + poll, self._hold_at + p.drain_timeout_ns)
+        if self._phase is Phase.RUNNING:
+            others = any(g != self._holder for g in self._demand)
+            if others or not self._charging:
+                # Someone waits (revoke early if the holder idles), or the holder idles (see when
+                # it is busy again, so that its charge starts at most a poll late).
+                return min(self._slice_end, now + p.poll_ns)
+            return self._slice_end
+        wake = now + p.poll_ns
+        for group in self._demand:
+            quota = self._accounts[group].quota
+            if 0.0 < quota.max_util < 1.0:
+                missing = self.slice_ns() * (1.0 - quota.max_util) - self._accounts[group].cap_credit
+                wake = min(wake, now + max(1, math.ceil(missing / quota.max_util)))
+        return wake
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    def _cap_capacity(self) -> float:
+        # Room for one slice's worth of credit at most: a capped group that idled may then run one
+        # slice at full speed, never a long burst above its MaxUtil.
+        return float(self.slice_ns())
+
+    def _advance(self, now: int) -> None:
+        """Move every account from the last look to `now`: the holder is charged the time passing
+        (while busy); buckets refill; groups that wanted the GPU accrue what MinUtil owes them."""
+        dt = now - self._last
+        if dt <= 0:
+            return
+        self._last = now
+        decay = math.exp(-dt / self.params.window_ns)
+        gain = self.params.window_ns * (1.0 - decay)  # decayed weight of dt of continuous time
+        self._window_weight = self._window_weight * decay + gain
+        capacity = self._cap_capacity()
+        holding = self._phase in (Phase.RUNNING, Phase.DRAINING)
+        for group, account in self._accounts.items():
+            charged = dt if holding and self._charging and group == self._holder else 0
+            wants = group in self._demand or charged > 0
+            account.gpu_ns += charged
+            account.usage = account.usage * decay + gain * charged / dt
+            quota = account.quota
+            if quota.max_util < 1.0:
+                account.cap_credit = min(capacity, account.cap_credit + quota.max_util * dt - charged)
+            if quota.min_util > 0.0 and wants:
+                # Never negative: time used beyond MinUtil while others did not want the GPU is not
+                # a debt against the guarantee later. Bounded: a long wait earns one long slice.
+                account.owed = min(float(self.params.max_slice_ns),
+                                   max(0.0, account.owed + quota.min_util * dt - charged))
+            if wants and not (self._phase is Phase.RUNNING and group == self._holder):
+                account.throttled_ns += dt
+
+    def _refund(self, group: int, ns: float) -> None:
+        """Take back time charged provisionally that was not GPU time (the holder had idled, or its
+        drain ended before this look)."""
+        if ns <= 0 or group not in self._accounts:
+            return
+        account = self._accounts[group]
+        account.gpu_ns = max(0.0, account.gpu_ns - ns)
+        account.usage = max(0.0, account.usage - ns)
+        if account.quota.max_util < 1.0:
+            account.cap_credit = min(self._cap_capacity(), account.cap_credit + ns)
+        if account.quota.min_util > 0.0:
+            account.owed = min(float(self.params.max_slice_ns), account.owed + ns)
+
+    def usage(self, now: int) -> dict[int, GroupUsage]:
+        self._advance(now)
+        weight = self._window_weight or 1.0
+        return {
+            group: GroupUsage(account.gpu_ns / 1e9, account.throttled_ns / 1e9,
+                              min(1.0, max(0.0, account.usage / weight)))
+            for group, account in self._accounts.items()
+        }

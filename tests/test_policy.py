@@ -1,0 +1,229 @@
+"""The time-share policy against a fake GPU and a fake clock: shares, caps, guarantees, work
+conservation, and what an idle group costs. No region, no processes, no sleeping."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from gemtrace.policy import MS, Decision, Observation, Phase, PolicyParams, Quota, TimeSharePolicy
+
+pytestmark = pytest.mark.unit
+
+SECOND = 1000 * MS
+
+class Workload:
+    """Work arriving for a group's GPU: `on_ns` of kernels every `period_ns` (a hog: always some).
+    Work that cannot run while the group is held stays pending, as a blocked launch would."""
+
+    def __init__(self, on_ns: int | None, period_ns: int = 1) -> None:
+        self.on_ns, self.period_ns = on_ns, period_ns
+        self.pending = 0
+        self.arrived_until = 0
+        self.ran_out_at = 0  # when the pending work was last used up
+
+    def wants(self, t: int) -> bool:
+        if self.on_ns is None:
+            return True
+        while self.arrived_until <= t:
+            self.pending += self.on_ns
+            self.arrived_until += self.period_ns
+        return self.pending > 0
+
+    def run(self, t: int, dt: int) -> int:
+        if self.on_ns is None:
+            return dt
+        used = min(dt, self.pending)
+        self.pending -= used
+        if self.pending == 0:
+            self.ran_out_at = t + used
+        return used
+
+
+def hog() -> Workload:
+    return Workload(None)
+
+
+def idle() -> Workload:
+    return Workload(0, 10**18)
+
+
+def bursty(on_ns: int, period_ns: int) -> Workload:
+    return Workload(on_ns, period_ns)
+
+
+@dataclass
+class FakeGpu:
+    """One GPU shared by groups with the given workloads. A released group that has work keeps the
+    GPU busy; a held group takes `drain_ns` to finish what it had queued. It keeps the true GPU time
+    of every group, which the policy never sees."""
+
+    workloads: dict[int, Workload]
+    drain_ns: int = 1 * MS
+    released: int | None = None
+    draining: int | None = None
+    hold_at: int = 0
+    drain_end: int = 0
+    busy_ns: dict[int, int] = field(default_factory=dict)
+    switches: int = 0
+    steps: int = 0
+
+    def observe(self, t: int) -> Observation:
+        demand = frozenset(g for g, work in self.workloads.items() if work.wants(t))
+        idle_since = None
+        if self.released is not None and self.released not in demand:
+            idle_since = self.workloads[self.released].ran_out_at
+        drained_at = None
+        if self.draining is not None and t >= self.drain_end:
+            drained_at = self.drain_end
+        return Observation(demand, idle_since, drained_at)
+
+    def run(self, t0: int, t1: int) -> None:
+        """GPU time between two looks, 0.1 ms at a time."""
+        step = MS // 10
+        for t in range(t0, t1, step):
+            dt = min(step, t1 - t)
+            if self.released is not None and self.workloads[self.released].wants(t):
+                used = self.workloads[self.released].run(t, dt)
+                self.busy_ns[self.released] = self.busy_ns.get(self.released, 0) + used
+            if self.draining is not None and t < self.drain_end:
+                self.busy_ns[self.draining] = self.busy_ns.get(self.draining, 0) + dt
+
+    def apply(self, t: int, decision: Decision) -> None:
+        if decision.draining is not None and self.draining is None:
+            self.draining, self.hold_at = decision.draining, t
+            # A group held while it had work finishes what it had queued; an idle one has nothing.
+            had_work = self.workloads[self.draining].wants(t)
+            self.drain_end = t + self.drain_ns if had_work else t
+            self.switches += 1
+        if decision.draining is None:
+            self.draining = None
+        self.released = decision.released
+
+    def share(self, group: int, duration: int) -> float:
+        return self.busy_ns.get(group, 0) / duration
+
+
+def simulate(quotas: dict[int, Quota], workloads: dict[int, Workload], duration: int = 10 * SECOND,
+             drain_ns: int = 1 * MS, params: PolicyParams | None = None,
+             policy: TimeSharePolicy | None = None, start: int = 0) -> tuple[FakeGpu, TimeSharePolicy]:
+    if policy is None:
+        policy = TimeSharePolicy(params or PolicyParams(), now=start)
+        policy.set_quotas(start, quotas)
+    gpu = FakeGpu(workloads, drain_ns)
+    t = start
+    while t < start + duration:
+        decision = policy.step(t, gpu.observe(t))
+        gpu.apply(t, decision)
+        gpu.steps += 1
+        nxt = min(max(decision.wake_at, t + 1), start + duration)
+        gpu.run(t, nxt)
+        t = nxt
+    return gpu, policy
+
+
+def test_caps_split_two_saturating_groups() -> None:
+    gpu, policy = simulate({0: Quota(0, 0.3), 1: Quota(0, 0.7)}, {0: hog(), 1: hog()})
+    assert gpu.share(0, 10 * SECOND) == pytest.approx(0.3, abs=0.01)
+    assert gpu.share(1, 10 * SECOND) == pytest.approx(0.7, abs=0.015)
+    usage = policy.usage(10 * SECOND)
+    # What the policy charged is the true GPU time (drains included), within a slice.
+    for group in (0, 1):
+        assert usage[group].gpu_seconds == pytest.approx(gpu.busy_ns[group] / 1e9, abs=0.03)
+    assert usage[0].util_ratio == pytest.approx(0.3, abs=0.03)
+    # Long slices, not a switch per look: a few tens of switches a second at most.
+    assert gpu.switches < 10 * 40
+
+
+def test_min_util_holds_against_two_uncapped_hogs() -> None:
+    gpu, _ = simulate({0: Quota(0.6, 1.0), 1: Quota(0, 1), 2: Quota(0, 1)}, {0: hog(), 1: hog(), 2: hog()})
+    assert gpu.share(0, 10 * SECOND) >= 0.6 - 0.005
+    # The unreserved 40% is shared by the least used first: the hogs, equally.
+    assert gpu.share(1, 10 * SECOND) == pytest.approx(gpu.share(2, 10 * SECOND), abs=0.02)
+    assert sum(gpu.busy_ns.values()) / (10 * SECOND) > 0.97
+
+
+def test_max_util_holds_for_a_group_alone() -> None:
+    gpu, policy = simulate({0: Quota(0, 0.5)}, {0: hog()})
+    assert gpu.share(0, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
+    assert policy.usage(10 * SECOND)[0].throttled_seconds == pytest.approx(5.0, abs=0.3)
+
+
+def test_min_util_alone_runs_at_full_speed_without_switches() -> None:
+    gpu, _ = simulate({0: Quota(0.2, 1.0)}, {0: hog()})
+    assert gpu.share(0, 10 * SECOND) > 0.999
+    assert gpu.switches == 0
+
+
+def test_two_equal_hogs_share_equally() -> None:
+    gpu, _ = simulate({0: Quota(), 1: Quota()}, {0: hog(), 1: hog()})
+    assert gpu.share(0, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
+    assert gpu.share(1, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
+
+
+def test_time_a_group_does_not_use_goes_to_the_others() -> None:
+    # Both reserve half; one has nothing to do: the other gets the whole GPU.
+    gpu, policy = simulate({0: Quota(0.5, 1.0), 1: Quota(0.5, 1.0)}, {0: hog(), 1: idle()})
+    assert gpu.share(0, 10 * SECOND) > 0.99
+    assert gpu.switches == 0
+    assert policy.usage(10 * SECOND)[1].gpu_seconds == 0
+
+
+def test_unused_slices_are_revoked_early() -> None:
+    # Group 0 has work 2 ms in every 20 ms; group 1 is a hog. Group 0's idle time goes to group 1
+    # within a poll or two, not at the end of a 20 ms slice.
+    gpu, _ = simulate({0: Quota(0.5, 1.0), 1: Quota(0, 1.0)}, {0: bursty(2 * MS, 20 * MS), 1: hog()})
+    assert gpu.share(0, 10 * SECOND) == pytest.approx(0.1, abs=0.005)  # all its bursts ran
+    # The GPU idles only while the policy has not yet seen group 0 go quiet (a poll, 4 ms).
+    assert sum(gpu.busy_ns.values()) / (10 * SECOND) > 0.85
+
+
+def test_a_group_without_demand_gets_nothing_and_costs_nothing() -> None:
+    alone, policy_alone = simulate({0: Quota(0, 0.5)}, {0: hog()})
+    with_idle, policy = simulate({0: Quota(0, 0.5), 1: Quota(0.5, 1.0)}, {0: hog(), 1: idle()})
+    assert with_idle.busy_ns.get(1, 0) == 0
+    usage = policy.usage(10 * SECOND)[1]
+    assert usage.gpu_seconds == 0 and usage.throttled_seconds == 0 and usage.util_ratio == 0
+    # Same decisions, same number of looks and switches as without the idle group.
+    assert with_idle.steps == alone.steps
+    assert with_idle.switches == alone.switches
+    assert with_idle.busy_ns[0] == alone.busy_ns[0]
+
+
+def test_few_wakeups_for_a_group_alone() -> None:
+    gpu, _ = simulate({0: Quota()}, {0: hog()}, duration=1 * SECOND)
+    # One look per slice (20 ms), no polling while nobody else wants the GPU.
+    assert gpu.steps <= 1 * SECOND // (20 * MS) + 2
+
+
+def test_overrun_of_a_long_drain_is_charged_to_the_group() -> None:
+    # 8 ms drains after 20+ ms slices: the capped group still gets its 30%, not more.
+    gpu, policy = simulate({0: Quota(0, 0.3), 1: Quota(0, 1.0)}, {0: hog(), 1: hog()}, drain_ns=8 * MS)
+    assert gpu.share(0, 10 * SECOND) == pytest.approx(0.3, abs=0.01)
+    assert gpu.share(1, 10 * SECOND) == pytest.approx(0.7, abs=0.015)
+    # The slice grew with the measured drain, so the drain stays a small part of it.
+    assert policy.slice_ns() >= 4 * 8 * MS * 0.9
+
+
+def test_quota_change_takes_effect() -> None:
+    gpu, policy = simulate({0: Quota(0, 0.2), 1: Quota(0, 1.0)}, {0: hog(), 1: hog()}, duration=5 * SECOND)
+    assert gpu.share(0, 5 * SECOND) == pytest.approx(0.2, abs=0.01)
+    policy.set_quotas(5 * SECOND, {0: Quota(0, 0.6), 1: Quota(0, 1.0)})
+    simulate({}, {0: hog(), 1: hog()}, duration=5 * SECOND, policy=policy, start=5 * SECOND)
+    # Max-min fair now that 0.6 does not bind: half each over the recent window.
+    assert policy.usage(10 * SECOND)[0].util_ratio == pytest.approx(0.5, abs=0.03)
+    policy.set_quotas(10 * SECOND, {1: Quota(0, 1.0)})  # group 0 dropped: no longer scheduled
+    decision = policy.step(10 * SECOND + 1, Observation(frozenset({0, 1})))
+    assert decision.released in (1, None)
+
+
+def test_zero_max_util_never_runs() -> None:
+    gpu, policy = simulate({0: Quota(0, 0.0), 1: Quota()}, {0: hog(), 1: hog()}, duration=1 * SECOND)
+    assert gpu.busy_ns.get(0, 0) == 0
+    assert policy.phase in (Phase.RUNNING, Phase.DRAINING)
+
+
+def test_quota_rejects_min_above_max() -> None:
+    with pytest.raises(ValueError):
+        Quota(0.6, 0.5)
