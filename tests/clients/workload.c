@@ -1,0 +1,466 @@
+/*
+ * workload.c - what the test clients do, one JSON object per line on stdout (flushed), so that
+ * Python tests can follow them. Subcommands:
+ *   launch-loop --kernel-ns N [--launches-per-iter K] [--seconds S | --iters I] [--device D]
+ *               [--api launch|ex|coop|graph] [--no-sync] [--progress]
+ *       K launches then cuStreamSynchronize, repeated; the last line is
+ *       {"iters","launches","elapsed_s","kernel_s"}.
+ *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free] SIZE...
+ *       one {"size","result","name"} line per allocation, then {"holding":S,"pid"} before holding,
+ *       then {"freed":n} with --free.
+ *   meminfo [--device D]                              {"free","total"}
+ *   alloc-threads --threads T --size S --count C      {"successes","failures","oom"}
+ *   fork-alloc [--hold S] SIZE                        a line from the parent and one from the child
+ *   empty-launch-loop --launches N                    {"launches","elapsed_s","ns_per_launch"}
+ * A failing driver call prints {"error":<call>,"result":<CUresult>,"name":...} and exits 1.
+ * Sizes read as SIMGPU_MEMORY does ("1GiB", "512M", bytes).
+ */
+#define _GNU_SOURCE
+#include "workload.h"
+#include "simgpu.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static const struct drv *D;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static const char *err_name(CUresult r)
+{
+    const char *name = NULL;
+    if (D->f_cuGetErrorName(r, &name) != CUDA_SUCCESS || !name)
+        return "?";
+    return name;
+}
+
+static void emit(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void emit(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vprintf(fmt, ap);
+    va_end(ap);
+    putchar('\n');
+    fflush(stdout);
+}
+
+#define CHECK(call)                                                                          \
+    do {                                                                                     \
+        CUresult r_ = (call);                                                                \
+        if (r_ != CUDA_SUCCESS) {                                                            \
+            emit("{\"error\":\"%s\",\"result\":%d,\"name\":\"%s\"}", #call, (int)r_, err_name(r_)); \
+            exit(1);                                                                         \
+        }                                                                                    \
+    } while (0)
+
+struct opts {
+    uint64_t kernel_ns;
+    long per_iter, iters, threads, count, launches;
+    double seconds, hold;
+    int device;
+    const char *api;
+    bool no_sync, progress, free_after;
+    uint64_t size;
+    int n_sizes;
+    uint64_t sizes[256];
+};
+
+static uint64_t size_arg(const char *text)
+{
+    uint64_t v = sim_parse_size(text);
+    if (!v) {
+        emit("{\"error\":\"usage\",\"message\":\"not a size: %s\"}", text);
+        exit(2);
+    }
+    return v;
+}
+
+static void parse(int argc, char **argv, struct opts *o)
+{
+    *o = (struct opts){.per_iter = 1, .api = "launch", .threads = 1, .count = 1};
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+#define OPT(name) (strcmp(a, name) == 0 && v && (i++, 1))
+        if (strcmp(a, "--ptsz") == 0) /* taken by rt.c when it resolves the entry points */
+            continue;
+        else if (strcmp(a, "--no-sync") == 0)
+            o->no_sync = true;
+        else if (strcmp(a, "--progress") == 0)
+            o->progress = true;
+        else if (strcmp(a, "--free") == 0)
+            o->free_after = true;
+        else if (OPT("--kernel-ns"))
+            o->kernel_ns = strtoull(v, NULL, 10);
+        else if (OPT("--launches-per-iter"))
+            o->per_iter = strtol(v, NULL, 10);
+        else if (OPT("--iters"))
+            o->iters = strtol(v, NULL, 10);
+        else if (OPT("--seconds"))
+            o->seconds = strtod(v, NULL);
+        else if (OPT("--hold"))
+            o->hold = strtod(v, NULL);
+        else if (OPT("--device"))
+            o->device = (int)strtol(v, NULL, 10);
+        else if (OPT("--api"))
+            o->api = v;
+        else if (OPT("--threads"))
+            o->threads = strtol(v, NULL, 10);
+        else if (OPT("--count"))
+            o->count = strtol(v, NULL, 10);
+        else if (OPT("--launches"))
+            o->launches = strtol(v, NULL, 10);
+        else if (OPT("--size"))
+            o->size = size_arg(v);
+        else if (a[0] != '-' && o->n_sizes < 256)
+            o->sizes[o->n_sizes++] = size_arg(a);
+        else {
+            emit("{\"error\":\"usage\",\"message\":\"unknown argument %s\"}", a);
+            exit(2);
+        }
+#undef OPT
+    }
+}
+
+static CUfunction setup(int device)
+{
+    CUdevice dev;
+    CUcontext ctx;
+    CUmodule mod;
+    CUfunction f;
+    CHECK(D->f_cuInit(0));
+    CHECK(D->f_cuDeviceGet(&dev, device));
+    CHECK(D->f_cuDevicePrimaryCtxRetain(&ctx, dev));
+    CHECK(D->f_cuCtxSetCurrent(ctx));
+    static const char image[] = "simgpu: any image loads";
+    CHECK(D->f_cuModuleLoadData(&mod, image));
+    CHECK(D->f_cuModuleGetFunction(&f, mod, "spin"));
+    return f;
+}
+
+/* ---- launches ----------------------------------------------------------------------------- */
+
+static CUresult launch_one(const char *api, CUfunction f, uint64_t *ns)
+{
+    void *params[] = {ns};
+    if (strcmp(api, "ex") == 0) {
+        CUlaunchConfig cfg = {.gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32, .blockDimY = 1,
+                              .blockDimZ = 1, .hStream = NULL};
+        return D->f_cuLaunchKernelEx(&cfg, f, params, NULL);
+    }
+    if (strcmp(api, "coop") == 0)
+        return D->f_cuLaunchCooperativeKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params);
+    return D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params, NULL);
+}
+
+static int launch_loop(const struct opts *o)
+{
+    CUfunction f = setup(o->device);
+    uint64_t ns = o->kernel_ns;
+    bool graph = strcmp(o->api, "graph") == 0;
+    if (!graph && strcmp(o->api, "launch") && strcmp(o->api, "ex") && strcmp(o->api, "coop")) {
+        emit("{\"error\":\"usage\",\"message\":\"--api is launch, ex, coop or graph\"}");
+        return 2;
+    }
+    CUgraph g = NULL;
+    CUgraphExec exec = NULL;
+    if (graph) {
+        CHECK(D->f_cuGraphCreate(&g, 0));
+        for (long k = 0; k < o->per_iter; k++) {
+            void *params[] = {&ns};
+            CUDA_KERNEL_NODE_PARAMS p = {.func = f, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
+                                         .blockDimY = 1, .blockDimZ = 1, .kernelParams = params};
+            CUgraphNode node;
+            CHECK(D->f_cuGraphAddKernelNode(&node, g, NULL, 0, &p));
+        }
+        CHECK(D->f_cuGraphInstantiateWithFlags(&exec, g, 0));
+    }
+    long iters_wanted = o->iters > 0 ? o->iters : (o->seconds > 0 ? -1 : 1);
+    double start = now_s(), next_progress = start + 1.0, t = start;
+    long iters = 0, launches = 0;
+    while (iters_wanted < 0 ? t - start < o->seconds : iters < iters_wanted) {
+        if (graph) {
+            CHECK(D->f_cuGraphLaunch(exec, NULL));
+        } else {
+            for (long k = 0; k < o->per_iter; k++)
+                CHECK(launch_one(o->api, f, &ns));
+        }
+        launches += o->per_iter;
+        if (!o->no_sync)
+            CHECK(D->f_cuStreamSynchronize(NULL));
+        iters++;
+        t = now_s();
+        if (o->progress && t >= next_progress) {
+            emit("{\"progress\":true,\"t\":%.6f,\"iters\":%ld,\"launches\":%ld}", t - start, iters, launches);
+            next_progress += 1.0;
+        }
+    }
+    if (o->no_sync)
+        CHECK(D->f_cuCtxSynchronize());
+    double elapsed = now_s() - start;
+    if (graph) {
+        CHECK(D->f_cuGraphExecDestroy(exec));
+        CHECK(D->f_cuGraphDestroy(g));
+    }
+    emit("{\"iters\":%ld,\"launches\":%ld,\"elapsed_s\":%.6f,\"kernel_s\":%.6f}", iters, launches, elapsed,
+         (double)launches * (double)ns / 1e9);
+    return 0;
+}
+
+static int empty_launch_loop(const struct opts *o)
+{
+    CUfunction f = setup(o->device);
+    uint64_t ns = 0;
+    void *params[] = {&ns};
+    long n = o->launches > 0 ? o->launches : 1000000;
+    for (long i = 0; i < n / 10 + 1; i++) /* warm up: first-touch of the stream's queue */
+        CHECK(D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params, NULL));
+    CHECK(D->f_cuStreamSynchronize(NULL));
+    double start = now_s();
+    for (long i = 0; i < n; i++)
+        CHECK(D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params, NULL));
+    double elapsed = now_s() - start;
+    CHECK(D->f_cuStreamSynchronize(NULL));
+    emit("{\"launches\":%ld,\"elapsed_s\":%.6f,\"ns_per_launch\":%.2f}", n, elapsed, elapsed * 1e9 / (double)n);
+    return 0;
+}
+
+/* ---- memory ------------------------------------------------------------------------------- */
+
+enum alloc_api { API_V2, API_PITCH, API_MANAGED, API_ASYNC, API_POOL, API_CREATE, API_BAD };
+
+static enum alloc_api api_of(const char *name)
+{
+    static const char *names[] = {"v2", "pitch", "managed", "async", "pool", "create"};
+    for (int i = 0; i < API_BAD; i++)
+        if (strcmp(name, names[i]) == 0)
+            return (enum alloc_api)i;
+    return API_BAD;
+}
+
+struct allocation {
+    enum alloc_api api;
+    uint64_t size;
+    CUdeviceptr ptr;
+    CUmemGenericAllocationHandle handle;
+};
+
+/* One allocation of `size` bytes through `api`; on success `a` says how to free it. */
+static CUresult allocate(enum alloc_api api, int device, uint64_t size, struct allocation *a)
+{
+    *a = (struct allocation){.api = api, .size = size};
+    switch (api) {
+    case API_V2: return D->f_cuMemAlloc(&a->ptr, size);
+    case API_PITCH: {
+        size_t pitch;
+        return D->f_cuMemAllocPitch(&a->ptr, &pitch, size / 1024 ? 1024 : size, size / 1024 ? size / 1024 : 1, 4);
+    }
+    case API_MANAGED: return D->f_cuMemAllocManaged(&a->ptr, size, CU_MEM_ATTACH_GLOBAL);
+    case API_ASYNC: return D->f_cuMemAllocAsync(&a->ptr, size, NULL);
+    case API_POOL: {
+        CUmemoryPool pool;
+        CUresult r = D->f_cuDeviceGetDefaultMemPool(&pool, device);
+        return r ? r : D->f_cuMemAllocFromPoolAsync(&a->ptr, size, pool, NULL);
+    }
+    case API_CREATE: {
+        /* As PyTorch's expandable segments: create, reserve, map, set access. */
+        CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                    .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = device}};
+        size_t gran;
+        CUresult r = D->f_cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+        if (r)
+            return r;
+        if (size % gran)
+            return CUDA_ERROR_INVALID_VALUE;
+        if ((r = D->f_cuMemCreate(&a->handle, size, &prop, 0)))
+            return r;
+        if ((r = D->f_cuMemAddressReserve(&a->ptr, size, 0, 0, 0)) == CUDA_SUCCESS &&
+            (r = D->f_cuMemMap(a->ptr, size, 0, a->handle, 0)) == CUDA_SUCCESS) {
+            CUmemAccessDesc access = {.location = prop.location, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+            r = D->f_cuMemSetAccess(a->ptr, size, &access, 1);
+        }
+        if (r)
+            D->f_cuMemRelease(a->handle);
+        return r;
+    }
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+static void release(const struct allocation *a)
+{
+    switch (a->api) {
+    case API_ASYNC:
+    case API_POOL: CHECK(D->f_cuMemFreeAsync(a->ptr, NULL)); break;
+    case API_CREATE:
+        CHECK(D->f_cuMemUnmap(a->ptr, a->size));
+        CHECK(D->f_cuMemAddressFree(a->ptr, a->size));
+        CHECK(D->f_cuMemRelease(a->handle));
+        break;
+    default: CHECK(D->f_cuMemFree(a->ptr));
+    }
+}
+
+static void hold(double seconds)
+{
+    if (seconds <= 0)
+        return;
+    struct timespec ts = {.tv_sec = (time_t)seconds, .tv_nsec = (long)((seconds - (double)(time_t)seconds) * 1e9)};
+    while (nanosleep(&ts, &ts) != 0)
+        ;
+}
+
+static int alloc_cmd(const struct opts *o)
+{
+    enum alloc_api api = api_of(o->api ? o->api : "v2");
+    if (api == API_BAD) {
+        emit("{\"error\":\"usage\",\"message\":\"--api is v2, pitch, managed, async, pool or create\"}");
+        return 2;
+    }
+    setup(o->device);
+    struct allocation held[256];
+    int n_held = 0;
+    for (int i = 0; i < o->n_sizes; i++) {
+        CUresult r = allocate(api, o->device, o->sizes[i], &held[n_held]);
+        emit("{\"size\":%llu,\"result\":%d,\"name\":\"%s\"}", (unsigned long long)o->sizes[i], (int)r, err_name(r));
+        if (r == CUDA_SUCCESS)
+            n_held++;
+    }
+    emit("{\"holding\":%.3f,\"pid\":%d,\"allocations\":%d}", o->hold, (int)getpid(), n_held);
+    hold(o->hold);
+    if (o->free_after) {
+        for (int i = 0; i < n_held; i++)
+            release(&held[i]);
+        emit("{\"freed\":%d}", n_held);
+    }
+    return 0;
+}
+
+static int meminfo_cmd(const struct opts *o)
+{
+    setup(o->device);
+    size_t free_bytes, total;
+    CHECK(D->f_cuMemGetInfo(&free_bytes, &total));
+    emit("{\"free\":%zu,\"total\":%zu}", free_bytes, total);
+    return 0;
+}
+
+struct thread_arg {
+    const struct opts *o;
+    CUcontext ctx;
+    long ok, failed, oom;
+};
+
+static void *alloc_thread(void *p)
+{
+    struct thread_arg *t = p;
+    CHECK(D->f_cuCtxSetCurrent(t->ctx)); /* as the runtime does on each thread */
+    for (long i = 0; i < t->o->count; i++) {
+        CUdeviceptr ptr;
+        CUresult r = D->f_cuMemAlloc(&ptr, t->o->size);
+        if (r == CUDA_SUCCESS)
+            t->ok++;
+        else {
+            t->failed++;
+            t->oom += r == CUDA_ERROR_OUT_OF_MEMORY;
+        }
+    }
+    return NULL;
+}
+
+static int alloc_threads_cmd(const struct opts *o)
+{
+    if (o->threads < 1 || o->threads > 1024 || !o->size) {
+        emit("{\"error\":\"usage\",\"message\":\"--threads 1..1024 and --size are needed\"}");
+        return 2;
+    }
+    setup(o->device);
+    CUcontext ctx;
+    CUdevice dev;
+    CHECK(D->f_cuDeviceGet(&dev, o->device));
+    CHECK(D->f_cuDevicePrimaryCtxRetain(&ctx, dev));
+    struct thread_arg *args = calloc((size_t)o->threads, sizeof *args);
+    pthread_t *tids = calloc((size_t)o->threads, sizeof *tids);
+    for (long i = 0; i < o->threads; i++) {
+        args[i] = (struct thread_arg){.o = o, .ctx = ctx};
+        pthread_create(&tids[i], NULL, alloc_thread, &args[i]);
+    }
+    long ok = 0, failed = 0, oom = 0;
+    for (long i = 0; i < o->threads; i++) {
+        pthread_join(tids[i], NULL);
+        ok += args[i].ok;
+        failed += args[i].failed;
+        oom += args[i].oom;
+    }
+    size_t free_bytes, total;
+    CHECK(D->f_cuMemGetInfo(&free_bytes, &total));
+    emit("{\"successes\":%ld,\"failures\":%ld,\"oom\":%ld,\"free\":%zu,\"total\":%zu}", ok, failed, oom, free_bytes,
+         total);
+    return 0;
+}
+
+static int fork_alloc_cmd(const struct opts *o)
+{
+    if (o->n_sizes != 1) {
+        emit("{\"error\":\"usage\",\"message\":\"fork-alloc SIZE\"}");
+        return 2;
+    }
+    setup(o->device);
+    CUdeviceptr p;
+    CUresult r = D->f_cuMemAlloc(&p, o->sizes[0]);
+    emit("{\"who\":\"parent\",\"pid\":%d,\"result\":%d,\"name\":\"%s\"}", (int)getpid(), (int)r, err_name(r));
+    pid_t child = fork();
+    if (child == 0) {
+        r = D->f_cuMemAlloc(&p, o->sizes[0]);
+        emit("{\"who\":\"child\",\"pid\":%d,\"result\":%d,\"name\":\"%s\"}", (int)getpid(), (int)r, err_name(r));
+        hold(o->hold);
+        _exit(0);
+    }
+    hold(o->hold);
+    int status = 0;
+    waitpid(child, &status, 0);
+    emit("{\"who\":\"parent\",\"child_exit\":%d}", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+    return 0;
+}
+
+int workload_main(int argc, char **argv, const struct drv *d, const char *how)
+{
+    D = d;
+    int first = 1;
+    while (first < argc && strcmp(argv[first], "--ptsz") == 0)
+        first++;
+    if (first >= argc) {
+        fprintf(stderr, "usage: %s [--ptsz] launch-loop|alloc|meminfo|alloc-threads|fork-alloc|"
+                        "empty-launch-loop ... (simgpu-%s; see tests/clients/workload.c)\n", argv[0], how);
+        return 2;
+    }
+    struct opts o;
+    parse(argc - first + 1, argv + first - 1, &o);
+    const char *cmd = argv[first];
+    if (strcmp(cmd, "launch-loop") == 0)
+        return launch_loop(&o);
+    if (strcmp(cmd, "empty-launch-loop") == 0)
+        return empty_launch_loop(&o);
+    if (strcmp(cmd, "alloc") == 0)
+        return alloc_cmd(&o);
+    if (strcmp(cmd, "meminfo") == 0)
+        return meminfo_cmd(&o);
+    if (strcmp(cmd, "alloc-threads") == 0)
+        return alloc_threads_cmd(&o);
+    if (strcmp(cmd, "fork-alloc") == 0)
+        return fork_alloc_cmd(&o);
+    emit("{\"error\":\"usage\",\"message\":\"unknown subcommand %s\"}", cmd);
+    return 2;
+}

@@ -1,0 +1,103 @@
+/*
+ * simgpu.h - the simulated GPU's cross-process state and the helpers both simulated libraries use.
+ *
+ * The simulated libcuda.so.1 and libnvidia-ml.so.1 map one file, $SIMGPU_STATE_DIR/state (default
+ * /dev/shm/simgpu-$UID/state), MAP_SHARED. It holds the simulated devices (capacity, memory in use,
+ * the kernel timeline) and a table of processes (memory per device, devices with a context), so
+ * that every process of a test sees one GPU, as on a real machine.
+ *
+ * Nothing here is a lock: every shared word changes by atomic add or compare-and-swap, so a process
+ * killed at any instruction blocks nobody. The worst a killed process can leave behind is a few bytes
+ * counted as used that nobody owns (killed between two adds; see sim_mem_reserve) or one process slot
+ * that stays claimed (killed while reaping another's slot).
+ *
+ * Time is CLOCK_MONOTONIC nanoseconds everywhere.
+ */
+#ifndef SIMGPU_H
+#define SIMGPU_H
+
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define SIM_MAGIC 0x3155504753494d53ULL /* "SMISGPU1" little-endian */
+#define SIM_VERSION 1u
+#define SIM_MAX_DEVICES 16
+#define SIM_MAX_PROCS 1024
+#define SIM_UUID_LEN 48
+#define SIM_NAME "Simulated GPU"
+#define SIM_DEFAULT_MEMORY (16ull << 30)
+#define SIM_UTIL_SAMPLES 8
+#define SIM_UTIL_SAMPLE_NS 125000000ull /* readers store a utilisation sample at most this often */
+
+#define SIM_API __attribute__((visibility("default")))
+
+struct sim_util_sample {
+    _Atomic uint64_t t;    /* when the sample was taken */
+    _Atomic uint64_t busy; /* kernel time completed by then */
+};
+
+struct sim_device {
+    char uuid[SIM_UUID_LEN];  /* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" */
+    uint8_t uuid_bytes[16];
+    uint64_t total;           /* bytes of memory */
+    _Atomic uint64_t used;    /* bytes reserved by all processes; changes only by CAS/add */
+    _Atomic uint64_t launches;
+    uint64_t pad0[4];
+    /* The timeline, on a cache line of its own: every launch of every process writes it. */
+    _Atomic uint64_t busy_until; /* end of the last kernel queued on the device */
+    _Atomic uint64_t busy_total; /* sum of the durations of all kernels ever queued */
+    uint64_t pad1[6];
+    _Atomic uint32_t sample_seq;
+    uint32_t pad2;
+    struct sim_util_sample samples[SIM_UTIL_SAMPLES];
+};
+
+struct sim_proc {
+    _Atomic int32_t pid;          /* 0 free; > 0 owner; < 0 being reaped by another process */
+    _Atomic uint32_t ctx_devices; /* bit per physical device on which the process made a context */
+    _Atomic uint64_t start_time;  /* /proc/<pid>/stat start time; tells a reused pid apart */
+    _Atomic uint64_t used[SIM_MAX_DEVICES];
+};
+
+struct sim_state {
+    _Atomic uint64_t magic;   /* stored last by the creator */
+    uint32_t version;
+    uint32_t size;
+    uint32_t n_devices;
+    _Atomic int32_t creator_pid;
+    uint64_t memory;          /* per device */
+    uint64_t reserved[8];
+    struct sim_device dev[SIM_MAX_DEVICES];
+    struct sim_proc proc[SIM_MAX_PROCS];
+};
+
+/* The state of this process's simulation, attached on first use; NULL with a message on stderr when
+ * the state file cannot be made. Thread-safe. */
+struct sim_state *sim_state(void);
+
+uint64_t sim_now(void);
+void sim_sleep_until(uint64_t t);
+
+/* "16GiB", "8G", "512MiB", "1000000": bytes; 0 when the text is not a size. */
+uint64_t sim_parse_size(const char *text);
+
+/* This process's slot in the table, claimed on first call (again in a forked child); -1 when full. */
+int sim_my_slot(void);
+void sim_note_context(int phys);
+
+/* Reserve or give back device memory for this process. Reserve fails (returns -1) when the device
+ * would go over capacity, after reclaiming the memory of dead processes once. */
+int sim_mem_reserve(int phys, uint64_t size);
+void sim_mem_release(int phys, uint64_t size);
+
+/* Free the slots and memory of processes that have died. Returns how many slots were freed. */
+int sim_reap_dead(void);
+int sim_proc_alive(int32_t pid, uint64_t start_time);
+
+/* Kernel time the device has completed by `now` (the queue ahead of `now` is contiguous). */
+uint64_t sim_busy_done(struct sim_device *d, uint64_t now);
+/* Busy fraction (0..1) over roughly the last second, from samples that readers keep. */
+double sim_utilisation(struct sim_device *d);
+
+#endif

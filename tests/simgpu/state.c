@@ -1,0 +1,403 @@
+/*
+ * state.c - the simulated GPU's shared state: creating and attaching the state file, the process
+ * table, memory capacity and the utilisation samples. Used by both simulated libraries.
+ * It never takes a lock another process could hold (see simgpu.h) and never dereferences a device
+ * pointer (there is no device memory behind them).
+ */
+#define _GNU_SOURCE
+#include "simgpu.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+static struct sim_state *g_state;
+static pthread_once_t g_state_once = PTHREAD_ONCE_INIT;
+
+uint64_t sim_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void sim_sleep_until(uint64_t t)
+{
+    struct timespec ts = {.tv_sec = (time_t)(t / 1000000000ull), .tv_nsec = (long)(t % 1000000000ull)};
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) == EINTR)
+        ;
+}
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* A UUID that depends only on the state directory and the device index: the same simulation always
+ * shows the same GPUs, two simulations show different ones. */
+static void make_uuid(struct sim_device *d, const char *dir, unsigned index)
+{
+    uint64_t seed = 1469598103934665603ull;
+    for (const char *c = dir; *c; c++)
+        seed = (seed ^ (unsigned char)*c) * 1099511628211ull;
+    seed ^= (uint64_t)index * 0x100000001b3ull;
+    uint64_t a = splitmix64(&seed), b = splitmix64(&seed);
+    memcpy(d->uuid_bytes, &a, 8);
+    memcpy(d->uuid_bytes + 8, &b, 8);
+    d->uuid_bytes[6] = (uint8_t)((d->uuid_bytes[6] & 0x0f) | 0x40);
+    d->uuid_bytes[8] = (uint8_t)((d->uuid_bytes[8] & 0x3f) | 0x80);
+    const uint8_t *u = d->uuid_bytes;
+    snprintf(d->uuid, sizeof d->uuid,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1], u[2],
+             u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+}
+
+static void state_dir(char *out, size_t len)
+{
+    const char *env = getenv("SIMGPU_STATE_DIR");
+    if (env && *env)
+        snprintf(out, len, "%s", env);
+    else
+        snprintf(out, len, "/dev/shm/simgpu-%u", (unsigned)getuid());
+}
+
+static void init_state(struct sim_state *s, const char *dir)
+{
+    const char *env = getenv("SIMGPU_DEVICES");
+    long n = env && *env ? strtol(env, NULL, 10) : 1;
+    if (n < 0 || n > SIM_MAX_DEVICES) {
+        fprintf(stderr, "simgpu: SIMGPU_DEVICES=%s is outside 0..%d; using 1\n", env, SIM_MAX_DEVICES);
+        n = 1;
+    }
+    env = getenv("SIMGPU_MEMORY");
+    uint64_t mem = env && *env ? sim_parse_size(env) : SIM_DEFAULT_MEMORY;
+    if (!mem) {
+        fprintf(stderr, "simgpu: SIMGPU_MEMORY=%s is not a size such as 16GiB; using 16GiB\n", env);
+        mem = SIM_DEFAULT_MEMORY;
+    }
+    s->version = SIM_VERSION;
+    s->size = sizeof *s;
+    s->n_devices = (uint32_t)n;
+    s->memory = mem;
+    for (unsigned i = 0; i < SIM_MAX_DEVICES; i++) {
+        make_uuid(&s->dev[i], dir, i);
+        s->dev[i].total = mem;
+    }
+}
+
+static struct sim_state *map_fd(int fd)
+{
+    void *p = mmap(NULL, sizeof(struct sim_state), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+static void warn_if_env_differs(const struct sim_state *s, const char *path)
+{
+    const char *env = getenv("SIMGPU_DEVICES");
+    const char *mem = getenv("SIMGPU_MEMORY");
+    if ((env && *env && strtol(env, NULL, 10) != (long)s->n_devices) ||
+        (mem && *mem && sim_parse_size(mem) != s->memory))
+        fprintf(stderr,
+                "simgpu: %s was made with %u devices of %llu bytes; this process's SIMGPU_DEVICES/"
+                "SIMGPU_MEMORY differ and are ignored (use another SIMGPU_STATE_DIR)\n",
+                path, s->n_devices, (unsigned long long)s->memory);
+}
+
+/* Creation is race-free without a lock: O_EXCL picks one creator, which fills the file and publishes
+ * the magic last; the others wait for the magic. A creator that died before publishing leaves a file
+ * without magic, which a waiter removes once the creator's pid is gone. */
+static void attach(void)
+{
+    char dir[PATH_MAX - 16], path[PATH_MAX];
+    state_dir(dir, sizeof dir);
+    if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
+        fprintf(stderr, "simgpu: cannot create state directory %s: %s\n", dir, strerror(errno));
+        return;
+    }
+    snprintf(path, sizeof path, "%s/state", dir);
+    for (int attempt = 0; attempt < 100; attempt++) {
+        int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd >= 0) {
+            struct sim_state *s = NULL;
+            if (ftruncate(fd, sizeof *s) == 0)
+                s = map_fd(fd);
+            close(fd);
+            if (!s) {
+                fprintf(stderr, "simgpu: cannot size or map %s: %s\n", path, strerror(errno));
+                unlink(path);
+                return;
+            }
+            atomic_store(&s->creator_pid, (int32_t)getpid());
+            init_state(s, dir);
+            atomic_store_explicit(&s->magic, SIM_MAGIC, memory_order_release);
+            g_state = s;
+            return;
+        }
+        if (errno != EEXIST) {
+            fprintf(stderr, "simgpu: cannot create %s: %s\n", path, strerror(errno));
+            return;
+        }
+        fd = open(path, O_RDWR | O_CLOEXEC);
+        if (fd < 0)
+            continue; /* removed in between: try to create it again */
+        struct stat st;
+        uint64_t deadline = sim_now() + 5000000000ull;
+        while (fstat(fd, &st) == 0 && (size_t)st.st_size < sizeof(struct sim_state) && sim_now() < deadline)
+            usleep(1000);
+        if ((size_t)st.st_size != sizeof(struct sim_state)) {
+            close(fd);
+            fprintf(stderr, "simgpu: %s has %lld bytes, not %zu: made by another simgpu build? "
+                            "remove it or use another SIMGPU_STATE_DIR\n",
+                    path, (long long)st.st_size, sizeof(struct sim_state));
+            return;
+        }
+        struct sim_state *s = map_fd(fd);
+        close(fd);
+        if (!s)
+            return;
+        while (atomic_load_explicit(&s->magic, memory_order_acquire) != SIM_MAGIC) {
+            int32_t creator = atomic_load(&s->creator_pid);
+            if (sim_now() > deadline || (creator > 0 && kill(creator, 0) != 0 && errno == ESRCH))
+                break;
+            usleep(1000);
+        }
+        if (atomic_load_explicit(&s->magic, memory_order_acquire) == SIM_MAGIC) {
+            if (s->version != SIM_VERSION || s->size != sizeof *s) {
+                fprintf(stderr, "simgpu: %s has layout version %u; this build knows %u\n", path,
+                        s->version, SIM_VERSION);
+                munmap(s, sizeof *s);
+                return;
+            }
+            warn_if_env_differs(s, path);
+            g_state = s;
+            return;
+        }
+        munmap(s, sizeof *s);
+        unlink(path); /* its creator died before publishing it */
+    }
+    fprintf(stderr, "simgpu: gave up attaching %s\n", path);
+}
+
+struct sim_state *sim_state(void)
+{
+    pthread_once(&g_state_once, attach);
+    return g_state;
+}
+
+/* ---- processes ---------------------------------------------------------------------------- */
+
+/* Start time (field 22 of /proc/<pid>/stat), 0 when the process is gone or a zombie. */
+static uint64_t proc_start_time(int32_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = 0;
+    char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
+    if (!p || p[1] != ' ')
+        return 0;
+    p += 2;
+    if (*p == 'Z' || *p == 'X')
+        return 0;
+    for (int field = 3; field < 22 && p; field++) {
+        p = strchr(p, ' ');
+        if (p)
+            p++;
+    }
+    return p ? strtoull(p, NULL, 10) : 0;
+}
+
+int sim_proc_alive(int32_t pid, uint64_t start_time)
+{
+    if (pid <= 0)
+        return 0;
+    uint64_t now = proc_start_time(pid);
+    if (!now) /* no /proc entry, or a zombie: dead either way */
+        return 0;
+    return start_time == 0 || now == start_time;
+}
+
+static int g_slot = -1;
+static pthread_once_t g_fork_once = PTHREAD_ONCE_INIT;
+
+/* After fork the child is a process of its own: it claims its own slot when it next needs one. */
+static void forget_slot_in_child(void) { g_slot = -1; }
+static void install_fork_handler(void) { pthread_atfork(NULL, NULL, forget_slot_in_child); }
+
+int sim_my_slot(void)
+{
+    pthread_once(&g_fork_once, install_fork_handler);
+    int slot = __atomic_load_n(&g_slot, __ATOMIC_ACQUIRE);
+    if (slot >= 0)
+        return slot;
+    struct sim_state *s = sim_state();
+    if (!s)
+        return -1;
+    int32_t me = (int32_t)getpid();
+    uint64_t start = proc_start_time(me);
+    for (int pass = 0; pass < 2; pass++) {
+        for (unsigned k = 0; k < SIM_MAX_PROCS; k++) {
+            unsigned i = ((unsigned)me + k) % SIM_MAX_PROCS; /* start near pid: O(1) when sparse */
+            struct sim_proc *p = &s->proc[i];
+            int32_t expect = 0;
+            if (atomic_load(&p->pid) == 0 && atomic_compare_exchange_strong(&p->pid, &expect, me)) {
+                atomic_store(&p->start_time, start);
+                atomic_store(&p->ctx_devices, 0);
+                /* Two threads may race here on first use; only one slot must be kept. */
+                int none = -1;
+                if (!__atomic_compare_exchange_n(&g_slot, &none, (int)i, 0, __ATOMIC_ACQ_REL,
+                                                 __ATOMIC_ACQUIRE)) {
+                    atomic_store(&p->start_time, 0);
+                    atomic_store(&p->pid, 0);
+                    return none;
+                }
+                return (int)i;
+            }
+        }
+        sim_reap_dead();
+    }
+    fprintf(stderr, "simgpu: all %d process slots are taken\n", SIM_MAX_PROCS);
+    return -1;
+}
+
+void sim_note_context(int phys)
+{
+    int slot = sim_my_slot();
+    if (slot >= 0)
+        atomic_fetch_or(&sim_state()->proc[slot].ctx_devices, 1u << phys);
+}
+
+static void sub_saturating(_Atomic uint64_t *v, uint64_t x)
+{
+    uint64_t cur = atomic_load(v);
+    while (!atomic_compare_exchange_weak(v, &cur, cur > x ? cur - x : 0))
+        ;
+}
+
+int sim_reap_dead(void)
+{
+    struct sim_state *s = sim_state();
+    if (!s)
+        return 0;
+    int freed = 0;
+    int mine = __atomic_load_n(&g_slot, __ATOMIC_ACQUIRE);
+    for (int i = 0; i < SIM_MAX_PROCS; i++) {
+        struct sim_proc *p = &s->proc[i];
+        int32_t pid = atomic_load(&p->pid);
+        if (pid <= 0 || i == mine || sim_proc_alive(pid, atomic_load(&p->start_time)))
+            continue;
+        /* Claim the reaping so that two reapers never both subtract the same bytes. */
+        if (!atomic_compare_exchange_strong(&p->pid, &pid, -pid))
+            continue;
+        for (unsigned d = 0; d < SIM_MAX_DEVICES; d++) {
+            uint64_t bytes = atomic_exchange(&p->used[d], 0);
+            if (bytes)
+                sub_saturating(&s->dev[d].used, bytes);
+        }
+        atomic_store(&p->ctx_devices, 0);
+        atomic_store(&p->start_time, 0);
+        atomic_store(&p->pid, 0);
+        freed++;
+    }
+    return freed;
+}
+
+/* The device counter goes first so that a process killed between the two adds leaves capacity
+ * counted (lost until the simulation ends), never a counter that a reaper could take below zero. */
+int sim_mem_reserve(int phys, uint64_t size)
+{
+    struct sim_state *s = sim_state();
+    int slot = sim_my_slot();
+    if (!s || slot < 0)
+        return -1;
+    struct sim_device *d = &s->dev[phys];
+    for (int attempt = 0; attempt < 2; attempt++) {
+        uint64_t used = atomic_load(&d->used);
+        while (size <= d->total && used <= d->total - size) {
+            if (atomic_compare_exchange_weak(&d->used, &used, used + size)) {
+                atomic_fetch_add(&s->proc[slot].used[phys], size);
+                return 0;
+            }
+        }
+        if (!sim_reap_dead())
+            break;
+    }
+    return -1;
+}
+
+void sim_mem_release(int phys, uint64_t size)
+{
+    struct sim_state *s = sim_state();
+    int slot = sim_my_slot();
+    if (!s || slot < 0)
+        return;
+    sub_saturating(&s->proc[slot].used[phys], size);
+    sub_saturating(&s->dev[phys].used, size);
+}
+
+/* ---- utilisation -------------------------------------------------------------------------- */
+
+uint64_t sim_busy_done(struct sim_device *d, uint64_t now)
+{
+    /* Kernels are queued back to back from max(now, busy_until), so everything between `now` and
+     * busy_until is queued kernel time: what is not done yet is exactly busy_until - now. */
+    uint64_t total = atomic_load(&d->busy_total);
+    uint64_t until = atomic_load(&d->busy_until);
+    uint64_t ahead = until > now ? until - now : 0;
+    return total > ahead ? total - ahead : 0;
+}
+
+double sim_utilisation(struct sim_device *d)
+{
+    uint64_t now = sim_now();
+    uint64_t done = sim_busy_done(d, now);
+    /* Pick the sample closest to one second old (the readers' window, as NVML's up to 1 s). */
+    struct sim_util_sample *best = NULL;
+    uint64_t best_gap = UINT64_MAX, newest = 0;
+    for (int i = 0; i < SIM_UTIL_SAMPLES; i++) {
+        uint64_t t = atomic_load(&d->samples[i].t);
+        if (!t || t >= now)
+            continue;
+        uint64_t age = now - t;
+        uint64_t gap = age > 1000000000ull ? age - 1000000000ull : 1000000000ull - age;
+        if (gap < best_gap) {
+            best_gap = gap;
+            best = &d->samples[i];
+        }
+        if (t > newest)
+            newest = t;
+    }
+    if (now - newest >= SIM_UTIL_SAMPLE_NS || !newest) {
+        uint32_t seq = atomic_fetch_add(&d->sample_seq, 1);
+        struct sim_util_sample *s = &d->samples[seq % SIM_UTIL_SAMPLES];
+        atomic_store(&s->t, 0); /* readers skip a sample while it is being written */
+        atomic_store(&s->busy, done);
+        atomic_store(&s->t, now);
+    }
+    if (!best)
+        return 0.0;
+    uint64_t t0 = atomic_load(&best->t), b0 = atomic_load(&best->busy);
+    if (!t0 || t0 >= now || done < b0)
+        return 0.0;
+    double u = (double)(done - b0) / (double)(now - t0);
+    return u > 1.0 ? 1.0 : u;
+}

@@ -1,0 +1,112 @@
+/*
+ * symbols.h - the one list of the driver entry points the simulated libcuda exports, and how
+ * cuGetProcAddress answers for them: SYM(base name, CUDA version that introduced this form,
+ * exported symbol, per-thread-default-stream symbol or NULL). Forms of one base are listed oldest
+ * first; the versions are those of the PFN_<base>_v<version> typedefs in cudaTypedefs.h.
+ * cuGetProcAddress(base, version) answers the newest form introduced at or before `version`, and
+ * its _ptsz/_ptds form when asked with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM.
+ */
+#define SIM_SYMBOLS(SYM)                                                                      \
+    SYM(cuInit, 2000, cuInit, NULL)                                                           \
+    SYM(cuDriverGetVersion, 2020, cuDriverGetVersion, NULL)                                   \
+    SYM(cuGetErrorString, 6000, cuGetErrorString, NULL)                                       \
+    SYM(cuGetErrorName, 6000, cuGetErrorName, NULL)                                           \
+    SYM(cuGetProcAddress, 11030, cuGetProcAddress, NULL)                                      \
+    SYM(cuGetProcAddress, 12000, cuGetProcAddress_v2, NULL)                                   \
+    SYM(cuGetExportTable, 3000, cuGetExportTable, NULL)                                       \
+    SYM(cuDeviceGet, 2000, cuDeviceGet, NULL)                                                 \
+    SYM(cuDeviceGetCount, 2000, cuDeviceGetCount, NULL)                                       \
+    SYM(cuDeviceGetName, 2000, cuDeviceGetName, NULL)                                         \
+    SYM(cuDeviceGetUuid, 9020, cuDeviceGetUuid, NULL)                                         \
+    SYM(cuDeviceGetUuid, 11040, cuDeviceGetUuid_v2, NULL)                                     \
+    SYM(cuDeviceTotalMem, 3020, cuDeviceTotalMem_v2, NULL)                                    \
+    SYM(cuDeviceGetAttribute, 2000, cuDeviceGetAttribute, NULL)                               \
+    SYM(cuDeviceComputeCapability, 2000, cuDeviceComputeCapability, NULL)                     \
+    SYM(cuDeviceGetPCIBusId, 4010, cuDeviceGetPCIBusId, NULL)                                 \
+    SYM(cuDeviceGetDefaultMemPool, 11020, cuDeviceGetDefaultMemPool, NULL)                    \
+    SYM(cuDevicePrimaryCtxRetain, 7000, cuDevicePrimaryCtxRetain, NULL)                       \
+    SYM(cuDevicePrimaryCtxRelease, 7000, cuDevicePrimaryCtxRelease, NULL)                     \
+    SYM(cuDevicePrimaryCtxRelease, 11000, cuDevicePrimaryCtxRelease_v2, NULL)                 \
+    SYM(cuDevicePrimaryCtxGetState, 7000, cuDevicePrimaryCtxGetState, NULL)                   \
+    SYM(cuDevicePrimaryCtxSetFlags, 7000, cuDevicePrimaryCtxSetFlags, NULL)                   \
+    SYM(cuDevicePrimaryCtxSetFlags, 11000, cuDevicePrimaryCtxSetFlags_v2, NULL)               \
+    SYM(cuDevicePrimaryCtxReset, 7000, cuDevicePrimaryCtxReset, NULL)                         \
+    SYM(cuDevicePrimaryCtxReset, 11000, cuDevicePrimaryCtxReset_v2, NULL)                     \
+    SYM(cuCtxCreate, 2000, cuCtxCreate, NULL)                                                 \
+    SYM(cuCtxCreate, 3020, cuCtxCreate_v2, NULL)                                              \
+    SYM(cuCtxCreate, 11040, cuCtxCreate_v3, NULL)                                             \
+    SYM(cuCtxCreate, 12050, cuCtxCreate_v4, NULL)                                             \
+    SYM(cuCtxDestroy, 2000, cuCtxDestroy, NULL)                                               \
+    SYM(cuCtxDestroy, 4000, cuCtxDestroy_v2, NULL)                                            \
+    SYM(cuCtxSetCurrent, 4000, cuCtxSetCurrent, NULL)                                         \
+    SYM(cuCtxGetCurrent, 4000, cuCtxGetCurrent, NULL)                                         \
+    SYM(cuCtxGetDevice, 2000, cuCtxGetDevice, NULL)                                           \
+    SYM(cuCtxGetDevice, 13000, cuCtxGetDevice_v2, NULL)                                       \
+    SYM(cuCtxGetApiVersion, 3020, cuCtxGetApiVersion, NULL)                                   \
+    SYM(cuCtxGetFlags, 7000, cuCtxGetFlags, NULL)                                             \
+    SYM(cuCtxGetStreamPriorityRange, 5050, cuCtxGetStreamPriorityRange, NULL)                 \
+    SYM(cuCtxPushCurrent, 2000, cuCtxPushCurrent, NULL)                                       \
+    SYM(cuCtxPushCurrent, 4000, cuCtxPushCurrent_v2, NULL)                                    \
+    SYM(cuCtxPopCurrent, 2000, cuCtxPopCurrent, NULL)                                         \
+    SYM(cuCtxPopCurrent, 4000, cuCtxPopCurrent_v2, NULL)                                      \
+    SYM(cuCtxSynchronize, 2000, cuCtxSynchronize, NULL)                                       \
+    SYM(cuCtxSynchronize, 13000, cuCtxSynchronize_v2, NULL)                                   \
+    SYM(cuStreamCreate, 2000, cuStreamCreate, NULL)                                           \
+    SYM(cuStreamCreateWithPriority, 5050, cuStreamCreateWithPriority, NULL)                   \
+    SYM(cuStreamDestroy, 2000, cuStreamDestroy, NULL)                                         \
+    SYM(cuStreamDestroy, 4000, cuStreamDestroy_v2, NULL)                                      \
+    SYM(cuStreamSynchronize, 2000, cuStreamSynchronize, cuStreamSynchronize_ptsz)             \
+    SYM(cuStreamQuery, 2000, cuStreamQuery, cuStreamQuery_ptsz)                               \
+    SYM(cuStreamWaitEvent, 3020, cuStreamWaitEvent, cuStreamWaitEvent_ptsz)                   \
+    SYM(cuEventCreate, 2000, cuEventCreate, NULL)                                             \
+    SYM(cuEventRecord, 2000, cuEventRecord, cuEventRecord_ptsz)                               \
+    SYM(cuEventSynchronize, 2000, cuEventSynchronize, NULL)                                   \
+    SYM(cuEventQuery, 2000, cuEventQuery, NULL)                                               \
+    SYM(cuEventElapsedTime, 2000, cuEventElapsedTime, NULL)                                   \
+    SYM(cuEventElapsedTime, 12080, cuEventElapsedTime_v2, NULL)                               \
+    SYM(cuEventDestroy, 2000, cuEventDestroy, NULL)                                           \
+    SYM(cuEventDestroy, 4000, cuEventDestroy_v2, NULL)                                        \
+    SYM(cuModuleLoad, 2000, cuModuleLoad, NULL)                                               \
+    SYM(cuModuleLoadData, 2000, cuModuleLoadData, NULL)                                       \
+    SYM(cuModuleLoadDataEx, 2010, cuModuleLoadDataEx, NULL)                                   \
+    SYM(cuModuleGetFunction, 2000, cuModuleGetFunction, NULL)                                 \
+    SYM(cuModuleUnload, 2000, cuModuleUnload, NULL)                                           \
+    SYM(cuFuncGetAttribute, 2020, cuFuncGetAttribute, NULL)                                   \
+    SYM(cuLaunchKernel, 4000, cuLaunchKernel, cuLaunchKernel_ptsz)                            \
+    SYM(cuLaunchKernelEx, 11060, cuLaunchKernelEx, cuLaunchKernelEx_ptsz)                     \
+    SYM(cuLaunchCooperativeKernel, 9000, cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz) \
+    SYM(cuGraphCreate, 10000, cuGraphCreate, NULL)                                            \
+    SYM(cuGraphAddKernelNode, 10000, cuGraphAddKernelNode, NULL)                              \
+    SYM(cuGraphAddKernelNode, 12000, cuGraphAddKernelNode_v2, NULL)                           \
+    SYM(cuGraphInstantiate, 10000, cuGraphInstantiate, NULL)                                  \
+    SYM(cuGraphInstantiate, 11000, cuGraphInstantiate_v2, NULL)                               \
+    SYM(cuGraphInstantiateWithFlags, 11040, cuGraphInstantiateWithFlags, NULL)                \
+    SYM(cuGraphLaunch, 10000, cuGraphLaunch, cuGraphLaunch_ptsz)                              \
+    SYM(cuGraphExecDestroy, 10000, cuGraphExecDestroy, NULL)                                  \
+    SYM(cuGraphDestroy, 10000, cuGraphDestroy, NULL)                                          \
+    SYM(cuMemGetInfo, 3020, cuMemGetInfo_v2, NULL)                                            \
+    SYM(cuMemAlloc, 3020, cuMemAlloc_v2, NULL)                                                \
+    SYM(cuMemAllocPitch, 3020, cuMemAllocPitch_v2, NULL)                                      \
+    SYM(cuMemAllocManaged, 6000, cuMemAllocManaged, NULL)                                     \
+    SYM(cuMemFree, 3020, cuMemFree_v2, NULL)                                                  \
+    SYM(cuMemGetAddressRange, 3020, cuMemGetAddressRange_v2, NULL)                            \
+    SYM(cuMemAllocAsync, 11020, cuMemAllocAsync, cuMemAllocAsync_ptsz)                        \
+    SYM(cuMemFreeAsync, 11020, cuMemFreeAsync, cuMemFreeAsync_ptsz)                           \
+    SYM(cuMemAllocFromPoolAsync, 11020, cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz) \
+    SYM(cuMemPoolCreate, 11020, cuMemPoolCreate, NULL)                                        \
+    SYM(cuMemPoolDestroy, 11020, cuMemPoolDestroy, NULL)                                      \
+    SYM(cuMemCreate, 10020, cuMemCreate, NULL)                                                \
+    SYM(cuMemRelease, 10020, cuMemRelease, NULL)                                              \
+    SYM(cuMemAddressReserve, 10020, cuMemAddressReserve, NULL)                                \
+    SYM(cuMemAddressFree, 10020, cuMemAddressFree, NULL)                                      \
+    SYM(cuMemMap, 10020, cuMemMap, NULL)                                                      \
+    SYM(cuMemUnmap, 10020, cuMemUnmap, NULL)                                                  \
+    SYM(cuMemSetAccess, 10020, cuMemSetAccess, NULL)                                          \
+    SYM(cuMemGetAllocationGranularity, 10020, cuMemGetAllocationGranularity, NULL)            \
+    SYM(cuMemcpyHtoD, 3020, cuMemcpyHtoD_v2, cuMemcpyHtoD_v2_ptds)                            \
+    SYM(cuMemcpyDtoH, 3020, cuMemcpyDtoH_v2, cuMemcpyDtoH_v2_ptds)                            \
+    SYM(cuMemcpyDtoD, 3020, cuMemcpyDtoD_v2, cuMemcpyDtoD_v2_ptds)                            \
+    SYM(cuMemcpyHtoDAsync, 3020, cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync_v2_ptsz)             \
+    SYM(cuMemcpyDtoHAsync, 3020, cuMemcpyDtoHAsync_v2, cuMemcpyDtoHAsync_v2_ptsz)             \
+    SYM(cuMemsetD8, 3020, cuMemsetD8_v2, cuMemsetD8_v2_ptds)                                  \
+    SYM(cuPointerGetAttribute, 4000, cuPointerGetAttribute, NULL)
