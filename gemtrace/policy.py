@@ -150,6 +150,9 @@ class TimeSharePolicy:
             else:
                 account.quota = quota
 
+    def quotas(self) -> dict[int, Quota]:
+        return {group: account.quota for group, account in self._accounts.items()}
+
     @property
     def phase(self) -> Phase:
         return self._phase

@@ -1,0 +1,257 @@
+"""The scheduler of one GPU: reads the gates' slots, asks the policy, writes the futex words.
+
+This module owns the adapter between the region (hook/gemtrace_region.h) and the pure time-share
+policy (gemtrace/policy.py): it turns the slots of one GPU into an `Observation` (which groups want the
+GPU, whether the released group went idle, whether a held group finished draining) and carries out
+the `Decision` by holding and releasing control[gpu][group] words. The agent runs one `GpuScheduler`
+per GPU, each in its own thread (`run(stop)`). It never decides anything itself, never writes a slot,
+and never blocks a gate: on any way out of `run` (stop, or an error) it releases every word it held.
+
+Cost: one look reads the slot table through strided memoryviews (a few microseconds for 1024 slots)
+and then only the live slots; it looks at the policy's next deadline, every few ms only while another
+group waits or the GPU is idle, and every fraction of a ms only during a drain.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from gemtrace import region as rg
+from gemtrace.policy import Decision, GroupUsage, Observation, PolicyParams, Quota, TimeSharePolicy
+
+__all__ = ["GpuScheduler", "GroupUsage", "Quota", "SlotTable"]
+
+log = structlog.get_logger("gemtrace.scheduler")
+
+
+class SlotTable:
+    """Strided views of the slots' fields for one GPU: element i of `pid` is slots[i].pid, and so on.
+
+    Reading a column with tolist() runs at C speed; indexing one element is one memory load, so a look
+    costs a few microseconds plus a little per live slot.
+    """
+
+    def __init__(self, region: rg.Region, gpu: int) -> None:
+        slots = region.layout.slots
+        table = (ctypes.c_char * ctypes.sizeof(slots)).from_address(ctypes.addressof(slots))
+        raw = memoryview(table).cast("B")
+        size = ctypes.sizeof(rg.Slot)
+        words32, words64 = raw.cast("I"), raw.cast("Q")
+
+        def col32(offset: int) -> memoryview:
+            return words32[offset // 4 :: size // 4]
+
+        def col64(offset: int) -> memoryview:
+            return words64[offset // 8 :: size // 8]
+
+        self._raw = raw  # keeps the views' base alive
+        self.pid = raw.cast("i")[rg.Slot.pid.offset // 4 :: size // 4]
+        self.group = col32(rg.Slot.group.offset)
+        self.waiting = col32(rg.Slot.waiting.offset + 4 * gpu)
+        self.launches = col64(rg.Slot.launches.offset + 8 * gpu)
+        self.drained_ns = col64(rg.Slot.drained_ns.offset + 8 * gpu)
+
+    def live(self) -> list[int]:
+        return list(itertools.compress(range(rg.MAX_SLOTS), self.pid.tolist()))
+
+
+@dataclass
+class _SlotSeen:
+    pid: int
+    launches: int
+    moved_at: int  # the look that first saw the launches counter at its current value (0: never)
+    moved_after: int  # the look before that one: the last launch came after it
+
+
+@dataclass
+class _Drain:
+    group: int
+    hold_at: int
+
+
+class GpuScheduler:
+    """Schedules the groups on one GPU of the region. `set_quotas` and `usage` may be called from any
+    thread; `run` (or, in tests, `step`) from one thread only."""
+
+    def __init__(self, region: rg.Region, gpu: int, clock: Callable[[], int] = time.monotonic_ns,
+                 params: PolicyParams | None = None) -> None:
+        if not 0 <= gpu < rg.MAX_GPUS:
+            raise ValueError(f"gpu index {gpu} is outside 0..{rg.MAX_GPUS - 1}")
+        self.region = region
+        self.gpu = gpu
+        self._clock = clock
+        self._slots = SlotTable(region, gpu)
+        self._lock = threading.Lock()
+        self._policy = TimeSharePolicy(params or PolicyParams(), now=clock())
+        self._pending_quotas: dict[int, Quota] | None = None
+        self._scheduled: frozenset[int] = frozenset()  # groups whose words this scheduler drives
+        self._released: int | None = None
+        self._drain: _Drain | None = None
+        self._seen: dict[int, _SlotSeen] = {}
+        self._last_look = 0
+        self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
+
+    # -- the agent's side --------------------------------------------------------------------------
+
+    def set_quotas(self, quotas: Mapping[int, Quota]) -> None:
+        """The groups to schedule on this GPU and their quotas (group index -> Quota); takes effect
+        at the next look. A group left out is no longer held: its launches proceed."""
+        with self._lock:
+            self._pending_quotas = dict(quotas)
+
+    def usage(self) -> dict[int, GroupUsage]:
+        with self._lock:
+            return self._policy.usage(self._clock())
+
+    def run(self, stop: threading.Event) -> None:
+        """Schedule until `stop` is set; every word it held is released on the way out."""
+        log.info("scheduler_started", gpu=self.gpu)
+        try:
+            while not stop.is_set():
+                try:
+                    wake_at = self.step()
+                except Exception:
+                    # Never leave a gate waiting on a scheduler that cannot decide: release, retry.
+                    log.exception("scheduler_step_failed", gpu=self.gpu)
+                    self._release_all()
+                    stop.wait(0.1)
+                    continue
+                delay = (wake_at - self._clock()) / 1e9
+                if delay > 0:
+                    stop.wait(delay)
+        finally:
+            self._release_all()
+            log.info("scheduler_stopped", gpu=self.gpu)
+
+    # -- one look ----------------------------------------------------------------------------------
+
+    def step(self) -> int:
+        """Look at the region once, decide, write the words; returns when to look again (clock ns)."""
+        with self._lock:
+            now = self._clock()
+            if self._pending_quotas is not None:
+                self._apply_quotas(now, self._pending_quotas)
+                self._pending_quotas = None
+            decision = self._policy.step(now, self._observe(now))
+            self._carry_out(now, decision)
+            self.looks += 1
+            return decision.wake_at
+
+    def _apply_quotas(self, now: int, quotas: dict[int, Quota]) -> None:
+        self._policy.set_quotas(now, quotas)
+        dropped = self._scheduled - quotas.keys()
+        self._scheduled = frozenset(quotas)
+        for group in dropped:
+            self.region.release(self.gpu, group)
+        if self._released in dropped:
+            self._released = None
+        if self._drain is not None and self._drain.group in dropped:
+            self._drain = None
+        # Every scheduled group is held but the one the policy released (a new group starts held:
+        # its first launch waits at most a poll for the policy to see it).
+        for group in self._scheduled:
+            if group != self._released:
+                self.region.hold(self.gpu, group)
+
+    def _quiet(self, slot: _SlotSeen, moved: bool, waiting: int, drained: int, now: int) -> bool:
+        """Has the process nothing queued on this GPU, as far as the counters tell?
+
+        Yes if a thread waits on the word (the gate drained before waiting), or the process drained
+        (in the gate, or by its own sync) after its last launch. The gate reads no clock per launch,
+        so the last launch is only known to lie between two looks: a drain stored after the later
+        look is surely after it; one stored between the two looks is taken as after it once a poll
+        has passed with no further launch (a process that launched, synced and stopped).
+        """
+        if moved:
+            return False
+        if waiting > 0 or drained >= slot.moved_at:
+            return True
+        return drained > slot.moved_after and now - slot.moved_at >= self._policy.params.poll_ns
+
+    def _observe(self, now: int) -> Observation:
+        slots = self._slots
+        holder = self._released
+        drain = self._drain
+        demand: set[int] = set()
+        holder_busy = False
+        holder_drained = 0
+        drain_done = True
+        drain_ends: list[int] = []
+        seen = self._seen
+        live = slots.live()
+        for index in live:
+            pid = slots.pid[index]
+            group = slots.group[index]
+            if group not in self._scheduled:
+                continue
+            launches = slots.launches[index]
+            waiting = slots.waiting[index]
+            drained = slots.drained_ns[index]
+            slot = seen.get(index)
+            if slot is None or slot.pid != pid:
+                # First sight (a new process, or the agent restarted): work it launched may be queued.
+                slot = seen[index] = _SlotSeen(pid, launches, now if launches else 0, self._last_look)
+                moved = launches != 0
+            else:
+                moved = launches != slot.launches
+                if moved:
+                    slot.launches, slot.moved_at, slot.moved_after = launches, now, self._last_look
+            quiet = self._quiet(slot, moved, waiting, drained, now)
+            if waiting > 0 or moved:
+                demand.add(group)
+            if group == holder:
+                if quiet and waiting == 0:
+                    holder_drained = max(holder_drained, drained)
+                else:
+                    holder_busy = True
+            if drain is not None and group == drain.group:
+                if drained >= drain.hold_at or quiet:
+                    drain_ends.append(drained)
+                else:
+                    drain_done = False
+        self._last_look = now
+        if len(seen) > len(live):
+            live_set = set(live)
+            for index in [i for i in seen if i not in live_set]:
+                del seen[index]
+        if holder is not None and holder_busy:
+            demand.add(holder)
+        elif holder is not None:
+            demand.discard(holder)
+        drained_at = None
+        if drain is not None and drain_done:
+            # When its last process finished; with no process left, when it was held.
+            drained_at = min(now, max(drain_ends)) if drain_ends else drain.hold_at
+        return Observation(frozenset(demand), None if holder is None or holder_busy else holder_drained,
+                           drained_at)
+
+    def _carry_out(self, now: int, decision: Decision) -> None:
+        if decision.draining is not None and self._drain is None:
+            # Hold it first: its next launch drains (the gate synchronises) and then waits.
+            self.region.hold(self.gpu, decision.draining)
+            self._drain = _Drain(decision.draining, now)
+            self._released = None
+        elif decision.draining is None:
+            self._drain = None
+        if decision.released != self._released:
+            if self._released is not None:
+                self.region.hold(self.gpu, self._released)
+            if decision.released is not None:
+                self.region.release(self.gpu, decision.released)
+            self._released = decision.released
+
+    def _release_all(self) -> None:
+        with self._lock:
+            for group in self._scheduled:
+                self.region.release(self.gpu, group)
+            self._released = None
+            self._drain = None
+            # The next look starts from all held again (a restarted loop must not leave two released).
+            self._pending_quotas = self._pending_quotas or self._policy.quotas()

@@ -1,0 +1,208 @@
+"""The scheduler's adapter on a real region file, with slots written by hand as gates would and a
+fake clock: what it reads, which words it holds and releases, and that it never leaves one held."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gemtrace import region as rg
+from gemtrace.policy import MS, PolicyParams
+from gemtrace.scheduler import GpuScheduler, Quota, SlotTable
+
+pytestmark = pytest.mark.unit
+
+GPU = 1  # not 0: a mix-up of GPU indices shows
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1_000 * MS
+
+    def __call__(self) -> int:
+        return self.t
+
+    def advance(self, ns: int) -> None:
+        self.t += ns
+
+
+@pytest.fixture
+def region(tmp_path: Path) -> Iterator[rg.Region]:
+    region = rg.Region.create(tmp_path)
+    region.set_gpus([(f"GPU-{i}", 1 << 30) for i in range(2)])
+    yield region
+    region.close()
+
+
+def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
+    slot = region.layout.slots[index]
+    slot.group = group
+    slot.flags = rg.SLOT_GATED
+    slot.gpu_mask = 1 << GPU
+    slot.pid = pid
+    return slot
+
+
+def held(region: rg.Region, group: int) -> bool:
+    return region.is_held(GPU, group)
+
+
+def test_slot_table_reads_the_fields_of_one_gpu(region: rg.Region) -> None:
+    slot = claim(region, 700, 4242, 3)
+    slot.launches[GPU] = 12345678901
+    slot.launches[0] = 7
+    slot.waiting[GPU] = 2
+    slot.drained_ns[GPU] = 99
+    table = SlotTable(region, GPU)
+    assert table.live() == [700]
+    t = table
+    fields = (t.pid[700], t.group[700], t.launches[700], t.waiting[700], t.drained_ns[700])
+    assert fields == (4242, 3, 12345678901, 2, 99)
+    assert SlotTable(region, 0).launches[700] == 7
+
+
+def test_a_waiting_group_is_released_and_the_others_stay_held(region: rg.Region) -> None:
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    scheduler.step()
+    assert held(region, a) and held(region, b)  # nobody wants the GPU: all held
+    slot = claim(region, 0, 1001, a)
+    slot.waiting[GPU] = 1
+    scheduler.step()
+    assert not held(region, a) and held(region, b)
+    assert not region.is_held(0, a)  # the other GPU is not this scheduler's
+
+
+def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 5, 1002, b)
+    slot_a.waiting[GPU] = 1
+    slot_b.waiting[GPU] = 1
+    scheduler.step()
+    first = a if not held(region, a) else b
+    other = b if first == a else a
+    slots = {a: slot_a, b: slot_b}
+    slots[first].waiting[GPU] = 0
+    # The released group launches through its 20 ms slice; the waiting one is polled (early revocation).
+    for _ in range(9):
+        clock.advance(2 * MS)
+        slots[first].launches[GPU] += 100
+        assert scheduler.step() - clock() <= 4 * MS
+        assert not held(region, first) and held(region, other)
+    clock.advance(2 * MS)
+    slots[first].launches[GPU] += 100
+    scheduler.step()
+    assert held(region, first) and held(region, other)  # held, draining: nobody may launch
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert held(region, other)  # not drained yet (still launching)
+    slots[first].drained_ns[GPU] = clock()  # the gate drained its queue
+    slots[first].waiting[GPU] = 1
+    clock.advance(MS // 4)
+    scheduler.step()
+    assert held(region, first) and not held(region, other)
+    usage = scheduler.usage()
+    assert usage[first].gpu_seconds == pytest.approx((20 + 1) / 1000, abs=0.003)
+    assert usage[other].throttled_seconds == pytest.approx(usage[first].gpu_seconds, abs=0.002)
+
+
+def test_an_idle_holder_is_revoked_when_another_group_waits(region: rg.Region) -> None:
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    slot_a = claim(region, 0, 1001, a)
+    slot_a.waiting[GPU] = 1
+    scheduler.step()
+    assert not held(region, a)
+    slot_a.waiting[GPU] = 0
+    clock.advance(1 * MS)
+    slot_a.launches[GPU] += 10
+    scheduler.step()
+    clock.advance(1 * MS)
+    slot_a.drained_ns[GPU] = clock()  # it synced and went quiet
+    claim(region, 1, 1002, b).waiting[GPU] = 1
+    for _ in range(3):
+        clock.advance(4 * MS)
+        scheduler.step()
+    assert held(region, a) and not held(region, b)  # well before a's 20 ms slice ended
+
+
+def test_a_group_without_processes_costs_nothing(region: rg.Region) -> None:
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0.5, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota(0.5, 1)})
+    slot_a = claim(region, 0, 1001, a)
+    slot_a.waiting[GPU] = 1
+    scheduler.step()
+    slot_a.waiting[GPU] = 0
+    grants = region.layout.control[GPU][a].grant_seq
+    looks = scheduler.looks
+    for _ in range(100):
+        slot_a.launches[GPU] += 5
+        clock.advance(scheduler.step() - clock())
+    # One look per 20 ms slice, no switch, b never charged.
+    assert scheduler.looks - looks == 100
+    assert clock() - 1_000 * MS >= 100 * 19 * MS
+    assert region.layout.control[GPU][a].grant_seq == grants and not held(region, a)
+    assert scheduler.usage()[b].gpu_seconds == 0 and scheduler.usage()[b].throttled_seconds == 0
+
+
+def test_dropping_a_group_releases_its_word(region: rg.Region) -> None:
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    scheduler.step()
+    assert held(region, b)
+    scheduler.set_quotas({a: Quota()})
+    scheduler.step()
+    assert not held(region, b) and held(region, a)
+
+
+def test_a_dead_process_does_not_hold_up_a_drain(region: rg.Region) -> None:
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock, PolicyParams(slice_ns=10 * MS))
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 1, 1002, b)
+    slot_a.waiting[GPU] = 1
+    scheduler.step()
+    slot_a.waiting[GPU] = 0
+    slot_b.waiting[GPU] = 1
+    for _ in range(6):  # a keeps launching past its slice end, then is held
+        slot_a.launches[GPU] += 1
+        clock.advance(2 * MS)
+        scheduler.step()
+    assert held(region, a) and held(region, b)
+    region.free_slot(0, 1001)  # the agent reaped it: a died while draining
+    clock.advance(MS // 4)
+    scheduler.step()
+    assert not held(region, b)
+
+
+def test_run_releases_every_word_when_stopped(region: rg.Region) -> None:
+    scheduler = GpuScheduler(region, GPU)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 0.5)
+    scheduler.set_quotas({a: Quota(), b: Quota(0, 0.5)})
+    stop = threading.Event()
+    thread = threading.Thread(target=scheduler.run, args=(stop,))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not (held(region, a) and held(region, b)) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert held(region, a) and held(region, b)
+    stop.set()
+    thread.join(5)
+    assert not thread.is_alive()
+    assert not held(region, a) and not held(region, b)
