@@ -4,7 +4,8 @@
  *   launch-loop --kernel-ns N [--launches-per-iter K] [--seconds S | --iters I] [--device D]
  *               [--api launch|ex|coop|graph] [--no-sync] [--progress]
  *       K launches then cuStreamSynchronize, repeated; the last line is
- *       {"iters","launches","elapsed_s","kernel_s"}.
+ *       {"iters","launches","elapsed_s","kernel_s","launch_s","event_s"}: launch_s is the time spent
+ *       before the final synchronisation, event_s what events recorded around the loop measured.
  *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free] SIZE...
  *       one {"size","result","name"} line per allocation, then {"holding":S,"pid"} before holding,
  *       then {"freed":n} with --free.
@@ -12,6 +13,9 @@
  *   alloc-threads --threads T --size S --count C      {"successes","failures","oom"}
  *   fork-alloc [--hold S] SIZE                        a line from the parent and one from the child
  *   empty-launch-loop --launches N                    {"launches","elapsed_s","ns_per_launch"}
+ *   devices                                           {"count","devices":[{"ordinal","uuid","name","total"}]}
+ *   error-codes        results of calls made too early: before cuInit, without a context
+ *   free-checks        results of freeing an unknown pointer, twice the same one, and 0
  * A failing driver call prints {"error":<call>,"result":<CUresult>,"name":...} and exits 1.
  * Sizes read as SIMGPU_MEMORY does ("1GiB", "512M", bytes).
  */
@@ -90,7 +94,7 @@ static uint64_t size_arg(const char *text)
 
 static void parse(int argc, char **argv, struct opts *o)
 {
-    *o = (struct opts){.per_iter = 1, .api = "launch", .threads = 1, .count = 1};
+    *o = (struct opts){.per_iter = 1, .threads = 1, .count = 1};
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (strcmp(a, name) == 0 && v && (i++, 1))
@@ -169,8 +173,9 @@ static int launch_loop(const struct opts *o)
 {
     CUfunction f = setup(o->device);
     uint64_t ns = o->kernel_ns;
-    bool graph = strcmp(o->api, "graph") == 0;
-    if (!graph && strcmp(o->api, "launch") && strcmp(o->api, "ex") && strcmp(o->api, "coop")) {
+    const char *api = o->api ? o->api : "launch";
+    bool graph = strcmp(api, "graph") == 0;
+    if (!graph && strcmp(api, "launch") && strcmp(api, "ex") && strcmp(api, "coop")) {
         emit("{\"error\":\"usage\",\"message\":\"--api is launch, ex, coop or graph\"}");
         return 2;
     }
@@ -187,6 +192,10 @@ static int launch_loop(const struct opts *o)
         }
         CHECK(D->f_cuGraphInstantiateWithFlags(&exec, g, 0));
     }
+    CUevent ev_start, ev_end;
+    CHECK(D->f_cuEventCreate(&ev_start, CU_EVENT_DEFAULT));
+    CHECK(D->f_cuEventCreate(&ev_end, CU_EVENT_DEFAULT));
+    CHECK(D->f_cuEventRecord(ev_start, NULL));
     long iters_wanted = o->iters > 0 ? o->iters : (o->seconds > 0 ? -1 : 1);
     double start = now_s(), next_progress = start + 1.0, t = start;
     long iters = 0, launches = 0;
@@ -195,7 +204,7 @@ static int launch_loop(const struct opts *o)
             CHECK(D->f_cuGraphLaunch(exec, NULL));
         } else {
             for (long k = 0; k < o->per_iter; k++)
-                CHECK(launch_one(o->api, f, &ns));
+                CHECK(launch_one(api, f, &ns));
         }
         launches += o->per_iter;
         if (!o->no_sync)
@@ -207,15 +216,23 @@ static int launch_loop(const struct opts *o)
             next_progress += 1.0;
         }
     }
+    double launch_s = now_s() - start;
+    CHECK(D->f_cuEventRecord(ev_end, NULL));
     if (o->no_sync)
         CHECK(D->f_cuCtxSynchronize());
+    CHECK(D->f_cuEventSynchronize(ev_end));
     double elapsed = now_s() - start;
+    float event_ms = 0;
+    CHECK(D->f_cuEventElapsedTime(&event_ms, ev_start, ev_end));
+    CHECK(D->f_cuEventDestroy(ev_start));
+    CHECK(D->f_cuEventDestroy(ev_end));
     if (graph) {
         CHECK(D->f_cuGraphExecDestroy(exec));
         CHECK(D->f_cuGraphDestroy(g));
     }
-    emit("{\"iters\":%ld,\"launches\":%ld,\"elapsed_s\":%.6f,\"kernel_s\":%.6f}", iters, launches, elapsed,
-         (double)launches * (double)ns / 1e9);
+    emit("{\"iters\":%ld,\"launches\":%ld,\"elapsed_s\":%.6f,\"kernel_s\":%.6f,\"launch_s\":%.6f,"
+         "\"event_s\":%.6f}",
+         iters, launches, elapsed, (double)launches * (double)ns / 1e9, launch_s, (double)event_ms / 1e3);
     return 0;
 }
 
@@ -435,6 +452,71 @@ static int fork_alloc_cmd(const struct opts *o)
     return 0;
 }
 
+static int devices_cmd(void)
+{
+    int n;
+    CHECK(D->f_cuInit(0));
+    CHECK(D->f_cuDeviceGetCount(&n));
+    printf("{\"count\":%d,\"devices\":[", n);
+    for (int i = 0; i < n; i++) {
+        CUdevice dev;
+        CUuuid u;
+        char name[256];
+        size_t total;
+        CHECK(D->f_cuDeviceGet(&dev, i));
+        CHECK(D->f_cuDeviceGetUuid(&u, dev));
+        CHECK(D->f_cuDeviceGetName(name, sizeof name, dev));
+        CHECK(D->f_cuDeviceTotalMem(&total, dev));
+        const unsigned char *b = (const unsigned char *)u.bytes;
+        printf("%s{\"ordinal\":%d,\"uuid\":\"GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-"
+               "%02x%02x%02x%02x%02x%02x\",\"name\":\"%s\",\"total\":%zu}",
+               i ? "," : "", i, b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12],
+               b[13], b[14], b[15], name, total);
+    }
+    emit("]}");
+    return 0;
+}
+
+static int error_codes_cmd(void)
+{
+    CUdeviceptr p;
+    CUresult before_init = D->f_cuMemAlloc(&p, 1 << 20);
+    CUresult init = D->f_cuInit(0);
+    if (init != CUDA_SUCCESS) {
+        emit("{\"before_init\":%d,\"init\":%d}", (int)before_init, (int)init);
+        return 0;
+    }
+    CUcontext none = NULL;
+    CHECK(D->f_cuCtxGetCurrent(&none));
+    CUresult no_ctx_alloc = D->f_cuMemAlloc(&p, 1 << 20);
+    size_t f, t;
+    CUresult no_ctx_meminfo = D->f_cuMemGetInfo(&f, &t);
+    CUresult no_ctx_sync = D->f_cuStreamSynchronize(NULL);
+    CUdevice bad;
+    CUresult bad_device = D->f_cuDeviceGet(&bad, 99);
+    emit("{\"before_init\":%d,\"init\":%d,\"current_is_null\":%s,\"no_ctx_alloc\":%d,"
+         "\"no_ctx_meminfo\":%d,\"no_ctx_sync\":%d,\"bad_device\":%d}",
+         (int)before_init, (int)init, none ? "false" : "true", (int)no_ctx_alloc, (int)no_ctx_meminfo,
+         (int)no_ctx_sync, (int)bad_device);
+    return 0;
+}
+
+static int free_checks_cmd(const struct opts *o)
+{
+    setup(o->device);
+    CUdeviceptr p;
+    CUresult unknown = D->f_cuMemFree((CUdeviceptr)0x1234000);
+    CHECK(D->f_cuMemAlloc(&p, 1 << 20));
+    CUresult first = D->f_cuMemFree(p);
+    CUresult second = D->f_cuMemFree(p);
+    CUresult zero = D->f_cuMemFree(0);
+    size_t free_bytes, total;
+    CHECK(D->f_cuMemGetInfo(&free_bytes, &total));
+    emit("{\"unknown\":%d,\"first\":%d,\"second\":%d,\"zero\":%d,\"free\":%zu,\"total\":%zu}", (int)unknown,
+         (int)first, (int)second, (int)zero, free_bytes, total);
+    return 0;
+}
+
 int workload_main(int argc, char **argv, const struct drv *d, const char *how)
 {
     D = d;
@@ -443,7 +525,7 @@ int workload_main(int argc, char **argv, const struct drv *d, const char *how)
         first++;
     if (first >= argc) {
         fprintf(stderr, "usage: %s [--ptsz] launch-loop|alloc|meminfo|alloc-threads|fork-alloc|"
-                        "empty-launch-loop ... (simgpu-%s; see tests/clients/workload.c)\n", argv[0], how);
+                        "empty-launch-loop|devices|error-codes|free-checks ... (simgpu-%s; see tests/clients/workload.c)\n", argv[0], how);
         return 2;
     }
     struct opts o;
@@ -461,6 +543,12 @@ int workload_main(int argc, char **argv, const struct drv *d, const char *how)
         return alloc_threads_cmd(&o);
     if (strcmp(cmd, "fork-alloc") == 0)
         return fork_alloc_cmd(&o);
+    if (strcmp(cmd, "devices") == 0)
+        return devices_cmd();
+    if (strcmp(cmd, "error-codes") == 0)
+        return error_codes_cmd();
+    if (strcmp(cmd, "free-checks") == 0)
+        return free_checks_cmd(&o);
     emit("{\"error\":\"usage\",\"message\":\"unknown subcommand %s\"}", cmd);
     return 2;
 }

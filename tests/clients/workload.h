@@ -16,6 +16,15 @@
     X(cuGetErrorName, PFN_cuGetErrorName_v6000, cuGetErrorName)                   \
     X(cuDeviceGet, PFN_cuDeviceGet_v2000, cuDeviceGet)                            \
     X(cuDeviceGetCount, PFN_cuDeviceGetCount_v2000, cuDeviceGetCount)             \
+    X(cuDeviceGetName, PFN_cuDeviceGetName_v2000, cuDeviceGetName)                \
+    X(cuDeviceGetUuid, PFN_cuDeviceGetUuid_v11040, cuDeviceGetUuid_v2)            \
+    X(cuDeviceTotalMem, PFN_cuDeviceTotalMem_v3020, cuDeviceTotalMem_v2)          \
+    X(cuCtxGetCurrent, PFN_cuCtxGetCurrent_v4000, cuCtxGetCurrent)                \
+    X(cuEventCreate, PFN_cuEventCreate_v2000, cuEventCreate)                      \
+    X(cuEventRecord, PFN_cuEventRecord_v2000, cuEventRecord)                      \
+    X(cuEventSynchronize, PFN_cuEventSynchronize_v2000, cuEventSynchronize)       \
+    X(cuEventElapsedTime, PFN_cuEventElapsedTime_v2000, cuEventElapsedTime_v2)    \
+    X(cuEventDestroy, PFN_cuEventDestroy_v4000, cuEventDestroy_v2)                \
     X(cuDevicePrimaryCtxRetain, PFN_cuDevicePrimaryCtxRetain_v7000, cuDevicePrimaryCtxRetain) \
     X(cuCtxSetCurrent, PFN_cuCtxSetCurrent_v4000, cuCtxSetCurrent)                \
     X(cuModuleLoadData, PFN_cuModuleLoadData_v2000, cuModuleLoadData)             \

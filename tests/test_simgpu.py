@@ -1,0 +1,340 @@
+"""The simulated GPU, run for real: its clients against build/simgpu's libcuda and libnvidia-ml.
+
+Everything else in gemtrace is tested on this simulation, so these tests pin down what it promises:
+one timeline per device shared by all processes, memory capacity shared and accounted per process,
+NVML's view of the same state, cuGetProcAddress answering by version, CUDA_VISIBLE_DEVICES.
+Timing assertions leave wide margins: CI is a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from collections.abc import Callable
+
+import pytest
+from simgpu_env import LIBCUDA, LINKED_CLIENT, RT_CLIENT, GiB, SimGpu
+
+pytestmark = pytest.mark.unit
+
+CUDA_SUCCESS = 0
+CUDA_ERROR_INVALID_VALUE = 1
+CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_INVALID_DEVICE = 101
+CUDA_ERROR_INVALID_CONTEXT = 201
+CUDA_ERROR_NOT_FOUND = 500
+
+
+def nvml_processes(sim: SimGpu, index: int = 0) -> dict[int, int]:
+    """pid -> used bytes on physical device `index`, as pynvml reports it."""
+    lines = sim.nvml(
+        f"h = pynvml.nvmlDeviceGetHandleByIndex({index})\n"
+        "emit({str(p.pid): p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)})\n"
+    )
+    return {int(pid): used for pid, used in lines[0].items()}
+
+
+def meminfo(sim: SimGpu, **extra: str) -> dict[str, int]:
+    return sim.run(["meminfo"], **extra)[0]
+
+
+# ---- the timeline ---------------------------------------------------------------------------
+
+
+def test_kernels_take_their_time_and_events_measure_it(simgpu: SimGpu) -> None:
+    result = simgpu.run(["launch-loop", "--kernel-ns", "5000000", "--iters", "40"])[-1]
+    assert result["launches"] == 40
+    assert result["kernel_s"] == pytest.approx(0.2)
+    assert result["elapsed_s"] >= 0.2
+    # Alone on the device the kernels run back to back: events see exactly the kernel time.
+    assert result["event_s"] == pytest.approx(0.2, rel=0.05)
+
+
+@pytest.mark.parametrize("api", ["launch", "ex", "coop", "graph"])
+@pytest.mark.parametrize("ptsz", [False, True])
+def test_every_launch_api_runs_kernels(simgpu: SimGpu, api: str, ptsz: bool) -> None:
+    args = ["--ptsz"] if ptsz else []
+    args += ["launch-loop", "--api", api, "--kernel-ns", "2000000"]
+    args += ["--launches-per-iter", "5", "--iters", "4"]
+    result = simgpu.run(args)[-1]
+    assert result["launches"] == 20
+    assert result["event_s"] == pytest.approx(0.04, rel=0.1)
+    assert result["elapsed_s"] >= 0.04
+
+
+def test_two_processes_share_one_device_timeline(simgpu: SimGpu) -> None:
+    loop = ["launch-loop", "--kernel-ns", "2000000", "--launches-per-iter", "5", "--iters", "50"]
+    start = time.monotonic()
+    a, b = simgpu.start(loop), simgpu.start(loop)
+    ra, rb = a.finish()[-1], b.finish()[-1]
+    wall = time.monotonic() - start
+    # 0.5 s of kernels each. Serialised, the pair needs at least 1 s; overlapping they would
+    # need 0.5 s. Each one also waits for the other's kernels, so each takes much more than 0.5 s.
+    assert wall >= 0.98 * (ra["kernel_s"] + rb["kernel_s"])
+    assert ra["elapsed_s"] > 1.5 * ra["kernel_s"]
+    assert rb["elapsed_s"] > 1.5 * rb["kernel_s"]
+
+
+def test_devices_have_separate_timelines(simgpu_factory: Callable[..., SimGpu]) -> None:
+    sim = simgpu_factory(devices=2)
+    loop = ["launch-loop", "--kernel-ns", "5000000", "--iters", "100"]
+    a = sim.start([*loop, "--device", "0"])
+    b = sim.start([*loop, "--device", "1"])
+    ra, rb = a.finish()[-1], b.finish()[-1]
+    assert ra["event_s"] == pytest.approx(0.5, rel=0.05)
+    assert rb["event_s"] == pytest.approx(0.5, rel=0.05)
+
+
+def test_a_full_queue_makes_launches_wait(simgpu: SimGpu) -> None:
+    loop = ["launch-loop", "--kernel-ns", "10000000", "--iters", "20", "--no-sync"]
+    free = simgpu.run(loop)[-1]
+    assert free["launch_s"] < 0.1  # 20 launches return at once: the default queue holds 1024
+    full = simgpu.run(loop, SIMGPU_QUEUE_DEPTH="4")[-1]
+    # With room for 4 kernels, the 20th launch waits until the 16th kernel has ended (160 ms).
+    assert full["launch_s"] >= 0.15
+    assert full["event_s"] == pytest.approx(0.2, rel=0.05)
+
+
+def test_launch_is_cheap(simgpu: SimGpu) -> None:
+    result = simgpu.run(["empty-launch-loop", "--launches", "200000"])[-1]
+    assert result["ns_per_launch"] < 2000  # about 45 ns unloaded; the gate's benchmark measures it
+
+
+def test_nvml_utilisation_follows_the_timeline(simgpu: SimGpu) -> None:
+    code = (
+        "import time\n"
+        "h = pynvml.nvmlDeviceGetHandleByIndex(0)\n"
+        "pynvml.nvmlDeviceGetUtilizationRates(h)\n"
+        "time.sleep(1.0)\n"
+        "emit({'gpu': pynvml.nvmlDeviceGetUtilizationRates(h).gpu})\n"
+    )
+    assert simgpu.nvml(code)[0]["gpu"] == 0
+    busy = simgpu.start(["launch-loop", "--kernel-ns", "50000000", "--seconds", "4", "--progress"])
+    busy.wait_for("progress")
+    assert simgpu.nvml(code)[0]["gpu"] >= 70
+    busy.kill()
+
+
+# ---- memory ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["v2", "pitch", "managed", "async", "pool", "create"])
+def test_every_allocation_api_counts_exactly(simgpu_factory: Callable[..., SimGpu], api: str) -> None:
+    sim = simgpu_factory(memory="4GiB")
+    holder = sim.start(["alloc", "--api", api, "--hold", "30", "--free", "1GiB", "2GiB", "2GiB"])
+    results = [holder.next_json() for _ in range(3)]
+    assert [r["name"] for r in results] == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]
+    assert results[2]["result"] == CUDA_ERROR_OUT_OF_MEMORY
+    holder.wait_for("holding")
+    assert meminfo(sim) == {"free": 1 * GiB, "total": 4 * GiB}
+    assert nvml_processes(sim)[holder.pid] == 3 * GiB
+    holder.kill()
+
+
+def test_memory_is_given_back_on_free(simgpu_factory: Callable[..., SimGpu]) -> None:
+    sim = simgpu_factory(memory="4GiB")
+    for api in ("v2", "async", "create"):
+        lines = sim.run(["alloc", "--api", api, "--free", "2GiB", "2GiB"])
+        assert lines[-1] == {"freed": 2}
+        assert meminfo(sim) == {"free": 4 * GiB, "total": 4 * GiB}
+
+
+def test_capacity_is_shared_across_processes(simgpu_factory: Callable[..., SimGpu]) -> None:
+    sim = simgpu_factory(memory="4GiB")
+    first = sim.start(["alloc", "--hold", "30", "3GiB"])
+    assert first.next_json()["result"] == CUDA_SUCCESS
+    first.wait_for("holding")
+    second = sim.run(["alloc", "2GiB", "1GiB"], client=LINKED_CLIENT)
+    assert [r["result"] for r in second[:2]] == [CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS]
+    assert meminfo(sim) == {"free": 1 * GiB, "total": 4 * GiB}  # the second process has exited
+    first.kill()
+
+
+def test_per_process_memory_in_nvml(simgpu_factory: Callable[..., SimGpu]) -> None:
+    sim = simgpu_factory(devices=2)
+    a = sim.start(["alloc", "--hold", "30", "1GiB"])
+    b = sim.start(["alloc", "--api", "create", "--device", "1", "--hold", "30", "2GiB", "6MiB"])
+    a.wait_for("holding")
+    b.wait_for("holding")
+    assert nvml_processes(sim, 0) == {a.pid: 1 * GiB}
+    assert nvml_processes(sim, 1) == {b.pid: 2 * GiB + 6 * (1 << 20)}
+    memory = sim.nvml(
+        "for i in range(2):\n"
+        "    m = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))\n"
+        "    emit({'total': m.total, 'used': m.used, 'free': m.free})\n"
+    )
+    assert memory == [
+        {"total": 16 * GiB, "used": 1 * GiB, "free": 15 * GiB},
+        {"total": 16 * GiB, "used": 2 * GiB + 6 * (1 << 20), "free": 14 * GiB - 6 * (1 << 20)},
+    ]
+
+
+def test_memory_of_a_killed_process_is_reclaimed(simgpu_factory: Callable[..., SimGpu]) -> None:
+    sim = simgpu_factory(memory="4GiB")
+    victim = sim.start(["alloc", "--api", "create", "--hold", "60", "4GiB"])
+    victim.wait_for("holding")
+    assert meminfo(sim)["free"] == 0
+    assert sim.run(["alloc", "2MiB"])[0]["result"] == CUDA_ERROR_OUT_OF_MEMORY
+    victim.kill()  # SIGKILL: no chance to free anything
+    assert victim.pid not in nvml_processes(sim)
+    assert meminfo(sim) == {"free": 4 * GiB, "total": 4 * GiB}
+    assert sim.run(["alloc", "4GiB"])[0]["result"] == CUDA_SUCCESS
+
+
+def test_concurrent_threads_never_overshoot(simgpu_factory: Callable[..., SimGpu]) -> None:
+    sim = simgpu_factory(memory="10GiB")
+    result = sim.run(["alloc-threads", "--threads", "16", "--size", "1GiB", "--count", "4"])[-1]
+    assert result["successes"] == 10
+    assert result["failures"] == result["oom"] == 54
+    assert result["free"] == 0
+
+
+def test_bad_frees_change_nothing(simgpu: SimGpu) -> None:
+    result = simgpu.run(["free-checks"], client=LINKED_CLIENT)[-1]
+    assert result["unknown"] == CUDA_ERROR_INVALID_VALUE
+    assert result["first"] == CUDA_SUCCESS
+    assert result["second"] == CUDA_ERROR_INVALID_VALUE
+    assert result["free"] == result["total"] == 16 * GiB
+
+
+def test_a_forked_child_is_a_process_of_its_own(simgpu: SimGpu) -> None:
+    family = simgpu.start(["fork-alloc", "--hold", "30", "1GiB"])
+    parent, child = family.next_json(), family.next_json()
+    assert parent["who"] == "parent" and child["who"] == "child"
+    assert parent["result"] == child["result"] == CUDA_SUCCESS
+    assert nvml_processes(simgpu) == {parent["pid"]: 1 * GiB, child["pid"]: 1 * GiB}
+    family.kill()
+
+
+# ---- the driver API's answers ---------------------------------------------------------------
+
+
+def test_error_codes_before_init_and_without_context(simgpu: SimGpu) -> None:
+    result = simgpu.run(["error-codes"])[-1]
+    assert result == {
+        "before_init": CUDA_ERROR_NOT_INITIALIZED,
+        "init": CUDA_SUCCESS,
+        "current_is_null": True,
+        "no_ctx_alloc": CUDA_ERROR_INVALID_CONTEXT,
+        "no_ctx_meminfo": CUDA_ERROR_INVALID_CONTEXT,
+        "no_ctx_sync": CUDA_ERROR_INVALID_CONTEXT,
+        "bad_device": CUDA_ERROR_INVALID_DEVICE,
+    }
+
+
+@pytest.fixture(scope="module")
+def libcuda() -> ctypes.CDLL:
+    # cuGetProcAddress needs no state, so the library can be loaded into the test process itself.
+    return ctypes.CDLL(str(LIBCUDA))
+
+
+PER_THREAD = 1 << 1  # CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+
+
+@pytest.mark.parametrize(
+    ("symbol", "version", "flags", "expected"),
+    [
+        ("cuMemAlloc", 13000, 0, "cuMemAlloc_v2"),
+        ("cuMemAlloc", 3020, 0, "cuMemAlloc_v2"),
+        ("cuCtxCreate", 3020, 0, "cuCtxCreate_v2"),
+        ("cuCtxCreate", 11040, 0, "cuCtxCreate_v3"),
+        ("cuCtxCreate", 12000, 0, "cuCtxCreate_v3"),
+        ("cuCtxCreate", 13000, 0, "cuCtxCreate_v4"),
+        ("cuCtxSynchronize", 12080, 0, "cuCtxSynchronize"),
+        ("cuCtxSynchronize", 13000, 0, "cuCtxSynchronize_v2"),
+        ("cuDevicePrimaryCtxRelease", 10020, 0, "cuDevicePrimaryCtxRelease"),
+        ("cuDevicePrimaryCtxRelease", 11000, 0, "cuDevicePrimaryCtxRelease_v2"),
+        ("cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2"),
+        ("cuGetProcAddress", 11030, 0, "cuGetProcAddress"),
+        ("cuLaunchKernel", 13000, 0, "cuLaunchKernel"),
+        ("cuLaunchKernel", 13000, PER_THREAD, "cuLaunchKernel_ptsz"),
+        ("cuLaunchKernelEx", 12000, PER_THREAD, "cuLaunchKernelEx_ptsz"),
+        ("cuGraphLaunch", 12000, PER_THREAD, "cuGraphLaunch_ptsz"),
+        ("cuMemAllocAsync", 12000, PER_THREAD, "cuMemAllocAsync_ptsz"),
+        ("cuMemcpyHtoD", 12000, PER_THREAD, "cuMemcpyHtoD_v2_ptds"),
+        ("cuMemAlloc", 13000, PER_THREAD, "cuMemAlloc_v2"),
+    ],
+)
+def test_get_proc_address_answers_by_version(
+    libcuda: ctypes.CDLL, symbol: str, version: int, flags: int, expected: str
+) -> None:
+    fn = ctypes.c_void_p()
+    status = ctypes.c_int(-1)
+    result = libcuda.cuGetProcAddress_v2(
+        symbol.encode(), ctypes.byref(fn), version, ctypes.c_uint64(flags), ctypes.byref(status)
+    )
+    assert (result, status.value) == (CUDA_SUCCESS, 0)
+    assert fn.value == ctypes.cast(getattr(libcuda, expected), ctypes.c_void_p).value
+
+
+@pytest.mark.parametrize(
+    ("symbol", "version", "status"),
+    [
+        ("cuMemAllocAsync", 11000, 2),  # CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT
+        ("cuNoSuchFunction", 13000, 1),  # CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND
+        ("cuMemAlloc_v2", 13000, 1),  # names are base names, as for the real driver
+    ],
+)
+def test_get_proc_address_refuses(libcuda: ctypes.CDLL, symbol: str, version: int, status: int) -> None:
+    fn = ctypes.c_void_p(1)
+    got = ctypes.c_int(-1)
+    result = libcuda.cuGetProcAddress_v2(
+        symbol.encode(), ctypes.byref(fn), version, ctypes.c_uint64(0), ctypes.byref(got)
+    )
+    assert (result, got.value, fn.value) == (CUDA_ERROR_NOT_FOUND, status, None)
+
+
+def test_devices_have_stable_distinct_uuids(simgpu_factory: Callable[..., SimGpu]) -> None:
+    sim = simgpu_factory(devices=3)
+    first = sim.run(["devices"])[0]
+    assert first["count"] == 3
+    uuids = [d["uuid"] for d in first["devices"]]
+    assert len(set(uuids)) == 3
+    assert all(len(u) == 40 and u.startswith("GPU-") for u in uuids)
+    assert sim.run(["devices"], client=LINKED_CLIENT)[0] == first
+    nvml = sim.nvml(
+        "emit({'uuids': [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))"
+        " for i in range(pynvml.nvmlDeviceGetCount())]})\n"
+    )
+    assert nvml[0]["uuids"] == uuids
+
+
+def test_cuda_visible_devices_by_uuid_reorders(simgpu_factory: Callable[..., SimGpu]) -> None:
+    sim = simgpu_factory(devices=3)
+    uuids = [d["uuid"] for d in sim.run(["devices"])[0]["devices"]]
+    visible = f"{uuids[2]},{uuids[0][:12]}"  # a full UUID and a unique prefix, as CUDA accepts
+    seen = sim.run(["devices"], CUDA_VISIBLE_DEVICES=visible)[0]
+    assert [d["uuid"] for d in seen["devices"]] == [uuids[2], uuids[0]]
+    holder = sim.start(["alloc", "--device", "0", "--hold", "30", "1GiB"], CUDA_VISIBLE_DEVICES=visible)
+    holder.wait_for("holding")
+    # CUDA device 0 of that process is physical device 2; NVML ignores CUDA_VISIBLE_DEVICES.
+    assert nvml_processes(sim, 2) == {holder.pid: 1 * GiB}
+    assert nvml_processes(sim, 0) == {}
+    holder.kill()
+
+
+@pytest.mark.parametrize(
+    ("visible", "ordinals"),
+    [("1", [1]), ("2,0", [2, 0]), ("1,7,0", [1]), ("0,0", [0])],
+)
+def test_cuda_visible_devices_by_ordinal(
+    simgpu_factory: Callable[..., SimGpu], visible: str, ordinals: list[int]
+) -> None:
+    sim = simgpu_factory(devices=3)
+    uuids = [d["uuid"] for d in sim.run(["devices"])[0]["devices"]]
+    seen = sim.run(["devices"], CUDA_VISIBLE_DEVICES=visible)[0]
+    assert [d["uuid"] for d in seen["devices"]] == [uuids[i] for i in ordinals]
+
+
+def test_no_visible_device(simgpu: SimGpu) -> None:
+    lines = simgpu.run(["error-codes"], CUDA_VISIBLE_DEVICES="")
+    assert lines[-1]["init"] == 100  # CUDA_ERROR_NO_DEVICE
+
+
+def test_linked_client_runs_the_same_workloads(simgpu: SimGpu) -> None:
+    result = simgpu.run(["launch-loop", "--kernel-ns", "2000000", "--iters", "20"], client=LINKED_CLIENT)[-1]
+    assert result["event_s"] == pytest.approx(0.04, rel=0.1)
+    lines = simgpu.run(["alloc", "--api", "pool", "1GiB"], client=LINKED_CLIENT)
+    assert lines[0]["result"] == CUDA_SUCCESS
+    assert RT_CLIENT.exists()
