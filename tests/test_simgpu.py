@@ -9,6 +9,8 @@ Timing assertions leave wide margins: CI is a loaded 2-core machine.
 from __future__ import annotations
 
 import ctypes
+import re
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -338,3 +340,13 @@ def test_linked_client_runs_the_same_workloads(simgpu: SimGpu) -> None:
     lines = simgpu.run(["alloc", "--api", "pool", "1GiB"], client=LINKED_CLIENT)
     assert lines[0]["result"] == CUDA_SUCCESS
     assert RT_CLIENT.exists()
+
+
+def test_entry_points_never_call_one_another() -> None:
+    # A uprobe on cuCtxSynchronize_v2 must not fire for a call to cuCtxSynchronize (as with the
+    # real libcuda): the library makes no call through its own exported symbols.
+    disassembly = subprocess.run(
+        ["objdump", "-d", str(LIBCUDA)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "<cuLaunchKernel>:" in disassembly
+    assert re.findall(r"(?:call|jmp)\s+\S+ <cu\w*@plt>", disassembly) == []

@@ -13,6 +13,10 @@
  * allocations made in it; cuMemFreeAsync and pool frees give memory back at once, not when the
  * stream reaches them; copies and memsets take no time (the synchronous ones wait for the stream).
  *
+ * Exported functions never call one another (an older or newer form of an entry point calls the
+ * static *_impl behind both), so a uprobe or an interposer on one entry point sees exactly the calls
+ * made to it, as with the real libcuda.
+ *
  * The launch path takes no lock and makes no system call beyond clock_gettime (vDSO), so that the
  * gate's overhead can be measured against it. Functions use the real prototypes of cuda.h, built
  * with __CUDA_API_VERSION_INTERNAL as NVIDIA builds libcuda, so the versioned names are the real ones.
@@ -359,7 +363,7 @@ SIM_API CUresult cuDeviceGetName(char *name, int len, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
+static CUresult cuDeviceGetUuid_v2_impl(CUuuid *uuid, CUdevice dev)
 {
     REQUIRE_INIT();
     if (!uuid)
@@ -370,7 +374,9 @@ SIM_API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { return cuDeviceGetUuid_v2(uuid, dev); }
+SIM_API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) { return cuDeviceGetUuid_v2_impl(uuid, dev); }
+
+SIM_API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { return cuDeviceGetUuid_v2_impl(uuid, dev); }
 
 SIM_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
@@ -475,7 +481,7 @@ SIM_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+static CUresult cuDevicePrimaryCtxRelease_v2_impl(CUdevice dev)
 {
     REQUIRE_INIT();
     if (!valid_ordinal(dev))
@@ -489,7 +495,9 @@ SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2(dev); }
+SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2_impl(dev); }
+
+SIM_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2_impl(dev); }
 
 SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active)
 {
@@ -503,7 +511,7 @@ SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, i
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
+static CUresult cuDevicePrimaryCtxSetFlags_v2_impl(CUdevice dev, unsigned int flags)
 {
     REQUIRE_INIT();
     if (!valid_ordinal(dev))
@@ -512,18 +520,22 @@ SIM_API CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags)
     return CUDA_SUCCESS;
 }
 
+SIM_API CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int flags) { return cuDevicePrimaryCtxSetFlags_v2_impl(dev, flags); }
+
 SIM_API CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags)
 {
-    return cuDevicePrimaryCtxSetFlags_v2(dev, flags);
+    return cuDevicePrimaryCtxSetFlags_v2_impl(dev, flags);
 }
 
-SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+static CUresult cuDevicePrimaryCtxReset_v2_impl(CUdevice dev)
 {
     REQUIRE_INIT();
     return valid_ordinal(dev) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
 }
 
-SIM_API CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return cuDevicePrimaryCtxReset_v2(dev); }
+SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) { return cuDevicePrimaryCtxReset_v2_impl(dev); }
+
+SIM_API CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return cuDevicePrimaryCtxReset_v2_impl(dev); }
 
 static CUresult ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev)
 {
@@ -560,7 +572,7 @@ SIM_API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsi
     return ctx_create(pctx, flags, dev);
 }
 
-SIM_API CUresult cuCtxDestroy_v2(CUcontext ctx)
+static CUresult cuCtxDestroy_v2_impl(CUcontext ctx)
 {
     REQUIRE_INIT();
     if (!valid_ctx(ctx) || ctx->primary)
@@ -577,7 +589,9 @@ SIM_API CUresult cuCtxDestroy_v2(CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxDestroy(CUcontext ctx) { return cuCtxDestroy_v2(ctx); }
+SIM_API CUresult cuCtxDestroy_v2(CUcontext ctx) { return cuCtxDestroy_v2_impl(ctx); }
+
+SIM_API CUresult cuCtxDestroy(CUcontext ctx) { return cuCtxDestroy_v2_impl(ctx); }
 
 SIM_API CUresult cuCtxSetCurrent(CUcontext ctx)
 {
@@ -604,7 +618,7 @@ SIM_API CUresult cuCtxGetCurrent(CUcontext *pctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+static CUresult cuCtxPushCurrent_v2_impl(CUcontext ctx)
 {
     REQUIRE_INIT();
     if (!valid_ctx(ctx))
@@ -615,9 +629,11 @@ SIM_API CUresult cuCtxPushCurrent_v2(CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxPushCurrent(CUcontext ctx) { return cuCtxPushCurrent_v2(ctx); }
+SIM_API CUresult cuCtxPushCurrent_v2(CUcontext ctx) { return cuCtxPushCurrent_v2_impl(ctx); }
 
-SIM_API CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
+SIM_API CUresult cuCtxPushCurrent(CUcontext ctx) { return cuCtxPushCurrent_v2_impl(ctx); }
+
+static CUresult cuCtxPopCurrent_v2_impl(CUcontext *pctx)
 {
     REQUIRE_INIT();
     if (!t_depth)
@@ -628,9 +644,11 @@ SIM_API CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxPopCurrent(CUcontext *pctx) { return cuCtxPopCurrent_v2(pctx); }
+SIM_API CUresult cuCtxPopCurrent_v2(CUcontext *pctx) { return cuCtxPopCurrent_v2_impl(pctx); }
 
-SIM_API CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
+SIM_API CUresult cuCtxPopCurrent(CUcontext *pctx) { return cuCtxPopCurrent_v2_impl(pctx); }
+
+static CUresult cuCtxGetDevice_v2_impl(CUdevice *device, CUcontext ctx)
 {
     REQUIRE_INIT();
     if (!device)
@@ -642,7 +660,9 @@ SIM_API CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxGetDevice(CUdevice *device) { return cuCtxGetDevice_v2(device, NULL); }
+SIM_API CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) { return cuCtxGetDevice_v2_impl(device, ctx); }
+
+SIM_API CUresult cuCtxGetDevice(CUdevice *device) { return cuCtxGetDevice_v2_impl(device, NULL); }
 
 SIM_API CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *version)
 {
@@ -678,7 +698,7 @@ SIM_API CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxSynchronize_v2(CUcontext ctx)
+static CUresult cuCtxSynchronize_v2_impl(CUcontext ctx)
 {
     REQUIRE_INIT();
     struct CUctx_st *c = ctx ? ctx : current_ctx();
@@ -688,7 +708,9 @@ SIM_API CUresult cuCtxSynchronize_v2(CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxSynchronize(void) { return cuCtxSynchronize_v2(NULL); }
+SIM_API CUresult cuCtxSynchronize_v2(CUcontext ctx) { return cuCtxSynchronize_v2_impl(ctx); }
+
+SIM_API CUresult cuCtxSynchronize(void) { return cuCtxSynchronize_v2_impl(NULL); }
 
 /* ---- streams ------------------------------------------------------------------------------ */
 
@@ -777,7 +799,7 @@ SIM_API CUresult cuStreamCreateWithPriority(CUstream *ph, unsigned int flags, in
     return stream_create(ph, flags);
 }
 
-SIM_API CUresult cuStreamDestroy_v2(CUstream h)
+static CUresult cuStreamDestroy_v2_impl(CUstream h)
 {
     REQUIRE_INIT();
     if (!h || h == CU_STREAM_LEGACY || h == CU_STREAM_PER_THREAD || h->magic != STREAM_MAGIC)
@@ -789,7 +811,9 @@ SIM_API CUresult cuStreamDestroy_v2(CUstream h)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuStreamDestroy(CUstream h) { return cuStreamDestroy_v2(h); }
+SIM_API CUresult cuStreamDestroy_v2(CUstream h) { return cuStreamDestroy_v2_impl(h); }
+
+SIM_API CUresult cuStreamDestroy(CUstream h) { return cuStreamDestroy_v2_impl(h); }
 
 static CUresult stream_sync(CUstream h, bool per_thread)
 {
@@ -1020,7 +1044,7 @@ SIM_API CUresult cuEventQuery(CUevent ev)
     return atomic_load(&ev->t) <= sim_now() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
-SIM_API CUresult cuEventElapsedTime_v2(float *ms, CUevent start, CUevent end)
+static CUresult cuEventElapsedTime_v2_impl(float *ms, CUevent start, CUevent end)
 {
     REQUIRE_INIT();
     if (!ms)
@@ -1038,9 +1062,11 @@ SIM_API CUresult cuEventElapsedTime_v2(float *ms, CUevent start, CUevent end)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end) { return cuEventElapsedTime_v2(ms, start, end); }
+SIM_API CUresult cuEventElapsedTime_v2(float *ms, CUevent start, CUevent end) { return cuEventElapsedTime_v2_impl(ms, start, end); }
 
-SIM_API CUresult cuEventDestroy_v2(CUevent ev)
+SIM_API CUresult cuEventElapsedTime(float *ms, CUevent start, CUevent end) { return cuEventElapsedTime_v2_impl(ms, start, end); }
+
+static CUresult cuEventDestroy_v2_impl(CUevent ev)
 {
     REQUIRE_INIT();
     if (!ev || ev->magic != EVENT_MAGIC)
@@ -1050,7 +1076,9 @@ SIM_API CUresult cuEventDestroy_v2(CUevent ev)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuEventDestroy(CUevent ev) { return cuEventDestroy_v2(ev); }
+SIM_API CUresult cuEventDestroy_v2(CUevent ev) { return cuEventDestroy_v2_impl(ev); }
+
+SIM_API CUresult cuEventDestroy(CUevent ev) { return cuEventDestroy_v2_impl(ev); }
 
 /* ---- modules and functions: any image loads, any name is a kernel ------------------------ */
 
@@ -1200,7 +1228,7 @@ SIM_API CUresult cuGraphAddKernelNode(CUgraphNode *pnode, CUgraph g, const CUgra
     return graph_add_kernel(pnode, g, p->func, p->kernelParams, p->extra);
 }
 
-SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pexec, CUgraph g, unsigned long long flags)
+static CUresult cuGraphInstantiateWithFlags_impl(CUgraphExec *pexec, CUgraph g, unsigned long long flags)
 {
     (void)flags;
     REQUIRE_INIT();
@@ -1219,18 +1247,22 @@ SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pexec, CUgraph g, unsi
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuGraphInstantiate_v2(CUgraphExec *pexec, CUgraph g, CUgraphNode *err_node, char *log, size_t len)
+SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pexec, CUgraph g, unsigned long long flags) { return cuGraphInstantiateWithFlags_impl(pexec, g, flags); }
+
+static CUresult cuGraphInstantiate_v2_impl(CUgraphExec *pexec, CUgraph g, CUgraphNode *err_node, char *log, size_t len)
 {
     if (err_node)
         *err_node = NULL;
     if (log && len)
         log[0] = 0;
-    return cuGraphInstantiateWithFlags(pexec, g, 0);
+    return cuGraphInstantiateWithFlags_impl(pexec, g, 0);
 }
+
+SIM_API CUresult cuGraphInstantiate_v2(CUgraphExec *pexec, CUgraph g, CUgraphNode *err_node, char *log, size_t len) { return cuGraphInstantiate_v2_impl(pexec, g, err_node, log, len); }
 
 SIM_API CUresult cuGraphInstantiate(CUgraphExec *pexec, CUgraph g, CUgraphNode *err_node, char *log, size_t len)
 {
-    return cuGraphInstantiate_v2(pexec, g, err_node, log, len);
+    return cuGraphInstantiate_v2_impl(pexec, g, err_node, log, len);
 }
 
 static CUresult graph_launch(CUgraphExec x, CUstream h, bool per_thread)
