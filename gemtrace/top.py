@@ -1,0 +1,343 @@
+"""`gemtrace top`: a live view of one host's groups, in the spirit of nvtop.
+
+Owns the terminal view: per GPU, each group's share as a bar against its MinUtil and MaxUtil, its
+memory against its limit, and its processes with kernel time and memory; refreshed every second, `q`
+quits; plain text frames when stdout is not a terminal (`--once` prints one). It reads only the
+agent's `/metrics` over HTTP and never touches the region or the agent's state: it is safe to run
+as any user. Parsing (metrics text -> Frame) and rendering (Frame -> lines) are pure functions; only
+`fetch` and the curses loop touch the world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import curses
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field, replace
+from typing import TextIO
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from gemtrace import defaults
+from gemtrace.metrics import CATALOGUE
+
+REFRESH_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Process:
+    pid: int
+    comm: str
+    group: str
+    gpu: str
+    memory_bytes: float = 0.0
+    gpu_seconds_total: float = 0.0
+    launches_total: float = 0.0
+    kernel_share: float | None = None  # kernel time per second of wall time, since the last frame
+    launches_per_second: float | None = None
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    gpu: str
+    share: float = 0.0  # gemtrace_group_util_ratio: the scheduler's recent window
+    min_util: float = 0.0
+    max_util: float = 1.0
+    memory_bytes: float = 0.0
+    memory_limit_bytes: float | None = None
+    throttled_seconds_total: float = 0.0
+    processes: tuple[Process, ...] = ()
+
+
+@dataclass(frozen=True)
+class Gpu:
+    uuid: str
+    name: str = ""
+    index: str = ""
+    memory_total_bytes: float | None = None
+    groups: tuple[Group, ...] = ()
+
+
+@dataclass(frozen=True)
+class Frame:
+    taken_at: float
+    agent_version: str = ""
+    config_ok: bool | None = None
+    probes_attached: float | None = None
+    gpus: tuple[Gpu, ...] = ()
+    error: str = ""
+
+
+@dataclass
+class _Builder:
+    """Mutable collection while reading one exposition; frozen into a Frame at the end."""
+    gpus: dict[str, dict[str, str | float]] = field(default_factory=dict)
+    groups: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    settings: dict[str, dict[str, float]] = field(default_factory=dict)  # group -> quota settings
+    processes: dict[tuple[str, str], dict[str, float]] = field(default_factory=dict)
+    comms: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)  # (gpu, pid) -> (comm, group)
+
+
+_GROUP_FIELDS = {
+    "gemtrace_group_util_ratio": "share",
+    "gemtrace_group_memory_bytes": "memory_bytes",
+    "gemtrace_group_throttled_seconds_total": "throttled_seconds_total",
+    "gemtrace_group_gpu_seconds_total": "gpu_seconds_total",
+}
+_SETTING_FIELDS = {
+    "gemtrace_group_util_min_ratio": "min_util",
+    "gemtrace_group_util_max_ratio": "max_util",
+    "gemtrace_group_memory_limit_bytes": "memory_limit_bytes",
+}
+_PROCESS_FIELDS = {
+    "gemtrace_process_memory_bytes": "memory_bytes",
+    "gemtrace_process_gpu_seconds_total": "gpu_seconds_total",
+    "gemtrace_process_kernel_launches_total": "launches_total",
+}
+for _name in (*_GROUP_FIELDS, *_SETTING_FIELDS, *_PROCESS_FIELDS):
+    assert _name in CATALOGUE, _name  # one home for metric names: the catalogue
+
+
+def parse(text: str, taken_at: float) -> Frame:
+    """The agent's /metrics text as a Frame (pure)."""
+    b = _Builder()
+    version = ""
+    config_ok: bool | None = None
+    probes: float | None = None
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            name, labels, value = s.name, s.labels, float(s.value)
+            if name == "gemtrace_agent_info":
+                version = labels.get("version", "")
+            elif name == "gemtrace_config_last_reload_success":
+                config_ok = value == 1
+            elif name == "gemtrace_probes_attached":
+                probes = value
+            elif name == "gemtrace_gpu_info":
+                b.gpus.setdefault(labels["gpu"], {}).update(name=labels.get("name", ""),
+                                                             index=labels.get("index", ""))
+            elif name == "gemtrace_gpu_memory_total_bytes":
+                b.gpus.setdefault(labels["gpu"], {})["memory_total_bytes"] = value
+            elif name in _GROUP_FIELDS:
+                b.groups.setdefault((labels["gpu"], labels["group"]), {})[_GROUP_FIELDS[name]] = value
+            elif name in _SETTING_FIELDS:
+                b.settings.setdefault(labels["group"], {})[_SETTING_FIELDS[name]] = value
+            elif name in _PROCESS_FIELDS:
+                key = (labels["gpu"], labels["pid"])
+                b.processes.setdefault(key, {})[_PROCESS_FIELDS[name]] = value
+                b.comms[key] = (labels.get("comm", ""), labels.get("group", ""))
+    return Frame(taken_at=taken_at, agent_version=version, config_ok=config_ok, probes_attached=probes,
+                 gpus=_freeze(b))
+
+
+def _freeze(b: _Builder) -> tuple[Gpu, ...]:
+    procs: dict[tuple[str, str], list[Process]] = {}
+    for (gpu, pid), figures in b.processes.items():
+        comm, group = b.comms[(gpu, pid)]
+        procs.setdefault((gpu, group), []).append(Process(
+            pid=int(pid), comm=comm, group=group, gpu=gpu,
+            memory_bytes=figures.get("memory_bytes", 0.0),
+            gpu_seconds_total=figures.get("gpu_seconds_total", 0.0),
+            launches_total=figures.get("launches_total", 0.0)))
+    gpu_ids = set(b.gpus) | {gpu for gpu, _ in b.groups} | {gpu for gpu, _ in procs}
+    gpus = []
+    for uuid in gpu_ids:
+        info = b.gpus.get(uuid, {})
+        names = {g for gpu, g in b.groups if gpu == uuid} | {g for gpu, g in procs if gpu == uuid}
+        groups = []
+        for name in sorted(names):
+            figures = b.groups.get((uuid, name), {})
+            settings = b.settings.get(name, {})
+            groups.append(Group(
+                name=name, gpu=uuid,
+                share=figures.get("share", 0.0),
+                min_util=settings.get("min_util", 0.0),
+                max_util=settings.get("max_util", 1.0),
+                memory_bytes=figures.get("memory_bytes", 0.0),
+                memory_limit_bytes=settings.get("memory_limit_bytes"),
+                throttled_seconds_total=figures.get("throttled_seconds_total", 0.0),
+                processes=tuple(sorted(procs.get((uuid, name), []), key=lambda p: p.pid))))
+        total = info.get("memory_total_bytes")
+        gpus.append(Gpu(uuid=uuid, name=str(info.get("name", "")), index=str(info.get("index", "")),
+                        memory_total_bytes=float(total) if total is not None else None, groups=tuple(groups)))
+    return tuple(sorted(gpus, key=lambda g: (g.index == "", g.index.zfill(4), g.uuid)))
+
+
+def with_rates(previous: Frame | None, current: Frame) -> Frame:
+    """`current` with each process's kernel time and launch rates since `previous` (pure).
+
+    A process absent from `previous`, or whose counters went down (a new process with a reused
+    pid), gets no rate rather than a wrong one."""
+    if previous is None or current.taken_at <= previous.taken_at:
+        return current
+    dt = current.taken_at - previous.taken_at
+    before = {(p.gpu, p.pid): p for gpu in previous.gpus for g in gpu.groups for p in g.processes}
+
+    def rated(p: Process) -> Process:
+        old = before.get((p.gpu, p.pid))
+        if old is None or p.gpu_seconds_total < old.gpu_seconds_total:
+            return p
+        if p.launches_total < old.launches_total:
+            return p
+        return replace(p, kernel_share=(p.gpu_seconds_total - old.gpu_seconds_total) / dt,
+                       launches_per_second=(p.launches_total - old.launches_total) / dt)
+
+    gpus = tuple(replace(gpu, groups=tuple(replace(g, processes=tuple(rated(p) for p in g.processes))
+                                           for g in gpu.groups)) for gpu in current.gpus)
+    return replace(current, gpus=gpus)
+
+
+def share_bar(share: float, min_util: float, max_util: float, width: int) -> str:
+    """`[###|....   ]`: `#` the share used, `|` MinUtil, `.` room up to MaxUtil, blank beyond it."""
+    cells = []
+    used = round(max(0.0, min(share, 1.0)) * width)
+    floor = round(min_util * width)
+    cap = round(max_util * width)
+    for i in range(width):
+        if i < used:
+            cells.append("#")
+        elif i < cap:
+            cells.append(".")
+        else:
+            cells.append(" ")
+    if 0 < min_util and floor < width:
+        cells[floor] = "|"
+    return "[" + "".join(cells) + "]"
+
+
+def memory_bar(used: float, limit: float | None, width: int) -> str:
+    if not limit:
+        return "[" + "?" * width + "]"
+    filled = round(max(0.0, min(used / limit, 1.0)) * width)
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x * 100:.0f}%"
+
+
+def render(frame: Frame, source: str, width: int = 100) -> list[str]:
+    """The frame as lines of at most `width` characters (pure): what both modes print."""
+    clock = time.strftime("%H:%M:%S", time.localtime(frame.taken_at))
+    status = [f"agent {frame.agent_version or '?'}"]
+    if frame.config_ok is False:
+        status.append("RESOURCE FILE FAILED TO LOAD")
+    if frame.probes_attached == 0:
+        status.append("no eBPF probes")
+    lines = [f"gemtrace top  {source}  {'  '.join(status)}  {clock}"]
+    if frame.error:
+        return [*lines, "", frame.error]
+    if not frame.gpus:
+        return [*lines, "", "no GPU reported by the agent"]
+    bar_w = max(10, min(30, width - 70))
+    for gpu in frame.gpus:
+        used = sum(g.memory_bytes for g in gpu.groups)
+        lines += ["", f"GPU {gpu.index or '?'}  {gpu.name}  {gpu.uuid}  memory {human_bytes(used)} / "
+                      f"{human_bytes(gpu.memory_total_bytes)}"]
+        lines.append(f"  {'GROUP':<12} {'SHARE':<{bar_w + 2}} {'NOW':>4} {'MIN':>4} {'MAX':>4}  "
+                     f"{'MEMORY':<24}  {'LIMIT':>10}")
+        for g in gpu.groups:
+            mem = memory_bar(g.memory_bytes, g.memory_limit_bytes, 10)
+            lines.append(f"  {g.name[:12]:<12} {share_bar(g.share, g.min_util, g.max_util, bar_w)} "
+                         f"{_pct(g.share):>4} {_pct(g.min_util):>4} {_pct(g.max_util):>4}  "
+                         f"{human_bytes(g.memory_bytes):<12}{mem}  {human_bytes(g.memory_limit_bytes):>10}")
+            for p in g.processes:
+                rate = "" if p.launches_per_second is None else f"  {p.launches_per_second:.0f} launches/s"
+                lines.append(f"      {p.pid:>7} {p.comm[:15]:<15} kernel {_pct(p.kernel_share):>4} "
+                             f"({p.gpu_seconds_total:.1f} s)  memory {human_bytes(p.memory_bytes)}{rate}")
+    return [line[:width] for line in lines]
+
+
+def fetch(url: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (operator-given URL)
+        body: bytes = response.read()
+    return body.decode("utf-8")
+
+
+def snapshot(url: str, previous: Frame | None) -> Frame:
+    now = time.time()
+    try:
+        return with_rates(previous, parse(fetch(url), now))
+    except (OSError, ValueError) as exc:
+        return Frame(taken_at=now, error=f"cannot read {url}: {exc}. Is `gemtrace agent` running there?")
+
+
+def _plain(url: str, once: bool, interval: float, out: TextIO | None = None) -> int:
+    stream = out or sys.stdout
+    previous: Frame | None = None
+    while True:
+        frame = snapshot(url, previous)
+        print("\n".join(render(frame, url)), file=stream, flush=True)
+        if once:
+            return 1 if frame.error else 0
+        previous = frame if not frame.error else None
+        time.sleep(interval)
+        print(file=stream)
+
+
+def _curses(stdscr: curses.window, url: str, interval: float) -> int:
+    curses.curs_set(0)
+    stdscr.timeout(int(interval * 1000))
+    previous: Frame | None = None
+    while True:
+        frame = snapshot(url, previous)
+        previous = frame if not frame.error else None
+        height, width = stdscr.getmaxyx()
+        stdscr.erase()
+        for y, line in enumerate(render(frame, url, max(width - 1, 20))[: height - 1]):
+            attr = curses.A_BOLD if y == 0 or line.startswith("GPU ") else curses.A_NORMAL
+            stdscr.addnstr(y, 0, line, width - 1, attr)
+        stdscr.addnstr(height - 1, 0, "q quits", width - 1, curses.A_DIM)
+        stdscr.refresh()
+        deadline = time.monotonic() + interval
+        while (left := deadline - time.monotonic()) > 0:
+            stdscr.timeout(max(1, int(left * 1000)))
+            key = stdscr.getch()
+            if key in (ord("q"), ord("Q")):
+                return 0
+            if key == curses.KEY_RESIZE:
+                break
+
+
+def metrics_url(address: str) -> str:
+    """`host:port` or a full URL; the agent serves /metrics."""
+    if "://" in address:
+        return address
+    return f"http://{address}/metrics"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gemtrace top",
+                                 description="Live view of gemtrace's groups on this host.")
+    ap.add_argument("--url", default=defaults.LISTEN,
+                    help=f"the agent's address (host:port) or /metrics URL (default {defaults.LISTEN})")
+    ap.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
+    ap.add_argument("--interval", type=float, default=REFRESH_SECONDS, help="seconds between frames")
+    args = ap.parse_args(argv)
+    url = metrics_url(args.url)
+    if args.once or not sys.stdout.isatty():
+        try:
+            return _plain(url, args.once, args.interval)
+        except KeyboardInterrupt:
+            return 0
+    try:
+        return curses.wrapper(_curses, url, args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
