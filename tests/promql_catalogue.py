@@ -17,7 +17,7 @@ from gemtrace.metrics import CATALOGUE
 # Labels Prometheus attaches to every scraped series (a `host` target label is the optional
 # friendlier name for an instance, see grafana/prometheus.example.yml).
 TARGET_LABELS = frozenset({"job", "instance", "host"})
-PROMETHEUS_METRICS = {"up": frozenset()}
+PROMETHEUS_METRICS: dict[str, frozenset[str]] = {"up": frozenset()}
 
 GROUPING = frozenset({"by", "without", "on", "ignoring", "group_left", "group_right"})
 KEYWORDS = frozenset({"offset", "bool", "and", "or", "unless", "atan2", "inf", "nan"}) | GROUPING
