@@ -45,12 +45,14 @@ def meminfo(sim: SimGpu, **extra: str) -> dict[str, int]:
 
 
 def test_kernels_take_their_time_and_events_measure_it(simgpu: SimGpu) -> None:
-    result = simgpu.run(["launch-loop", "--kernel-ns", "5000000", "--iters", "40"])[-1]
+    # All 40 kernels are queued at once, so they run back to back: events see the kernel time.
+    args = ["launch-loop", "--kernel-ns", "5000000", "--launches-per-iter", "40", "--iters", "1"]
+    result = simgpu.run(args)[-1]
     assert result["launches"] == 40
     assert result["kernel_s"] == pytest.approx(0.2)
+    assert result["event_s"] >= 0.2 - 1e-5  # never faster than the kernels' own time
+    assert result["event_s"] < 0.25  # the launches take microseconds, unless the host stalls
     assert result["elapsed_s"] >= 0.2
-    # Alone on the device the kernels run back to back: events see exactly the kernel time.
-    assert result["event_s"] == pytest.approx(0.2, rel=0.05)
 
 
 @pytest.mark.parametrize("api", ["launch", "ex", "coop", "graph"])
@@ -61,7 +63,7 @@ def test_every_launch_api_runs_kernels(simgpu: SimGpu, api: str, ptsz: bool) -> 
     args += ["--launches-per-iter", "5", "--iters", "4"]
     result = simgpu.run(args)[-1]
     assert result["launches"] == 20
-    assert result["event_s"] == pytest.approx(0.04, rel=0.1)
+    assert result["event_s"] >= 0.04 - 1e-5
     assert result["elapsed_s"] >= 0.04
 
 
@@ -80,12 +82,14 @@ def test_two_processes_share_one_device_timeline(simgpu: SimGpu) -> None:
 
 def test_devices_have_separate_timelines(simgpu_factory: Callable[..., SimGpu]) -> None:
     sim = simgpu_factory(devices=2)
-    loop = ["launch-loop", "--kernel-ns", "5000000", "--iters", "100"]
+    # Each queues 0.5 s of kernels at once. On one shared timeline the later one would measure
+    # about 1 s between its events; on separate devices both measure 0.5 s.
+    loop = ["launch-loop", "--kernel-ns", "5000000", "--launches-per-iter", "100", "--iters", "1"]
     a = sim.start([*loop, "--device", "0"])
     b = sim.start([*loop, "--device", "1"])
     ra, rb = a.finish()[-1], b.finish()[-1]
-    assert ra["event_s"] == pytest.approx(0.5, rel=0.05)
-    assert rb["event_s"] == pytest.approx(0.5, rel=0.05)
+    assert 0.5 - 1e-5 <= ra["event_s"] < 0.75
+    assert 0.5 - 1e-5 <= rb["event_s"] < 0.75
 
 
 def test_a_full_queue_makes_launches_wait(simgpu: SimGpu) -> None:
@@ -95,7 +99,7 @@ def test_a_full_queue_makes_launches_wait(simgpu: SimGpu) -> None:
     full = simgpu.run(loop, SIMGPU_QUEUE_DEPTH="4")[-1]
     # With room for 4 kernels, the 20th launch waits until the 16th kernel has ended (160 ms).
     assert full["launch_s"] >= 0.15
-    assert full["event_s"] == pytest.approx(0.2, rel=0.05)
+    assert full["event_s"] >= 0.2 - 1e-5
 
 
 def test_launch_is_cheap(simgpu: SimGpu) -> None:
@@ -336,7 +340,8 @@ def test_no_visible_device(simgpu: SimGpu) -> None:
 
 def test_linked_client_runs_the_same_workloads(simgpu: SimGpu) -> None:
     result = simgpu.run(["launch-loop", "--kernel-ns", "2000000", "--iters", "20"], client=LINKED_CLIENT)[-1]
-    assert result["event_s"] == pytest.approx(0.04, rel=0.1)
+    assert result["launches"] == 20
+    assert result["event_s"] >= 0.04 - 1e-5
     lines = simgpu.run(["alloc", "--api", "pool", "1GiB"], client=LINKED_CLIENT)
     assert lines[0]["result"] == CUDA_SUCCESS
     assert RT_CLIENT.exists()
