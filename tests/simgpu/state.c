@@ -286,11 +286,13 @@ void sim_note_context(int phys)
         atomic_fetch_or(&sim_state()->proc[slot].ctx_devices, 1u << phys);
 }
 
-static void sub_saturating(_Atomic uint64_t *v, uint64_t x)
+/* Subtracts up to x, never below zero; returns what it took. */
+static uint64_t sub_saturating(_Atomic uint64_t *v, uint64_t x)
 {
     uint64_t cur = atomic_load(v);
     while (!atomic_compare_exchange_weak(v, &cur, cur > x ? cur - x : 0))
         ;
+    return cur > x ? x : cur;
 }
 
 int sim_reap_dead(void)
@@ -319,6 +321,29 @@ int sim_reap_dead(void)
         freed++;
     }
     return freed;
+}
+
+/* A process that exits gives its memory and its slot back at once, as the real driver tears down its
+ * contexts at exit; one that is killed leaves them to the next reaper (sim_reap_dead). Only libcuda
+ * claims slots, so this runs in the simulated libcuda's processes only. */
+__attribute__((destructor)) static void release_slot_at_exit(void)
+{
+    int slot = __atomic_load_n(&g_slot, __ATOMIC_ACQUIRE);
+    if (slot < 0 || !g_state)
+        return;
+    struct sim_proc *p = &g_state->proc[slot];
+    int32_t me = (int32_t)getpid();
+    if (atomic_load(&p->pid) != me || !atomic_compare_exchange_strong(&p->pid, &me, -me))
+        return;
+    for (unsigned d = 0; d < SIM_MAX_DEVICES; d++) {
+        uint64_t bytes = atomic_exchange(&p->used[d], 0);
+        if (bytes)
+            sub_saturating(&g_state->dev[d].used, bytes);
+    }
+    atomic_store(&p->ctx_devices, 0);
+    atomic_store(&p->start_time, 0);
+    atomic_store(&p->pid, 0);
+    __atomic_store_n(&g_slot, -1, __ATOMIC_RELEASE);
 }
 
 /* The device counter goes first so that a process killed between the two adds leaves capacity
@@ -350,8 +375,9 @@ void sim_mem_release(int phys, uint64_t size)
     int slot = sim_my_slot();
     if (!s || slot < 0)
         return;
-    sub_saturating(&s->proc[slot].used[phys], size);
-    sub_saturating(&s->dev[phys].used, size);
+    /* The device gives back only what this process's slot held: a free after the slot was released
+     * (at exit) or reaped cannot take bytes that other processes hold. */
+    sub_saturating(&s->dev[phys].used, sub_saturating(&s->proc[slot].used[phys], size));
 }
 
 /* ---- utilisation -------------------------------------------------------------------------- */
