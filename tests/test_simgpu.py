@@ -55,7 +55,7 @@ def test_kernels_take_their_time_and_events_measure_it(simgpu: SimGpu) -> None:
     assert result["elapsed_s"] >= 0.2
 
 
-@pytest.mark.parametrize("api", ["launch", "ex", "coop", "graph"])
+@pytest.mark.parametrize("api", ["launch", "ex", "coop", "extra", "graph"])
 @pytest.mark.parametrize("ptsz", [False, True])
 def test_every_launch_api_runs_kernels(simgpu: SimGpu, api: str, ptsz: bool) -> None:
     args = ["--ptsz"] if ptsz else []
@@ -65,6 +65,14 @@ def test_every_launch_api_runs_kernels(simgpu: SimGpu, api: str, ptsz: bool) -> 
     assert result["launches"] == 20
     assert result["event_s"] >= 0.04 - 1e-5
     assert result["elapsed_s"] >= 0.04
+
+
+@pytest.mark.parametrize("stream", [[], ["--stream"], ["--ptsz"]])
+def test_threads_and_streams_of_one_process_share_the_device(simgpu: SimGpu, stream: list[str]) -> None:
+    args = ["launch-loop", "--threads", "4", "--kernel-ns", "2000000", "--iters", "25", *stream]
+    result = simgpu.run(args)[-1]
+    assert result["launches"] == 100
+    assert result["elapsed_s"] >= result["kernel_s"] == pytest.approx(0.2)
 
 
 def test_two_processes_share_one_device_timeline(simgpu: SimGpu) -> None:

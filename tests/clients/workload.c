@@ -2,10 +2,12 @@
  * workload.c - what the test clients do, one JSON object per line on stdout (flushed), so that
  * Python tests can follow them. Subcommands:
  *   launch-loop --kernel-ns N [--launches-per-iter K] [--seconds S | --iters I] [--device D]
- *               [--api launch|ex|coop|graph] [--no-sync] [--progress]
- *       K launches then cuStreamSynchronize, repeated; the last line is
- *       {"iters","launches","elapsed_s","kernel_s","launch_s","event_s"}: launch_s is the time spent
- *       before the final synchronisation, event_s what events recorded around the loop measured.
+ *               [--api launch|ex|coop|extra|graph] [--stream] [--threads T] [--no-sync] [--progress]
+ *       K launches then cuStreamSynchronize, repeated, on the default stream (or, with --stream, on a
+ *       stream of its own), in T threads at once; the last line is {"iters","launches","elapsed_s",
+ *       "kernel_s","launch_s","event_s","threads"} (sums over threads; launch_s is the time spent
+ *       before the final synchronisation and event_s what events around the loop measured, the
+ *       longest of any thread). --progress prints {"progress","t","iters","launches"} each second.
  *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free] SIZE...
  *       one {"size","result","name"} line per allocation, then {"holding":S,"pid"} before holding,
  *       then {"freed":n} with --free.
@@ -24,6 +26,7 @@
 #include "simgpu.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -76,7 +79,7 @@ struct opts {
     double seconds, hold;
     int device;
     const char *api;
-    bool no_sync, progress, free_after;
+    bool no_sync, progress, free_after, stream;
     uint64_t size;
     int n_sizes;
     uint64_t sizes[256];
@@ -106,6 +109,8 @@ static void parse(int argc, char **argv, struct opts *o)
             o->progress = true;
         else if (strcmp(a, "--free") == 0)
             o->free_after = true;
+        else if (strcmp(a, "--stream") == 0)
+            o->stream = true;
         else if (OPT("--kernel-ns"))
             o->kernel_ns = strtoull(v, NULL, 10);
         else if (OPT("--launches-per-iter"))
@@ -156,37 +161,55 @@ static CUfunction setup(int device)
 
 /* ---- launches ----------------------------------------------------------------------------- */
 
-static CUresult launch_one(const char *api, CUfunction f, uint64_t *ns)
+/* One launch of a kernel of *ns nanoseconds on stream h through `api`. */
+static CUresult launch_one(const char *api, CUfunction f, CUstream h, uint64_t *ns)
 {
     void *params[] = {ns};
     if (strcmp(api, "ex") == 0) {
         CUlaunchConfig cfg = {.gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32, .blockDimY = 1,
-                              .blockDimZ = 1, .hStream = NULL};
+                              .blockDimZ = 1, .hStream = h};
         return D->f_cuLaunchKernelEx(&cfg, f, params, NULL);
     }
     if (strcmp(api, "coop") == 0)
-        return D->f_cuLaunchCooperativeKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params);
-    return D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params, NULL);
+        return D->f_cuLaunchCooperativeKernel(f, 1, 1, 1, 32, 1, 1, 0, h, params);
+    if (strcmp(api, "extra") == 0) { /* arguments packed in one buffer, as some code generators do */
+        size_t size = sizeof *ns;
+        void *extra[] = {CU_LAUNCH_PARAM_BUFFER_POINTER, ns, CU_LAUNCH_PARAM_BUFFER_SIZE, &size, CU_LAUNCH_PARAM_END};
+        return D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, h, NULL, extra);
+    }
+    return D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, h, params, NULL);
 }
 
-static int launch_loop(const struct opts *o)
+struct loop {
+    const struct opts *o;
+    const char *api;
+    CUcontext ctx;
+    CUfunction f;
+    int index;
+    long iters, launches;
+    double launch_s, event_s;
+};
+
+static _Atomic long g_launches_total;
+
+static void *run_loop(void *arg)
 {
-    CUfunction f = setup(o->device);
+    struct loop *l = arg;
+    const struct opts *o = l->o;
     uint64_t ns = o->kernel_ns;
-    const char *api = o->api ? o->api : "launch";
-    bool graph = strcmp(api, "graph") == 0;
-    if (!graph && strcmp(api, "launch") && strcmp(api, "ex") && strcmp(api, "coop")) {
-        emit("{\"error\":\"usage\",\"message\":\"--api is launch, ex, coop or graph\"}");
-        return 2;
-    }
+    bool graph = strcmp(l->api, "graph") == 0;
+    CHECK(D->f_cuCtxSetCurrent(l->ctx)); /* as the runtime does on every thread */
+    CUstream stream = NULL;
+    if (o->stream)
+        CHECK(D->f_cuStreamCreate(&stream, CU_STREAM_DEFAULT));
     CUgraph g = NULL;
     CUgraphExec exec = NULL;
     if (graph) {
         CHECK(D->f_cuGraphCreate(&g, 0));
         for (long k = 0; k < o->per_iter; k++) {
             void *params[] = {&ns};
-            CUDA_KERNEL_NODE_PARAMS p = {.func = f, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1, .blockDimX = 32,
-                                         .blockDimY = 1, .blockDimZ = 1, .kernelParams = params};
+            CUDA_KERNEL_NODE_PARAMS p = {.func = l->f, .gridDimX = 1, .gridDimY = 1, .gridDimZ = 1,
+                                         .blockDimX = 32, .blockDimY = 1, .blockDimZ = 1, .kernelParams = params};
             CUgraphNode node;
             CHECK(D->f_cuGraphAddKernelNode(&node, g, NULL, 0, &p));
         }
@@ -195,44 +218,85 @@ static int launch_loop(const struct opts *o)
     CUevent ev_start, ev_end;
     CHECK(D->f_cuEventCreate(&ev_start, CU_EVENT_DEFAULT));
     CHECK(D->f_cuEventCreate(&ev_end, CU_EVENT_DEFAULT));
-    CHECK(D->f_cuEventRecord(ev_start, NULL));
+    CHECK(D->f_cuEventRecord(ev_start, stream));
     long iters_wanted = o->iters > 0 ? o->iters : (o->seconds > 0 ? -1 : 1);
     double start = now_s(), next_progress = start + 1.0, t = start;
-    long iters = 0, launches = 0;
-    while (iters_wanted < 0 ? t - start < o->seconds : iters < iters_wanted) {
+    while (iters_wanted < 0 ? t - start < o->seconds : l->iters < iters_wanted) {
         if (graph) {
-            CHECK(D->f_cuGraphLaunch(exec, NULL));
+            CHECK(D->f_cuGraphLaunch(exec, stream));
         } else {
             for (long k = 0; k < o->per_iter; k++)
-                CHECK(launch_one(api, f, &ns));
+                CHECK(launch_one(l->api, l->f, stream, &ns));
         }
-        launches += o->per_iter;
+        l->launches += o->per_iter;
+        atomic_fetch_add(&g_launches_total, o->per_iter);
         if (!o->no_sync)
-            CHECK(D->f_cuStreamSynchronize(NULL));
-        iters++;
+            CHECK(D->f_cuStreamSynchronize(stream));
+        l->iters++;
         t = now_s();
-        if (o->progress && t >= next_progress) {
-            emit("{\"progress\":true,\"t\":%.6f,\"iters\":%ld,\"launches\":%ld}", t - start, iters, launches);
+        if (o->progress && l->index == 0 && t >= next_progress) {
+            emit("{\"progress\":true,\"t\":%.6f,\"iters\":%ld,\"launches\":%ld}", t - start, l->iters,
+                 atomic_load(&g_launches_total));
             next_progress += 1.0;
         }
     }
-    double launch_s = now_s() - start;
-    CHECK(D->f_cuEventRecord(ev_end, NULL));
-    if (o->no_sync)
-        CHECK(D->f_cuCtxSynchronize());
+    l->launch_s = now_s() - start;
+    CHECK(D->f_cuEventRecord(ev_end, stream));
     CHECK(D->f_cuEventSynchronize(ev_end));
-    double elapsed = now_s() - start;
     float event_ms = 0;
     CHECK(D->f_cuEventElapsedTime(&event_ms, ev_start, ev_end));
+    l->event_s = (double)event_ms / 1e3;
     CHECK(D->f_cuEventDestroy(ev_start));
     CHECK(D->f_cuEventDestroy(ev_end));
     if (graph) {
         CHECK(D->f_cuGraphExecDestroy(exec));
         CHECK(D->f_cuGraphDestroy(g));
     }
+    if (stream)
+        CHECK(D->f_cuStreamDestroy(stream));
+    return NULL;
+}
+
+static int launch_loop(const struct opts *o)
+{
+    CUfunction f = setup(o->device);
+    const char *api = o->api ? o->api : "launch";
+    if (strcmp(api, "graph") && strcmp(api, "launch") && strcmp(api, "ex") && strcmp(api, "coop") &&
+        strcmp(api, "extra")) {
+        emit("{\"error\":\"usage\",\"message\":\"--api is launch, ex, coop, extra or graph\"}");
+        return 2;
+    }
+    if (o->threads < 1 || o->threads > 1024) {
+        emit("{\"error\":\"usage\",\"message\":\"--threads is 1..1024\"}");
+        return 2;
+    }
+    CUcontext ctx;
+    CHECK(D->f_cuCtxGetCurrent(&ctx));
+    struct loop *loops = calloc((size_t)o->threads, sizeof *loops);
+    pthread_t *tids = calloc((size_t)o->threads, sizeof *tids);
+    double start = now_s();
+    for (long i = 0; i < o->threads; i++) {
+        loops[i] = (struct loop){.o = o, .api = api, .ctx = ctx, .f = f, .index = (int)i};
+        if (o->threads == 1)
+            run_loop(&loops[i]);
+        else
+            pthread_create(&tids[i], NULL, run_loop, &loops[i]);
+    }
+    long iters = 0, launches = 0;
+    double launch_s = 0, event_s = 0;
+    for (long i = 0; i < o->threads; i++) {
+        if (o->threads > 1)
+            pthread_join(tids[i], NULL);
+        iters += loops[i].iters;
+        launches += loops[i].launches;
+        launch_s = loops[i].launch_s > launch_s ? loops[i].launch_s : launch_s;
+        event_s = loops[i].event_s > event_s ? loops[i].event_s : event_s;
+    }
+    CHECK(D->f_cuCtxSynchronize(NULL));
+    double elapsed = now_s() - start;
     emit("{\"iters\":%ld,\"launches\":%ld,\"elapsed_s\":%.6f,\"kernel_s\":%.6f,\"launch_s\":%.6f,"
-         "\"event_s\":%.6f}",
-         iters, launches, elapsed, (double)launches * (double)ns / 1e9, launch_s, (double)event_ms / 1e3);
+         "\"event_s\":%.6f,\"threads\":%ld}",
+         iters, launches, elapsed, (double)launches * (double)o->kernel_ns / 1e9, launch_s, event_s, o->threads);
     return 0;
 }
 

@@ -2,7 +2,9 @@
  * workload.h - the test clients' workloads, written once against a table of driver entry points.
  * simgpu-rt fills the table as the CUDA runtime does (dlopen + cuGetProcAddress_v2), simgpu-linked
  * by linking with -lcuda; both then run workload_main. DRV_FUNCS is the one list of entry points:
- * X(base name, PFN type of cudaTypedefs.h, symbol a program linked with -lcuda calls).
+ * X(base name, PFN type of cudaTypedefs.h, symbol a program linked with -lcuda calls). The PFN type
+ * must be the form cuGetProcAddress gives for CUDA 13.0 (rt.c asks for 13000): cuCtxSynchronize
+ * is then cuCtxSynchronize_v2, which takes a context.
  */
 #ifndef SIMGPU_WORKLOAD_H
 #define SIMGPU_WORKLOAD_H
@@ -29,8 +31,10 @@
     X(cuCtxSetCurrent, PFN_cuCtxSetCurrent_v4000, cuCtxSetCurrent)                \
     X(cuModuleLoadData, PFN_cuModuleLoadData_v2000, cuModuleLoadData)             \
     X(cuModuleGetFunction, PFN_cuModuleGetFunction_v2000, cuModuleGetFunction)    \
+    X(cuStreamCreate, PFN_cuStreamCreate_v2000, cuStreamCreate)                   \
+    X(cuStreamDestroy, PFN_cuStreamDestroy_v4000, cuStreamDestroy_v2)             \
     X(cuStreamSynchronize, PFN_cuStreamSynchronize_v2000, cuStreamSynchronize)    \
-    X(cuCtxSynchronize, PFN_cuCtxSynchronize_v2000, cuCtxSynchronize)             \
+    X(cuCtxSynchronize, PFN_cuCtxSynchronize_v13000, cuCtxSynchronize_v2)         \
     X(cuLaunchKernel, PFN_cuLaunchKernel_v4000, cuLaunchKernel)                   \
     X(cuLaunchKernelEx, PFN_cuLaunchKernelEx_v11060, cuLaunchKernelEx)            \
     X(cuLaunchCooperativeKernel, PFN_cuLaunchCooperativeKernel_v9000, cuLaunchCooperativeKernel) \
