@@ -184,7 +184,9 @@ class SimGpu:
         self._clients: list[Client] = []
 
     def env(self, **extra: str) -> dict[str, str]:
-        return simgpu_env(self.state_dir, self.devices, self.memory, **extra)
+        env = simgpu_env(self.state_dir, self.devices, self.memory)
+        env.update(extra)
+        return env
 
     def run(self, args: Sequence[str], client: Path = RT_CLIENT, **extra: str) -> list[dict[str, Any]]:
         return run_client(args, self.env(**extra), client)

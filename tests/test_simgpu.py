@@ -37,8 +37,8 @@ def nvml_processes(sim: SimGpu, index: int = 0) -> dict[int, int]:
     return {int(pid): used for pid, used in lines[0].items()}
 
 
-def meminfo(sim: SimGpu, **extra: str) -> dict[str, int]:
-    return sim.run(["meminfo"], **extra)[0]
+def meminfo(sim: SimGpu) -> dict[str, int]:
+    return sim.run(["meminfo"])[0]
 
 
 # ---- the timeline ---------------------------------------------------------------------------
