@@ -67,6 +67,16 @@ def test_every_launch_api_runs_kernels(simgpu: SimGpu, api: str, ptsz: bool) -> 
     assert result["elapsed_s"] >= 0.04
 
 
+@pytest.mark.parametrize("sync", ["stream", "ctx", "event", "memcpy"])
+@pytest.mark.parametrize("ptsz", [[], ["--ptsz"]])
+def test_synchronising_calls_wait_for_the_kernels(simgpu: SimGpu, sync: str, ptsz: list[str]) -> None:
+    args = [*ptsz, "launch-loop", "--kernel-ns", "2000000", "--iters", "20", "--sync", sync]
+    result = simgpu.run(args)[-1]
+    # Each iteration waited for its kernel, so the loop itself took the kernels' time (a call that
+    # did not wait would leave launch_s at microseconds; see test_a_full_queue_makes_launches_wait).
+    assert result["launch_s"] >= result["kernel_s"] == pytest.approx(0.04)
+
+
 @pytest.mark.parametrize("stream", [[], ["--stream"], ["--ptsz"]])
 def test_threads_and_streams_of_one_process_share_the_device(simgpu: SimGpu, stream: list[str]) -> None:
     args = ["launch-loop", "--threads", "4", "--kernel-ns", "2000000", "--iters", "25", *stream]

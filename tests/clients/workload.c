@@ -3,7 +3,10 @@
  * Python tests can follow them. Subcommands:
  *   launch-loop --kernel-ns N [--launches-per-iter K] [--seconds S | --iters I] [--device D]
  *               [--api launch|ex|coop|extra|graph] [--stream] [--threads T] [--no-sync] [--progress]
- *       K launches then cuStreamSynchronize, repeated, on the default stream (or, with --stream, on a
+ *               [--sync stream|ctx|event|memcpy]
+ *       K launches then a synchronisation (cuStreamSynchronize, cuCtxSynchronize, an event's, or a
+ *       4-byte cuMemcpyDtoH from a 4 KiB buffer allocated for it, as PyTorch's .item() does),
+ *       repeated, on the default stream (or, with --stream, on a
  *       stream of its own), in T threads at once; the last line is {"iters","launches","elapsed_s",
  *       "kernel_s","launch_s","event_s","threads"} (sums over threads; launch_s is the time spent
  *       before the final synchronisation and event_s what events around the loop measured, the
@@ -78,7 +81,7 @@ struct opts {
     long per_iter, iters, threads, count, launches;
     double seconds, hold;
     int device;
-    const char *api;
+    const char *api, *sync;
     bool no_sync, progress, free_after, stream;
     uint64_t size;
     int n_sizes;
@@ -125,6 +128,8 @@ static void parse(int argc, char **argv, struct opts *o)
             o->device = (int)strtol(v, NULL, 10);
         else if (OPT("--api"))
             o->api = v;
+        else if (OPT("--sync"))
+            o->sync = v;
         else if (OPT("--threads"))
             o->threads = strtol(v, NULL, 10);
         else if (OPT("--count"))
@@ -215,9 +220,14 @@ static void *run_loop(void *arg)
         }
         CHECK(D->f_cuGraphInstantiateWithFlags(&exec, g, 0));
     }
-    CUevent ev_start, ev_end;
+    CUevent ev_start, ev_end, ev_iter;
     CHECK(D->f_cuEventCreate(&ev_start, CU_EVENT_DEFAULT));
     CHECK(D->f_cuEventCreate(&ev_end, CU_EVENT_DEFAULT));
+    CHECK(D->f_cuEventCreate(&ev_iter, CU_EVENT_DISABLE_TIMING));
+    const char *sync = o->sync ? o->sync : "stream";
+    CUdeviceptr buffer = 0;
+    if (strcmp(sync, "memcpy") == 0)
+        CHECK(D->f_cuMemAlloc(&buffer, 4096));
     CHECK(D->f_cuEventRecord(ev_start, stream));
     long iters_wanted = o->iters > 0 ? o->iters : (o->seconds > 0 ? -1 : 1);
     double start = now_s(), next_progress = start + 1.0, t = start;
@@ -230,8 +240,18 @@ static void *run_loop(void *arg)
         }
         l->launches += o->per_iter;
         atomic_fetch_add(&g_launches_total, o->per_iter);
-        if (!o->no_sync)
+        if (o->no_sync) {
+        } else if (strcmp(sync, "ctx") == 0) {
+            CHECK(D->f_cuCtxSynchronize(NULL));
+        } else if (strcmp(sync, "event") == 0) {
+            CHECK(D->f_cuEventRecord(ev_iter, stream));
+            CHECK(D->f_cuEventSynchronize(ev_iter));
+        } else if (strcmp(sync, "memcpy") == 0) {
+            uint32_t value;
+            CHECK(D->f_cuMemcpyDtoH(&value, buffer, sizeof value));
+        } else {
             CHECK(D->f_cuStreamSynchronize(stream));
+        }
         l->iters++;
         t = now_s();
         if (o->progress && l->index == 0 && t >= next_progress) {
@@ -248,6 +268,9 @@ static void *run_loop(void *arg)
     l->event_s = (double)event_ms / 1e3;
     CHECK(D->f_cuEventDestroy(ev_start));
     CHECK(D->f_cuEventDestroy(ev_end));
+    CHECK(D->f_cuEventDestroy(ev_iter));
+    if (buffer)
+        CHECK(D->f_cuMemFree(buffer));
     if (graph) {
         CHECK(D->f_cuGraphExecDestroy(exec));
         CHECK(D->f_cuGraphDestroy(g));
@@ -268,6 +291,11 @@ static int launch_loop(const struct opts *o)
     }
     if (o->threads < 1 || o->threads > 1024) {
         emit("{\"error\":\"usage\",\"message\":\"--threads is 1..1024\"}");
+        return 2;
+    }
+    if (o->sync && strcmp(o->sync, "stream") && strcmp(o->sync, "ctx") && strcmp(o->sync, "event") &&
+        strcmp(o->sync, "memcpy")) {
+        emit("{\"error\":\"usage\",\"message\":\"--sync is stream, ctx, event or memcpy\"}");
         return 2;
     }
     CUcontext ctx;

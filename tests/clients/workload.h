@@ -45,6 +45,7 @@
     X(cuGraphExecDestroy, PFN_cuGraphExecDestroy_v10000, cuGraphExecDestroy)      \
     X(cuGraphDestroy, PFN_cuGraphDestroy_v10000, cuGraphDestroy)                  \
     X(cuMemGetInfo, PFN_cuMemGetInfo_v3020, cuMemGetInfo_v2)                      \
+    X(cuMemcpyDtoH, PFN_cuMemcpyDtoH_v3020, cuMemcpyDtoH_v2)                      \
     X(cuMemAlloc, PFN_cuMemAlloc_v3020, cuMemAlloc_v2)                            \
     X(cuMemAllocPitch, PFN_cuMemAllocPitch_v3020, cuMemAllocPitch_v2)             \
     X(cuMemAllocManaged, PFN_cuMemAllocManaged_v6000, cuMemAllocManaged)          \

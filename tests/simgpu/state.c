@@ -123,6 +123,11 @@ static void attach(void)
 {
     char dir[PATH_MAX - 16], path[PATH_MAX];
     state_dir(dir, sizeof dir);
+    for (char *slash = strchr(dir + 1, '/'); slash; slash = strchr(slash + 1, '/')) {
+        *slash = 0; /* make the parents too, as mkdir -p */
+        mkdir(dir, 0755);
+        *slash = '/';
+    }
     if (mkdir(dir, 0700) != 0 && errno != EEXIST) {
         fprintf(stderr, "simgpu: cannot create state directory %s: %s\n", dir, strerror(errno));
         return;
