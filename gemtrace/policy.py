@@ -66,6 +66,9 @@ class PolicyParams:
     drain_timeout_ns: int = 50 * MS
     window_ns: int = 1000 * MS  # time constant of the decayed usage (ordering, util_ratio)
     poll_ns: int = 4 * MS  # looking for demand, or for the holder going idle while others wait
+    # Nothing changing (no demand; an uncapped holder idle with nobody else waiting): the look for
+    # demand backs off to an eighth of the quiet time, up to this.
+    max_poll_ns: int = 32 * MS
     drain_poll_ns: int = 250_000
     # A group owed less than this much wall time is not worth a switch.
     owed_min_ns: int = 1 * MS
@@ -131,6 +134,7 @@ class TimeSharePolicy:
         self._drain_ns = 0.0  # decayed mean of measured drains
         self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
         self._last = self.now
+        self._changed_at = self.now  # the last look that saw demand, phase or holder activity change
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -169,6 +173,7 @@ class TimeSharePolicy:
 
     def step(self, now: int, obs: Observation) -> Decision:
         self._advance(now)
+        before = (self._demand, self._phase, self._holder, self._charging)
         self._demand = frozenset(g for g in obs.demand if g in self._accounts)
         if self._phase is Phase.RUNNING:
             self._step_running(now, obs)
@@ -176,6 +181,8 @@ class TimeSharePolicy:
             self._step_draining(now, obs)
         if self._phase is Phase.IDLE:
             self._step_idle(now)
+        if (self._demand, self._phase, self._holder, self._charging) != before:
+            self._changed_at = now
         return Decision(self._holder if self._phase is Phase.RUNNING else None,
                         self._holder if self._phase is Phase.DRAINING else None,
                         self._wake_at(now))
@@ -288,14 +295,20 @@ class TimeSharePolicy:
             # Expect the drain to take about as long as the last ones: look at a fraction of that.
             poll = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
             return min(now + poll, self._hold_at + p.drain_timeout_ns)
+        # Nothing changed for a while: look for new demand less often (a few ms of latency for the
+        # first launch after a long quiet spell, for far fewer wake-ups of an idle agent).
+        backoff = min(p.max_poll_ns, max(p.poll_ns, (now - self._changed_at) // 8))
         if self._phase is Phase.RUNNING:
-            others = any(g != self._holder for g in self._demand)
-            if others or not self._charging:
-                # Someone waits (revoke early if the holder idles), or the holder idles (see when
-                # it is busy again, so that its charge starts at most a poll late).
-                return min(self._slice_end, now + p.poll_ns)
+            assert self._holder is not None
+            if any(g != self._holder for g in self._demand):
+                return min(self._slice_end, now + p.poll_ns)  # revoke early if the holder idles
+            if not self._charging:
+                # The holder idles: see when it is busy again, so that its charge starts at most a
+                # look late; promptly for a capped group (its cap counts on that charge).
+                capped = self._accounts[self._holder].quota.max_util < 1.0
+                return min(self._slice_end, now + (p.poll_ns if capped else backoff))
             return self._slice_end
-        wake = now + p.poll_ns
+        wake = now + backoff
         for group in self._demand:
             quota = self._accounts[group].quota
             if 0.0 < quota.max_util < 1.0:

@@ -7,9 +7,10 @@ the `Decision` by holding and releasing control[gpu][group] words. The agent run
 per GPU, each in its own thread (`run(stop)`). It never decides anything itself, never writes a slot,
 and never blocks a gate: on any way out of `run` (stop, or an error) it releases every word it held.
 
-Cost: one look reads the slot table through strided memoryviews (a few microseconds for 1024 slots)
-and then only the live slots; it looks at the policy's next deadline, every few ms only while another
-group waits or the GPU is idle, and every fraction of a ms only during a drain.
+Cost: a look reads only the live slots (a scan of the whole table for new processes every 50 ms);
+it looks at the policy's next deadline: once a slice while one group has the GPU alone, every few ms
+while another group waits, every fraction of a ms only during a drain, and backing off to every 32 ms
+while nothing changes.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from gemtrace.policy import Decision, GroupUsage, Observation, PolicyParams, Quo
 __all__ = ["GpuScheduler", "GroupUsage", "Quota", "SlotTable"]
 
 log = structlog.get_logger("gemtrace.scheduler")
+
+# How often a look scans the whole slot table for new processes; between scans it reads only the
+# slots it knows. A scan walks 1024 slots, one cache line each: ~100 us when the table is cold, the
+# bulk of a look's cost. A new process's first launch waits at most this long for its first release.
+RESCAN_NS = 50_000_000
 
 
 class SlotTable:
@@ -67,7 +73,6 @@ class _SlotSeen:
     pid: int
     launches: int
     moved_at: int  # the look that first saw the launches counter at its current value (0: never)
-    moved_after: int  # the look before that one: the last launch came after it
 
 
 @dataclass
@@ -81,7 +86,7 @@ class GpuScheduler:
     thread; `run` (or, in tests, `step`) from one thread only."""
 
     def __init__(self, region: rg.Region, gpu: int, clock: Callable[[], int] = time.monotonic_ns,
-                 params: PolicyParams | None = None) -> None:
+                 params: PolicyParams | None = None, rescan_ns: int = RESCAN_NS) -> None:
         if not 0 <= gpu < rg.MAX_GPUS:
             raise ValueError(f"gpu index {gpu} is outside 0..{rg.MAX_GPUS - 1}")
         self.region = region
@@ -95,7 +100,9 @@ class GpuScheduler:
         self._released: int | None = None
         self._drain: _Drain | None = None
         self._seen: dict[int, _SlotSeen] = {}
-        self._last_look = 0
+        self._live: list[int] = []
+        self._rescan_ns = rescan_ns
+        self._scanned_at = clock() - rescan_ns
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
 
     # -- the agent's side --------------------------------------------------------------------------
@@ -125,7 +132,9 @@ class GpuScheduler:
                     continue
                 delay = (wake_at - self._clock()) / 1e9
                 if delay > 0:
-                    stop.wait(delay)
+                    # A plain sleep costs about half the CPU of an Event.wait wake-up; `stop` is
+                    # still seen within one look (at most the policy's longest sleep, 60 ms).
+                    time.sleep(delay)
         finally:
             self._release_all()
             log.info("scheduler_stopped", gpu=self.gpu)
@@ -160,20 +169,17 @@ class GpuScheduler:
             if group != self._released:
                 self.region.hold(self.gpu, group)
 
-    def _quiet(self, slot: _SlotSeen, moved: bool, waiting: int, drained: int, now: int) -> bool:
+    @staticmethod
+    def _quiet(slot: _SlotSeen, moved: bool, waiting: int, drained: int) -> bool:
         """Has the process nothing queued on this GPU, as far as the counters tell?
 
         Yes if a thread waits on the word (the gate drained before waiting), or the process drained
-        (in the gate, or by its own sync) after its last launch. The gate reads no clock per launch,
-        so the last launch is only known to lie between two looks: a drain stored after the later
-        look is surely after it; one stored between the two looks is taken as after it once a poll
-        has passed with no further launch (a process that launched, synced and stopped).
+        (in the gate, or by its own sync) after the look that saw its last launch. The gate reads no
+        clock per launch, so a drain stored between that look and the one before may be older than
+        the launch: such a process counts as busy until it drains again or launches into the held
+        word (taking it for quiet let a process in an 8 ms sync run on beside the next group).
         """
-        if moved:
-            return False
-        if waiting > 0 or drained >= slot.moved_at:
-            return True
-        return drained > slot.moved_after and now - slot.moved_at >= self._policy.params.poll_ns
+        return not moved and (waiting > 0 or drained >= slot.moved_at)
 
     def _observe(self, now: int) -> Observation:
         slots = self._slots
@@ -185,9 +191,13 @@ class GpuScheduler:
         drain_done = True
         drain_ends: list[int] = []
         seen = self._seen
-        live = slots.live()
+        if now - self._scanned_at >= self._rescan_ns:
+            self._live, self._scanned_at = slots.live(), now
+        live = self._live
         for index in live:
             pid = slots.pid[index]
+            if not pid:
+                continue  # freed since the last scan
             group = slots.group[index]
             if group not in self._scheduled:
                 continue
@@ -197,13 +207,13 @@ class GpuScheduler:
             slot = seen.get(index)
             if slot is None or slot.pid != pid:
                 # First sight (a new process, or the agent restarted): work it launched may be queued.
-                slot = seen[index] = _SlotSeen(pid, launches, now if launches else 0, self._last_look)
+                slot = seen[index] = _SlotSeen(pid, launches, now if launches else 0)
                 moved = launches != 0
             else:
                 moved = launches != slot.launches
                 if moved:
-                    slot.launches, slot.moved_at, slot.moved_after = launches, now, self._last_look
-            quiet = self._quiet(slot, moved, waiting, drained, now)
+                    slot.launches, slot.moved_at = launches, now
+            quiet = self._quiet(slot, moved, waiting, drained)
             if waiting > 0 or moved:
                 demand.add(group)
             if group == holder:
@@ -216,10 +226,9 @@ class GpuScheduler:
                     drain_ends.append(drained)
                 else:
                     drain_done = False
-        self._last_look = now
         if len(seen) > len(live):
-            live_set = set(live)
-            for index in [i for i in seen if i not in live_set]:
+            known = set(live)
+            for index in [i for i in seen if i not in known]:
                 del seen[index]
         if holder is not None and holder_busy:
             demand.add(holder)

@@ -227,3 +227,19 @@ def test_zero_max_util_never_runs() -> None:
 def test_quota_rejects_min_above_max() -> None:
     with pytest.raises(ValueError):
         Quota(0.6, 0.5)
+
+
+def test_an_idle_gpu_is_looked_at_rarely() -> None:
+    gpu, _ = simulate({0: Quota(), 1: Quota(0, 0.5)}, {0: idle(), 1: idle()}, duration=2 * SECOND)
+    # Backs off from a look every 4 ms to one every 32 ms within a quarter second.
+    assert gpu.steps < 2 * SECOND // (32 * MS) + 60
+    assert not gpu.busy_ns
+
+
+def test_first_launch_after_a_quiet_spell_waits_at_most_the_longest_poll() -> None:
+    late = Workload(5 * MS, 10**18)
+    late.arrived_until = 3 * SECOND  # its first work arrives after 3 s of nothing
+    gpu, policy = simulate({0: Quota()}, {0: late}, duration=4 * SECOND)
+    assert gpu.busy_ns[0] == 5 * MS
+    usage = policy.usage(4 * SECOND)[0]
+    assert usage.throttled_seconds <= PolicyParams().max_poll_ns / 1e9 + 0.001

@@ -12,7 +12,7 @@ import pytest
 
 from gemtrace import region as rg
 from gemtrace.policy import MS, PolicyParams
-from gemtrace.scheduler import GpuScheduler, Quota, SlotTable
+from gemtrace.scheduler import RESCAN_NS, GpuScheduler, Quota, SlotTable
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +67,7 @@ def test_slot_table_reads_the_fields_of_one_gpu(region: rg.Region) -> None:
 
 def test_a_waiting_group_is_released_and_the_others_stay_held(region: rg.Region) -> None:
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     scheduler.step()
@@ -79,9 +79,21 @@ def test_a_waiting_group_is_released_and_the_others_stay_held(region: rg.Region)
     assert not region.is_held(0, a)  # the other GPU is not this scheduler's
 
 
-def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
+def test_a_new_process_is_seen_within_a_rescan(region: rg.Region) -> None:
     clock = FakeClock()
     scheduler = GpuScheduler(region, GPU, clock)
+    a = region.set_group("a", None, 0, 1)
+    scheduler.set_quotas({a: Quota()})
+    scheduler.step()
+    claim(region, 3, 1001, a).waiting[GPU] = 1
+    while held(region, a):
+        assert clock() - 1_000 * MS <= RESCAN_NS + 32 * MS  # a scan, then at most the longest poll
+        clock.advance(scheduler.step() - clock())
+
+
+def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 5, 1002, b)
@@ -117,7 +129,7 @@ def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
 
 def test_an_idle_holder_is_revoked_when_another_group_waits(region: rg.Region) -> None:
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     slot_a = claim(region, 0, 1001, a)
@@ -139,7 +151,7 @@ def test_an_idle_holder_is_revoked_when_another_group_waits(region: rg.Region) -
 
 def test_a_group_without_processes_costs_nothing(region: rg.Region) -> None:
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0.5, 1)
     scheduler.set_quotas({a: Quota(), b: Quota(0.5, 1)})
     slot_a = claim(region, 0, 1001, a)
@@ -160,7 +172,7 @@ def test_a_group_without_processes_costs_nothing(region: rg.Region) -> None:
 
 def test_dropping_a_group_releases_its_word(region: rg.Region) -> None:
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     scheduler.step()
@@ -172,6 +184,7 @@ def test_dropping_a_group_releases_its_word(region: rg.Region) -> None:
 
 def test_a_dead_process_does_not_hold_up_a_drain(region: rg.Region) -> None:
     clock = FakeClock()
+    # Default rescan: between scans a freed slot must still be seen at once.
     scheduler = GpuScheduler(region, GPU, clock, PolicyParams(slice_ns=10 * MS))
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})

@@ -1,0 +1,200 @@
+"""Scheduler accuracy on the simulated GPU: the rig shared by tests/test_scheduler_e2e.py and
+bench/bench_scheduler_accuracy.py.
+
+It runs what the agent would, minus the agent: a Region in a private state dir with the simulated
+GPUs' NVML UUIDs, one GpuScheduler thread per GPU, a heartbeat thread (gates ignore a silent agent),
+and gated launch loops (build/libgemgate.so preloaded, GEMTRACE_GROUP set) as each group's processes.
+A group's device share is the kernel time its processes completed over a window in the middle of
+the run (read from the clients' once-a-second progress lines) divided by the window's length; its
+share, as on the H100 (throughput shared / solo), is that divided by the device share the same work
+gets alone on the GPU without a gate (a launch loop cannot keep a GPU 100% busy: it waits for each
+sync to return).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+from simgpu_env import REPO, RT_CLIENT, Client, SimGpu
+
+from gemtrace import defaults
+from gemtrace.policy import MS
+from gemtrace.region import Region
+from gemtrace.scheduler import GpuScheduler, Quota
+
+GATE = REPO / "build" / "libgemgate.so"
+KERNEL_NS = 2 * MS  # the issue's benchmark: 2 ms kernels
+# A few kernels then a sync, as a training step does: one 2 ms kernel per sync leaves the GPU idle
+# while the process wakes from each sync (5% here), four leave 1-2%.
+PER_ITER = 4
+
+
+@dataclass(frozen=True)
+class Load:
+    """A group and its work: `processes` launch loops on each of `devices`."""
+
+    group: str
+    quota: Quota = Quota()
+    processes: int = 1
+    devices: tuple[int, ...] = (0,)
+    gated: bool = True
+
+
+@dataclass(frozen=True)
+class Case:
+    """A benchmark case: loads sharing the GPUs, and the share each (group, device) must get."""
+
+    name: str
+    loads: tuple[Load, ...]
+    # (group, device) -> (target share, "=" for within tolerance, ">=" for at least)
+    targets: dict[tuple[str, int], tuple[float, str]] = field(default_factory=dict)
+
+
+# The four cases of issue 3 ("Accuracy"), and the two-GPU one.
+CASES = (
+    Case("caps 0.3 / 0.7", (Load("capped30", Quota(0, 0.3)), Load("capped70", Quota(0, 0.7))),
+         {("capped30", 0): (0.3, "="), ("capped70", 0): (0.7, "=")}),
+    Case("MinUtil 0.2 alone", (Load("reserved20", Quota(0.2, 1.0)),),
+         {("reserved20", 0): (0.97, ">=")}),
+    Case("MaxUtil 0.5 alone", (Load("capped50", Quota(0, 0.5)),), {("capped50", 0): (0.5, "=")}),
+    Case("MinUtil 0.6 vs two hogs", (Load("reserved60", Quota(0.6, 1.0)), Load("hog1"), Load("hog2")),
+         {("reserved60", 0): (0.6, ">=")}),
+)
+TWO_GPUS = Case(
+    "2 GPUs, each its own",
+    (Load("both40", Quota(0, 0.4), devices=(0, 1)), Load("gpu0only")),
+    {("both40", 0): (0.4, "="), ("gpu0only", 0): (0.6, "="), ("both40", 1): (0.4, "=")},
+)
+
+
+@dataclass
+class Rig:
+    sim: SimGpu
+    state_dir: Path
+    region: Region
+    schedulers: list[GpuScheduler]
+    stop: threading.Event
+    threads: list[threading.Thread]
+    gate: Path = GATE
+    client: Path = RT_CLIENT
+
+    def scheduler_cpu_seconds(self) -> float:
+        """CPU time the scheduler threads used so far (user + system)."""
+        ids = {t.native_id for t in self.threads if t.name.startswith("scheduler")}
+        return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in ids)
+
+    def define(self, loads: Sequence[Load]) -> None:
+        """Define the loads' groups in the region and give every GPU's scheduler their quotas."""
+        quotas: dict[int, Quota] = {}
+        for load in loads:
+            index = self.region.set_group(load.group, None, load.quota.min_util, load.quota.max_util)
+            quotas[index] = load.quota
+        self.region.bump_generation()
+        for scheduler in self.schedulers:
+            scheduler.set_quotas(quotas)
+
+    def start(self, load: Load, device: int, seconds: float) -> Client:
+        extra = {defaults.ENV_STATE_DIR: str(self.state_dir), defaults.ENV_GROUP: load.group}
+        if load.gated:
+            extra["LD_PRELOAD"] = str(self.gate)
+        args = ["launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter", str(PER_ITER),
+                "--seconds", f"{seconds:g}", "--progress",
+                "--device", str(device)]
+        return self.sim.start(args, client=self.client, **extra)
+
+
+@contextmanager
+def rig(sim: SimGpu, state_dir: Path, gate: Path | None = None, client: Path | None = None) -> Iterator[Rig]:
+    gate, client = gate or GATE, client or RT_CLIENT
+    if not gate.exists():
+        raise FileNotFoundError(f"{gate} is missing: run `make gate` first")
+    found = sim.nvml(
+        "n = pynvml.nvmlDeviceGetCount()\n"
+        "hs = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]\n"
+        "gpus = [[pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetMemoryInfo(h).total] for h in hs]\n"
+        "emit({'gpus': gpus})\n"
+    )[0]["gpus"]
+    region = Region.create(state_dir)
+    region.set_gpus([(str(uuid), int(total)) for uuid, total in found])
+    stop = threading.Event()
+    schedulers = [GpuScheduler(region, gpu) for gpu in range(len(found))]
+    threads = [threading.Thread(target=s.run, args=(stop,), name=f"scheduler-gpu{s.gpu}") for s in schedulers]
+
+    def beat() -> None:
+        while not stop.is_set():
+            region.heartbeat(time.monotonic_ns())
+            stop.wait(0.05)
+
+    region.heartbeat(time.monotonic_ns())
+    threads.append(threading.Thread(target=beat, name="heartbeat"))
+    for thread in threads:
+        thread.start()
+    try:
+        yield Rig(sim, state_dir, region, schedulers, stop, threads, gate, client)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(5)
+        sim.close()
+        region.stop()
+        region.close()
+
+
+def window_share(lines: Sequence[dict[str, Any]], start: float, end: float) -> float:
+    """Kernel time per second of one client between its progress lines nearest `start` and `end`."""
+    progress = [line for line in lines if line.get("progress")]
+    first = min(progress, key=lambda p: abs(p["t"] - start))
+    last = min(progress, key=lambda p: abs(p["t"] - end))
+    if last["t"] <= first["t"]:
+        raise ValueError(f"no progress between {start} s and {end} s: {progress}")
+    return float((last["launches"] - first["launches"]) * KERNEL_NS / 1e9 / (last["t"] - first["t"]))
+
+
+Shares = dict[tuple[str, int], float]
+
+
+def measure(the_rig: Rig, loads: Sequence[Load], warmup: float, seconds: float) -> Shares:
+    """Run the loads together; the device share of each (group, device) over [warmup, warmup+seconds]."""
+    the_rig.define([load for load in loads if load.gated])
+    clients: list[tuple[Load, int, Client]] = []
+    total = warmup + seconds + 1.0  # a second of tail: nobody's window sees another group stop
+    for load in loads:
+        for device in load.devices:
+            for _ in range(load.processes):
+                clients.append((load, device, the_rig.start(load, device, total)))
+    shares: Shares = {}
+    for load, device, client in clients:
+        lines = client.finish(timeout=total + 60)
+        key = (load.group, device)
+        shares[key] = shares.get(key, 0.0) + window_share(lines, warmup, warmup + seconds)
+    return shares
+
+
+def solo_share(the_rig: Rig, warmup: float, seconds: float) -> float:
+    """The device share of one launch loop alone on GPU 0 with no gate at all."""
+    return measure(the_rig, [Load("solo", gated=False)], warmup, seconds)[("solo", 0)]
+
+
+def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: float) -> list[dict[str, Any]]:
+    """Rows (case, group, device, target, kind, device_share, measured) for the table and the asserts;
+    `measured` is the share relative to `solo`."""
+    shares = measure(the_rig, case.loads, warmup, seconds)
+    rows = []
+    for (group, device), (target, kind) in case.targets.items():
+        rows.append({"case": case.name, "group": group, "device": device, "target": target, "kind": kind,
+                     "device_share": shares[(group, device)], "measured": shares[(group, device)] / solo})
+    return rows
+
+
+def within(row: dict[str, Any], points: float) -> bool:
+    error = row["measured"] - row["target"]
+    if row["kind"] == ">=":
+        return bool(error >= -points / 100)
+    return bool(abs(error) <= points / 100)

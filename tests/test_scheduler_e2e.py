@@ -1,0 +1,68 @@
+"""The scheduler end to end on the simulated GPU: GpuScheduler threads in this process over a real
+region, gated launch loops as the groups' processes (tests/scheduler_harness.py). Shares are
+asserted within 5 points, looser than the benchmark's 2 (bench/bench_scheduler_accuracy.py): CI is
+a loaded 2-core machine, where a held process wakes late."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import scheduler_harness as harness
+from simgpu_env import SimGpu
+
+pytestmark = pytest.mark.e2e
+
+WARMUP, SECONDS = 1.0, 3.0
+POINTS = 5.0
+
+
+@pytest.fixture
+def rig(simgpu: SimGpu, tmp_path: Path) -> Iterator[harness.Rig]:
+    with harness.rig(simgpu, tmp_path / "state") as the_rig:
+        yield the_rig
+
+
+@pytest.fixture(scope="module")
+def solo(tmp_path_factory: pytest.TempPathFactory) -> float:
+    """One launch loop alone, ungated: what 100% of the GPU means for this work."""
+    tmp = tmp_path_factory.mktemp("solo")
+    sim = SimGpu(tmp / "simgpu")
+    with harness.rig(sim, tmp / "state") as the_rig:
+        share = harness.solo_share(the_rig, WARMUP, SECONDS)
+    assert 0.8 < share <= 1.0
+    return share
+
+
+def check(rows: list[dict[str, object]]) -> None:
+    table = "\n".join(f"{r['group']}@{r['device']}: {r['measured']:.3f} for {r['kind']} {r['target']}"
+                      for r in rows)
+    assert all(harness.within(row, POINTS) for row in rows), table
+
+
+@pytest.mark.parametrize("case", harness.CASES, ids=lambda c: c.name)
+def test_share(rig: harness.Rig, solo: float, case: harness.Case) -> None:
+    check(harness.run_case(rig, case, WARMUP, SECONDS, solo))
+
+
+def test_two_gpus_are_scheduled_independently(simgpu_factory: Callable[..., SimGpu], tmp_path: Path,
+                                              solo: float) -> None:
+    with harness.rig(simgpu_factory(devices=2), tmp_path / "state") as the_rig:
+        assert len(the_rig.schedulers) == 2
+        rows = harness.run_case(the_rig, harness.TWO_GPUS, WARMUP, SECONDS, solo)
+        # Each GPU's scheduler charged only that GPU's work: the group on both is capped on each.
+        both = the_rig.region.group_index("both40")
+        assert both is not None
+        for scheduler in the_rig.schedulers:
+            assert scheduler.usage()[both].gpu_seconds == pytest.approx(0.4 * (WARMUP + SECONDS + 1), abs=0.4)
+    check(rows)
+
+
+def test_all_processes_of_a_group_share_its_quota(rig: harness.Rig, solo: float) -> None:
+    case = harness.Case(
+        "three processes in a capped group",
+        (harness.Load("many", harness.Quota(0, 0.3), processes=3), harness.Load("one")),
+        {("many", 0): (0.3, "="), ("one", 0): (0.7, "=")},
+    )
+    check(harness.run_case(rig, case, WARMUP, SECONDS, solo))
