@@ -102,13 +102,22 @@ class Client:
         self.pid = self.proc.pid
         self.lines: list[dict[str, Any]] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
+        self._stderr_lines: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
+        # Drained all along: a client blocked on a full stderr pipe would look like a hang.
+        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             self._queue.put(line)
         self._queue.put(None)
+
+    def _read_stderr(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self._stderr_lines.append(line)
 
     def next_json(self, timeout: float = 30) -> dict[str, Any]:
         while True:
@@ -130,7 +139,8 @@ class Client:
                 return obj
 
     def _stderr(self) -> str:
-        return self.proc.stderr.read() if self.proc.stderr else ""
+        self._stderr_reader.join(timeout=5)  # the process has ended: its stderr is closing
+        return "".join(self._stderr_lines)
 
     def kill(self) -> int:
         self.proc.kill()
