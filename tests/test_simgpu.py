@@ -175,6 +175,20 @@ def test_capacity_is_shared_across_processes(simgpu_factory: Callable[..., SimGp
     first.kill()
 
 
+def test_processes_starting_together_share_one_state(simgpu_factory: Callable[..., SimGpu]) -> None:
+    # Eight processes race to create the state file and then for 4 GiB: exactly four get 1 GiB.
+    sim = simgpu_factory(memory="4GiB")
+    clients = [sim.start(["alloc", "--hold", "30", "1GiB"]) for _ in range(8)]
+    results = [c.next_json()["result"] for c in clients]
+    assert sorted(results) == [CUDA_SUCCESS] * 4 + [CUDA_ERROR_OUT_OF_MEMORY] * 4
+    for c in clients:
+        c.wait_for("holding")
+    # Those that got nothing still have a context, so NVML lists them, with 0 bytes (as a real one
+    # would list them with their context's memory).
+    expected = {c.pid: (1 * GiB if r == CUDA_SUCCESS else 0) for c, r in zip(clients, results, strict=True)}
+    assert nvml_processes(sim) == expected
+
+
 def test_per_process_memory_in_nvml(simgpu_factory: Callable[..., SimGpu]) -> None:
     sim = simgpu_factory(devices=2)
     a = sim.start(["alloc", "--hold", "30", "1GiB"])
