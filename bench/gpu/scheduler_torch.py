@@ -1,0 +1,310 @@
+"""Scheduler accuracy on a real GPU with PyTorch workloads (issue 3, "Accuracy", H100 part).
+
+Self-contained: it starts its own GpuScheduler threads in this process over a Region in a temporary
+state dir (the GPUs' NVML UUIDs, a heartbeat), and runs each group's work as separate Python processes
+with the gate preloaded (LD_PRELOAD=build/libgemgate.so, GEMTRACE_GROUP, GEMTRACE_STATE_DIR). Work:
+  matmul     a loop of 4 fp16 8192x8192 matmuls then torch.cuda.synchronize() (~7 ms of GPU per step)
+  inference  a small-batch MLP forward pass (batch 8, 6 layers of 2048) then synchronize: kernels of a
+             few microseconds, launch-bound, as in small-batch inference serving
+A group's share = its iterations per second shared / the same work's alone and ungated. Cases: the
+four of issue 3 with matmul loops, and caps 0.3/0.7 with the inference loop (the short-kernel case).
+For comparison, HAMi-core's caps of 30 and 70 delivered about 46% and 54% (issue 3).
+
+Prints a table; with $OUT set, writes scheduler_torch.md and scheduler_torch.json there.
+
+    python3 bench/gpu/scheduler_torch.py [--seconds 8] [--warmup 3] [--cases all|name,...]
+
+Needs: torch with CUDA, nvidia-ml-py, psutil, build/libgemgate.so (`make gate`). structlog is optional
+here (a plain-logging stand-in is used when the GPU machine lacks it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+GATE = REPO / "build" / "libgemgate.so"
+
+try:
+    import structlog  # noqa: F401
+except ImportError:  # the GPU machine has no structlog: gemtrace.scheduler only needs get_logger
+
+    class _Log:
+        def __init__(self, name: str) -> None:
+            self._log = logging.getLogger(name)
+
+        def _emit(self, level: int, event: str, **kw: Any) -> None:
+            self._log.log(level, "%s %s", event, " ".join(f"{k}={v}" for k, v in kw.items()))
+
+        def info(self, event: str, **kw: Any) -> None:
+            self._emit(logging.INFO, event, **kw)
+
+        def exception(self, event: str, **kw: Any) -> None:
+            self._log.exception("%s %s", event, kw)
+
+    _shim = types.ModuleType("structlog")
+    _shim.get_logger = _Log  # type: ignore[attr-defined]
+    sys.modules["structlog"] = _shim
+
+from gemtrace import defaults  # noqa: E402
+from gemtrace.region import Region  # noqa: E402
+from gemtrace.scheduler import GpuScheduler, Quota  # noqa: E402
+
+WORKER = r"""
+import json, os, sys, time
+import torch
+kind = sys.argv[1]
+dev = torch.device("cuda", 0)
+torch.backends.cuda.matmul.allow_tf32 = True
+if kind == "matmul":
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
+    def step():
+        for _ in range(4):
+            c = a @ b
+        return c
+else:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(2048, 2048) for _ in range(6)]
+    model = torch.nn.Sequential(*[m for l in layers for m in (l, torch.nn.ReLU())]).to(dev).half().eval()
+    x = torch.randn(8, 2048, device=dev, dtype=torch.float16)
+    def step():
+        with torch.inference_mode():
+            return model(x)
+for _ in range(20):
+    step()
+torch.cuda.synchronize()
+print(json.dumps({"ready": True, "t": time.monotonic()}), flush=True)
+iters, last = 0, 0.0
+while True:
+    step()
+    torch.cuda.synchronize()
+    iters += 1
+    now = time.monotonic()
+    if now - last >= 0.05:
+        print(json.dumps({"t": now, "iters": iters}), flush=True)
+        last = now
+"""
+
+
+@dataclass(frozen=True)
+class Load:
+    group: str
+    quota: Quota = Quota()
+    kind: str = "matmul"
+    gated: bool = True
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    loads: tuple[Load, ...]
+    targets: dict[str, tuple[float, str]]  # group -> (target share, "=" or ">=")
+
+
+CASES = (
+    Case("caps 0.3 / 0.7", (Load("capped30", Quota(0, 0.3)), Load("capped70", Quota(0, 0.7))),
+         {"capped30": (0.3, "="), "capped70": (0.7, "=")}),
+    Case("MinUtil 0.2 alone", (Load("reserved20", Quota(0.2, 1.0)),), {"reserved20": (0.97, ">=")}),
+    Case("MaxUtil 0.5 alone", (Load("capped50", Quota(0, 0.5)),), {"capped50": (0.5, "=")}),
+    Case("MinUtil 0.6 vs two hogs", (Load("reserved60", Quota(0.6, 1.0)), Load("hog1"), Load("hog2")),
+         {"reserved60": (0.6, ">=")}),
+    Case("short kernels: caps 0.3 / 0.7",
+         (Load("infer30", Quota(0, 0.3), "inference"), Load("infer70", Quota(0, 0.7), "inference")),
+         {"infer30": (0.3, "="), "infer70": (0.7, "=")}),
+)
+
+
+class Worker:
+    def __init__(self, load: Load, state_dir: Path) -> None:
+        env = dict(os.environ)
+        env.pop("LD_PRELOAD", None)
+        if load.gated:
+            env["LD_PRELOAD"] = str(GATE)
+            env[defaults.ENV_GROUP] = load.group
+            env[defaults.ENV_STATE_DIR] = str(state_dir)
+        self.load = load
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, load.kind], env=env, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.lines: list[dict[str, Any]] = []
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("{"):
+                obj = json.loads(line)
+                if obj.get("ready"):
+                    self.ready.set()
+                else:
+                    self.lines.append(obj)
+
+    def rate(self, t0: float, t1: float) -> float:
+        """Iterations per second between the progress lines nearest t0 and t1."""
+        lines = list(self.lines)
+        if not lines:
+            raise RuntimeError(f"{self.load.group}: no progress; stderr: {self.stderr()}")
+        first = min(lines, key=lambda p: abs(p["t"] - t0))
+        last = min(lines, key=lambda p: abs(p["t"] - t1))
+        if last["t"] <= first["t"]:
+            raise RuntimeError(f"{self.load.group}: no progress between {t0} and {t1}")
+        return float((last["iters"] - first["iters"]) / (last["t"] - first["t"]))
+
+    def stderr(self) -> str:
+        if self.proc.poll() is None:
+            return ""
+        return self.proc.stderr.read() if self.proc.stderr else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class Rig:
+    """A region with every GPU's UUID, one scheduler thread per GPU and a heartbeat."""
+
+    def __init__(self, state_dir: Path) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        gpus = []
+        for h in handles:
+            uuid = pynvml.nvmlDeviceGetUUID(h)
+            gpus.append((uuid.decode() if isinstance(uuid, bytes) else uuid,
+                         int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
+        self.device = pynvml.nvmlDeviceGetName(handles[0])
+        self.state_dir = state_dir
+        self.region = Region.create(state_dir)
+        self.region.set_gpus(gpus)
+        self.stop = threading.Event()
+        self.schedulers = [GpuScheduler(self.region, i) for i in range(len(gpus))]
+        self.threads = [threading.Thread(target=s.run, args=(self.stop,)) for s in self.schedulers]
+        self.threads.append(threading.Thread(target=self._beat))
+        self.region.heartbeat(time.monotonic_ns())
+        for t in self.threads:
+            t.start()
+
+    def _beat(self) -> None:
+        while not self.stop.is_set():
+            self.region.heartbeat(time.monotonic_ns())
+            self.stop.wait(0.05)
+
+    def define(self, loads: tuple[Load, ...]) -> dict[str, int]:
+        quotas, index = {}, {}
+        for load in loads:
+            if load.gated:
+                index[load.group] = self.region.set_group(load.group, None, load.quota.min_util,
+                                                          load.quota.max_util)
+                quotas[index[load.group]] = load.quota
+        self.region.bump_generation()
+        for s in self.schedulers:
+            s.set_quotas(quotas)
+        return index
+
+    def run(self, loads: tuple[Load, ...], warmup: float, seconds: float) -> dict[str, float]:
+        """Iterations per second of each group over a common window once every worker is warm."""
+        self.define(loads)
+        workers = [Worker(load, self.state_dir) for load in loads]
+        try:
+            for w in workers:
+                if not w.ready.wait(180):
+                    raise RuntimeError(f"{w.load.group} did not start: {w.stderr()}")
+            time.sleep(warmup)
+            t0 = time.monotonic()
+            time.sleep(seconds)
+            t1 = time.monotonic()
+            time.sleep(0.3)  # a progress line past t1 from every worker
+            return {w.load.group: w.rate(t0, t1) for w in workers}
+        finally:
+            for w in workers:
+                w.stop()
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(5)
+        self.region.stop()
+        self.region.close()
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    out = ["| case | group | work | target | share | error (points) | it/s | solo it/s |",
+           "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sign = "≥ " if r["kind"] == ">=" else ""
+        out.append(f"| {r['case']} | {r['group']} | {r['work']} | {sign}{r['target']:.2f} | "
+                   f"{r['share']:.3f} | {(r['share'] - r['target']) * 100:+.1f} | {r['rate']:.1f} | "
+                   f"{r['solo']:.1f} |")
+    return "\n".join(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--cases", default="all", help="comma-separated substrings of case names")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if not GATE.exists():
+        print(f"{GATE} is missing: run `make gate` first", file=sys.stderr)
+        return 2
+    cases = [c for c in CASES if args.cases == "all" or any(s in c.name for s in args.cases.split(","))]
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="gemtrace-sched-") as tmp:
+        rig = Rig(Path(tmp))
+        try:
+            solo = {}
+            for kind in sorted({load.kind for c in cases for load in c.loads}):
+                solo[kind] = rig.run((Load(f"solo-{kind}", kind=kind, gated=False),), args.warmup,
+                                     args.seconds)[f"solo-{kind}"]
+                print(f"solo {kind}: {solo[kind]:.1f} it/s", flush=True)
+            for case in cases:
+                rates = rig.run(case.loads, args.warmup, args.seconds)
+                for load in case.loads:
+                    if load.group not in case.targets:
+                        continue
+                    target, kind = case.targets[load.group]
+                    rows.append({"case": case.name, "group": load.group, "work": load.kind, "target": target,
+                                 "kind": kind, "rate": rates[load.group], "solo": solo[load.kind],
+                                 "share": rates[load.group] / solo[load.kind]})
+                print(table(rows[-len(case.targets):]).split("\n", 2)[2], flush=True)
+        finally:
+            rig.close()
+    text = table(rows)
+    stamp = time.strftime("%Y-%m-%d %H:%M %Z")
+    header = (f"{stamp}, {rig.device}, {platform.node()}; {args.seconds:g} s windows after {args.warmup:g} s "
+              "warm-up; share = it/s shared / it/s alone ungated")
+    print(f"\n{header}\n\n{text}")
+    ok = all(abs(r["share"] - r["target"]) <= 0.02 if r["kind"] == "=" else r["share"] >= r["target"] - 0.02
+             for r in rows)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "scheduler_torch.md").write_text(f"{header}\n\n{text}\n")
+        Path(out, "scheduler_torch.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
