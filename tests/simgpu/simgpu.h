@@ -21,7 +21,7 @@
 #include <sys/types.h>
 
 #define SIM_MAGIC 0x3155504753494d53ULL /* "SMISGPU1" little-endian */
-#define SIM_VERSION 1u
+#define SIM_VERSION 2u
 #define SIM_MAX_DEVICES 16
 #define SIM_MAX_PROCS 1024
 #define SIM_UUID_LEN 48
@@ -54,8 +54,10 @@ struct sim_device {
 };
 
 struct sim_proc {
-    _Atomic int32_t pid;          /* 0 free; > 0 owner; < 0 being reaped by another process */
+    _Atomic int32_t pid;          /* 0 free, else the owner (alive or not yet reaped) */
+    _Atomic int32_t reaper;       /* 0, or the process giving back a dead owner's memory */
     _Atomic uint32_t ctx_devices; /* bit per physical device on which the process made a context */
+    uint32_t pad;
     _Atomic uint64_t start_time;  /* /proc/<pid>/stat start time; tells a reused pid apart */
     _Atomic uint64_t used[SIM_MAX_DEVICES];
 };

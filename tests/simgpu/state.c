@@ -300,6 +300,31 @@ static uint64_t sub_saturating(_Atomic uint64_t *v, uint64_t x)
     return cur > x ? x : cur;
 }
 
+/* Takes the reaping of slot p for this process: from nobody, or from a reaper that died at it. Two
+ * reapers therefore never work on one slot, and the slot keeps its pid (so nobody can claim it)
+ * until its memory has been given back. */
+static int claim_reaping(struct sim_proc *p, int32_t me)
+{
+    int32_t reaper = atomic_load(&p->reaper);
+    if (reaper != 0 && (reaper == me || sim_proc_alive(reaper, 0)))
+        return 0;
+    return atomic_compare_exchange_strong(&p->reaper, &reaper, me);
+}
+
+/* Gives back everything slot p holds, then frees the slot. Exchanges make a repeat harmless. */
+static void give_back_slot(struct sim_state *s, struct sim_proc *p, int32_t owner)
+{
+    for (unsigned d = 0; d < SIM_MAX_DEVICES; d++) {
+        uint64_t bytes = atomic_exchange(&p->used[d], 0);
+        if (bytes)
+            sub_saturating(&s->dev[d].used, bytes);
+    }
+    atomic_store(&p->ctx_devices, 0);
+    atomic_store(&p->start_time, 0);
+    atomic_compare_exchange_strong(&p->pid, &owner, 0);
+    atomic_store(&p->reaper, 0);
+}
+
 int sim_reap_dead(void)
 {
     struct sim_state *s = sim_state();
@@ -307,22 +332,19 @@ int sim_reap_dead(void)
         return 0;
     int freed = 0;
     int mine = __atomic_load_n(&g_slot, __ATOMIC_ACQUIRE);
+    int32_t me = (int32_t)getpid();
     for (int i = 0; i < SIM_MAX_PROCS; i++) {
         struct sim_proc *p = &s->proc[i];
         int32_t pid = atomic_load(&p->pid);
         if (pid <= 0 || i == mine || sim_proc_alive(pid, atomic_load(&p->start_time)))
             continue;
-        /* Claim the reaping so that two reapers never both subtract the same bytes. */
-        if (!atomic_compare_exchange_strong(&p->pid, &pid, -pid))
+        if (!claim_reaping(p, me))
             continue;
-        for (unsigned d = 0; d < SIM_MAX_DEVICES; d++) {
-            uint64_t bytes = atomic_exchange(&p->used[d], 0);
-            if (bytes)
-                sub_saturating(&s->dev[d].used, bytes);
+        if (atomic_load(&p->pid) != pid) { /* reaped and reused while we looked */
+            atomic_store(&p->reaper, 0);
+            continue;
         }
-        atomic_store(&p->ctx_devices, 0);
-        atomic_store(&p->start_time, 0);
-        atomic_store(&p->pid, 0);
+        give_back_slot(s, p, pid);
         freed++;
     }
     return freed;
@@ -338,16 +360,9 @@ __attribute__((destructor)) static void release_slot_at_exit(void)
         return;
     struct sim_proc *p = &g_state->proc[slot];
     int32_t me = (int32_t)getpid();
-    if (atomic_load(&p->pid) != me || !atomic_compare_exchange_strong(&p->pid, &me, -me))
+    if (atomic_load(&p->pid) != me || !claim_reaping(p, me))
         return;
-    for (unsigned d = 0; d < SIM_MAX_DEVICES; d++) {
-        uint64_t bytes = atomic_exchange(&p->used[d], 0);
-        if (bytes)
-            sub_saturating(&g_state->dev[d].used, bytes);
-    }
-    atomic_store(&p->ctx_devices, 0);
-    atomic_store(&p->start_time, 0);
-    atomic_store(&p->pid, 0);
+    give_back_slot(g_state, p, me);
     __atomic_store_n(&g_slot, -1, __ATOMIC_RELEASE);
 }
 
