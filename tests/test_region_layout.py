@@ -60,7 +60,7 @@ def test_the_mirror_names_every_field_of_the_header() -> None:
     invisible to the agent: compare the field names per struct too."""
     text = HEADER.read_text()
     for c_name, py_struct in STRUCTS.items():
-        body = re.search(r"struct %s \{(.*?)\n\};" % c_name, text, re.S)
+        body = re.search(rf"struct {c_name} \{{(.*?)\n\}};", text, re.S)
         assert body, c_name
         c_fields = re.findall(r"^\s+(?:struct )?\w+ (\w+)(?:\[[^\]]*\])*;", body.group(1), re.M)
         assert c_fields == [f for f, *_ in py_struct._fields_], c_name
