@@ -6,6 +6,10 @@ quits; plain text frames when stdout is not a terminal (`--once` prints one). It
 agent's `/metrics` over HTTP and never touches the region or the agent's state: it is safe to run
 as any user. Parsing (metrics text -> Frame) and rendering (Frame -> lines) are pure functions; only
 `fetch` and the curses loop touch the world.
+
+With `--state-dir` it reads the region instead (read-only snapshots, never writing a word): the
+gates' view, which lacks what only the agent knows (processes without the gate, the scheduler's
+window), so a group's share there is the sum of its processes' kernel time rates.
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TextIO
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from gemtrace import defaults
+from gemtrace import defaults, region
 from gemtrace.metrics import CATALOGUE
 
 REFRESH_SECONDS = 1.0
@@ -69,6 +74,7 @@ class Frame:
     probes_attached: float | None = None
     gpus: tuple[Gpu, ...] = ()
     error: str = ""
+    shares_from_processes: bool = False  # the region has no scheduler window: share = sum of rates
 
 
 @dataclass
@@ -185,9 +191,46 @@ def with_rates(previous: Frame | None, current: Frame) -> Frame:
         return replace(p, kernel_share=(p.gpu_seconds_total - old.gpu_seconds_total) / dt,
                        launches_per_second=(p.launches_total - old.launches_total) / dt)
 
-    gpus = tuple(replace(gpu, groups=tuple(replace(g, processes=tuple(rated(p) for p in g.processes))
-                                           for g in gpu.groups)) for gpu in current.gpus)
+    def group_rated(g: Group) -> Group:
+        procs = tuple(rated(p) for p in g.processes)
+        if not current.shares_from_processes:
+            return replace(g, processes=procs)
+        return replace(g, processes=procs, share=sum(p.kernel_share or 0.0 for p in procs))
+
+    gpus = tuple(replace(gpu, groups=tuple(group_rated(g) for g in gpu.groups)) for gpu in current.gpus)
     return replace(current, gpus=gpus)
+
+
+def from_region(layout: region.RegionLayout, taken_at: float) -> Frame:
+    """A snapshot of the region (a copied RegionLayout) as a Frame (pure)."""
+    uuids = [layout.gpus[i].uuid.decode() for i in range(min(layout.header.n_gpus, region.MAX_GPUS))]
+    names = {i: g.name.decode() for i, g in enumerate(layout.groups) if g.name and g.defined}
+    procs: dict[tuple[int, int], list[Process]] = {}
+    for slot in layout.slots:
+        if not slot.pid or slot.group not in names:
+            continue
+        for gpu in range(len(uuids)):
+            if not slot.gpu_mask & (1 << gpu):
+                continue
+            procs.setdefault((gpu, slot.group), []).append(Process(
+                pid=slot.pid, comm=slot.comm.decode(errors="replace"), group=names[slot.group],
+                gpu=uuids[gpu], memory_bytes=float(slot.memory[gpu]),
+                gpu_seconds_total=slot.busy_ns[gpu] / 1e9, launches_total=float(slot.launches[gpu])))
+    gpus = []
+    for gpu, uuid in enumerate(uuids):
+        groups = []
+        for index, name in sorted(names.items(), key=lambda item: item[1]):
+            g = layout.groups[index]
+            mine = sorted(procs.get((gpu, index), []), key=lambda p: p.pid)
+            groups.append(Group(
+                name=name, gpu=uuid, min_util=g.min_util_ppm / region.UTIL_ONE,
+                max_util=g.max_util_ppm / region.UTIL_ONE,
+                memory_bytes=sum(p.memory_bytes for p in mine),
+                memory_limit_bytes=None if g.memory_limit == region.NO_LIMIT else float(g.memory_limit),
+                processes=tuple(mine)))
+        gpus.append(Gpu(uuid=uuid, index=str(gpu), memory_total_bytes=float(layout.gpus[gpu].memory_total),
+                        groups=tuple(groups)))
+    return Frame(taken_at=taken_at, agent_version="(region)", gpus=tuple(gpus), shares_from_processes=True)
 
 
 def share_bar(share: float, min_util: float, max_util: float, width: int) -> str:
@@ -267,12 +310,22 @@ def fetch(url: str, timeout: float = 2.0) -> str:
     return body.decode("utf-8")
 
 
-def snapshot(url: str, previous: Frame | None) -> Frame:
+def snapshot(source: str, previous: Frame | None) -> Frame:
+    """The next frame from an agent URL, or from a state dir's region when `source` is a path."""
     now = time.time()
+    if not source.startswith(("http://", "https://")):
+        try:
+            r = region.Region.open(Path(source), writable=False)
+        except (OSError, region.RegionError) as exc:
+            return Frame(taken_at=now, error=f"cannot read the region in {source}: {exc}")
+        try:
+            return with_rates(previous, from_region(r.layout, now))
+        finally:
+            r.close()
     try:
-        return with_rates(previous, parse(fetch(url), now))
+        return with_rates(previous, parse(fetch(source), now))
     except (OSError, ValueError) as exc:
-        return Frame(taken_at=now, error=f"cannot read {url}: {exc}. Is `gemtrace agent` running there?")
+        return Frame(taken_at=now, error=f"cannot read {source}: {exc}. Is `gemtrace agent` running there?")
 
 
 def _plain(url: str, once: bool, interval: float, out: TextIO | None = None) -> int:
@@ -324,10 +377,13 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Live view of gemtrace's groups on this host.")
     ap.add_argument("--url", default=defaults.LISTEN,
                     help=f"the agent's address (host:port) or /metrics URL (default {defaults.LISTEN})")
+    ap.add_argument("--state-dir", type=Path, default=None,
+                    help="read the region in this state dir instead of the agent's /metrics "
+                         f"(the gates' view; the agent's is {defaults.STATE_DIR})")
     ap.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
     ap.add_argument("--interval", type=float, default=REFRESH_SECONDS, help="seconds between frames")
     args = ap.parse_args(argv)
-    url = metrics_url(args.url)
+    url = str(args.state_dir) if args.state_dir is not None else metrics_url(args.url)
     if args.once or not sys.stdout.isatty():
         try:
             return _plain(url, args.once, args.interval)
