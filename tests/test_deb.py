@@ -1,0 +1,293 @@
+"""The Debian package, end to end: `make deb`, lintian, apt install, the installed command and agent
+on the simulated GPU, purge.
+
+Owns nothing but the machine's package state for its duration: it installs gemtrace with apt and
+purges it at the end, so it refuses to run where gemtrace is already installed (it would remove an
+operator's installation). Everything after the install runs the INSTALLED code (/usr/bin/gemtrace
+with /usr/bin/python3, from / with a clean environment), never the checkout's.
+
+Root and apt (CI: .ci/run). The steps share one installation and run in file order.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from simgpu_env import LIBCUDA, RT_CLIENT, simgpu_env
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build"
+GEMTRACE = Path("/usr/bin/gemtrace")
+UNIT = Path("/lib/systemd/system/gemtrace.service")
+CONF = Path("/etc/gemtrace/resource.conf")
+GiB = 1 << 30
+
+
+def _version() -> str:
+    text = (REPO / "gemtrace" / "__init__.py").read_text()
+    match = re.search(r'^__version__ = "([^"]+)"$', text, re.M)
+    assert match, "gemtrace/__init__.py has no __version__"
+    return match.group(1)
+
+
+def _sh(*args: str | Path, timeout: float = 600, check: bool = True, **kw: object) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, **kw)  # type: ignore[call-overload]
+    if check and proc.returncode != 0:
+        pytest.fail(
+            f"{' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}", pytrace=False
+        )
+    return proc  # type: ignore[no-any-return]
+
+
+def _installed() -> bool:
+    proc = subprocess.run(["dpkg-query", "-W", "-f=${Status}", "gemtrace"], capture_output=True, text=True)
+    return proc.returncode == 0 and "installed" in proc.stdout and "not-installed" not in proc.stdout
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """What a person's shell gives the installed command: no venv, no PYTHONPATH, no checkout."""
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8", "HOME": "/root"}
+    env.update(extra)
+    return env
+
+
+def _installed_gemtrace(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    return _sh("/usr/bin/python3", GEMTRACE, *args, env=env or _clean_env(), cwd="/", timeout=timeout, check=check)
+
+
+@pytest.fixture(scope="module")
+def deb() -> Path:
+    if os.geteuid() != 0:
+        pytest.fail("test_deb needs root (it installs the package with apt)", pytrace=False)
+    if _installed():
+        pytest.fail("gemtrace is installed on this machine: test_deb would purge it; remove it first", pytrace=False)
+    _sh("make", "-C", REPO, "deb", timeout=1200)
+    path = BUILD / f"gemtrace_{_version()}_{_sh('dpkg', '--print-architecture').stdout.strip()}.deb"
+    assert path.is_file(), f"`make deb` did not build {path}"
+    return path
+
+
+@pytest.fixture(scope="module")
+def installed(deb: Path) -> Iterator[Path]:
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    _sh("apt-get", "install", "-y", deb, env=env, timeout=900)
+    try:
+        yield deb
+    finally:
+        if _installed():  # a step failed before test_purge: leave the machine clean anyway
+            subprocess.run(["apt-get", "purge", "-y", "gemtrace"], env=env, capture_output=True, timeout=600)
+
+
+def test_lintian_reports_no_errors(deb: Path) -> None:
+    if shutil.which("lintian") is None:
+        pytest.fail("lintian is missing: apt-get install lintian", pytrace=False)
+    proc = _sh("lintian", "--no-tag-display-limit", deb, check=False)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("E:")]
+    assert errors == [], proc.stdout
+    assert proc.returncode in (0, 1), proc.stderr  # 1 means tags were emitted; 2 a lintian failure
+
+
+def test_files_are_in_place(installed: Path) -> None:
+    expected = [
+        GEMTRACE,
+        Path("/usr/lib/gemtrace/libgemgate.so"),
+        Path("/usr/lib/gemtrace/python/gemtrace/__init__.py"),
+        Path("/usr/lib/gemtrace/python/pynvml.py"),
+        CONF,
+        Path("/etc/default/gemtrace"),
+        UNIT,
+        Path("/usr/share/man/man1/gemtrace.1.gz"),
+        Path("/usr/share/doc/gemtrace/copyright"),
+        Path("/usr/share/gemtrace/prometheus/prometheus.example.yml"),
+        Path("/usr/share/gemtrace/grafana/provisioning/dashboards/gemtrace.yml"),
+        Path("/usr/share/gemtrace/grafana/provisioning/datasources/gemtrace.yml"),
+    ]
+    expected += [Path("/usr/share/gemtrace/bpf") / p.name for p in sorted((REPO / "bpf").glob("*.[ch]"))]
+    expected += [
+        Path("/usr/share/gemtrace/grafana/provisioning/dashboards/gemtrace") / p.name
+        for p in sorted((REPO / "grafana/provisioning/dashboards/gemtrace").glob("*.json"))
+    ]
+    expected += [
+        Path("/usr/share/gemtrace/prometheus/rules") / p.name for p in sorted((REPO / "grafana/rules").glob("*.yml"))
+    ]
+    missing = [str(p) for p in expected if not p.is_file()]
+    assert missing == []
+    assert list((REPO / "bpf").glob("*.c")), "bpf/ holds no BPF program to package"
+    assert os.access(GEMTRACE, os.X_OK)
+    # The gate installed is the one built, stripped: same dynamic symbols.
+    built = _sh("nm", "-D", "--defined-only", BUILD / "libgemgate.so").stdout.split("\n")
+    packed = _sh("nm", "-D", "--defined-only", "/usr/lib/gemtrace/libgemgate.so").stdout.split("\n")
+    assert sorted(packed) == sorted(built)
+    # Conffiles: an operator's edits survive upgrades.
+    conffiles = _sh("dpkg-query", "-W", "-f=${Conffiles}", "gemtrace").stdout
+    assert str(CONF) in conffiles and "/etc/default/gemtrace" in conffiles
+    # Enabled on install, also where systemd does not run (CI containers).
+    assert Path("/etc/systemd/system/multi-user.target.wants/gemtrace.service").is_symlink()
+    # Bytecode compiled by postinst for the system python3.
+    assert list(Path("/usr/lib/gemtrace/python/gemtrace/__pycache__").glob("__init__.*.pyc"))
+
+
+def test_unit_verifies(installed: Path) -> None:
+    if shutil.which("systemd-analyze") is None:
+        pytest.fail("systemd-analyze is missing: apt-get install systemd", pytrace=False)
+    proc = _sh("systemd-analyze", "verify", UNIT, check=False)
+    # Complaints about other units on the machine are not ours; any line naming ours is.
+    ours = [line for line in (proc.stdout + proc.stderr).splitlines() if "gemtrace" in line]
+    assert proc.returncode == 0 and ours == [], proc.stdout + proc.stderr
+    unit = UNIT.read_text()
+    assert "ExecStart=/usr/bin/gemtrace agent $GEMTRACE_OPTS" in unit
+    assert "EnvironmentFile=-/etc/default/gemtrace" in unit and "Restart=on-failure" in unit
+    caps = re.search(r"^CapabilityBoundingSet=(.*)$", unit, re.M)
+    assert caps and set(caps.group(1).split()) == {
+        "CAP_BPF",
+        "CAP_PERFMON",
+        "CAP_SYS_ADMIN",
+        "CAP_SYS_RESOURCE",
+        "CAP_KILL",
+        "CAP_SYS_PTRACE",
+        "CAP_DAC_READ_SEARCH",
+    }
+
+
+def test_installed_code_is_used(installed: Path) -> None:
+    proc = _sh(
+        "/usr/bin/python3",
+        "-c",
+        "import sys; sys.path.insert(0, '/usr/lib/gemtrace/python'); import gemtrace, pynvml, bcc, structlog,"
+        " psutil, prometheus_client; print(gemtrace.__file__); print(pynvml.__file__); print(gemtrace.__version__)",
+        env=_clean_env(),
+        cwd="/",
+    )
+    gemtrace_file, pynvml_file, version = proc.stdout.split()
+    assert gemtrace_file == "/usr/lib/gemtrace/python/gemtrace/__init__.py"
+    assert pynvml_file == "/usr/lib/gemtrace/python/pynvml.py"
+    assert version == _version()
+
+
+def test_help_and_man_page_name_every_command(installed: Path) -> None:
+    out = _installed_gemtrace("--help").stdout
+    commands = {"agent", "run", "check-config", "status", "top"}
+    missing = [c for c in sorted(commands) if c not in out]
+    assert missing == [], out
+    man = gzip.decompress(Path("/usr/share/man/man1/gemtrace.1.gz").read_bytes()).decode()
+    for command in commands:
+        assert f".B {command.replace('-', chr(92) + '-')}" in man, command
+        _installed_gemtrace(command, "--help")  # every command has its --help
+
+
+def test_check_config_accepts_the_shipped_file(installed: Path) -> None:
+    out = _installed_gemtrace("check-config", str(CONF)).stdout
+    assert "default" in out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return str(reply.read().decode())
+
+
+def test_installed_agent_and_run_on_the_simulated_gpu(installed: Path, tmp_path: Path) -> None:
+    if not LIBCUDA.exists() or not RT_CLIENT.exists():
+        pytest.fail("build/simgpu is missing: run `make simgpu`", pytrace=False)
+    # A first group, as the README tells an operator: an edit of the installed conffile.
+    CONF.write_text(CONF.read_text() + "\n[G]\nMaxUtil=0.5\nMemoryLimit=1GiB\n")
+    state = tmp_path / "state"
+    state.mkdir()
+    port = _free_port()
+    env = simgpu_env(tmp_path / "simgpu", memory="16GiB", base=_clean_env(GEMTRACE_STATE_DIR=str(state)))
+    log = (tmp_path / "agent.log").open("w")
+    agent = subprocess.Popen(
+        [
+            "/usr/bin/python3",
+            str(GEMTRACE),
+            "agent",
+            "--config",
+            str(CONF),
+            "--state-dir",
+            str(state),
+            "--listen",
+            f"127.0.0.1:{port}",
+        ],
+        env=env,
+        cwd="/",
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        text = ""
+        while time.monotonic() < deadline and 'group="G"' not in text:
+            assert agent.poll() is None, (tmp_path / "agent.log").read_text()
+            try:
+                text = _metrics(port)
+            except OSError:
+                pass
+            time.sleep(0.2)
+        limit = re.search(r'^gemtrace_group_memory_limit_bytes\{[^}]*group="G"[^}]*\} (\S+)$', text, re.M)
+        assert limit and float(limit.group(1)) == GiB, text
+        proc = _installed_gemtrace("run", "--group", "G", "--", str(RT_CLIENT), "meminfo", env=env)
+        info = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert info, proc.stdout + proc.stderr
+        meminfo = __import__("json").loads(info[-1])
+        assert meminfo["total"] == GiB  # the gate installed by the package reports the group's limit
+        assert 0 < meminfo["free"] <= GiB
+    finally:
+        agent.terminate()
+        try:
+            agent.wait(timeout=20)
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+            log.close()
+    assert agent.returncode == 0, (tmp_path / "agent.log").read_text()
+
+
+def test_reinstall_keeps_the_operators_conffile_edit(installed: Path) -> None:
+    marker = "\n# edited by test_deb\n"
+    CONF.write_text(CONF.read_text() + marker)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    _sh("apt-get", "install", "-y", "--reinstall", "--no-install-recommends", installed, env=env, timeout=600)
+    assert marker in CONF.read_text()
+    assert Path("/etc/systemd/system/multi-user.target.wants/gemtrace.service").is_symlink()
+
+
+def test_purge_leaves_nothing(installed: Path) -> None:
+    Path("/run/gemtrace").mkdir(exist_ok=True)  # as the unit's RuntimeDirectory leaves it (preserved)
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    _sh("apt-get", "purge", "-y", "gemtrace", env=env, timeout=600)
+    assert not _installed()
+    left = [
+        p
+        for p in (
+            GEMTRACE,
+            UNIT,
+            Path("/etc/gemtrace"),
+            Path("/etc/default/gemtrace"),
+            Path("/usr/lib/gemtrace"),
+            Path("/usr/share/gemtrace"),
+            Path("/run/gemtrace"),
+            Path("/var/lib/gemtrace"),
+            Path("/etc/systemd/system/multi-user.target.wants/gemtrace.service"),
+        )
+        if p.exists() or p.is_symlink()
+    ]
+    assert left == []
