@@ -183,13 +183,18 @@ def solo_share(the_rig: Rig, warmup: float, seconds: float) -> float:
 
 
 def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: float) -> list[dict[str, Any]]:
-    """Rows (case, group, device, target, kind, device_share, measured) for the table and the asserts;
-    `measured` is the share relative to `solo`."""
+    """Rows (case, group, device, target, kind, device_share, measured, looks_per_s) for the table and
+    the asserts; `measured` is the share relative to `solo`, looks_per_s how often that GPU's
+    scheduler looked at the region (its wake-ups)."""
+    looks = [s.looks for s in the_rig.schedulers]
+    start = time.monotonic()
     shares = measure(the_rig, case.loads, warmup, seconds)
+    elapsed = time.monotonic() - start
     rows = []
     for (group, device), (target, kind) in case.targets.items():
         rows.append({"case": case.name, "group": group, "device": device, "target": target, "kind": kind,
-                     "device_share": shares[(group, device)], "measured": shares[(group, device)] / solo})
+                     "device_share": shares[(group, device)], "measured": shares[(group, device)] / solo,
+                     "looks_per_s": (the_rig.schedulers[device].looks - looks[device]) / elapsed})
     return rows
 
 

@@ -43,7 +43,11 @@ def check(rows: list[dict[str, object]]) -> None:
 
 @pytest.mark.parametrize("case", harness.CASES, ids=lambda c: c.name)
 def test_share(rig: harness.Rig, solo: float, case: harness.Case) -> None:
-    check(harness.run_case(rig, case, WARMUP, SECONDS, solo))
+    rows = harness.run_case(rig, case, WARMUP, SECONDS, solo)
+    check(rows)
+    if len(case.loads) == 1 and case.loads[0].quota.max_util == 1.0:
+        # Alone and uncapped: one look per 20 ms slice, no polling (about 50 a second).
+        assert rows[0]["looks_per_s"] < 80
 
 
 def test_two_gpus_are_scheduled_independently(simgpu_factory: Callable[..., SimGpu], tmp_path: Path,
