@@ -1,0 +1,440 @@
+"""Accounting: what every process on the host does with the GPUs, from eBPF, the gates and NVML.
+
+Owns the per-process view (Snapshot) and the enforcement thread. Sources, best first:
+  memory       eBPF (every allocation matched to its release, gated or not) > the gate's slot > NVML
+               (NVML's figure includes the context's own memory: about 800 MB a process on an H100);
+  GPU time     the gate's slot (busy_ns of finished bursts) > NVML's device utilisation integrated over
+               time and shared among the ungated processes on that GPU (coarse: a one-second window);
+  launches     the gate's slot > eBPF in the opt-in "launches" probe mode > unknown (None).
+A watcher thread waits on the eBPF ring buffer: an allocation wakes it, and MemoryEnforcer kills
+within milliseconds; it also rescans /proc for libcuda files every LIBCUDA_RESCAN_SECONDS. If bcc
+cannot run, one log line says why (ebpf_status keeps it) and the gates and NVML still count.
+Never writes to the region; never kills but through MemoryEnforcer.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Protocol
+
+import structlog
+
+from gemtrace import defaults
+from gemtrace.enforcement import Holding, MemoryEnforcer
+from gemtrace.groups_of import ENV_VISIBLE_DEVICES, ProcReader, group_for, visible_devices
+from gemtrace.probes import libcuda
+from gemtrace.probes.bpf_loader import EVENT_ALLOC, EVENT_EXIT, BpfProbes, BpfUnavailable, Event, Usage
+from gemtrace.probes.nvml import NvmlReader
+
+log = structlog.get_logger("gemtrace.accounting")
+
+NVML_WINDOW_NS = 1_000_000_000  # NVML's utilisation is averaged over about this long
+
+
+@dataclass(frozen=True)
+class ProcessAccount:
+    pid: int
+    comm: str
+    group: str
+    gpu: str  # UUID
+    memory_bytes: int
+    gpu_seconds: float
+    launches: int | None  # None: not known (ungated process, launches not probed)
+    gated: bool
+    exited_ns: int | None = None  # set during the grace period after the process exited
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    taken_ns: int
+    processes: tuple[ProcessAccount, ...]
+
+    def group_memory(self) -> dict[tuple[str, str], int]:
+        out: dict[tuple[str, str], int] = {}
+        for p in self.processes:
+            key = (p.gpu, p.group)
+            out[key] = out.get(key, 0) + p.memory_bytes
+        return out
+
+
+class _GroupConfig(Protocol):
+    memory_limit: int | None
+    cgroups: tuple[str, ...]
+
+
+class _Config(Protocol):
+    @property
+    def groups(self) -> Mapping[str, Any]: ...
+
+
+@dataclass
+class _Info:
+    start_time: int | None
+    comm: str
+    group: str
+    uuids: list[str]  # the GPUs its ordinals 0, 1, ... name
+    rules_id: int
+
+
+@dataclass
+class _Seen:
+    account: ProcessAccount
+    nvml_seconds: float = 0.0
+    exited_ns: int | None = None
+    gpus: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _SlotView:
+    pid: int
+    index: int
+    memory: tuple[int, ...]
+    launches: tuple[int, ...]
+    busy_ns: tuple[int, ...]
+    gpu_mask: int
+
+
+class Accounting:
+    def __init__(
+        self,
+        region: Any,
+        config_getter: Callable[[], _Config | None],
+        proc_root: Path = Path("/proc"),
+        use_ebpf: bool = True,
+        probe_mode: str = "memory",
+        nvml: NvmlReader | None = None,
+        enforcer: MemoryEnforcer | None = None,
+        grace_seconds: float = defaults.PROCESS_SERIES_GRACE_SECONDS,
+        rescan_seconds: float = defaults.LIBCUDA_RESCAN_SECONDS,
+        clock: Callable[[], int] = time.monotonic_ns,
+        libcuda_paths: Sequence[Path] = (),
+    ) -> None:
+        self.region = region
+        self.config_getter = config_getter
+        self.proc = ProcReader(proc_root)
+        self.proc_root = proc_root
+        self.nvml = nvml if nvml is not None else NvmlReader()
+        self.enforcer = enforcer or MemoryEnforcer()
+        self.grace_ns = int(grace_seconds * 1e9)
+        self.rescan_ns = int(rescan_seconds * 1e9)
+        self.clock = clock
+        # Probed from the start even before any process maps them, so that a process's first
+        # allocations are not missed while the next rescan is due.
+        self.libcuda_paths = tuple(libcuda_paths)
+        self._lock = threading.RLock()  # guards bcc and the caches below
+        self._info: dict[int, _Info] = {}
+        self._seen: dict[int, _Seen] = {}
+        self._exited: set[int] = set()
+        self._alloc_event = False
+        self._last_poll_ns: int | None = None
+        self._tamper_suspect: dict[tuple[int, str], tuple[int, int]] = {}
+        self._tampered: set[tuple[int, str]] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.probes: BpfProbes | None = None
+        self.ebpf_reason = "eBPF disabled by configuration"
+        if use_ebpf:
+            try:
+                self.probes = BpfProbes(probe_mode)
+            except BpfUnavailable as e:
+                self.ebpf_reason = str(e)
+                log.warning("ebpf_unavailable", reason=self.ebpf_reason,
+                            consequence="memory and launches come from the gates and NVML only")
+        if self.probes is not None:
+            self.probes.open_events(self._on_event)
+            self.rescan()
+            self._thread = threading.Thread(target=self._watch, name="gemtrace-accounting", daemon=True)
+            self._thread.start()
+
+    # -- status ----------------------------------------------------------------------------------
+
+    @property
+    def ebpf_status(self) -> str:
+        if self.probes is None:
+            return self.ebpf_reason
+        with self._lock:
+            return f"attached {self.probes.probe_count} probes to {len(self.probes.files)} files"
+
+    @property
+    def probes_attached(self) -> int:
+        return 0 if self.probes is None else self.probes.probe_count
+
+    @property
+    def libcuda_files(self) -> int:
+        return 0 if self.probes is None else len(self.probes.files)
+
+    # -- the watcher: ring buffer, enforcement, rescans --------------------------------------------
+
+    def _on_event(self, ev: Event) -> None:
+        if ev.type == EVENT_ALLOC:
+            self._alloc_event = True
+        elif ev.type == EVENT_EXIT:
+            self._exited.add(ev.pid)
+            self._alloc_event = True  # memory went: a pending kill may be settled
+
+    def _watch(self) -> None:
+        assert self.probes is not None
+        next_scan = self.clock() + self.rescan_ns
+        while not self._stop.is_set():
+            self.probes.poll_events(50)
+            if self._alloc_event:
+                self._alloc_event = False
+                try:
+                    self.enforce()
+                except Exception:
+                    log.exception("enforcement_failed")
+            if self.clock() >= next_scan:
+                next_scan = self.clock() + self.rescan_ns
+                try:
+                    self.rescan()
+                except Exception:
+                    log.exception("libcuda_rescan_failed")
+
+    def rescan(self) -> None:
+        """Attach to libcuda files newly mapped; detach from those no live process maps any more."""
+        assert self.probes is not None
+        files = libcuda.scan(self.proc_root, skip=os.getpid())
+        pinned = {}
+        for path in self.libcuda_paths:
+            try:
+                file_id = libcuda.file_id_of(path)
+            except OSError:
+                continue
+            pinned[file_id] = path
+        with self._lock:
+            for file_id, pinned_path in pinned.items():
+                if file_id not in self.probes.files and self.probes.attach(file_id, pinned_path):
+                    log.info("libcuda_attached", path=str(pinned_path), probes=self.probes.probe_count)
+            for file_id, entry in files.items():
+                if file_id in self.probes.files:
+                    continue
+                via = entry.reachable_path(self.proc_root)
+                if via is None:
+                    continue
+                try:
+                    n = self.probes.attach(file_id, via)
+                except OSError as e:
+                    log.warning("libcuda_attach_failed", path=entry.path, pids=sorted(entry.pids)[:5], error=str(e))
+                    continue
+                if n:
+                    log.info("libcuda_attached", path=entry.path, via=str(via), probes=n)
+            for file_id in self.probes.files - set(files) - set(pinned):
+                self.probes.detach(file_id)
+                log.info("libcuda_detached", inode=file_id.inode, dev=file_id.dev)
+
+    def enforce(self) -> None:
+        """Check every group's memory on every GPU against its limit, from the eBPF figures."""
+        assert self.probes is not None
+        with self._lock:
+            usage = self.probes.usage()
+            self._reap()
+        config = self.config_getter()
+        limits: dict[str, int | None] = {}
+        if config is not None:
+            limits = {name: g.memory_limit for name, g in config.groups.items()}
+        holdings = []
+        for u in usage:
+            if u.bytes <= 0 or u.pid in self._exited:
+                continue
+            info = self._info_of(u.pid, config)
+            if info is None or u.dev >= len(info.uuids):
+                continue
+            holdings.append(Holding(u.pid, info.group, info.uuids[u.dev], u.bytes, u.last_alloc_ns))
+        if any(limits.get(h.group) is not None for h in holdings):
+            self.enforcer.check(holdings, limits)
+
+    def _reap(self) -> None:
+        if self._exited and self.probes is not None:
+            gone, self._exited = self._exited, set()
+            self.probes.forget(gone)
+            for pid in gone:
+                self._info.pop(pid, None)
+
+    # -- per-process facts -------------------------------------------------------------------------
+
+    def _gpu_list(self) -> list[str]:
+        if self.region is not None:
+            uuids = list(self.region.gpu_uuids())
+            if uuids:
+                return uuids
+        return self.nvml.gpu_uuids()
+
+    def _info_of(self, pid: int, config: _Config | None) -> _Info | None:
+        rules_id = id(config)
+        start = self.proc.start_time(pid)
+        info = self._info.get(pid)
+        if info is not None and info.start_time == start and info.rules_id == rules_id:
+            return info
+        env = self.proc.environ(pid)
+        if env is None:
+            return None
+        rules: dict[str, Sequence[str]] = {}
+        if config is not None:
+            rules = {name: tuple(getattr(g, "cgroups", ())) for name, g in config.groups.items()}
+        info = _Info(
+            start_time=start,
+            comm=self.proc.comm(pid) or "?",
+            group=group_for(env, self.proc.cgroups(pid) or [], rules),
+            uuids=visible_devices(env.get(ENV_VISIBLE_DEVICES), self._gpu_list()),
+            rules_id=rules_id,
+        )
+        self._info[pid] = info
+        return info
+
+    def _slots(self) -> dict[int, _SlotView]:
+        if self.region is None:
+            return {}
+        out: dict[int, _SlotView] = {}
+        for index, s in self.region.live_slots():
+            out[s.pid] = _SlotView(s.pid, index, tuple(s.memory), tuple(s.launches), tuple(s.busy_ns), s.gpu_mask)
+        return out
+
+    # -- the snapshot ------------------------------------------------------------------------------
+
+    def poll(self, now_ns: int | None = None) -> Snapshot:
+        now = self.clock() if now_ns is None else now_ns
+        config = self.config_getter()
+        usage: list[Usage] = []
+        ebpf_launches: dict[int, int] = {}
+        with self._lock:
+            if self.probes is not None:
+                self._reap()
+                usage = self.probes.usage()
+                if self.probes.mode == "launches":
+                    ebpf_launches = self.probes.launches()
+        slots = self._slots()
+        nvml_procs = self.nvml.processes() if self.nvml.available else []
+        physical = self._gpu_list()
+
+        # (pid, gpu uuid) -> figures from each source
+        ebpf_mem: dict[tuple[int, str], int] = {}
+        ebpf_gpus: dict[int, list[str]] = {}
+        for u in usage:
+            info = self._info_of(u.pid, config)
+            if info is None or u.dev >= len(info.uuids):
+                continue
+            uuid = info.uuids[u.dev]
+            ebpf_mem[(u.pid, uuid)] = ebpf_mem.get((u.pid, uuid), 0) + u.bytes
+            ebpf_gpus.setdefault(u.pid, []).append(uuid)
+        nvml_mem = {(p.pid, p.gpu): p.used_bytes for p in nvml_procs}
+
+        keys: set[tuple[int, str]] = set(ebpf_mem) | set(nvml_mem)
+        for pid, sv in slots.items():
+            for g, uuid in enumerate(physical):
+                if sv.gpu_mask >> g & 1:
+                    keys.add((pid, uuid))
+
+        live: dict[tuple[int, str], ProcessAccount] = {}
+        for pid, uuid in keys:
+            if not self.proc.alive(pid):
+                continue
+            info = self._info_of(pid, config)
+            if info is None:
+                continue
+            slot = slots.get(pid)
+            g = physical.index(uuid) if uuid in physical else -1
+            gated = slot is not None
+            if self.probes is not None and (pid, uuid) in ebpf_mem:
+                memory = ebpf_mem[(pid, uuid)]
+            elif slot is not None and g >= 0:
+                memory = slot.memory[g]
+            else:
+                memory = nvml_mem.get((pid, uuid), 0)
+            launches: int | None = None
+            busy = 0.0
+            if slot is not None and g >= 0:
+                launches = slot.launches[g]
+                busy = slot.busy_ns[g] / 1e9
+            elif pid in ebpf_launches and ebpf_gpus.get(pid, [uuid])[0] == uuid:
+                launches = ebpf_launches[pid]
+            live[(pid, uuid)] = ProcessAccount(pid, info.comm, info.group, uuid, memory, busy, launches, gated)
+            if slot is not None and g >= 0 and self.probes is not None and (pid, uuid) in ebpf_mem:
+                self._check_tampering(pid, info.group, uuid, slot.memory[g], ebpf_mem[(pid, uuid)])
+
+        self._integrate_nvml(now, live, slots, physical)
+        return self._with_exited(now, live)
+
+    def _check_tampering(self, pid: int, group: str, uuid: str, slot_bytes: int, ebpf_bytes: int) -> None:
+        """A slot that shows less than eBPF saw is hiding memory from the gates' quota. The gate
+        reserves before it calls the driver, so a slot may lead eBPF for a moment, never trail it
+        for two polls in a row with the same figures."""
+        key = (pid, uuid)
+        if slot_bytes >= ebpf_bytes:
+            self._tamper_suspect.pop(key, None)
+            self._tampered.discard(key)
+            return
+        if self._tamper_suspect.get(key) == (slot_bytes, ebpf_bytes) and key not in self._tampered:
+            self._tampered.add(key)
+            self.enforcer.note_tampering(pid, group, uuid, slot_bytes, ebpf_bytes)
+        self._tamper_suspect[key] = (slot_bytes, ebpf_bytes)
+
+    def _integrate_nvml(
+        self, now: int, live: dict[tuple[int, str], ProcessAccount], slots: Mapping[int, _SlotView],
+        physical: Sequence[str],
+    ) -> None:
+        """GPU time of ungated processes: NVML's busy fraction x elapsed time, less what the gates
+        account on that GPU, shared equally among the ungated processes on it. Coarse by nature."""
+        last, self._last_poll_ns = self._last_poll_ns, now
+        util = self.nvml.utilization() if self.nvml.available else {}
+        if last is None or not util:
+            for key, acc in live.items():
+                seen = self._seen.get(key[0])
+                extra = seen.nvml_seconds if seen and not acc.gated else 0.0
+                live[key] = replace(acc, gpu_seconds=acc.gpu_seconds + extra)
+            return
+        dt = (now - last) / 1e9
+        for uuid, fraction in util.items():
+            busy = fraction * dt
+            gated_busy = 0.0
+            for key, acc in live.items():
+                if key[1] == uuid and acc.gated:
+                    prev = self._seen.get(key[0])
+                    before = prev.account.gpu_seconds if prev and prev.account.gpu == uuid else acc.gpu_seconds
+                    gated_busy += max(0.0, acc.gpu_seconds - before)
+            share_pids = [k[0] for k, a in live.items() if k[1] == uuid and not a.gated]
+            if not share_pids:  # NVML's window still holds the work of a process that just exited
+                share_pids = [pid for pid, s in self._seen.items()
+                              if s.exited_ns is not None and now - s.exited_ns < NVML_WINDOW_NS
+                              and s.account.gpu == uuid and not s.account.gated]
+            if not share_pids:
+                continue
+            each = max(0.0, busy - gated_busy) / len(share_pids)
+            for pid in share_pids:
+                seen = self._seen.setdefault(pid, _Seen(ProcessAccount(pid, "?", "", uuid, 0, 0.0, None, False)))
+                seen.nvml_seconds += each
+        for key, acc in live.items():
+            seen = self._seen.get(key[0])
+            if seen is not None and not acc.gated:
+                live[key] = replace(acc, gpu_seconds=acc.gpu_seconds + seen.nvml_seconds)
+
+    def _with_exited(self, now: int, live: dict[tuple[int, str], ProcessAccount]) -> Snapshot:
+        live_pids = {pid for pid, _ in live}
+        for (pid, _uuid), acc in live.items():
+            seen = self._seen.setdefault(pid, _Seen(acc))
+            seen.account, seen.exited_ns = acc, None
+        out = list(live.values())
+        for pid, seen in list(self._seen.items()):
+            if pid in live_pids:
+                continue
+            if seen.exited_ns is None:
+                seen.exited_ns = now
+            if now - seen.exited_ns >= self.grace_ns:
+                del self._seen[pid]
+                continue
+            if seen.account.comm != "?":
+                out.append(replace(seen.account, memory_bytes=0, exited_ns=seen.exited_ns))
+        return Snapshot(now, tuple(sorted(out, key=lambda a: (a.gpu, a.pid))))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if self.probes is not None:
+            with self._lock:
+                self.probes.close()
+            self.probes = None

@@ -1,0 +1,111 @@
+"""Memory enforcement: a group over its MemoryLimit on a GPU is brought back under it by SIGKILL.
+
+Owns the decision (which process dies) and its bookkeeping (counters, log events). The victim is
+the group's process that allocated last on that GPU, then the next-latest, until what the group
+would hold without the processes already killed is within the limit; a process outside the group
+is never a candidate. A killed process keeps its memory until it has exited, so it stays `pending`
+and is not counted twice. The figures come from eBPF (gemtrace.accounting), so a process without the
+gate is held to the limit too. Pure apart from the injected `kill`; called on every allocation event.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+RESOURCE_MEMORY = "memory"
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one process holds on one GPU, with the time of its last allocation there."""
+
+    pid: int
+    group: str
+    gpu: str
+    bytes: int
+    last_alloc_ns: int
+
+
+@dataclass(frozen=True)
+class Kill:
+    pid: int
+    group: str
+    gpu: str
+    group_bytes: int
+    limit: int
+    process_bytes: int
+
+
+def _default_kill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
+class MemoryEnforcer:
+    def __init__(self, kill: Callable[[int], None] = _default_kill, log: Any = None) -> None:
+        self._kill = kill
+        self._log = log or structlog.get_logger("gemtrace.enforcement")
+        self._lock = threading.Lock()
+        self._pending: dict[int, str] = {}  # pid killed -> group, until it no longer holds anything
+        self._over: set[tuple[str, str]] = set()  # (gpu, group) found over its limit, until back under
+        self.oom_kills: Counter[str] = Counter()
+        self.breaches: Counter[tuple[str, str]] = Counter()  # (group, resource)
+        self.tampering: Counter[str] = Counter()
+
+    def check(self, holdings: Iterable[Holding], limits: Mapping[str, int | None]) -> list[Kill]:
+        """Kill what must die for every group to be within its limit; the kills made."""
+        by_key: dict[tuple[str, str], list[Holding]] = {}
+        for h in holdings:
+            by_key.setdefault((h.gpu, h.group), []).append(h)
+        kills: list[Kill] = []
+        with self._lock:
+            present = {h.pid for hs in by_key.values() for h in hs if h.bytes > 0}
+            for pid in [p for p in self._pending if p not in present]:
+                del self._pending[pid]  # it exited and its memory went with it
+            for (gpu, group), hs in by_key.items():
+                limit = limits.get(group)
+                total = sum(h.bytes for h in hs)
+                if limit is None or total <= limit:
+                    self._over.discard((gpu, group))
+                    continue
+                if (gpu, group) not in self._over:
+                    self._over.add((gpu, group))
+                    self.breaches[(group, RESOURCE_MEMORY)] += 1
+                    self._log.warning("quota_breach", group=group, gpu=gpu, resource=RESOURCE_MEMORY,
+                                      bytes=total, limit=limit)
+                remaining = total - sum(h.bytes for h in hs if h.pid in self._pending)
+                candidates = sorted(
+                    (h for h in hs if h.pid not in self._pending and h.bytes > 0),
+                    key=lambda h: h.last_alloc_ns,
+                    reverse=True,
+                )
+                for victim in candidates:
+                    if remaining <= limit:
+                        break
+                    kills.append(self._kill_one(victim, total, limit))
+                    remaining -= victim.bytes
+        return kills
+
+    def _kill_one(self, victim: Holding, group_bytes: int, limit: int) -> Kill:
+        try:
+            self._kill(victim.pid)
+        except ProcessLookupError:
+            pass  # it died on its own meanwhile: its memory goes all the same
+        self._pending[victim.pid] = victim.group
+        self.oom_kills[victim.group] += 1
+        self._log.warning("oom_kill", pid=victim.pid, group=victim.group, gpu=victim.gpu, bytes=group_bytes,
+                          limit=limit, process_bytes=victim.bytes)
+        return Kill(victim.pid, victim.group, victim.gpu, group_bytes, limit, victim.bytes)
+
+    def note_tampering(self, pid: int, group: str, gpu: str, slot_bytes: int, ebpf_bytes: int) -> None:
+        with self._lock:
+            self.tampering[group] += 1
+        self._log.warning("slot_tampering", pid=pid, group=group, gpu=gpu, slot_bytes=slot_bytes,
+                          ebpf_bytes=ebpf_bytes)

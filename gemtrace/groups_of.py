@@ -1,0 +1,124 @@
+"""The group of a process, and the GPUs it sees: read from /proc, decided by pure functions.
+
+A process belongs to the group named by GEMTRACE_GROUP in its environment; else to the group whose
+`Cgroup` rule in the resource file is the longest prefix (at a path boundary) of one of its cgroup
+paths (e.g. /kubepods/pod1234); else to `default`. Its device ordinals map to physical GPUs through
+CUDA_VISIBLE_DEVICES (ordinals or UUIDs or unique UUID prefixes, as CUDA reads them), never by
+ordinal alone (HAMi #1218). Parsers take text; ProcReader takes its /proc root. Never writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from gemtrace.defaults import DEFAULT_GROUP, ENV_GROUP
+
+ENV_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+
+def parse_environ(raw: bytes) -> dict[str, str]:
+    """/proc/PID/environ: NUL-separated KEY=VALUE."""
+    env: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
+    return env
+
+
+def parse_cgroup(text: str) -> list[str]:
+    """/proc/PID/cgroup: `hierarchy:controllers:path` lines; the paths (v2's unified one first)."""
+    paths: list[str] = []
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[2]:
+            if parts[0] == "0":
+                paths.insert(0, parts[2])
+            elif parts[2] not in paths:
+                paths.append(parts[2])
+    return paths
+
+
+def _under(path: str, prefix: str) -> bool:
+    prefix = prefix.rstrip("/") or "/"
+    return prefix == "/" or path == prefix or path.startswith(prefix + "/")
+
+
+def group_for(environ: Mapping[str, str], cgroups: Sequence[str], rules: Mapping[str, Sequence[str]]) -> str:
+    """The group of a process. `rules`: group name -> its Cgroup prefixes from the resource file."""
+    named = environ.get(ENV_GROUP, "").strip()
+    if named:
+        return named
+    best, best_len = DEFAULT_GROUP, -1
+    for group, prefixes in rules.items():
+        for prefix in prefixes:
+            if len(prefix) > best_len and any(_under(path, prefix) for path in cgroups):
+                best, best_len = group, len(prefix)
+    return best
+
+
+def visible_devices(value: str | None, physical: Sequence[str]) -> list[str]:
+    """The UUIDs a process's ordinals 0, 1, ... name, given its CUDA_VISIBLE_DEVICES and the GPUs in
+    physical order. As CUDA does, the list stops at the first entry that names no GPU."""
+    if value is None:
+        return list(physical)
+    out: list[str] = []
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            break
+        if item.isdigit():
+            index = int(item)
+            if index >= len(physical):
+                break
+            out.append(physical[index])
+            continue
+        matches = [uuid for uuid in physical if uuid.startswith(item)]
+        if len(matches) != 1:
+            break
+        out.append(matches[0])
+    return out
+
+
+class ProcReader:
+    """Reads one process's facts from a /proc tree; every reader returns None when the process is gone."""
+
+    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+        self.proc_root = proc_root
+
+    def _read(self, pid: int, name: str) -> bytes | None:
+        try:
+            return (self.proc_root / str(pid) / name).read_bytes()
+        except OSError:
+            return None
+
+    def environ(self, pid: int) -> dict[str, str] | None:
+        raw = self._read(pid, "environ")
+        return None if raw is None else parse_environ(raw)
+
+    def cgroups(self, pid: int) -> list[str] | None:
+        raw = self._read(pid, "cgroup")
+        return None if raw is None else parse_cgroup(raw.decode("utf-8", "replace"))
+
+    def comm(self, pid: int) -> str | None:
+        raw = self._read(pid, "comm")
+        return None if raw is None else raw.decode("utf-8", "replace").strip()
+
+    def start_time(self, pid: int) -> int | None:
+        """Field 22 of /proc/PID/stat (clock ticks since boot): tells a reused pid apart."""
+        raw = self._read(pid, "stat")
+        if raw is None:
+            return None
+        fields = raw.rsplit(b")", 1)[-1].split()
+        try:
+            return int(fields[19])
+        except (IndexError, ValueError):
+            return None
+
+    def alive(self, pid: int) -> bool:
+        """Running: a zombie (killed, not yet waited for) holds no GPU memory and counts as gone."""
+        raw = self._read(pid, "stat")
+        if raw is None:
+            return False
+        state = raw.rsplit(b")", 1)[-1].split()[:1]
+        return bool(state) and state[0] not in (b"Z", b"X", b"x")

@@ -1,0 +1,99 @@
+"""Which libcuda files the processes on the host map: the files the eBPF probes attach to.
+
+A file is told apart by the (device, inode) that /proc/PID/maps shows, so the same library seen by
+many processes, or by a process in another mount namespace under another path, is probed once. A
+file in another mount namespace is reached through /proc/PID/root (Datadog #33626). The parser is
+pure text; the reader takes its /proc root so tests can point it at a fixture tree. Never opens
+anything but /proc.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# libcuda.so, libcuda.so.1, libcuda.so.580.159.04 (the real file behind the links)
+_LIBCUDA_NAME = re.compile(r"(^|/)libcuda\.so(\.[0-9.]+)?$")
+
+
+@dataclass(frozen=True, order=True)
+class FileId:
+    """A file as the kernel knows it: the device (major:minor, as maps writes it) and the inode."""
+
+    dev: str
+    inode: int
+
+
+@dataclass
+class LibcudaFile:
+    file_id: FileId
+    path: str  # the path inside the mount namespace of the processes that map it
+    pids: set[int] = field(default_factory=set)
+
+    def reachable_path(self, proc_root: Path) -> Path | None:
+        """A path to the file from the agent's mount namespace: through a live user's /proc/PID/root."""
+        for pid in sorted(self.pids):
+            candidate = proc_root / str(pid) / "root" / self.path.lstrip("/")
+            if candidate.exists():
+                return candidate
+        return None
+
+
+def file_id_of(path: Path) -> FileId:
+    """The id of a file by path, written as /proc/PID/maps writes it."""
+    st = os.stat(path)
+    return FileId(f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}", st.st_ino)
+
+
+def parse_maps(text: str) -> dict[FileId, str]:
+    """The libcuda files named in one /proc/PID/maps text, by file id."""
+    found: dict[FileId, str] = {}
+    for line in text.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 6:
+            continue
+        path = parts[5].strip()
+        if path.endswith(" (deleted)"):
+            continue  # replaced on disk; the processes still run it, but it cannot be opened by path
+        if not _LIBCUDA_NAME.search(path):
+            continue
+        try:
+            inode = int(parts[4])
+        except ValueError:
+            continue
+        found[FileId(parts[3], inode)] = path
+    return found
+
+
+def _pids(proc_root: Path) -> Iterable[int]:
+    try:
+        names = os.listdir(proc_root)
+    except OSError:
+        return []
+    return (int(name) for name in names if name.isdigit())
+
+
+def scan(proc_root: Path = Path("/proc"), skip: int | None = None) -> dict[FileId, LibcudaFile]:
+    """Every libcuda file mapped by a live process, with the pids that map it.
+
+    `skip` is the agent's own pid. Reading maps is the cost of a scan: most processes are dismissed
+    by one substring test of their raw bytes before any parsing.
+    """
+    files: dict[FileId, LibcudaFile] = {}
+    for pid in _pids(proc_root):
+        if pid == skip:
+            continue
+        try:
+            with open(proc_root / str(pid) / "maps", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue  # exited meanwhile, or a kernel thread
+        if b"libcuda.so" not in raw:
+            continue
+        for file_id, path in parse_maps(raw.decode("utf-8", "replace")).items():
+            entry = files.setdefault(file_id, LibcudaFile(file_id, path))
+            entry.pids.add(pid)
+    return files
