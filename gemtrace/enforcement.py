@@ -104,6 +104,11 @@ class MemoryEnforcer:
                           limit=limit, process_bytes=victim.bytes)
         return Kill(victim.pid, victim.group, victim.gpu, group_bytes, limit, victim.bytes)
 
+    def counters(self) -> tuple[dict[str, int], dict[tuple[str, str], int], dict[str, int]]:
+        """Copies of (oom kills by group, breaches by (group, resource), tampering by group)."""
+        with self._lock:
+            return dict(self.oom_kills), dict(self.breaches), dict(self.tampering)
+
     def note_tampering(self, pid: int, group: str, gpu: str, slot_bytes: int, ebpf_bytes: int) -> None:
         with self._lock:
             self.tampering[group] += 1

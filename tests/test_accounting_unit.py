@@ -1,0 +1,185 @@
+"""Unit tests of the accounting's parsers, readers over fixture /proc trees, the Snapshot built
+from gate slots (no eBPF), GPU time from slots, and per-process series vanishing after the grace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gemtrace.accounting import Accounting, ProcessAccount, Snapshot
+from gemtrace.collectors.processes import ProcessCollector
+from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
+from gemtrace.probes import libcuda
+from gemtrace.region import Region
+
+pytestmark = pytest.mark.unit
+
+UUIDS = ["GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000"]
+
+MAPS = """\
+7f0000000000-7f0000001000 r--p 00000000 fd:01 1234 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04
+7f0000001000-7f0000100000 r-xp 00001000 fd:01 1234 /usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04
+7f0000200000-7f0000300000 r-xp 00001000 00:2a 99 /opt/app/libcuda.so.1
+7f0000300000-7f0000400000 r-xp 00001000 fd:01 555 /usr/lib/libcudart.so.12
+7f0000400000-7f0000500000 r-xp 00001000 fd:01 556 /old/libcuda.so.1 (deleted)
+7f0000500000-7f0000600000 rw-p 00000000 00:00 0
+"""
+
+
+def samples(registry: CollectorRegistry) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    text = generate_latest(registry).decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_parse_maps_finds_each_libcuda_file_once() -> None:
+    found = libcuda.parse_maps(MAPS)
+    assert found == {
+        libcuda.FileId("fd:01", 1234): "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04",
+        libcuda.FileId("00:2a", 99): "/opt/app/libcuda.so.1",
+    }
+
+
+def _proc_tree(root: Path, pid: int, maps: str = "", environ: bytes = b"", cgroup: str = "0::/\n",
+               comm: str = "python3", state: str = "S") -> None:
+    d = root / str(pid)
+    d.mkdir(parents=True)
+    (d / "maps").write_text(maps)
+    (d / "environ").write_bytes(environ)
+    (d / "cgroup").write_text(cgroup)
+    (d / "comm").write_text(comm + "\n")
+    fields = [state] + ["0"] * 18 + ["4242"] + ["0"] * 10
+    (d / "stat").write_text(f"{pid} ({comm}) " + " ".join(fields) + "\n")
+
+
+def test_scan_groups_pids_by_file_and_reaches_other_namespaces_through_proc_root(tmp_path: Path) -> None:
+    _proc_tree(tmp_path, 10, MAPS)
+    _proc_tree(tmp_path, 11, MAPS.splitlines()[0] + "\n")
+    _proc_tree(tmp_path, 12, "")
+    files = libcuda.scan(tmp_path)
+    main = files[libcuda.FileId("fd:01", 1234)]
+    assert main.pids == {10, 11}
+    lib = tmp_path / "11" / "root" / "usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"\x7fELF")
+    assert main.reachable_path(tmp_path) == lib
+
+
+def test_environ_cgroup_and_group_rules() -> None:
+    env = parse_environ(b"A=1\0GEMTRACE_GROUP=train\0CUDA_VISIBLE_DEVICES=1\0")
+    assert env == {"A": "1", "GEMTRACE_GROUP": "train", "CUDA_VISIBLE_DEVICES": "1"}
+    cgroups = parse_cgroup("12:memory:/v1path\n0::/kubepods/burstable/pod1234/abcdef\n")
+    assert cgroups == ["/kubepods/burstable/pod1234/abcdef", "/v1path"]
+    rules = {
+        "pods": ("/kubepods",),
+        "pod1234": ("/kubepods/burstable/pod1234",),
+        "other": ("/kubepods/burstable/pod12",),
+    }
+    assert group_for(env, cgroups, rules) == "train"  # the environment wins
+    assert group_for({}, cgroups, rules) == "pod1234"  # longest prefix, at a path boundary
+    assert group_for({}, ["/system.slice/x"], rules) == "default"
+
+
+def test_visible_devices_by_ordinal_uuid_and_prefix() -> None:
+    assert visible_devices(None, UUIDS) == UUIDS
+    assert visible_devices("1", UUIDS) == [UUIDS[1]]
+    assert visible_devices("GPU-bbbb,0", UUIDS) == [UUIDS[1], UUIDS[0]]
+    assert visible_devices("0,7,1", UUIDS) == [UUIDS[0]]  # CUDA stops at the first invalid entry
+
+
+def test_proc_reader_zombie_counts_as_gone(tmp_path: Path) -> None:
+    _proc_tree(tmp_path, 20, state="Z")
+    _proc_tree(tmp_path, 21)
+    reader = ProcReader(tmp_path)
+    assert not reader.alive(20) and reader.alive(21) and not reader.alive(22)
+    assert reader.start_time(21) == 4242 and reader.comm(21) == "python3"
+
+
+@dataclass
+class FakeNvml:
+    available: bool = False
+    procs: list = field(default_factory=list)
+
+    def gpu_uuids(self) -> list[str]:
+        return []
+
+    def processes(self) -> list:
+        return self.procs
+
+    def utilization(self) -> dict[str, float]:
+        return {}
+
+
+@dataclass
+class Group:
+    memory_limit: int | None = None
+    cgroups: tuple[str, ...] = ()
+
+
+@dataclass
+class Config:
+    groups: dict[str, Group]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000_000
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def _claim_slot(region: Region, index: int, pid: int, group: int, gpu: int, memory: int, launches: int,
+                busy_ns: int) -> None:
+    slot = region.layout.slots[index]
+    slot.group, slot.flags, slot.gpu_mask = group, 1, 1 << gpu
+    slot.memory[gpu], slot.launches[gpu], slot.busy_ns[gpu] = memory, launches, busy_ns
+    slot.pid = pid
+
+
+def test_gated_processes_from_slots_and_series_vanish_after_grace(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    _proc_tree(proc, 301, environ=b"GEMTRACE_GROUP=train\0", comm="trainer")
+    region = Region.create(tmp_path / "state")
+    region.set_gpus([(UUIDS[0], 16 << 30), (UUIDS[1], 16 << 30)])
+    g = region.set_group("train", 1 << 30, 0.0, 1.0)
+    _claim_slot(region, 3, 301, g, 1, memory=123 << 20, launches=4567, busy_ns=2_500_000_000)
+    clock = Clock()
+    acc = Accounting(region, lambda: Config({"train": Group(1 << 30)}), proc_root=proc, use_ebpf=False,
+                     nvml=FakeNvml(), grace_seconds=60, clock=clock)  # type: ignore[arg-type]
+    assert "disabled" in acc.ebpf_status
+    snap = acc.poll(clock.now)
+    assert snap.processes == (
+        ProcessAccount(301, "trainer", "train", UUIDS[1], 123 << 20, 2.5, 4567, True),
+    )
+    assert snap.group_memory() == {(UUIDS[1], "train"): 123 << 20}
+
+    registry = CollectorRegistry()
+    latest: list[Snapshot] = [snap]
+    registry.register(ProcessCollector(lambda: latest[-1]))
+    labels = {"gpu": UUIDS[1], "group": "train", "pid": "301", "comm": "trainer"}
+    assert samples(registry) == {
+        ("gemtrace_process_memory_bytes", frozenset(labels.items())): 123 << 20,
+        ("gemtrace_process_kernel_launches_total", frozenset(labels.items())): 4567,
+        ("gemtrace_process_gpu_seconds_total", frozenset(labels.items())): 2.5,
+    }
+
+    # The process exits: its memory is released at once, its counters stay for the grace period.
+    (proc / "301" / "stat").write_text("301 (trainer) Z " + "0 " * 30)
+    clock.now += 1_000_000_000
+    latest.append(acc.poll(clock.now))
+    (gone,) = latest[-1].processes
+    assert gone.memory_bytes == 0 and gone.gpu_seconds == 2.5 and gone.exited_ns is not None
+    clock.now += 59_000_000_000
+    latest.append(acc.poll(clock.now))
+    assert [p.pid for p in latest[-1].processes] == [301]  # 59 s after its exit
+    clock.now += 1_000_000_000
+    latest.append(acc.poll(clock.now))
+    assert latest[-1].processes == ()
+    assert samples(registry) == {}
+    acc.close()
+    region.close()
