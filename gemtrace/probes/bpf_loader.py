@@ -184,18 +184,18 @@ class BpfProbes:
     def usage(self) -> list[Usage]:
         return [
             Usage(k.tgid, k.dev, v.bytes, v.allocs, v.last_alloc_ns)
-            for k, v in self._bpf["usage"].items()
+            for k, v in self._bpf[b"usage"].items()
         ]
 
     def launches(self) -> dict[int, int]:
-        return {k.value: v.value for k, v in self._bpf["launches"].items()}
+        return {k.value: v.value for k, v in self._bpf[b"launches"].items()}
 
     def forget(self, pids: Iterable[int]) -> None:
         """Drop every record of processes that have exited (their bytes were zeroed at exit)."""
         gone = set(pids)
         if not gone:
             return
-        for table in ("usage", "allocs"):
+        for table in (b"usage", b"allocs"):
             t = self._bpf[table]
             stale = [k for k in t.keys() if k.tgid in gone]
             for k in stale:
@@ -203,7 +203,7 @@ class BpfProbes:
                     del t[k]
                 except KeyError:
                     pass
-        launches = self._bpf["launches"]
+        launches = self._bpf[b"launches"]
         for pid in gone:
             try:
                 del launches[ctypes.c_uint(pid)]
@@ -213,7 +213,7 @@ class BpfProbes:
     def open_events(self, on_event: Callable[[Event], None]) -> None:
         """Deliver ring-buffer events to `on_event` from poll_events()."""
         self._on_event = on_event
-        table = self._bpf["events"]
+        table = self._bpf[b"events"]
 
         def callback(_ctx: object, data: int, _size: int) -> None:
             ev = table.event(data)
