@@ -118,6 +118,7 @@ class Accounting:
         self.config_getter = config_getter
         self.proc = ProcReader(proc_root)
         self.proc_root = proc_root
+        self._scanner = libcuda.Scanner(proc_root)
         self.nvml = nvml if nvml is not None else NvmlReader()
         self.enforcer = enforcer or MemoryEnforcer()
         self.grace_ns = int(grace_seconds * 1e9)
@@ -198,7 +199,7 @@ class Accounting:
     def rescan(self) -> None:
         """Attach to libcuda files newly mapped; detach from those no live process maps any more."""
         assert self.probes is not None
-        files = libcuda.scan(self.proc_root, skip=os.getpid())
+        files = self._scanner.scan(skip=os.getpid())
         pinned = {}
         for path in self.libcuda_paths:
             try:

@@ -76,24 +76,53 @@ def _pids(proc_root: Path) -> Iterable[int]:
     return (int(name) for name in names if name.isdigit())
 
 
-def scan(proc_root: Path = Path("/proc"), skip: int | None = None) -> dict[FileId, LibcudaFile]:
-    """Every libcuda file mapped by a live process, with the pids that map it.
+_LIBCUDA_LINE = re.compile(rb"^.*libcuda\.so.*$", re.MULTILINE)
 
-    `skip` is the agent's own pid. Reading maps is the cost of a scan: most processes are dismissed
-    by one substring test of their raw bytes before any parsing.
-    """
-    files: dict[FileId, LibcudaFile] = {}
-    for pid in _pids(proc_root):
-        if pid == skip:
-            continue
-        try:
-            with open(proc_root / str(pid) / "maps", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue  # exited meanwhile, or a kernel thread
-        if b"libcuda.so" not in raw:
-            continue
-        for file_id, path in parse_maps(raw.decode("utf-8", "replace")).items():
-            entry = files.setdefault(file_id, LibcudaFile(file_id, path))
-            entry.pids.add(pid)
-    return files
+
+def _libcuda_lines(raw: bytes) -> str:
+    """Only the maps lines that name a libcuda: a large process's maps are mostly other files."""
+    return "\n".join(m.decode("utf-8", "replace") for m in _LIBCUDA_LINE.findall(raw))
+
+
+class Scanner:
+    """Rescans /proc for libcuda users. A process seen mapping a libcuda is not read again while it
+    lives (the library stays mapped until it exits); the others are re-read on every scan, so a file
+    that a running process loads later is found on the next one. Reading maps is the cost of a scan:
+    most processes are dismissed by one substring test of their raw bytes before any parsing."""
+
+    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+        self.proc_root = proc_root
+        self._users: dict[int, dict[FileId, str]] = {}
+
+    def scan(self, skip: int | None = None) -> dict[FileId, LibcudaFile]:
+        """Every libcuda file mapped by a live process, with the pids that map it. `skip`: the agent."""
+        files: dict[FileId, LibcudaFile] = {}
+        live = set(_pids(self.proc_root))
+        for pid in list(self._users):
+            if pid not in live:
+                del self._users[pid]
+        for pid in live:
+            if pid == skip:
+                continue
+            mapped = self._users.get(pid)
+            if mapped is None:
+                try:
+                    with open(f"{self.proc_root}/{pid}/maps", "rb") as f:
+                        raw = f.read()
+                except OSError:
+                    continue  # exited meanwhile, or not ours to read
+                if b"libcuda.so" not in raw:
+                    continue
+                mapped = parse_maps(_libcuda_lines(raw))
+                if not mapped:
+                    continue
+                self._users[pid] = mapped
+            for file_id, path in mapped.items():
+                entry = files.setdefault(file_id, LibcudaFile(file_id, path))
+                entry.pids.add(pid)
+        return files
+
+
+def scan(proc_root: Path = Path("/proc"), skip: int | None = None) -> dict[FileId, LibcudaFile]:
+    """One scan without memory of the previous ones."""
+    return Scanner(proc_root).scan(skip)
