@@ -302,10 +302,12 @@ class Accounting:
         config = self.config_getter()
         usage: list[Usage] = []
         ebpf_launches: dict[int, int] = {}
+        ebpf_devices: dict[int, int] = {}
         with self._lock:
             if self.probes is not None:
                 self._reap()
                 usage = self.probes.usage()
+                ebpf_devices = self.probes.devices()
                 if self.probes.mode == "launches":
                     ebpf_launches = self.probes.launches()
         slots = self._slots()
@@ -322,6 +324,12 @@ class Accounting:
             uuid = info.uuids[u.dev]
             ebpf_mem[(u.pid, uuid)] = ebpf_mem.get((u.pid, uuid), 0) + u.bytes
             ebpf_gpus.setdefault(u.pid, []).append(uuid)
+        launch_gpu = {pid: gpus[0] for pid, gpus in ebpf_gpus.items()}
+        for pid, dev in ebpf_devices.items():  # a context and no memory (yet) is a GPU user too
+            info = self._info_of(pid, config)
+            if info is not None and dev < len(info.uuids):
+                ebpf_mem.setdefault((pid, info.uuids[dev]), 0)
+                launch_gpu[pid] = info.uuids[dev]  # launches count on the device it works on last
         nvml_mem = {(p.pid, p.gpu): p.used_bytes for p in nvml_procs}
 
         keys: set[tuple[int, str]] = set(ebpf_mem) | set(nvml_mem)
@@ -351,7 +359,7 @@ class Accounting:
             if slot is not None and g >= 0:
                 launches = slot.launches[g]
                 busy = slot.busy_ns[g] / 1e9
-            elif pid in ebpf_launches and ebpf_gpus.get(pid, [uuid])[0] == uuid:
+            elif pid in ebpf_launches and launch_gpu.get(pid) == uuid:
                 launches = ebpf_launches[pid]
             live[(pid, uuid)] = ProcessAccount(pid, info.comm, info.group, uuid, memory, busy, launches, gated)
             if slot is not None and g >= 0 and self.probes is not None and (pid, uuid) in ebpf_mem:

@@ -308,3 +308,17 @@ def test_without_privilege_the_reason_is_said_and_gates_still_count() -> None:
     assert out.returncode == 0, out.stderr
     assert "needs root" in out.stdout
     assert (out.stdout + out.stderr).count("ebpf_unavailable") == 1  # one clear line
+
+
+def test_launch_mode_counts_the_launches_of_an_ungated_process(sim: SimGpu, make_accounting) -> None:
+    acc = make_accounting(probe_mode="launches")
+    c = DriverClient(sim.env())
+    try:
+        c.call("init")
+        c.call("launch 1000 300")
+        assert wait_for(lambda: {p.pid: p.launches for p in acc.poll().processes}.get(c.pid) == 300)
+    finally:
+        c.close()
+    default = make_accounting()
+    assert default.probes is not None and default.probes.mode == "memory"
+    assert not any(sym.startswith("cuLaunch") for sym, _, _ in default.probes.probes)

@@ -187,6 +187,10 @@ class BpfProbes:
             for k, v in self._bpf[b"usage"].items()
         ]
 
+    def devices(self) -> dict[int, int]:
+        """pid -> the device ordinal its last context creation or switch named."""
+        return {k.value: v.value for k, v in self._bpf[b"proc_dev"].items()}
+
     def launches(self) -> dict[int, int]:
         return {k.value: v.value for k, v in self._bpf[b"launches"].items()}
 

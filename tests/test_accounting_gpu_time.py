@@ -1,0 +1,47 @@
+"""GPU time of an ungated process from NVML, against the ground truth: kernels of known duration on
+the simulated GPU. The accounting runs in a child process, because an NVML library binds one
+simulation per process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from simgpu_env import LIBNVML, REPO, SimGpu
+
+pytestmark = pytest.mark.e2e
+
+CHILD = r"""
+import json, subprocess, sys, time
+from gemtrace.accounting import Accounting
+from gemtrace.probes.nvml import NvmlReader
+nvml = NvmlReader(sys.argv[1])
+assert nvml.available, nvml.reason
+acc = Accounting(None, lambda: None, use_ebpf=False, nvml=nvml)
+client = subprocess.Popen(sys.argv[2:], stdout=subprocess.PIPE, text=True)
+while client.poll() is None:
+    acc.poll()
+    time.sleep(0.05)
+end = time.monotonic() + 1.5  # NVML's window still holds the last second of work
+while time.monotonic() < end:
+    acc.poll()
+    time.sleep(0.05)
+truth = [json.loads(x) for x in client.stdout.read().splitlines() if x.startswith("{")][-1]
+seconds = {p.pid: p.gpu_seconds for p in acc.poll().processes}
+print(json.dumps({"kernel_s": truth["kernel_s"], "gpu_seconds": seconds.get(client.pid, 0.0),
+                  "gated": [p.gated for p in acc.poll().processes]}))
+"""
+
+
+def test_gpu_seconds_of_an_ungated_process_alone_within_5_percent(simgpu: SimGpu) -> None:
+    client = [str(REPO / "build/simgpu/simgpu-rt"), "launch-loop", "--kernel-ns", "2000000",
+              "--launches-per-iter", "5", "--seconds", "3"]
+    out = subprocess.run([sys.executable, "-c", CHILD, str(LIBNVML), *client], env=simgpu.env(PYTHONPATH=str(REPO)),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["kernel_s"] > 2.5
+    assert result["gpu_seconds"] == pytest.approx(result["kernel_s"], rel=0.05), result
+    assert result["gated"] == [False]
