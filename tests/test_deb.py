@@ -12,6 +12,7 @@ Root and apt (CI: .ci/run). The steps share one installation and run in file ord
 from __future__ import annotations
 
 import gzip
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import socket
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -205,7 +206,41 @@ def _metrics(port: int) -> str:
         return str(reply.read().decode())
 
 
+def _unit_capabilities() -> list[str]:
+    caps = re.search(r"^CapabilityBoundingSet=(.*)$", UNIT.read_text(), re.M)
+    assert caps, f"{UNIT} has no CapabilityBoundingSet"
+    return caps.group(1).split()
+
+
+def _samples(text: str, name: str, **labels: str) -> list[float]:
+    """The values of the samples of `name` whose labels include `labels`."""
+    values = []
+    for line in text.splitlines():
+        match = re.match(rf"^{name}(?:\{{(.*)\}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            values.append(float(match.group(2)))
+    return values
+
+
+def _wait_metrics(
+    port: int, agent: subprocess.Popen[bytes], log: Path, ready: Callable[[str], bool], what: str, timeout: float = 60
+) -> str:
+    deadline = time.monotonic() + timeout
+    text = ""
+    while time.monotonic() < deadline:
+        assert agent.poll() is None, f"the agent exited {agent.returncode}:\n{log.read_text()}"
+        try:
+            text = _metrics(port)
+        except OSError:
+            text = ""
+        if text and ready(text):
+            return text
+        time.sleep(0.2)
+    pytest.fail(f"/metrics showed no {what} in {timeout} s:\n{text}\n{log.read_text()}", pytrace=False)
+
+
 def test_installed_agent_and_run_on_the_simulated_gpu(installed: Path, tmp_path: Path) -> None:
+    """The installed agent, with no capability beyond the unit's, and the installed gate via `gemtrace run`."""
     if not LIBCUDA.exists() or not RT_CLIENT.exists():
         pytest.fail("build/simgpu is missing: run `make simgpu`", pytrace=False)
     # A first group, as the README tells an operator: an edit of the installed conffile.
@@ -214,51 +249,51 @@ def test_installed_agent_and_run_on_the_simulated_gpu(installed: Path, tmp_path:
     state.mkdir()
     port = _free_port()
     env = simgpu_env(tmp_path / "simgpu", memory="16GiB", base=_clean_env(GEMTRACE_STATE_DIR=str(state)))
-    log = (tmp_path / "agent.log").open("w")
-    agent = subprocess.Popen(
-        [
-            "/usr/bin/python3",
-            str(GEMTRACE),
-            "agent",
-            "--config",
-            str(CONF),
-            "--state-dir",
-            str(state),
-            "--listen",
-            f"127.0.0.1:{port}",
-        ],
-        env=env,
-        cwd="/",
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
+    # The unit's capability bounding set and NoNewPrivileges, as systemd would apply them: bcc's
+    # probes must attach with no more (ProtectSystem and the rest need systemd as PID 1).
+    bounding = "-all," + ",".join("+" + c.removeprefix("CAP_").lower() for c in _unit_capabilities())
+    log = tmp_path / "agent.log"
+    with log.open("w") as log_file:
+        agent = subprocess.Popen(
+            ["setpriv", "--no-new-privs", f"--bounding-set={bounding}", "/usr/bin/python3", str(GEMTRACE), "agent",
+             "--config", str(CONF), "--state-dir", str(state), "--listen", f"127.0.0.1:{port}"],
+            env=env, cwd="/", stdout=log_file, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    holder = None
     try:
-        deadline = time.monotonic() + 60
-        text = ""
-        while time.monotonic() < deadline and 'group="G"' not in text:
-            assert agent.poll() is None, (tmp_path / "agent.log").read_text()
-            try:
-                text = _metrics(port)
-            except OSError:
-                pass
-            time.sleep(0.2)
-        limit = re.search(r'^gemtrace_group_memory_limit_bytes\{[^}]*group="G"[^}]*\} (\S+)$', text, re.M)
-        assert limit and float(limit.group(1)) == GiB, text
+        limit = "gemtrace_group_memory_limit_bytes"
+        text = _wait_metrics(port, agent, log, lambda t: bool(_samples(t, limit, group="G")), "group G")
+        assert _samples(text, limit, group="G") == [GiB], text
+
         proc = _installed_gemtrace("run", "--group", "G", "--", str(RT_CLIENT), "meminfo", env=env)
-        info = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        assert info, proc.stdout + proc.stderr
-        meminfo = __import__("json").loads(info[-1])
-        assert meminfo["total"] == GiB  # the gate installed by the package reports the group's limit
+        meminfo = json.loads([line for line in proc.stdout.splitlines() if line.startswith("{")][-1])
+        assert meminfo["total"] == GiB, proc.stdout  # the installed gate reports the group's limit
         assert 0 < meminfo["free"] <= GiB
+
+        # A process of the group holding 256 MiB: accounted by the agent's eBPF probes.
+        holder = subprocess.Popen(
+            ["/usr/bin/python3", str(GEMTRACE), "run", "--group", "G", "--",
+             str(RT_CLIENT), "alloc", "--api", "v2", "--hold", "60", "256MiB"],
+            env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        # `gemtrace run` may exec the command or wait for it: find the process by its group and comm.
+        text = _wait_metrics(
+            port, agent, log,
+            lambda t: 256 << 20 in _samples(t, "gemtrace_process_memory_bytes", group="G", comm=RT_CLIENT.name),
+            "256 MiB for the holder of group G", timeout=30,
+        )  # fmt: skip
+        assert _samples(text, "gemtrace_probes_attached")[0] > 0, text
     finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
         agent.terminate()
         try:
             agent.wait(timeout=20)
-        finally:
-            if agent.poll() is None:
-                agent.kill()
-            log.close()
-    assert agent.returncode == 0, (tmp_path / "agent.log").read_text()
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+    assert agent.returncode == 0, log.read_text()
 
 
 def test_reinstall_keeps_the_operators_conffile_edit(installed: Path) -> None:
