@@ -132,6 +132,7 @@ class Accounting:
         self._seen: dict[int, _Seen] = {}
         self._exited: set[int] = set()
         self._alloc_event = False
+        self._last_alloc_ns: int | None = None
         self._last_poll_ns: int | None = None
         self._tamper_suspect: dict[tuple[int, str], tuple[int, int]] = {}
         self._tampered: set[tuple[int, str]] = set()
@@ -174,6 +175,7 @@ class Accounting:
     def _on_event(self, ev: Event) -> None:
         if ev.type == EVENT_ALLOC:
             self._alloc_event = True
+            self._last_alloc_ns = ev.ts_ns
         elif ev.type == EVENT_EXIT:
             self._exited.add(ev.pid)
             self._alloc_event = True  # memory went: a pending kill may be settled
@@ -247,7 +249,7 @@ class Accounting:
                 continue
             holdings.append(Holding(u.pid, info.group, info.uuids[u.dev], u.bytes, u.last_alloc_ns))
         if any(limits.get(h.group) is not None for h in holdings):
-            self.enforcer.check(holdings, limits)
+            self.enforcer.check(holdings, limits, event_ns=self._last_alloc_ns)
 
     def _reap(self) -> None:
         if self._exited and self.probes is not None:

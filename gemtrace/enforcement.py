@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class Kill:
     group_bytes: int
     limit: int
     process_bytes: int
+    reaction_ns: int | None = None  # from the allocation that crossed the limit to the signal
 
 
 def _default_kill(pid: int) -> None:
@@ -49,8 +51,10 @@ def _default_kill(pid: int) -> None:
 
 
 class MemoryEnforcer:
-    def __init__(self, kill: Callable[[int], None] = _default_kill, log: Any = None) -> None:
+    def __init__(self, kill: Callable[[int], None] = _default_kill, log: Any = None,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
         self._kill = kill
+        self._clock = clock
         self._log = log or structlog.get_logger("gemtrace.enforcement")
         self._lock = threading.Lock()
         self._pending: dict[int, str] = {}  # pid killed -> group, until it no longer holds anything
@@ -58,9 +62,12 @@ class MemoryEnforcer:
         self.oom_kills: Counter[str] = Counter()
         self.breaches: Counter[tuple[str, str]] = Counter()  # (group, resource)
         self.tampering: Counter[str] = Counter()
+        self.last_kills: list[Kill] = []  # the latest few, for tests and `gemtrace top`
 
-    def check(self, holdings: Iterable[Holding], limits: Mapping[str, int | None]) -> list[Kill]:
-        """Kill what must die for every group to be within its limit; the kills made."""
+    def check(self, holdings: Iterable[Holding], limits: Mapping[str, int | None],
+              event_ns: int | None = None) -> list[Kill]:
+        """Kill what must die for every group to be within its limit; the kills made. `event_ns`: when
+        the allocation that woke the check returned (CLOCK_MONOTONIC), to log the reaction time."""
         by_key: dict[tuple[str, str], list[Holding]] = {}
         for h in holdings:
             by_key.setdefault((h.gpu, h.group), []).append(h)
@@ -89,20 +96,25 @@ class MemoryEnforcer:
                 for victim in candidates:
                     if remaining <= limit:
                         break
-                    kills.append(self._kill_one(victim, total, limit))
+                    kills.append(self._kill_one(victim, total, limit, event_ns))
                     remaining -= victim.bytes
         return kills
 
-    def _kill_one(self, victim: Holding, group_bytes: int, limit: int) -> Kill:
+    def _kill_one(self, victim: Holding, group_bytes: int, limit: int, event_ns: int | None) -> Kill:
         try:
             self._kill(victim.pid)
         except ProcessLookupError:
             pass  # it died on its own meanwhile: its memory goes all the same
+        reaction = None if event_ns is None else self._clock() - event_ns
         self._pending[victim.pid] = victim.group
         self.oom_kills[victim.group] += 1
         self._log.warning("oom_kill", pid=victim.pid, group=victim.group, gpu=victim.gpu, bytes=group_bytes,
-                          limit=limit, process_bytes=victim.bytes)
-        return Kill(victim.pid, victim.group, victim.gpu, group_bytes, limit, victim.bytes)
+                          limit=limit, process_bytes=victim.bytes,
+                          reaction_ms=None if reaction is None else round(reaction / 1e6, 3))
+        kill = Kill(victim.pid, victim.group, victim.gpu, group_bytes, limit, victim.bytes, reaction)
+        self.last_kills.append(kill)
+        del self.last_kills[:-16]
+        return kill
 
     def counters(self) -> tuple[dict[str, int], dict[tuple[str, str], int], dict[str, int]]:
         """Copies of (oom kills by group, breaches by (group, resource), tampering by group)."""

@@ -224,6 +224,10 @@ def test_an_ungated_process_over_its_group_limit_is_killed_and_no_other(sim: Sim
         time.sleep(0.3)
         assert first.proc.poll() is None and bystander.proc.poll() is None
         assert enforcer.oom_kills == {"capped": 1}
+        (kill,) = enforcer.last_kills
+        assert kill.pid == last.pid and kill.group_bytes == 120 * MiB and kill.limit == 100 * MiB
+        # The promise: SIGKILL within 100 ms of the allocation that crossed the limit returning.
+        assert kill.reaction_ns is not None and 0 < kill.reaction_ns < 100_000_000, kill
         assert enforcer.breaches == {("capped", "memory"): 1}
         # Its memory went with it: the group is back under the limit and nobody else dies.
         assert wait_for(lambda: last.pid not in by_pid(acc.poll()))
