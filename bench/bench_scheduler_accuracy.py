@@ -46,14 +46,15 @@ def machine() -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| case | group | GPU | target | measured | error (points) | device share | "
-            "scheduler CPU | ok |\n|---|---|---|---|---|---|---|---|---|")
+            "scheduler CPU | looks/s | holds/s | ok |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         error = (r["measured"] - r["target"]) * 100
         lines.append(
-            f"| {r['case']} | {r['group']} | {r['device']} | {r['kind'].replace('=', '') or '='}"
+            f"| {r['case']} | {r['group']} | {r['device']} | {'≥ ' if r['kind'] == '>=' else ''}"
             f"{r['target']:.2f} | {r['measured']:.3f} | {error:+.1f} | {r['device_share']:.3f} | "
-            f"{r['cpu']:.1%} | {'yes' if harness.within(r, POINTS) else 'NO'} |"
+            f"{r['cpu']:.1%} | {r['looks_per_s']:.0f} | {r['switches_per_s']:.0f} | "
+            f"{'yes' if harness.within(r, POINTS) else 'NO'} |"
         )
     return "\n".join(lines)
 
@@ -98,7 +99,8 @@ def main() -> int:
                           "Written by bench/bench_scheduler_accuracy.py. Share = the group's kernel "
                           "throughput over that of the same launch loop alone and ungated; target within "
                           f"{POINTS:g} points (\">=\": at least). Device share = kernel time / wall time. "
-                          "Scheduler CPU = one scheduler thread's CPU time / wall time.\n")
+                          "Scheduler CPU = one scheduler thread's CPU time / wall time; looks/s = its wake-ups; "
+                          "holds/s = groups held to switch or cap.\n")
             stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
             out.write(f"\n## {stamp}\n\n{where}; {args.seconds:g} s windows after {args.warmup:g} s, "
                       f"2 ms kernels, solo device share {solo:.3f}.\n\n{text}\n")

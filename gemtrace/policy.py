@@ -292,9 +292,17 @@ class TimeSharePolicy:
     def _wake_at(self, now: int) -> int:
         p = self.params
         if self._phase is Phase.DRAINING:
-            # Expect the drain to take about as long as the last ones: look at a fraction of that.
-            poll = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
-            return min(now + poll, self._hold_at + p.drain_timeout_ns)
+            timeout = self._hold_at + p.drain_timeout_ns
+            if not any(g != self._holder and self._eligible(g, now) for g in self._demand):
+                # Nobody to hand the GPU to: the drain's end comes from the gate's own timestamp,
+                # seeing it late costs nothing.
+                return min(now + p.poll_ns, timeout)
+            # Someone waits: the GPU idles from the drain's end until this look sees it. Look once
+            # at once (a quiet holder drains at once), then from half the usual drain on, finely.
+            fine = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
+            if now - self._hold_at >= fine:
+                return min(max(now + fine, self._hold_at + int(self._drain_ns / 2)), timeout)
+            return min(now + fine, timeout)
         # Nothing changed for a while: look for new demand less often (a few ms of latency for the
         # first launch after a long quiet spell, for far fewer wake-ups of an idle agent).
         backoff = min(p.max_poll_ns, max(p.poll_ns, (now - self._changed_at) // 8))

@@ -104,6 +104,7 @@ class GpuScheduler:
         self._rescan_ns = rescan_ns
         self._scanned_at = clock() - rescan_ns
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
+        self.switches = 0  # how often it held a released group to hand the GPU on (or to cap it)
 
     # -- the agent's side --------------------------------------------------------------------------
 
@@ -246,6 +247,7 @@ class GpuScheduler:
             # Hold it first: its next launch drains (the gate synchronises) and then waits.
             self.region.hold(self.gpu, decision.draining)
             self._drain = _Drain(decision.draining, now)
+            self.switches += 1
             self._released = None
         elif decision.draining is None:
             self._drain = None

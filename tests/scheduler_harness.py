@@ -183,10 +183,11 @@ def solo_share(the_rig: Rig, warmup: float, seconds: float) -> float:
 
 
 def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: float) -> list[dict[str, Any]]:
-    """Rows (case, group, device, target, kind, device_share, measured, looks_per_s) for the table and
-    the asserts; `measured` is the share relative to `solo`, looks_per_s how often that GPU's
-    scheduler looked at the region (its wake-ups)."""
+    """Rows (case, group, device, target, kind, device_share, measured, looks_per_s, switches_per_s)
+    for the table and the asserts; `measured` is the share relative to `solo`, looks_per_s how often
+    that GPU's scheduler looked at the region (its wake-ups), switches_per_s how often it held a group."""
     looks = [s.looks for s in the_rig.schedulers]
+    switches = [s.switches for s in the_rig.schedulers]
     start = time.monotonic()
     shares = measure(the_rig, case.loads, warmup, seconds)
     elapsed = time.monotonic() - start
@@ -194,7 +195,8 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
     for (group, device), (target, kind) in case.targets.items():
         rows.append({"case": case.name, "group": group, "device": device, "target": target, "kind": kind,
                      "device_share": shares[(group, device)], "measured": shares[(group, device)] / solo,
-                     "looks_per_s": (the_rig.schedulers[device].looks - looks[device]) / elapsed})
+                     "looks_per_s": (the_rig.schedulers[device].looks - looks[device]) / elapsed,
+                     "switches_per_s": (the_rig.schedulers[device].switches - switches[device]) / elapsed})
     return rows
 
 
