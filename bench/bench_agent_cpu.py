@@ -101,7 +101,7 @@ def main() -> int:
     ap.add_argument("--processes", type=int, default=64)
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--kernel-ns", type=int, default=9000, help="device-bound: about 1e9/N kernels a second in all")
-    ap.add_argument("--poll-hz", type=float, default=10.0)
+    ap.add_argument("--poll-hz", type=float, default=1.0, help="Snapshot polls (the agent's scrape cadence)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     require_build()

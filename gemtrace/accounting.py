@@ -268,11 +268,13 @@ class Accounting:
         return self.nvml.gpu_uuids()
 
     def _info_of(self, pid: int, config: _Config | None) -> _Info | None:
+        # Cached while the process lives: eBPF's exit events (or, without eBPF, a failed liveness
+        # check in poll) drop the entry, so a reused pid is read afresh.
         rules_id = id(config)
-        start = self.proc.start_time(pid)
         info = self._info.get(pid)
-        if info is not None and info.start_time == start and info.rules_id == rules_id:
+        if info is not None and info.rules_id == rules_id:
             return info
+        start = self.proc.start_time(pid)
         env = self.proc.environ(pid)
         if env is None:
             return None
@@ -342,7 +344,9 @@ class Accounting:
 
         live: dict[tuple[int, str], ProcessAccount] = {}
         for pid, uuid in keys:
-            if not self.proc.alive(pid):
+            # eBPF removes a process's device at its exit: those need no /proc read to be known alive.
+            if pid not in ebpf_devices and not self.proc.alive(pid):
+                self._info.pop(pid, None)
                 continue
             info = self._info_of(pid, config)
             if info is None:
@@ -395,8 +399,8 @@ class Accounting:
         if last is None or not util:
             for key, acc in live.items():
                 seen = self._seen.get(key[0])
-                extra = seen.nvml_seconds if seen and not acc.gated else 0.0
-                live[key] = replace(acc, gpu_seconds=acc.gpu_seconds + extra)
+                if seen is not None and seen.nvml_seconds and not acc.gated:
+                    live[key] = replace(acc, gpu_seconds=acc.gpu_seconds + seen.nvml_seconds)
             return
         dt = (now - last) / 1e9
         for uuid, fraction in util.items():
@@ -420,7 +424,7 @@ class Accounting:
                 seen.nvml_seconds += each
         for key, acc in live.items():
             seen = self._seen.get(key[0])
-            if seen is not None and not acc.gated:
+            if seen is not None and seen.nvml_seconds and not acc.gated:
                 live[key] = replace(acc, gpu_seconds=acc.gpu_seconds + seen.nvml_seconds)
 
     def _with_exited(self, now: int, live: dict[tuple[int, str], ProcessAccount]) -> Snapshot:
