@@ -1,0 +1,317 @@
+/*
+ * attach.c - the process's attachment to the region: mapping it, claiming a slot, knowing its GPUs.
+ *
+ * Attaching happens lazily on the first gated call, never in a constructor, so a program that never
+ * uses CUDA sees no difference. It is O(1) in the number of live processes: the slot search starts
+ * at a hash of the pid and claims with one CAS (LESSONS.md: HAMi's start-up took a minute with 300
+ * processes). Without a region, with an unknown group or a region of another layout version, the
+ * gate says so once on stderr and passes everything through, retrying at most once a second (the
+ * agent may start after the program).
+ */
+#define _GNU_SOURCE
+#include "gate.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stddef.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+struct gt_process gt_proc = {.single_gpu = -1};
+
+static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
+static uint64_t last_attempt_ns;
+static unsigned said; /* bit per message kind already printed */
+
+enum { SAID_NO_REGION = 1, SAID_VERSION = 2, SAID_GROUP = 4, SAID_FULL = 8, SAID_FOREIGN = 16 };
+
+uint64_t gt_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void say_once(unsigned kind, const char *fmt, ...)
+{
+    if (said & kind)
+        return;
+    said |= kind;
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("gemtrace gate: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+bool gt_agent_alive(void)
+{
+    struct gt_region *r = gt_proc.region;
+    uint64_t beat = __atomic_load_n(&r->header.heartbeat_ns, __ATOMIC_ACQUIRE);
+    return beat != 0 && gt_now_ns() - beat < GT_HEARTBEAT_STALE_NS;
+}
+
+/* /proc/self/stat field 22, the process's start time: tells a reused pid apart for the agent. */
+static uint64_t read_start_time(void)
+{
+    char buf[1024];
+    int fd = open("/proc/self/stat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    if (n <= 0)
+        return 0;
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')'); /* comm may hold spaces and parentheses */
+    if (!p)
+        return 0;
+    /* after ") " comes field 3; field 22 is 19 fields further */
+    p += 2;
+    for (int field = 3; field < 22 && p; field++) {
+        p = strchr(p, ' ');
+        if (p)
+            p++;
+    }
+    return p ? strtoull(p, NULL, 10) : 0;
+}
+
+static struct gt_region *map_region(const char *dir)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, GT_REGION_FILE);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        say_once(SAID_NO_REGION, "no region at %s (%s): is the gemtrace agent running? Running ungated for now.",
+                 path, strerror(errno));
+        return NULL;
+    }
+    struct gt_header header;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || pread(fd, &header, sizeof header, 0) != (ssize_t)sizeof header) {
+        close(fd);
+        return NULL;
+    }
+    if (header.magic != GT_REGION_MAGIC) {
+        say_once(SAID_FOREIGN, "%s is not a gemtrace region; running ungated.", path);
+        close(fd);
+        return NULL;
+    }
+    if (header.version != GT_REGION_VERSION || header.size != sizeof(struct gt_region) ||
+        (size_t)st.st_size < sizeof(struct gt_region)) {
+        say_once(SAID_VERSION,
+                 "%s has region layout version %u, this gate speaks version %u; running ungated "
+                 "(restart the program under the agent's gate of the same version).",
+                 path, header.version, GT_REGION_VERSION);
+        close(fd);
+        return NULL;
+    }
+    void *map = mmap(NULL, sizeof(struct gt_region), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    return map == MAP_FAILED ? NULL : map;
+}
+
+static int find_group(struct gt_region *r, const char *name)
+{
+    for (int g = 0; g < GT_MAX_GROUPS; g++)
+        if (strncmp(r->groups[g].name, name, GT_NAME_LEN) == 0)
+            return g;
+    return -1;
+}
+
+static struct gt_slot *claim_slot(struct gt_region *r, int32_t pid)
+{
+    uint32_t start = ((uint32_t)pid * 2654435761u) % GT_MAX_SLOTS; /* Knuth's multiplicative hash */
+    for (uint32_t k = 0; k < GT_MAX_SLOTS; k++) {
+        struct gt_slot *slot = &r->slots[(start + k) % GT_MAX_SLOTS];
+        int32_t free_pid = 0;
+        if (__atomic_load_n(&slot->pid, __ATOMIC_RELAXED) == 0 &&
+            __atomic_compare_exchange_n(&slot->pid, &free_pid, pid, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+            return slot;
+    }
+    return NULL;
+}
+
+static void fill_slot(struct gt_slot *slot, uint32_t group)
+{
+    /* Everything but pid is ours now; a freed slot is zeroed by whoever freed it, but be sure. */
+    memset((char *)slot + offsetof(struct gt_slot, group), 0, sizeof *slot - offsetof(struct gt_slot, group));
+    char comm[GT_COMM_LEN] = {0};
+    prctl(PR_GET_NAME, comm, 0, 0, 0);
+    memcpy(slot->comm, comm, GT_COMM_LEN);
+    slot->start_time = read_start_time();
+    slot->flags = GT_SLOT_GATED;
+    __atomic_store_n(&slot->group, group, __ATOMIC_RELEASE);
+}
+
+bool gt_attach_slow(void)
+{
+    if (gt_attached())
+        return true;
+    uint64_t now = gt_now_ns();
+    if (__atomic_load_n(&last_attempt_ns, __ATOMIC_RELAXED) != 0 &&
+        now - __atomic_load_n(&last_attempt_ns, __ATOMIC_RELAXED) < 1000000000ull)
+        return false;
+    if (pthread_mutex_trylock(&attach_lock) != 0)
+        return false; /* another thread is attaching; this call runs ungated */
+    bool ok = gt_attached();
+    if (!ok) {
+        __atomic_store_n(&last_attempt_ns, now, __ATOMIC_RELAXED);
+        const char *dir = getenv("GEMTRACE_STATE_DIR");
+        const char *group_name = getenv("GEMTRACE_GROUP");
+        if (!dir || !*dir)
+            dir = GT_DEFAULT_STATE_DIR;
+        if (!group_name || !*group_name)
+            group_name = "default";
+        struct gt_region *r = map_region(dir);
+        int group = r ? find_group(r, group_name) : -1;
+        if (r && group < 0)
+            say_once(SAID_GROUP, "group '%s' is not defined by the agent's resource file; running ungated.",
+                     group_name);
+        struct gt_slot *slot = group >= 0 ? claim_slot(r, (int32_t)getpid()) : NULL;
+        if (group >= 0 && !slot)
+            say_once(SAID_FULL, "all %d process slots of the region are taken; running ungated.", GT_MAX_SLOTS);
+        if (slot) {
+            fill_slot(slot, (uint32_t)group);
+            gt_proc.region = r;
+            gt_proc.slot = slot;
+            gt_proc.group = (uint32_t)group;
+            __atomic_store_n(&gt_proc.attached, 1, __ATOMIC_RELEASE);
+            ok = true;
+        } else if (r) {
+            munmap(r, sizeof *r);
+        }
+    }
+    pthread_mutex_unlock(&attach_lock);
+    return ok;
+}
+
+/* --- devices: CUDA ordinal -> region GPU, by UUID (LESSONS.md: HAMi #1218, UUIDs in CUDA_VISIBLE_DEVICES) */
+
+static void format_uuid(const CUuuid *u, char out[GT_UUID_LEN])
+{
+    const unsigned char *b = (const unsigned char *)u->bytes;
+    snprintf(out, GT_UUID_LEN, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+             b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+static int region_gpu_of_uuid(const char *uuid)
+{
+    struct gt_region *r = gt_proc.region;
+    uint32_t n = __atomic_load_n(&r->header.n_gpus, __ATOMIC_ACQUIRE);
+    for (uint32_t i = 0; i < n && i < GT_MAX_GPUS; i++)
+        if (strncmp(r->gpus[i].uuid, uuid, GT_UUID_LEN) == 0)
+            return (int)i;
+    return -1;
+}
+
+static void learn_devices(void)
+{
+    pthread_mutex_lock(&attach_lock);
+    if (!gt_proc.devices_known) {
+        int count = 0;
+        if (GT_REAL(cuDeviceGetCount) && gt_real.cuDeviceGetCount(&count) == CUDA_SUCCESS) {
+            if (count > GT_MAX_DEVICES)
+                count = GT_MAX_DEVICES;
+            for (int d = 0; d < count; d++) {
+                CUuuid uuid;
+                CUresult r = GT_REAL(cuDeviceGetUuid_v2) ? gt_real.cuDeviceGetUuid_v2(&uuid, d)
+                             : GT_REAL(cuDeviceGetUuid)  ? gt_real.cuDeviceGetUuid(&uuid, d)
+                                                          : CUDA_ERROR_NOT_FOUND;
+                char text[GT_UUID_LEN];
+                if (r == CUDA_SUCCESS)
+                    format_uuid(&uuid, text);
+                gt_proc.device_gpu[d] = r == CUDA_SUCCESS ? region_gpu_of_uuid(text) : -1;
+            }
+            gt_proc.device_count = count;
+            gt_proc.single_gpu = count == 1 ? gt_proc.device_gpu[0] : -1;
+            if (count == 1 && gt_proc.single_gpu >= 0)
+                gt_note_gpu(gt_proc.single_gpu);
+            __atomic_store_n(&gt_proc.devices_known, 1, __ATOMIC_RELEASE);
+        }
+    }
+    pthread_mutex_unlock(&attach_lock);
+}
+
+int gt_gpu_of_device(CUdevice device)
+{
+    if (!__atomic_load_n(&gt_proc.devices_known, __ATOMIC_ACQUIRE))
+        learn_devices();
+    if (device < 0 || device >= gt_proc.device_count)
+        return -1;
+    return gt_proc.device_gpu[device];
+}
+
+/* The last context this thread launched in, and its GPU: a multi-GPU process pays one driver call
+ * (cuCtxGetCurrent) per launch, a single-GPU process none. */
+static GT_TLS CUcontext cached_ctx;
+static GT_TLS int cached_gpu = -1;
+
+int gt_current_gpu(void)
+{
+    if (!__atomic_load_n(&gt_proc.devices_known, __ATOMIC_ACQUIRE))
+        learn_devices();
+    if (gt_proc.device_count == 1)
+        return gt_proc.single_gpu;
+    CUcontext ctx = NULL;
+    if (!GT_REAL(cuCtxGetCurrent) || gt_real.cuCtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx)
+        return -1;
+    if (ctx == cached_ctx)
+        return cached_gpu;
+    CUdevice device;
+    if (!GT_REAL(cuCtxGetDevice) || gt_real.cuCtxGetDevice(&device) != CUDA_SUCCESS)
+        return -1;
+    int gpu = gt_gpu_of_device(device);
+    if (gpu >= 0)
+        gt_note_gpu(gpu);
+    cached_ctx = ctx;
+    cached_gpu = gpu;
+    return gpu;
+}
+
+void gt_note_gpu(int gpu)
+{
+    if (gt_attached() && !(__atomic_load_n(&gt_proc.slot->gpu_mask, __ATOMIC_RELAXED) & (1u << gpu)))
+        __atomic_fetch_or(&gt_proc.slot->gpu_mask, 1u << gpu, __ATOMIC_RELAXED);
+}
+
+/* --- lifecycle ---------------------------------------------------------------------------------- */
+
+static void release_slot(void)
+{
+    struct gt_slot *slot = gt_proc.slot;
+    if (!gt_attached() || !slot || __atomic_load_n(&slot->pid, __ATOMIC_RELAXED) != (int32_t)getpid())
+        return;
+    memset((char *)slot + offsetof(struct gt_slot, group), 0, sizeof *slot - offsetof(struct gt_slot, group));
+    __atomic_store_n(&slot->pid, 0, __ATOMIC_RELEASE);
+}
+
+/* After fork the child is a process of its own: it holds none of the parent's memory and claims its
+ * own slot on its first gated call (LESSONS.md: HAMi-core uses pthread_atfork). */
+static void after_fork_in_child(void)
+{
+    pthread_mutex_init(&attach_lock, NULL);
+    struct gt_region *r = gt_proc.region;
+    memset(&gt_proc, 0, sizeof gt_proc);
+    gt_proc.single_gpu = -1;
+    if (r)
+        munmap(r, sizeof *r);
+    last_attempt_ns = 0;
+    cached_ctx = NULL;
+    cached_gpu = -1;
+    extern void gt_memory_forget_all(void);
+    gt_memory_forget_all();
+}
+
+__attribute__((constructor)) static void gate_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
+__attribute__((destructor)) static void gate_fini(void) { release_slot(); }

@@ -1,0 +1,64 @@
+/*
+ * gate.h - what the gate's files share: the process's view of the region, the real entry points.
+ *
+ * Nothing here may block on another process: the region is read with atomics, written only in our
+ * own slot (hook/gemtrace_region.h says who owns what).
+ */
+#ifndef GEMTRACE_GATE_H
+#define GEMTRACE_GATE_H
+
+#define __CUDA_API_VERSION_INTERNAL 1 /* the versioned names (cuMemAlloc_v2, *_ptsz) as libcuda exports them */
+#include <cuda.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "gated_symbols.h"
+#include "gemtrace_region.h"
+
+#define GT_EXPORT __attribute__((visibility("default")))
+#define GT_LIKELY(x) __builtin_expect(!!(x), 1)
+#define GT_UNLIKELY(x) __builtin_expect(!!(x), 0)
+#define GT_TLS __thread __attribute__((tls_model("initial-exec")))
+#define GT_MAX_DEVICES 64 /* CUDA device ordinals we map to region GPUs */
+
+/* The real entry points, one typed member per symbol of both lists. */
+struct gt_real {
+#define GT_REAL_MEMBER(name) __typeof__(&name) name;
+    GT_GATED_SYMBOLS(GT_REAL_MEMBER)
+    GT_HELPER_SYMBOLS(GT_REAL_MEMBER)
+#undef GT_REAL_MEMBER
+};
+extern struct gt_real gt_real;
+
+/* Fill gt_real (idempotent, retried until libcuda is there). */
+void gt_resolve_real(void);
+#define GT_REAL(name) (GT_LIKELY(gt_real.name != NULL) ? gt_real.name : (gt_resolve_real(), gt_real.name))
+
+/* The process's attachment to the region. `attached` is the one flag the fast path reads first. */
+struct gt_process {
+    int attached;                 /* 1 once region, group and slot are ours (atomic) */
+    struct gt_region *region;
+    struct gt_slot *slot;
+    uint32_t group;
+    int single_gpu;               /* region gpu index when the process sees one CUDA device, else -1 */
+    int devices_known;            /* 1 once device_gpu[] is filled (atomic) */
+    int device_count;
+    int device_gpu[GT_MAX_DEVICES]; /* CUDA ordinal -> region gpu index, -1 when not in the region */
+    uint32_t burst_open[GT_MAX_GPUS]; /* 1 while we have work queued that no sync has drained (atomic) */
+    uint64_t burst_start_ns[GT_MAX_GPUS];
+};
+extern struct gt_process gt_proc;
+
+/* attach.c */
+bool gt_attach_slow(void);        /* try to attach (rate-limited); true when attached */
+static inline bool gt_attached(void) { return GT_LIKELY(__atomic_load_n(&gt_proc.attached, __ATOMIC_ACQUIRE)); }
+bool gt_agent_alive(void);
+uint64_t gt_now_ns(void);
+int gt_gpu_of_device(CUdevice device); /* -1 when the device is not one the agent schedules */
+int gt_current_gpu(void);              /* the current context's GPU, -1 when none or unknown */
+void gt_note_gpu(int gpu);             /* set the slot's gpu_mask bit */
+
+/* launch.c */
+void gt_close_burst(int gpu);     /* our queued work on gpu has drained (after a sync) */
+
+#endif

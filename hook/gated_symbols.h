@@ -1,0 +1,57 @@
+/*
+ * gated_symbols.h - the one list of driver entry points the gate wraps.
+ *
+ * From this list come the table of real entry points (gate.h), the answers of our dlsym and
+ * cuGetProcAddress (intercept.c) and the check that every listed symbol has a wrapper (the linker:
+ * the table takes each wrapper's address). Adding a symbol: list it here and write its wrapper in
+ * launch.c or memory.c with the prototype cuda.h gives it.
+ *
+ * Launch entry points include the _ptsz variants that cuGetProcAddress hands out for the per-thread
+ * default stream (LESSONS.md: cuLaunchKernelEx went unthrottled in HAMi-core until added; cuBLAS uses it).
+ */
+#ifndef GEMTRACE_GATED_SYMBOLS_H
+#define GEMTRACE_GATED_SYMBOLS_H
+
+#define GT_GATED_SYMBOLS(X)                                                                         \
+    /* how the runtime reaches everything else */                                                   \
+    X(cuGetProcAddress)                                                                             \
+    X(cuGetProcAddress_v2)                                                                          \
+    /* kernel launches: held while the agent holds the group */                                    \
+    X(cuLaunchKernel)                                                                               \
+    X(cuLaunchKernel_ptsz)                                                                          \
+    X(cuLaunchKernelEx)                                                                             \
+    X(cuLaunchKernelEx_ptsz)                                                                        \
+    X(cuLaunchCooperativeKernel)                                                                    \
+    X(cuLaunchCooperativeKernel_ptsz)                                                               \
+    X(cuGraphLaunch)                                                                                \
+    X(cuGraphLaunch_ptsz)                                                                           \
+    /* synchronisation: the end of a burst (nothing of ours left queued) */                        \
+    X(cuCtxSynchronize)                                                                             \
+    X(cuCtxSynchronize_v2)                                                                          \
+    X(cuStreamSynchronize)                                                                          \
+    X(cuStreamSynchronize_ptsz)                                                                     \
+    X(cuEventSynchronize)                                                                           \
+    /* device memory: counted against the group's MemoryLimit */                                    \
+    X(cuMemAlloc_v2)                                                                                \
+    X(cuMemAllocPitch_v2)                                                                           \
+    X(cuMemAllocManaged)                                                                            \
+    X(cuMemAllocAsync)                                                                              \
+    X(cuMemAllocAsync_ptsz)                                                                         \
+    X(cuMemAllocFromPoolAsync)                                                                      \
+    X(cuMemAllocFromPoolAsync_ptsz)                                                                 \
+    X(cuMemCreate)                                                                                  \
+    X(cuMemRelease)                                                                                 \
+    X(cuMemFree_v2)                                                                                 \
+    X(cuMemFreeAsync)                                                                               \
+    X(cuMemFreeAsync_ptsz)                                                                          \
+    X(cuMemGetInfo_v2)
+
+/* Entry points the wrappers call but do not gate: resolved with the rest, never handed out. */
+#define GT_HELPER_SYMBOLS(X)                                                                        \
+    X(cuCtxGetCurrent)                                                                              \
+    X(cuCtxGetDevice)                                                                               \
+    X(cuDeviceGetCount)                                                                             \
+    X(cuDeviceGetUuid)                                                                              \
+    X(cuDeviceGetUuid_v2)
+
+#endif

@@ -1,0 +1,310 @@
+/*
+ * memory.c - device memory against the group's MemoryLimit.
+ *
+ * A group's usage on a GPU is the sum of its processes' slots. An allocation reserves first, in our
+ * own slot, then sums the group (hook/gemtrace_region.h: the optimistic protocol): over the limit it
+ * takes the reservation back and returns CUDA_ERROR_OUT_OF_MEMORY without calling the driver, so
+ * nothing is allocated and no interleaving of processes or threads overshoots. Every byte added is
+ * remembered here with its pointer or handle; a release subtracts only what we added, so frees of
+ * pointers we never saw, double frees or frees after a crash cannot drive a counter below zero
+ * (LESSONS.md: HAMi #1181, 17 TB in use). The device comes from the call's own arguments where it
+ * names one (cuMemCreate's location: HAMi-core #169), else from the current context.
+ */
+#define _GNU_SOURCE
+#include "gate.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* --- what we allocated: address or handle -> (bytes, gpu) ---------------------------------------- */
+
+#define GT_BUCKETS 4096
+
+struct tracked {
+    uint64_t key;
+    uint64_t bytes;
+    int gpu;
+    struct tracked *next;
+};
+
+struct table {
+    pthread_mutex_t lock;
+    struct tracked *bucket[GT_BUCKETS];
+};
+
+static struct table pointers = {.lock = PTHREAD_MUTEX_INITIALIZER};
+static struct table handles = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static unsigned bucket_of(uint64_t key) { return (unsigned)((key >> 9) * 0x9E3779B97F4A7C15ull >> 52) % GT_BUCKETS; }
+
+static void track(struct table *t, uint64_t key, uint64_t bytes, int gpu)
+{
+    struct tracked *e = malloc(sizeof *e);
+    if (!e)
+        return; /* the reservation stays counted: better an over-count than an underflow */
+    e->key = key;
+    e->bytes = bytes;
+    e->gpu = gpu;
+    pthread_mutex_lock(&t->lock);
+    unsigned b = bucket_of(key);
+    e->next = t->bucket[b];
+    t->bucket[b] = e;
+    pthread_mutex_unlock(&t->lock);
+}
+
+static bool untrack(struct table *t, uint64_t key, uint64_t *bytes, int *gpu)
+{
+    pthread_mutex_lock(&t->lock);
+    struct tracked **p = &t->bucket[bucket_of(key)];
+    while (*p && (*p)->key != key)
+        p = &(*p)->next;
+    struct tracked *e = *p;
+    if (e)
+        *p = e->next;
+    pthread_mutex_unlock(&t->lock);
+    if (!e)
+        return false;
+    *bytes = e->bytes;
+    *gpu = e->gpu;
+    free(e);
+    return true;
+}
+
+void gt_memory_forget_all(void)
+{
+    /* In a forked child: the parent's allocations are not the child's. The entries leak (malloc after
+     * fork in a threaded parent is not safe to call here); the child starts with empty tables. */
+    memset(pointers.bucket, 0, sizeof pointers.bucket);
+    memset(handles.bucket, 0, sizeof handles.bucket);
+    pthread_mutex_init(&pointers.lock, NULL);
+    pthread_mutex_init(&handles.lock, NULL);
+}
+
+/* --- the group's usage and the reservation protocol ----------------------------------------------- */
+
+static uint64_t group_usage(int gpu)
+{
+    struct gt_region *r = gt_proc.region;
+    uint64_t sum = 0;
+    for (int i = 0; i < GT_MAX_SLOTS; i++) {
+        struct gt_slot *s = &r->slots[i];
+        if (__atomic_load_n(&s->pid, __ATOMIC_SEQ_CST) != 0 &&
+            __atomic_load_n(&s->group, __ATOMIC_RELAXED) == gt_proc.group)
+            sum += __atomic_load_n(&s->memory[gpu], __ATOMIC_SEQ_CST);
+    }
+    return sum;
+}
+
+static uint64_t group_limit(void)
+{
+    return __atomic_load_n(&gt_proc.region->groups[gt_proc.group].memory_limit, __ATOMIC_ACQUIRE);
+}
+
+static void unreserve(int gpu, uint64_t bytes)
+{
+    __atomic_fetch_sub(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
+}
+
+static CUresult reserve(int gpu, uint64_t bytes)
+{
+    __atomic_fetch_add(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
+    uint64_t limit = group_limit();
+    if (limit != GT_NO_LIMIT && group_usage(gpu) > limit) {
+        unreserve(gpu, bytes);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return CUDA_SUCCESS;
+}
+
+/* The GPU an allocation lands on, or -1 when the gate does not count it (not attached, unknown GPU). */
+static int gpu_for_allocation(void)
+{
+    if (!gt_attached() && !gt_attach_slow())
+        return -1;
+    return gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_current_gpu();
+}
+
+static int gpu_for_device(CUdevice device)
+{
+    if (!gt_attached() && !gt_attach_slow())
+        return -1;
+    int gpu = gt_gpu_of_device(device);
+    if (gpu >= 0)
+        gt_note_gpu(gpu);
+    return gpu;
+}
+
+/* Reserve, allocate through `call`, then remember the pointer; shared by every pointer allocator. */
+#define GT_ALLOCATE(gpu, bytes, dptr, call)                                                         \
+    do {                                                                                            \
+        int gpu_ = (gpu);                                                                           \
+        if (gpu_ < 0)                                                                               \
+            return (call);                                                                          \
+        CUresult reserved_ = reserve(gpu_, (bytes));                                                \
+        if (reserved_ != CUDA_SUCCESS)                                                              \
+            return reserved_;                                                                       \
+        CUresult r_ = (call);                                                                       \
+        if (r_ == CUDA_SUCCESS)                                                                     \
+            track(&pointers, (uint64_t)*(dptr), (bytes), gpu_);                                     \
+        else                                                                                        \
+            unreserve(gpu_, (bytes));                                                               \
+        return r_;                                                                                  \
+    } while (0)
+
+GT_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
+{
+    if (!GT_REAL(cuMemAlloc_v2))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAlloc_v2(dptr, bytes));
+}
+
+GT_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int flags)
+{
+    if (!GT_REAL(cuMemAllocManaged))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocManaged(dptr, bytes, flags));
+}
+
+GT_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream stream)
+{
+    if (!GT_REAL(cuMemAllocAsync))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocAsync(dptr, bytes, stream));
+}
+
+GT_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUstream stream)
+{
+    if (!GT_REAL(cuMemAllocAsync_ptsz))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocAsync_ptsz(dptr, bytes, stream));
+}
+
+GT_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream stream)
+{
+    if (!GT_REAL(cuMemAllocFromPoolAsync))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocFromPoolAsync(dptr, bytes, pool, stream));
+}
+
+GT_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool,
+                                                CUstream stream)
+{
+    if (!GT_REAL(cuMemAllocFromPoolAsync_ptsz))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocFromPoolAsync_ptsz(dptr, bytes, pool, stream));
+}
+
+/* The pitch is the driver's choice: reserve the unpadded size first, then the padding it added. */
+GT_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
+                                      unsigned int element_bytes)
+{
+    if (!GT_REAL(cuMemAllocPitch_v2))
+        return CUDA_ERROR_NOT_FOUND;
+    int gpu = gpu_for_allocation();
+    if (gpu < 0)
+        return gt_real.cuMemAllocPitch_v2(dptr, pitch, width, height, element_bytes);
+    uint64_t estimate = (uint64_t)width * height;
+    CUresult r = reserve(gpu, estimate);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = gt_real.cuMemAllocPitch_v2(dptr, pitch, width, height, element_bytes);
+    if (r != CUDA_SUCCESS) {
+        unreserve(gpu, estimate);
+        return r;
+    }
+    uint64_t actual = (uint64_t)*pitch * height;
+    if (actual > estimate && reserve(gpu, actual - estimate) != CUDA_SUCCESS) {
+        if (GT_REAL(cuMemFree_v2))
+            gt_real.cuMemFree_v2(*dptr);
+        unreserve(gpu, estimate);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    track(&pointers, (uint64_t)*dptr, actual > estimate ? actual : estimate, gpu);
+    return CUDA_SUCCESS;
+}
+
+GT_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t bytes, const CUmemAllocationProp *prop,
+                               unsigned long long flags)
+{
+    if (!GT_REAL(cuMemCreate))
+        return CUDA_ERROR_NOT_FOUND;
+    int gpu = prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? gpu_for_device(prop->location.id) : -1;
+    if (gpu < 0)
+        return gt_real.cuMemCreate(handle, bytes, prop, flags);
+    CUresult r = reserve(gpu, bytes);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = gt_real.cuMemCreate(handle, bytes, prop, flags);
+    if (r == CUDA_SUCCESS)
+        track(&handles, (uint64_t)*handle, bytes, gpu);
+    else
+        unreserve(gpu, bytes);
+    return r;
+}
+
+/* Releases: forget first, so that an address the driver reuses for another thread's allocation at
+ * once is not forgotten in its place; put it back if the driver refuses the release. */
+#define GT_RELEASE(table, key, call)                                                                \
+    do {                                                                                            \
+        uint64_t bytes_ = 0;                                                                        \
+        int gpu_ = -1;                                                                              \
+        bool ours_ = gt_attached() && untrack((table), (key), &bytes_, &gpu_);                      \
+        CUresult r_ = (call);                                                                       \
+        if (ours_) {                                                                                \
+            if (r_ == CUDA_SUCCESS)                                                                 \
+                unreserve(gpu_, bytes_);                                                            \
+            else                                                                                    \
+                track((table), (key), bytes_, gpu_);                                                \
+        }                                                                                           \
+        return r_;                                                                                  \
+    } while (0)
+
+GT_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
+{
+    if (!GT_REAL(cuMemFree_v2))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_RELEASE(&pointers, (uint64_t)dptr, gt_real.cuMemFree_v2(dptr));
+}
+
+GT_EXPORT CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream stream)
+{
+    if (!GT_REAL(cuMemFreeAsync))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_RELEASE(&pointers, (uint64_t)dptr, gt_real.cuMemFreeAsync(dptr, stream));
+}
+
+GT_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream stream)
+{
+    if (!GT_REAL(cuMemFreeAsync_ptsz))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_RELEASE(&pointers, (uint64_t)dptr, gt_real.cuMemFreeAsync_ptsz(dptr, stream));
+}
+
+GT_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    if (!GT_REAL(cuMemRelease))
+        return CUDA_ERROR_NOT_FOUND;
+    GT_RELEASE(&handles, (uint64_t)handle, gt_real.cuMemRelease(handle));
+}
+
+/* The group's limit as total, what the group has left (never more than the device has) as free. */
+GT_EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes)
+{
+    if (!GT_REAL(cuMemGetInfo_v2))
+        return CUDA_ERROR_NOT_FOUND;
+    CUresult r = gt_real.cuMemGetInfo_v2(free_bytes, total_bytes);
+    if (r != CUDA_SUCCESS || !free_bytes || !total_bytes)
+        return r;
+    int gpu = gpu_for_allocation();
+    uint64_t limit = gpu >= 0 ? group_limit() : GT_NO_LIMIT;
+    if (limit == GT_NO_LIMIT)
+        return r;
+    uint64_t used = group_usage(gpu);
+    uint64_t left = used < limit ? limit - used : 0;
+    if (limit < *total_bytes)
+        *total_bytes = limit;
+    if (left < *free_bytes)
+        *free_bytes = left;
+    return r;
+}
