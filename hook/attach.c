@@ -153,19 +153,20 @@ static void fill_slot(struct gt_slot *slot, uint32_t group)
     __atomic_store_n(&slot->group, group, __ATOMIC_RELEASE);
 }
 
-bool gt_attach_slow(void)
+bool gt_attach_slow(bool wait)
 {
     if (gt_attached())
         return true;
-    uint64_t now = gt_now_ns();
-    if (__atomic_load_n(&last_attempt_ns, __ATOMIC_RELAXED) != 0 &&
-        now - __atomic_load_n(&last_attempt_ns, __ATOMIC_RELAXED) < 1000000000ull)
+    /* Allocations wait for a thread that is attaching (an allocation let through uncounted could
+     * overshoot the limit); launches do not wait, they run ungated this once. */
+    if (wait)
+        pthread_mutex_lock(&attach_lock);
+    else if (pthread_mutex_trylock(&attach_lock) != 0)
         return false;
-    if (pthread_mutex_trylock(&attach_lock) != 0)
-        return false; /* another thread is attaching; this call runs ungated */
+    uint64_t now = gt_now_ns();
     bool ok = gt_attached();
-    if (!ok) {
-        __atomic_store_n(&last_attempt_ns, now, __ATOMIC_RELAXED);
+    if (!ok && (last_attempt_ns == 0 || now - last_attempt_ns >= 1000000000ull)) {
+        last_attempt_ns = now;
         const char *dir = getenv("GEMTRACE_STATE_DIR");
         const char *group_name = getenv("GEMTRACE_GROUP");
         if (!dir || !*dir)

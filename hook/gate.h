@@ -50,7 +50,7 @@ struct gt_process {
 extern struct gt_process gt_proc;
 
 /* attach.c */
-bool gt_attach_slow(void);        /* try to attach (rate-limited); true when attached */
+bool gt_attach_slow(bool wait);   /* try to attach (rate-limited); true when attached */
 static inline bool gt_attached(void) { return GT_LIKELY(__atomic_load_n(&gt_proc.attached, __ATOMIC_ACQUIRE)); }
 bool gt_agent_alive(void);
 uint64_t gt_now_ns(void);

@@ -75,7 +75,7 @@ static void gate_launch(void)
 {
     if (GT_UNLIKELY(!gt_attached())) {
         /* Not attached (no agent yet): look again now and then, not on every launch. */
-        if ((ungated_launches++ & 0xfff) != 0 || !gt_attach_slow())
+        if ((ungated_launches++ & 0xfff) != 0 || !gt_attach_slow(false))
             return;
     }
     int gpu = gt_proc.single_gpu;

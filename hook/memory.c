@@ -120,14 +120,14 @@ static CUresult reserve(int gpu, uint64_t bytes)
 /* The GPU an allocation lands on, or -1 when the gate does not count it (not attached, unknown GPU). */
 static int gpu_for_allocation(void)
 {
-    if (!gt_attached() && !gt_attach_slow())
+    if (!gt_attached() && !gt_attach_slow(true))
         return -1;
     return gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_current_gpu();
 }
 
 static int gpu_for_device(CUdevice device)
 {
-    if (!gt_attached() && !gt_attach_slow())
+    if (!gt_attached() && !gt_attach_slow(true))
         return -1;
     int gpu = gt_gpu_of_device(device);
     if (gpu >= 0)

@@ -15,7 +15,7 @@
  *       one {"size","result","name"} line per allocation, then {"holding":S,"pid"} before holding,
  *       then {"freed":n} with --free.
  *   meminfo [--device D]                              {"free","total"}
- *   alloc-threads --threads T --size S --count C      {"successes","failures","oom"}
+ *   alloc-threads --threads T --size S --count C [--hold S]  {"successes","failures","oom"}, then holds
  *   fork-alloc [--hold S] SIZE                        a line from the parent and one from the child
  *   empty-launch-loop --launches N                    {"launches","elapsed_s","ns_per_launch"}
  *   devices                                           {"count","devices":[{"ordinal","uuid","name","total"}]}
@@ -280,6 +280,8 @@ static void *run_loop(void *arg)
     return NULL;
 }
 
+static void hold(double seconds);
+
 static int launch_loop(const struct opts *o)
 {
     CUfunction f = setup(o->device);
@@ -325,6 +327,7 @@ static int launch_loop(const struct opts *o)
     emit("{\"iters\":%ld,\"launches\":%ld,\"elapsed_s\":%.6f,\"kernel_s\":%.6f,\"launch_s\":%.6f,"
          "\"event_s\":%.6f,\"threads\":%ld}",
          iters, launches, elapsed, (double)launches * (double)o->kernel_ns / 1e9, launch_s, event_s, o->threads);
+    hold(o->hold); /* --hold: stay alive (and registered) after the report */
     return 0;
 }
 
@@ -517,6 +520,7 @@ static int alloc_threads_cmd(const struct opts *o)
     CHECK(D->f_cuMemGetInfo(&free_bytes, &total));
     emit("{\"successes\":%ld,\"failures\":%ld,\"oom\":%ld,\"free\":%zu,\"total\":%zu}", ok, failed, oom, free_bytes,
          total);
+    hold(o->hold); /* keeps the memory, so concurrent processes see it */
     return 0;
 }
 

@@ -1,0 +1,319 @@
+"""The gate (build/libgemgate.so) on the simulated GPU, with the test standing in for the agent:
+it creates the region, publishes the simulated GPUs and groups, beats the heartbeat, holds and
+releases. Every figure the gate must produce is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from simgpu_env import LINKED_CLIENT, REPO, RT_CLIENT, SimGpu
+
+from gemtrace import region as rg
+from gemtrace.region import Region
+
+pytestmark = pytest.mark.e2e
+
+GATE = REPO / "build" / "libgemgate.so"
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class Agent:
+    """The agent's side of the region, as far as the gate can tell."""
+
+    def __init__(self, sim: SimGpu, state_dir: Path) -> None:
+        self.sim = sim
+        self.state_dir = state_dir
+        self.region = Region.create(state_dir)
+        gpus = sim.nvml(
+            "for i in range(pynvml.nvmlDeviceGetCount()):\n"
+            "    h = pynvml.nvmlDeviceGetHandleByIndex(i)\n"
+            "    u = pynvml.nvmlDeviceGetUUID(h)\n"
+            "    emit({'uuid': u.decode() if isinstance(u, bytes) else u,"
+            " 'total': pynvml.nvmlDeviceGetMemoryInfo(h).total})\n"
+        )
+        self.uuids = [g["uuid"] for g in gpus]
+        self.region.set_gpus([(g["uuid"], g["total"]) for g in gpus])
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._beat_loop, daemon=True)
+        self.region.heartbeat(time.monotonic_ns())
+        self._beat.start()
+
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(0.02):
+            self.region.heartbeat(time.monotonic_ns())
+
+    def silence(self) -> None:
+        """The agent stops beating without a clean stop (killed)."""
+        self._stop.set()
+        self._beat.join()
+
+    def env(self, group: str, gated: bool = True, **extra: str) -> dict[str, str]:
+        env = self.sim.env(**{"GEMTRACE_STATE_DIR": str(self.state_dir), "GEMTRACE_GROUP": group, **extra})
+        if gated:
+            env["LD_PRELOAD"] = str(GATE)
+        return env
+
+    def slots_of(self, pid: int) -> list[rg.Slot]:
+        return [s for _, s in self.region.live_slots() if s.pid == pid]
+
+    def close(self) -> None:
+        if not self._stop.is_set():
+            self.silence()
+        self.region.stop()
+        self.region.close()
+
+
+@pytest.fixture
+def agent(simgpu: SimGpu, tmp_path: Path) -> Iterator[Agent]:
+    if not GATE.exists():
+        pytest.fail(f"{GATE} is missing: run `make gate`", pytrace=False)
+    a = Agent(simgpu, tmp_path / "state")
+    yield a
+    a.close()
+
+
+@pytest.fixture
+def agent2(simgpu_factory, tmp_path: Path) -> Iterator[Agent]:  # type: ignore[no-untyped-def]
+    a = Agent(simgpu_factory(devices=2), tmp_path / "state2")
+    yield a
+    a.close()
+
+
+def run(args: list[str], env: dict[str, str], client: Path = RT_CLIENT, timeout: float = 60) -> tuple[list[dict], str]:
+    proc = subprocess.run([str(client), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")], proc.stderr
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["v2", "pitch", "managed", "async", "pool", "create"])
+def test_every_allocator_is_refused_past_the_limit(agent: Agent, api: str) -> None:
+    agent.region.set_group("train", GiB, 0, 1)
+    lines, _ = run(["alloc", "--api", api, str(512 * MiB), str(512 * MiB), str(2 * MiB)], agent.env("train"))
+    assert [line["name"] for line in lines if "size" in line] == [
+        "CUDA_SUCCESS",
+        "CUDA_SUCCESS",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+    ]
+
+
+def test_linked_program_and_per_thread_stream_forms_are_gated(agent: Agent) -> None:
+    agent.region.set_group("train", GiB, 0, 1)
+    lines, _ = run(["alloc", "--api", "v2", str(GiB), "1"], agent.env("train"), client=LINKED_CLIENT)
+    assert [line["name"] for line in lines if "size" in line] == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]
+    lines, _ = run(["--ptsz", "alloc", "--api", "async", str(GiB), "1"], agent.env("train"))
+    assert [line["name"] for line in lines if "size" in line] == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]
+
+
+def test_mem_get_info_reports_the_limit_and_what_the_group_has_left(agent: Agent) -> None:
+    agent.region.set_group("train", 3 * GiB, 0, 1)
+    holder = agent.sim.start(["alloc", "--api", "v2", str(GiB), "--hold", "30"], **agent.env("train"))
+    try:
+        assert holder.next_json()["name"] == "CUDA_SUCCESS"
+        lines, _ = run(["meminfo"], agent.env("train"))
+        assert lines[-1] == {"free": 2 * GiB, "total": 3 * GiB}
+        # Another group sees its own limit, untouched by train's usage.
+        agent.region.set_group("other", 5 * GiB, 0, 1)
+        lines, _ = run(["meminfo"], agent.env("other"))
+        assert lines[-1] == {"free": 5 * GiB, "total": 5 * GiB}
+    finally:
+        holder.kill()
+
+
+def test_many_processes_and_threads_never_overshoot(agent: Agent) -> None:
+    agent.region.set_group("train", 1000 * MiB, 0, 1)
+    env = agent.env("train")
+    procs = [
+        subprocess.Popen(
+            [str(RT_CLIENT), "alloc-threads", "--threads", "8", "--size", str(10 * MiB), "--count", "10", "--hold", "3"],
+            env=env, stdout=subprocess.PIPE, text=True,
+        )
+        for _ in range(4)
+    ]
+    results = [json.loads(p.communicate(timeout=60)[0].splitlines()[0]) for p in procs]
+    granted = sum(r["successes"] for r in results)
+    # 320 attempts of 10 MiB against 1000 MiB: at most 100 fit; a race may refuse a few near the limit.
+    assert 90 <= granted <= 100, results
+    assert all(r["successes"] + r["failures"] == 80 for r in results)
+
+
+def test_frees_of_unknown_pointers_and_double_frees_never_go_below_zero(agent: Agent) -> None:
+    agent.region.set_group("train", GiB, 0, 1)
+    lines, _ = run(["free-checks"], agent.env("train"))
+    assert lines, "free-checks printed nothing"
+    # Whatever the client did, the counters of its (now freed) slot never wrapped: the group has its
+    # whole limit again and nothing reads as a huge number.
+    lines, _ = run(["meminfo"], agent.env("train"))
+    assert lines[-1]["total"] == GiB and lines[-1]["free"] == GiB
+
+
+def test_a_fork_child_has_a_slot_of_its_own(agent: Agent) -> None:
+    agent.region.set_group("train", GiB, 0, 1)
+    lines, _ = run(["fork-alloc", str(600 * MiB)], agent.env("train"))
+    by_role = {line["who"]: line for line in lines if "name" in line}
+    # Parent and child together would be 1.2 GiB: the group's limit refuses the second one.
+    assert by_role["parent"]["name"] == "CUDA_SUCCESS"
+    assert by_role["child"]["name"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert by_role["child"]["pid"] != by_role["parent"]["pid"]
+
+
+def test_devices_are_told_apart_by_uuid_whatever_cuda_visible_devices_says(agent2: Agent) -> None:
+    agent2.region.set_group("train", GiB, 0, 1)
+    # CUDA device 0 is the second GPU here.
+    holder = agent2.sim.start(
+        ["alloc", "--api", "v2", str(100 * MiB), "--hold", "30"],
+        **agent2.env("train", CUDA_VISIBLE_DEVICES=agent2.uuids[1]),
+    )
+    try:
+        assert holder.next_json()["name"] == "CUDA_SUCCESS"
+        (slot,) = agent2.slots_of(holder.pid)
+        assert list(slot.memory)[:2] == [0, 100 * MiB]
+        assert slot.gpu_mask == 0b10
+    finally:
+        holder.kill()
+
+
+# --- launches -------------------------------------------------------------------------------------
+
+
+def _launches(agent: Agent, pid: int) -> int:
+    slots = agent.slots_of(pid)
+    return slots[0].launches[0] if slots else 0
+
+
+def test_held_launches_wait_without_spinning_and_resume_at_release(agent: Agent) -> None:
+    group = agent.region.set_group("train", None, 0, 1)
+    agent.region.hold(0, group)
+    loop = agent.sim.start(["launch-loop", "--kernel-ns", "100000", "--seconds", "30", "--progress"], **agent.env("train"))
+    try:
+        deadline = time.monotonic() + 10
+        while not any(s.waiting[0] for s in agent.slots_of(loop.pid)):
+            assert time.monotonic() < deadline, "the launch was never held"
+            time.sleep(0.01)
+        cpu_before = psutil.Process(loop.pid).cpu_times()
+        time.sleep(1.0)
+        cpu_after = psutil.Process(loop.pid).cpu_times()
+        spent = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+        assert spent < 0.05, f"a held process burned {spent:.3f} s of CPU in 1 s"
+        assert _launches(agent, loop.pid) == 0
+        released_at = time.monotonic()
+        agent.region.release(0, group)
+        while _launches(agent, loop.pid) == 0:
+            assert time.monotonic() - released_at < 2, "launches did not resume after release"
+            time.sleep(0.0005)
+        # Measured from the test's side, polling included; the gate itself wakes on the futex.
+        assert time.monotonic() - released_at < 0.1
+    finally:
+        loop.kill()
+
+
+def test_a_silent_agent_never_hangs_a_program(agent: Agent) -> None:
+    group = agent.region.set_group("train", None, 0, 1)
+    agent.region.hold(0, group)
+    agent.silence()  # killed: no clean stop, the word stays held
+    started = time.monotonic()
+    lines, _ = run(["launch-loop", "--kernel-ns", "1000", "--iters", "10"], agent.env("train"))
+    assert lines[-1]["launches"] == 10
+    assert time.monotonic() - started < rg.HEARTBEAT_STALE_NS / 1e9 + 5
+
+
+def test_a_held_process_killed_blocks_nobody(agent: Agent) -> None:
+    group = agent.region.set_group("train", None, 0, 1)
+    agent.region.hold(0, group)
+    first = agent.sim.start(["launch-loop", "--kernel-ns", "1000", "--seconds", "30"], **agent.env("train"))
+    second = agent.sim.start(["launch-loop", "--kernel-ns", "1000", "--iters", "100"], **agent.env("train"))
+    try:
+        deadline = time.monotonic() + 10
+        while sum(s.waiting[0] for _, s in agent.region.live_slots()) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(first.pid, signal.SIGKILL)
+        agent.region.release(0, group)
+        assert second.finish(timeout=20)[-1]["launches"] == 100
+    finally:
+        first.kill()
+        second.kill()
+
+
+def test_launch_counts_and_busy_time_reach_the_slot(agent: Agent) -> None:
+    agent.region.set_group("train", None, 0, 1)
+    loop = agent.sim.start(
+        ["launch-loop", "--kernel-ns", "2000000", "--launches-per-iter", "5", "--iters", "50", "--hold", "30"],
+        **agent.env("train"),
+    )
+    try:
+        done = loop.wait_for("launches", timeout=30)
+        (slot,) = agent.slots_of(loop.pid)
+        assert slot.launches[0] == done["launches"] == 250
+        # 250 kernels of 2 ms ran alone: 0.5 s of GPU time, a little more for the waits between.
+        assert 0.5e9 <= slot.busy_ns[0] <= 0.5e9 * 1.10
+        assert slot.flags & rg.SLOT_GATED
+        assert slot.comm == b"simgpu-rt"
+    finally:
+        loop.kill()
+
+
+# --- attaching ------------------------------------------------------------------------------------
+
+
+def test_no_region_or_unknown_group_or_other_version_says_so_once_and_passes_through(agent: Agent,
+                                                                                       tmp_path: Path) -> None:
+    env = agent.env("nosuchgroup")
+    lines, err = run(["alloc", "--api", "v2", str(GiB), str(GiB)], env)
+    assert [line["name"] for line in lines if "size" in line] == ["CUDA_SUCCESS", "CUDA_SUCCESS"]
+    assert err.count("group 'nosuchgroup' is not defined") == 1
+
+    env = agent.env("train", GEMTRACE_STATE_DIR=str(tmp_path / "nowhere"))
+    lines, err = run(["launch-loop", "--kernel-ns", "1000", "--iters", "5"], env)
+    assert lines[-1]["launches"] == 5
+    assert err.count("no region at") == 1
+
+    agent.region.set_group("train", 1, 0, 1)
+    agent.region.layout.header.version = rg.VERSION + 1
+    lines, err = run(["alloc", "--api", "v2", str(MiB)], agent.env("train"))
+    assert lines[0]["name"] == "CUDA_SUCCESS"
+    assert err.count("layout version") == 1
+    agent.region.layout.header.version = rg.VERSION
+
+
+def test_a_program_that_never_uses_cuda_sees_no_difference(agent: Agent) -> None:
+    env = agent.env("train")
+    out = subprocess.run(["/bin/echo", "plain"], env=env, capture_output=True, text=True, check=True)
+    assert (out.stdout, out.stderr) == ("plain\n", "")
+    out = subprocess.run(["python3", "-c", "import ctypes; print(ctypes.CDLL(None).getpid() > 0)"],
+                         env=env, capture_output=True, text=True, check=True)
+    assert (out.stdout, out.stderr) == ("True\n", "")
+    assert list(agent.region.live_slots()) == []
+
+
+def test_registration_is_fast_with_a_thousand_live_slots(agent: Agent) -> None:
+    agent.region.set_group("train", None, 0, 1)
+    # Fill 1000 slots as if 1000 processes were registered (pids that are not ours).
+    for index in range(1000):
+        agent.region.layout.slots[index].pid = 10_000_000 + index
+    lines, _ = run(["launch-loop", "--kernel-ns", "0", "--iters", "1"], agent.env("train"))
+    assert lines[-1]["launches"] == 1
+    times = []
+    for _ in range(5):
+        started = time.perf_counter()
+        run(["launch-loop", "--kernel-ns", "0", "--iters", "1"], agent.env("train"))
+        with_gate = time.perf_counter() - started
+        started = time.perf_counter()
+        run(["launch-loop", "--kernel-ns", "0", "--iters", "1"], agent.env("train", gated=False))
+        times.append(with_gate - (time.perf_counter() - started))
+    # A whole process start is milliseconds; registering among 1000 slots must not show in it.
+    assert min(times) < 0.01, times
+    for index in range(1000):
+        agent.region.layout.slots[index].pid = 0
