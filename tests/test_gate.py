@@ -137,8 +137,21 @@ def test_many_processes_and_threads_never_overshoot(agent: Agent) -> None:
     env = agent.env("train")
     procs = [
         subprocess.Popen(
-            [str(RT_CLIENT), "alloc-threads", "--threads", "8", "--size", str(10 * MiB), "--count", "10", "--hold", "3"],
-            env=env, stdout=subprocess.PIPE, text=True,
+            [
+                str(RT_CLIENT),
+                "alloc-threads",
+                "--threads",
+                "8",
+                "--size",
+                str(10 * MiB),
+                "--count",
+                "10",
+                "--hold",
+                "3",
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for _ in range(4)
     ]
@@ -196,7 +209,9 @@ def _launches(agent: Agent, pid: int) -> int:
 def test_held_launches_wait_without_spinning_and_resume_at_release(agent: Agent) -> None:
     group = agent.region.set_group("train", None, 0, 1)
     agent.region.hold(0, group)
-    loop = agent.sim.start(["launch-loop", "--kernel-ns", "100000", "--seconds", "30", "--progress"], **agent.env("train"))
+    loop = agent.sim.start(
+        ["launch-loop", "--kernel-ns", "100000", "--seconds", "30", "--progress"], **agent.env("train")
+    )
     try:
         deadline = time.monotonic() + 10
         while not any(s.waiting[0] for s in agent.slots_of(loop.pid)):
@@ -268,8 +283,9 @@ def test_launch_counts_and_busy_time_reach_the_slot(agent: Agent) -> None:
 # --- attaching ------------------------------------------------------------------------------------
 
 
-def test_no_region_or_unknown_group_or_other_version_says_so_once_and_passes_through(agent: Agent,
-                                                                                       tmp_path: Path) -> None:
+def test_no_region_or_unknown_group_or_other_version_says_so_once_and_passes_through(
+    agent: Agent, tmp_path: Path
+) -> None:
     env = agent.env("nosuchgroup")
     lines, err = run(["alloc", "--api", "v2", str(GiB), str(GiB)], env)
     assert [line["name"] for line in lines if "size" in line] == ["CUDA_SUCCESS", "CUDA_SUCCESS"]
@@ -292,8 +308,13 @@ def test_a_program_that_never_uses_cuda_sees_no_difference(agent: Agent) -> None
     env = agent.env("train")
     out = subprocess.run(["/bin/echo", "plain"], env=env, capture_output=True, text=True, check=True)
     assert (out.stdout, out.stderr) == ("plain\n", "")
-    out = subprocess.run(["python3", "-c", "import ctypes; print(ctypes.CDLL(None).getpid() > 0)"],
-                         env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["python3", "-c", "import ctypes; print(ctypes.CDLL(None).getpid() > 0)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert (out.stdout, out.stderr) == ("True\n", "")
     assert list(agent.region.live_slots()) == []
 
