@@ -177,7 +177,8 @@ class Accounting:
             self._alloc_event = True
             self._last_alloc_ns = ev.ts_ns
         elif ev.type == EVENT_EXIT:
-            self._exited.add(ev.pid)
+            with self._lock:  # _reap swaps the set from the polling thread
+                self._exited.add(ev.pid)
             self._alloc_event = True  # memory went: a pending kill may be settled
 
     def _watch(self) -> None:
@@ -233,13 +234,15 @@ class Accounting:
     def enforce(self) -> None:
         """Check every group's memory on every GPU against its limit, from the eBPF figures."""
         assert self.probes is not None
-        with self._lock:
-            usage = self.probes.usage()
-            self._reap()
         config = self.config_getter()
         limits: dict[str, int | None] = {}
         if config is not None:
             limits = {name: g.memory_limit for name, g in config.groups.items()}
+        with self._lock:
+            self._reap()
+            if not any(limit is not None for limit in limits.values()):
+                return  # no group has a limit: nothing to read
+            usage = self.probes.usage()
         holdings = []
         for u in usage:
             if u.bytes <= 0 or u.pid in self._exited:
