@@ -326,3 +326,51 @@ def test_launch_mode_counts_the_launches_of_an_ungated_process(sim: SimGpu, make
     default = make_accounting()
     assert default.probes is not None and default.probes.mode == "memory"
     assert not any(sym.startswith("cuLaunch") for sym, _, _ in default.probes.probes)
+
+
+def test_gated_processes_use_the_slot_for_time_and_launches_and_agree_with_ebpf_on_memory(
+    sim: SimGpu, make_accounting, tmp_path: Path
+) -> None:
+    gate = REPO / "build" / "libgemgate.so"
+    if not gate.exists():
+        pytest.fail(f"{gate} is missing: run `make gate`", pytrace=False)
+    uuid = uuids_of(sim)[0]
+    state = tmp_path / "state"
+    region = Region.create(state)
+    region.set_gpus([(uuid, 4 << 30)])
+    region.set_group("train", None, 0.0, 1.0)
+    region.heartbeat(time.monotonic_ns())
+    enforcer = MemoryEnforcer()
+    acc = make_accounting(enforcer=enforcer)
+    acc.region = region
+    env = sim.env(GEMTRACE_STATE_DIR=str(state), GEMTRACE_GROUP="train", LD_PRELOAD=str(gate))
+    holder = subprocess.Popen([str(REPO / "build/simgpu/simgpu-rt"), "alloc", "--api", "v2", "--hold", "30",
+                               str(96 * MiB), str(32 * MiB)], env=env, stdout=subprocess.PIPE, text=True)
+    loop = subprocess.Popen([str(REPO / "build/simgpu/simgpu-rt"), "launch-loop", "--kernel-ns", "2000000",
+                             "--launches-per-iter", "5", "--seconds", "2"], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        last = None
+        while loop.poll() is None:
+            region.heartbeat(time.monotonic_ns())
+            snap = acc.poll()
+            mine = [p for p in snap.processes if p.pid == loop.pid and p.exited_ns is None]
+            last = mine[0] if mine else last
+            time.sleep(0.02)
+        assert loop.stdout is not None
+        truth = [json.loads(x) for x in loop.stdout.read().splitlines() if x.startswith("{")][-1]
+        assert last is not None and last.gated and last.group == "train" and last.gpu == uuid
+        assert last.gpu_seconds == pytest.approx(truth["kernel_s"], rel=0.05), (last, truth)
+        assert last.launches == pytest.approx(truth["launches"], rel=0.05), (last, truth)
+
+        held = wait_for(lambda: {p.pid: p for p in acc.poll().processes}.get(holder.pid))
+        assert held is not None and held.gated and held.memory_bytes == 128 * MiB
+        (slot,) = [s for _, s in region.live_slots() if s.pid == holder.pid]
+        assert slot.memory[0] == 128 * MiB  # the gate and eBPF agree: no tampering
+        acc.poll()
+        assert enforcer.tampering == {}
+    finally:
+        holder.kill()
+        holder.wait()
+        loop.kill()
+        loop.wait()
+        region.close()
