@@ -1,0 +1,95 @@
+"""Gate overhead per launch within quota, on the simulated GPU: gate against no gate, side by side.
+
+Runs `simgpu-rt empty-launch-loop` (0 ns kernels: the cost is the launch path itself) alternately
+with and without LD_PRELOAD=build/libgemgate.so, attached to a region whose group is released and an
+agent heartbeat that is fresh, and reports the median ns per launch of each and the difference.
+Target (issue 2): at most 50 ns added per launch. Results are appended to
+bench/results/gate_overhead.md with the date and the machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from gemtrace.region import Region  # noqa: E402
+
+SIM = REPO / "build" / "simgpu"
+GATE = REPO / "build" / "libgemgate.so"
+LAUNCHES = 2_000_000
+ROUNDS = 7
+TARGET_NS = 50.0
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return f"{platform.node()} ({cpu}, {os.cpu_count()} cores)"
+
+
+def one_run(env: dict[str, str]) -> float:
+    out = subprocess.run(
+        [str(SIM / "simgpu-rt"), "empty-launch-loop", "--launches", str(LAUNCHES)],
+        env=env, capture_output=True, text=True, check=True,
+    ).stdout
+    return float(json.loads(out.splitlines()[-1])["ns_per_launch"])
+
+
+def main() -> int:
+    with tempfile.TemporaryDirectory() as tmp:
+        base = dict(os.environ, LD_LIBRARY_PATH=str(SIM), SIMGPU_STATE_DIR=f"{tmp}/sim")
+        devices = json.loads(
+            subprocess.run([str(SIM / "simgpu-rt"), "devices"], env=base, capture_output=True, text=True,
+                           check=True).stdout.splitlines()[-1]
+        )["devices"]
+        region = Region.create(Path(tmp) / "state")
+        region.set_gpus([(d["uuid"], d["total"]) for d in devices])
+        region.set_group("bench", None, 0.0, 1.0)
+        region.heartbeat(time.monotonic_ns() + 3600 * 10**9)  # fresh for the whole run
+        gated = dict(base, LD_PRELOAD=str(GATE), GEMTRACE_STATE_DIR=f"{tmp}/state", GEMTRACE_GROUP="bench")
+        plain, with_gate = [], []
+        for _ in range(ROUNDS):  # interleaved, so drifts of the machine hit both alike
+            plain.append(one_run(base))
+            with_gate.append(one_run(gated))
+        region.stop()
+        region.close()
+    p, g = statistics.median(plain), statistics.median(with_gate)
+    added = g - p
+    rows = [
+        ("no gate", f"{p:.1f}"),
+        ("gate, within quota", f"{g:.1f}"),
+        ("added per launch", f"{added:.1f}"),
+        ("target", f"<= {TARGET_NS:.0f}"),
+    ]
+    print(f"{'':<22} {'ns/launch':>10}")
+    for name, value in rows:
+        print(f"{name:<22} {value:>10}")
+    results = REPO / "bench" / "results" / "gate_overhead.md"
+    results.parent.mkdir(parents=True, exist_ok=True)
+    if not results.exists():
+        results.write_text(
+            "# Gate overhead per launch, simulated GPU (bench/bench_gate_overhead.py)\n\n"
+            "| date | machine | no gate ns | gate ns | added ns | target |\n| --- | --- | --- | --- | --- | --- |\n"
+        )
+    with results.open("a") as f:
+        f.write(f"| {datetime.date.today()} | {machine()} | {p:.1f} | {g:.1f} | {added:.1f} | "
+                f"{'met' if added <= TARGET_NS else 'MISSED'} (<= {TARGET_NS:.0f}) |\n")
+    return 0 if added <= TARGET_NS else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

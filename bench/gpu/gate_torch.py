@@ -1,0 +1,120 @@
+"""The gate on a real GPU (issue 2, "Benchmarks", H100 part). Self-contained; run from the repo root:
+
+    python3 bench/gpu/gate_torch.py
+
+It stands in for the agent (a Region in a temporary state dir with the GPU's NVML UUID, a fresh
+heartbeat, a group `bench` with MemoryLimit 4 GiB and a group `free` without limit), then checks:
+  1. PyTorch with a 4 GiB limit, for the default caching allocator, expandable_segments:True and
+     backend:cudaMallocAsync: torch.cuda.mem_get_info() reports 4 GiB total, 3 GiB fit, and an
+     allocation past 4 GiB raises torch.cuda.OutOfMemoryError;
+  2. a program built by nvcc with the static cudart (bench/gpu/gate_probe.cu) is gated the same way;
+  3. the empty-kernel launch loop of that program, gate (group within quota) against no gate,
+     interleaved rounds: the overhead in percent (target <= 2%).
+Prints a table; with $OUT set, writes gate_gpu.md there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from gemtrace.region import Region  # noqa: E402
+
+GATE = REPO / "build" / "libgemgate.so"
+GiB = 1 << 30
+
+TORCH_CHECK = r"""
+import json, sys, torch
+free, total = torch.cuda.mem_get_info()
+a = torch.empty(3 * (1 << 30), dtype=torch.uint8, device="cuda")
+try:
+    b = torch.empty(2 * (1 << 30), dtype=torch.uint8, device="cuda")
+    outcome = "allocated"
+except torch.cuda.OutOfMemoryError:
+    outcome = "OutOfMemoryError"
+print(json.dumps({"total": total, "free": free, "past_limit": outcome}))
+"""
+
+
+def nvml_gpus() -> list[tuple[str, int]]:
+    import pynvml
+
+    pynvml.nvmlInit()
+    gpus = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        uuid = pynvml.nvmlDeviceGetUUID(h)
+        gpus.append((uuid.decode() if isinstance(uuid, bytes) else uuid, pynvml.nvmlDeviceGetMemoryInfo(h).total))
+    return gpus
+
+
+def main() -> int:
+    out_dir = os.environ.get("OUT")
+    rows: list[tuple[str, str, str]] = []
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        region = Region.create(Path(tmp))
+        region.set_gpus(nvml_gpus())
+        region.set_group("bench", 4 * GiB, 0.0, 1.0)
+        region.set_group("free", None, 0.0, 1.0)
+        region.heartbeat(time.monotonic_ns() + 3600 * 10**9)
+        gated = dict(os.environ, LD_PRELOAD=str(GATE), GEMTRACE_STATE_DIR=tmp, GEMTRACE_GROUP="bench")
+
+        for conf in ("", "expandable_segments:True", "backend:cudaMallocAsync"):
+            env = dict(gated, PYTORCH_CUDA_ALLOC_CONF=conf) if conf else gated
+            proc = subprocess.run([sys.executable, "-c", TORCH_CHECK], env=env, capture_output=True, text=True)
+            got = json.loads(proc.stdout.splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
+            ok = got.get("total") == 4 * GiB and got.get("past_limit") == "OutOfMemoryError"
+            failures += not ok
+            rows.append((f"torch {conf or 'default allocator'}", "4 GiB total, OOM past it",
+                         f"total {got.get('total', 0) / GiB:.2f} GiB, {got.get('past_limit', got.get('error'))}"))
+
+        probe = Path(tmp) / "gate_probe"
+        subprocess.run(["nvcc", "-O2", "-o", str(probe), str(REPO / "bench" / "gpu" / "gate_probe.cu")], check=True)
+        proc = subprocess.run([str(probe), "alloc", str(3 * GiB), str(2 * GiB)], env=gated, capture_output=True,
+                              text=True)
+        lines = [json.loads(line) for line in proc.stdout.splitlines()]
+        ok = [line.get("result") for line in lines[:2]] == ["cudaSuccess", "cudaErrorMemoryAllocation"] and \
+            lines[2]["total"] == 4 * GiB
+        failures += not ok
+        rows.append(("nvcc static cudart", "3 GiB ok, 2 GiB more refused, 4 GiB total",
+                     f"{lines[0].get('result')}, {lines[1].get('result')}, total {lines[2]['total'] / GiB:.2f} GiB"))
+
+        free_env = dict(gated, GEMTRACE_GROUP="free")
+        plain, with_gate = [], []
+        for _ in range(7):
+            for env, into in ((dict(os.environ), plain), (free_env, with_gate)):
+                run = subprocess.run([str(probe), "launch", "200000"], env=env, capture_output=True, text=True,
+                                     check=True)
+                into.append(json.loads(run.stdout)["ns_per_launch"])
+        p, g = statistics.median(plain), statistics.median(with_gate)
+        overhead = (g - p) / p * 100
+        failures += overhead > 2.0
+        rows.append(("empty-kernel launch loop", "<= 2% added",
+                     f"{p:.0f} ns -> {g:.0f} ns per launch: {overhead:+.2f}% (medians of 7 interleaved)"))
+        region.stop()
+        region.close()
+
+    machine = f"{platform.node()}, {subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version', '--format=csv,noheader'], capture_output=True, text=True).stdout.strip()}"  # noqa: E501
+    text = [f"# Gate on a real GPU, {time.strftime('%Y-%m-%d')} ({machine})", "",
+            "| check | expected | measured |", "| --- | --- | --- |"]
+    text += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    report = "\n".join(text) + "\n"
+    print(report)
+    if out_dir:
+        Path(out_dir, "gate_gpu.md").write_text(report)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
