@@ -18,7 +18,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -86,7 +86,7 @@ class _Seen:
     account: ProcessAccount
     nvml_seconds: float = 0.0
     exited_ns: int | None = None
-    gpus: set[str] = field(default_factory=set)
+    nvml_in_account: float = 0.0  # the part of nvml_seconds already in account.gpu_seconds
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class Accounting:
         self.libcuda_paths = tuple(libcuda_paths)
         self._lock = threading.RLock()  # guards bcc and the caches below
         self._info: dict[int, _Info] = {}
-        self._seen: dict[int, _Seen] = {}
+        self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): last account, kept for the grace
         self._exited: set[int] = set()
         self._alloc_event = False
         self._last_alloc_ns: int | None = None
@@ -398,54 +398,49 @@ class Accounting:
         """GPU time of ungated processes: NVML's busy fraction x elapsed time, less what the gates
         account on that GPU, shared equally among the ungated processes on it. Coarse by nature."""
         last, self._last_poll_ns = self._last_poll_ns, now
-        util = self.nvml.utilization() if self.nvml.available else {}
-        if last is None or not util:
-            for key, acc in live.items():
-                seen = self._seen.get(key[0])
-                if seen is not None and seen.nvml_seconds and not acc.gated:
-                    live[key] = replace(acc, gpu_seconds=acc.gpu_seconds + seen.nvml_seconds)
-            return
-        dt = (now - last) / 1e9
+        util = self.nvml.utilization() if self.nvml.available and last is not None else {}
+        dt = 0.0 if last is None else (now - last) / 1e9
         for uuid, fraction in util.items():
-            busy = fraction * dt
-            gated_busy = 0.0
+            gated_busy = 0.0  # what the gates accounted on this GPU since the last poll
             for key, acc in live.items():
                 if key[1] == uuid and acc.gated:
-                    prev = self._seen.get(key[0])
-                    before = prev.account.gpu_seconds if prev and prev.account.gpu == uuid else acc.gpu_seconds
-                    gated_busy += max(0.0, acc.gpu_seconds - before)
-            share_pids = [k[0] for k, a in live.items() if k[1] == uuid and not a.gated]
-            if not share_pids:  # NVML's window still holds the work of a process that just exited
-                share_pids = [pid for pid, s in self._seen.items()
-                              if s.exited_ns is not None and now - s.exited_ns < NVML_WINDOW_NS
-                              and s.account.gpu == uuid and not s.account.gated]
-            if not share_pids:
-                continue
-            each = max(0.0, busy - gated_busy) / len(share_pids)
-            for pid in share_pids:
-                seen = self._seen.setdefault(pid, _Seen(ProcessAccount(pid, "?", "", uuid, 0, 0.0, None, False)))
+                    prev = self._seen.get(key)
+                    gated_busy += max(0.0, acc.gpu_seconds - (prev.account.gpu_seconds if prev else acc.gpu_seconds))
+            share = [k for k, a in live.items() if k[1] == uuid and not a.gated]
+            if not share:  # NVML's window still holds the work of a process that just exited
+                share = [k for k, s in self._seen.items()
+                         if k[1] == uuid and s.exited_ns is not None and now - s.exited_ns < NVML_WINDOW_NS
+                         and not s.account.gated]
+            each = max(0.0, fraction * dt - gated_busy) / len(share) if share else 0.0
+            for key in share:
+                seen = self._seen.get(key)
+                if seen is None:
+                    seen = self._seen[key] = _Seen(live[key])
                 seen.nvml_seconds += each
         for key, acc in live.items():
-            seen = self._seen.get(key[0])
+            seen = self._seen.get(key)
             if seen is not None and seen.nvml_seconds and not acc.gated:
                 live[key] = replace(acc, gpu_seconds=acc.gpu_seconds + seen.nvml_seconds)
 
     def _with_exited(self, now: int, live: dict[tuple[int, str], ProcessAccount]) -> Snapshot:
-        live_pids = {pid for pid, _ in live}
-        for (pid, _uuid), acc in live.items():
-            seen = self._seen.setdefault(pid, _Seen(acc))
+        for key, acc in live.items():
+            seen = self._seen.get(key)
+            if seen is None:
+                seen = self._seen[key] = _Seen(acc)
             seen.account, seen.exited_ns = acc, None
+            seen.nvml_in_account = 0.0 if acc.gated else seen.nvml_seconds
         out = list(live.values())
-        for pid, seen in list(self._seen.items()):
-            if pid in live_pids:
+        for key, seen in list(self._seen.items()):
+            if key in live:
                 continue
             if seen.exited_ns is None:
                 seen.exited_ns = now
             if now - seen.exited_ns >= self.grace_ns:
-                del self._seen[pid]
+                del self._seen[key]
                 continue
-            if seen.account.comm != "?":
-                out.append(replace(seen.account, memory_bytes=0, exited_ns=seen.exited_ns))
+            tail = seen.nvml_seconds - seen.nvml_in_account  # NVML's window after the exit
+            out.append(replace(seen.account, memory_bytes=0, exited_ns=seen.exited_ns,
+                               gpu_seconds=seen.account.gpu_seconds + tail))
         return Snapshot(now, tuple(sorted(out, key=lambda a: (a.gpu, a.pid))))
 
     def close(self) -> None:

@@ -170,6 +170,10 @@ def memory_agreement(lib: Path, nvml: NvmlReader) -> list[tuple[str, int, int, i
 def gpu_time(lib: Path, nvml: NvmlReader, seconds: float) -> tuple[float, float]:
     acc = Accounting(None, lambda: None, nvml=nvml, libcuda_paths=[lib])
     try:
+        end = time.monotonic() + 1.5  # an agent polls all along: NVML's window is full before the work
+        while time.monotonic() < end:
+            acc.poll()
+            time.sleep(0.05)
         p = subprocess.Popen([sys.executable, "-c", SPIN_WORKER, str(seconds)], stdout=subprocess.PIPE, text=True)
         pid = p.pid
         while p.poll() is None:
