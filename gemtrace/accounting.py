@@ -112,7 +112,7 @@ class Accounting:
         grace_seconds: float = defaults.PROCESS_SERIES_GRACE_SECONDS,
         rescan_seconds: float = defaults.LIBCUDA_RESCAN_SECONDS,
         clock: Callable[[], int] = time.monotonic_ns,
-        libcuda_paths: Sequence[Path] = (),
+        libcuda_paths: Sequence[Path] | None = None,
     ) -> None:
         self.region = region
         self.config_getter = config_getter
@@ -125,8 +125,8 @@ class Accounting:
         self.rescan_ns = int(rescan_seconds * 1e9)
         self.clock = clock
         # Probed from the start even before any process maps them, so that a process's first
-        # allocations are not missed while the next rescan is due.
-        self.libcuda_paths = tuple(libcuda_paths)
+        # allocations are not missed while the next rescan is due (None: the host's, from ldconfig).
+        self.libcuda_paths = tuple(libcuda.system_paths() if libcuda_paths is None else libcuda_paths)
         self._lock = threading.RLock()  # guards bcc and the caches below
         self._info: dict[int, _Info] = {}
         self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): last account, kept for the grace

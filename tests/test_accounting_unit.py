@@ -69,6 +69,16 @@ def test_scan_groups_pids_by_file_and_reaches_other_namespaces_through_proc_root
     assert main.reachable_path(tmp_path) == lib
 
 
+def test_parse_ldconfig_names_the_host_libcuda() -> None:
+    text = (
+        "1234 libs found in cache `/etc/ld.so.cache'\n"
+        "\tlibcudart.so.12 (libc6,x86-64) => /usr/local/cuda/lib64/libcudart.so.12\n"
+        "\tlibcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1\n"
+        "\tlibcuda.so (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so\n"
+    )
+    assert libcuda.parse_ldconfig(text) == [Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1")]
+
+
 def test_environ_cgroup_and_group_rules() -> None:
     env = parse_environ(b"A=1\0GEMTRACE_GROUP=train\0CUDA_VISIBLE_DEVICES=1\0")
     assert env == {"A": "1", "GEMTRACE_GROUP": "train", "CUDA_VISIBLE_DEVICES": "1"}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,3 +127,24 @@ class Scanner:
 def scan(proc_root: Path = Path("/proc"), skip: int | None = None) -> dict[FileId, LibcudaFile]:
     """One scan without memory of the previous ones."""
     return Scanner(proc_root).scan(skip)
+
+
+def parse_ldconfig(text: str) -> list[Path]:
+    """The libcuda.so.1 entries of `ldconfig -p` output, e.g.
+    `\tlibcuda.so.1 (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so.1`."""
+    out: list[Path] = []
+    for line in text.splitlines():
+        name, sep, path = line.strip().partition(" => ")
+        if sep and name.split(" ", 1)[0] == "libcuda.so.1" and path not in map(str, out):
+            out.append(Path(path))
+    return out
+
+
+def system_paths() -> list[Path]:
+    """The host's own libcuda, as the dynamic linker finds it: probed before any process maps it,
+    so the first allocations of the first CUDA process are not missed. Empty when there is none."""
+    try:
+        text = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [p for p in parse_ldconfig(text) if p.exists()]
