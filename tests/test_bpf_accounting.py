@@ -25,6 +25,7 @@ from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.collectors.enforcement import EnforcementCollector
 from gemtrace.collectors.processes import ProcessCollector
 from gemtrace.enforcement import MemoryEnforcer
+from gemtrace.probes.libcuda import file_id_of
 from gemtrace.region import Region
 
 pytestmark = pytest.mark.bpf
@@ -176,7 +177,7 @@ def test_memory_in_snapshot_and_metrics_equals_what_was_allocated(sim: SimGpu, m
         (sample,) = [s for s in families["gemtrace_process_memory_bytes"].samples if s.labels["pid"] == str(c.pid)]
         assert sample.value == expected
         assert sample.labels["gpu"] == uuid and sample.labels["group"] == "default"
-        assert families["gemtrace_probe_libcuda_files"].samples[0].value == 1
+        assert families["gemtrace_probe_libcuda_files"].samples[0].value >= 1  # other helpers' may be there too
         assert families["gemtrace_probes_attached"].samples[0].value >= 30
     finally:
         c.close()
@@ -190,7 +191,7 @@ def test_a_process_started_before_the_accounting_is_accounted(sim: SimGpu, make_
         c.call("init")
         c.call("alloc 1048576")  # before the probes: unseen, and its release must not go below zero
         acc = make_accounting(libcuda_paths=())  # found only through the client's /proc/PID/maps
-        assert acc.ebpf_status.endswith("to 1 files"), acc.ebpf_status
+        assert acc.probes is not None and file_id_of(LIBCUDA) in acc.probes.files, acc.ebpf_status
         c.call("alloc 7340032")
         assert wait_for(lambda: by_pid(acc.poll()).get(c.pid) == 7340032), by_pid(acc.poll())
         c.call("free")
@@ -267,13 +268,15 @@ def test_libcuda_in_another_mount_namespace_is_probed_through_proc_root(
     try:
         assert not (hidden / "libcuda.so.1").exists()  # the file exists only in the client's namespace
         c.call("init")
-        assert wait_for(lambda: acc.libcuda_files == 1), acc.ebpf_status
+        copy = file_id_of(Path(f"/proc/{c.pid}/root") / str(hidden).lstrip("/") / "libcuda.so.1")
+        # Other processes on the host may map other libcuda files: wait for this very one.
+        assert wait_for(lambda: copy in acc.probes.files), acc.ebpf_status
         c.call("alloc 2097152")
         assert wait_for(lambda: by_pid(acc.poll()).get(c.pid) == 2097152), by_pid(acc.poll())
     finally:
         c.close()
     # Its last process gone, the container's copy is let go (its overlay could be unmounted).
-    assert wait_for(lambda: acc.libcuda_files == 0), acc.ebpf_status
+    assert wait_for(lambda: copy not in acc.probes.files), acc.ebpf_status
 
 
 def test_a_slot_that_hides_memory_is_tampering_and_ebpf_wins(sim: SimGpu, make_accounting, tmp_path: Path) -> None:
