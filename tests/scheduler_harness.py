@@ -160,9 +160,11 @@ def window_share(lines: Sequence[dict[str, Any]], start: float, end: float) -> f
 Shares = dict[tuple[str, int], float]
 
 
-def measure(the_rig: Rig, loads: Sequence[Load], warmup: float, seconds: float) -> Shares:
-    """Run the loads together; the device share of each (group, device) over [warmup, warmup+seconds]."""
-    the_rig.define([load for load in loads if load.gated])
+def measure(the_rig: Rig, loads: Sequence[Load], warmup: float, seconds: float,
+            scheduled: Sequence[Load] = ()) -> Shares:
+    """Run the loads together; the device share of each (group, device) over [warmup, warmup+seconds].
+    The scheduled groups are those of the gated loads and of `scheduled` (groups with no work here)."""
+    the_rig.define([*scheduled, *(load for load in loads if load.gated)])
     clients: list[tuple[Load, int, Client]] = []
     total = warmup + seconds + 1.0  # a second of tail: nobody's window sees another group stop
     for load in loads:

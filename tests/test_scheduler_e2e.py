@@ -70,3 +70,21 @@ def test_all_processes_of_a_group_share_its_quota(rig: harness.Rig, solo: float)
         {("many", 0): (0.3, "="), ("one", 0): (0.7, "=")},
     )
     check(harness.run_case(rig, case, WARMUP, SECONDS, solo))
+
+
+def test_reserved_time_a_group_leaves_unused_goes_to_the_others(rig: harness.Rig, solo: float) -> None:
+    # "idle" reserves half the GPU and has a live gated process that launches nothing (it allocated
+    # and sleeps): that is no demand, so the hog gets the whole GPU, with no switch at all.
+    loads = [harness.Load("idle", harness.Quota(0.5, 1.0)), harness.Load("hog")]
+    rig.define(loads)
+    sleeper = rig.sim.start(["alloc", "--api", "v2", "--hold", "30", "1MiB"], client=rig.client,
+                            GEMTRACE_STATE_DIR=str(rig.state_dir), GEMTRACE_GROUP="idle",
+                            LD_PRELOAD=str(rig.gate))
+    sleeper.wait_for("holding")
+    idle = rig.region.group_index("idle")
+    assert any(slot.pid == sleeper.pid and slot.group == idle for _, slot in rig.region.live_slots())
+    switches = rig.schedulers[0].switches
+    shares = harness.measure(rig, loads[1:], WARMUP, SECONDS, scheduled=loads[:1])
+    assert shares[("hog", 0)] / solo >= 0.97
+    assert rig.schedulers[0].switches == switches
+    assert idle is not None and rig.schedulers[0].usage()[idle].gpu_seconds == 0
