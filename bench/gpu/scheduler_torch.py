@@ -193,7 +193,8 @@ class Rig:
             uuid = pynvml.nvmlDeviceGetUUID(h)
             gpus.append((uuid.decode() if isinstance(uuid, bytes) else uuid,
                          int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
-        self.device = pynvml.nvmlDeviceGetName(handles[0])
+        name = pynvml.nvmlDeviceGetName(handles[0])
+        self.device = name.decode() if isinstance(name, bytes) else str(name)
         self.state_dir = state_dir
         self.region = Region.create(state_dir)
         self.region.set_gpus(gpus)
