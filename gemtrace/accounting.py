@@ -317,6 +317,11 @@ class Accounting:
                 ebpf_devices = self.probes.devices()
                 if self.probes.mode == "launches":
                     ebpf_launches = self.probes.launches()
+        stale = [pid for pid in ebpf_launches if pid not in ebpf_devices and not self.proc.alive(pid)]
+        if stale:  # counted launches, but its context (and so its exit) was never seen
+            with self._lock:
+                if self.probes is not None:
+                    self.probes.forget(stale)
         slots = self._slots()
         nvml_procs = self.nvml.processes() if self.nvml.available else []
         physical = self._gpu_list()
