@@ -131,7 +131,9 @@ def main() -> int:
     print(text)
     if not args.no_record:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        machine = f"{platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}"
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "?"
+        machine = f"{platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, gemtrace {commit}"
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         new = not RESULTS.exists()
         with RESULTS.open("a") as f:
