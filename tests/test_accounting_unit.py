@@ -14,6 +14,7 @@ from gemtrace.accounting import Accounting, ProcessAccount, Snapshot
 from gemtrace.collectors.processes import ProcessCollector
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
 from gemtrace.probes import libcuda
+from gemtrace.probes.bpf_loader import has_bpf_privilege
 from gemtrace.region import Region
 
 pytestmark = pytest.mark.unit
@@ -77,6 +78,13 @@ def test_parse_ldconfig_names_the_host_libcuda() -> None:
         "\tlibcuda.so (libc6,x86-64) => /usr/lib/x86_64-linux-gnu/libcuda.so\n"
     )
     assert libcuda.parse_ldconfig(text) == [Path("/usr/lib/x86_64-linux-gnu/libcuda.so.1")]
+
+
+def test_bpf_privilege_is_read_from_effective_capabilities() -> None:
+    assert has_bpf_privilege("Name:\tx\nCapEff:\t000001ffffffffff\n")  # root
+    assert not has_bpf_privilege("CapEff:\t0000000000000000\n")
+    assert has_bpf_privilege("CapEff:\t000000c000000000\n")  # CAP_BPF + CAP_PERFMON
+    assert not has_bpf_privilege("CapEff:\t0000008000000000\n")  # CAP_BPF alone
 
 
 def test_environ_cgroup_and_group_rules() -> None:

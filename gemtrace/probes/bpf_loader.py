@@ -89,6 +89,24 @@ class _Attached:
     probes: list[tuple[str, bool]] = field(default_factory=list)  # (symbol, is_return)
 
 
+_CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
+
+
+def has_bpf_privilege(status: str | None = None) -> bool:
+    """Whether this process may load BPF and attach uprobes: its effective capabilities
+    (/proc/self/status `CapEff`), not its uid, since root can be stripped of them (containers)."""
+    if status is None:
+        try:
+            status = Path("/proc/self/status").read_text()
+        except OSError:
+            return os.geteuid() == 0
+    for line in status.splitlines():
+        if line.startswith("CapEff:"):
+            caps = int(line.split()[1], 16)
+            return bool(caps >> _CAP_SYS_ADMIN & 1) or bool(caps >> _CAP_BPF & 1 and caps >> _CAP_PERFMON & 1)
+    return os.geteuid() == 0
+
+
 def bpf_source_dir() -> Path:
     for d in BPF_SOURCE_DIRS:
         if (d / BPF_PROGRAM).exists():
@@ -112,20 +130,23 @@ class BpfProbes:
     def __init__(self, mode: str = "memory", max_allocs: int = 262144) -> None:
         if mode not in MODES:
             raise ValueError(f"probe mode {mode!r}: use one of {', '.join(MODES)}")
-        if os.geteuid() != 0:
-            raise BpfUnavailable("eBPF needs root (or CAP_BPF and CAP_PERFMON): run the agent as root")
+        if not has_bpf_privilege():
+            raise BpfUnavailable("eBPF needs root (CAP_SYS_ADMIN, or CAP_BPF with CAP_PERFMON): run the agent as root")
         bcc = _import_bcc()
         src = bpf_source_dir()
+        headers = Path("/lib/modules") / os.uname().release / "build"
+        if not headers.exists():
+            raise BpfUnavailable(
+                f"bcc needs kernel headers at {headers}: install linux-headers-amd64 and link it there "
+                "(see .ci/run)"
+            )
         try:
             self._bpf = bcc.BPF(
                 src_file=str(src / BPF_PROGRAM).encode(),
                 cflags=[f"-I{src}", f"-DGT_MAX_ALLOCS={max_allocs}"],
             )
-        except Exception as e:  # bcc raises bare Exception on compile failures
-            raise BpfUnavailable(
-                f"bcc could not compile {BPF_PROGRAM} ({e}): install linux-headers for this kernel "
-                f"(/lib/modules/{os.uname().release}/build)"
-            ) from None
+        except Exception as e:  # bcc raises bare Exception on compile and load failures
+            raise BpfUnavailable(f"bcc could not compile or load {BPF_PROGRAM}: {e}") from None
         self.mode = mode
         self.probes = MEMORY_PROBES + (LAUNCH_PROBES if mode == "launches" else ())
         self._files: dict[FileId, _Attached] = {}
