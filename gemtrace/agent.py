@@ -1,0 +1,218 @@
+"""The agent: wires the resource file, the region, one scheduler per GPU, the accounting and /metrics.
+
+Owns the agent's lifecycle and its loop: the heartbeat (gates ignore a silent agent, so a dead agent
+never hangs a program), reaping the slots of processes that died (pidfds: a dead process is seen
+within a tick), reloading the resource file, and polling the accounting at the scrape cadence. It
+decides nothing itself: the schedulers decide who runs, the enforcer whom to kill. On SIGTERM or
+SIGINT it stops cleanly: every word released, heartbeat 0, so no gate is left waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gemtrace import defaults
+from gemtrace.accounting import Accounting, Snapshot
+from gemtrace.config import ConfigError, ConfigWatcher, ResourceConfig, load
+from gemtrace.gpus import Gpu, discover
+from gemtrace.region import Region
+from gemtrace.scheduler import GpuScheduler, Quota
+
+log = structlog.get_logger("gemtrace.agent")
+
+ACCOUNTING_POLL_SECONDS = 1.0  # the scrape cadence: polling faster costs CPU for nothing (docs/accounting.md)
+
+
+def _start_time(proc_root: Path, pid: int) -> int | None:
+    """/proc/PID/stat field 22, or None when the process is gone."""
+    try:
+        raw = (proc_root / str(pid) / "stat").read_bytes()
+    except OSError:
+        return None
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    return int(fields[19])  # field 22 counted from 1, after pid and comm
+
+
+class Reaper:
+    """Frees the slots of processes that died, within one tick: each live slot's process is watched
+    through a pidfd, which becomes readable when the process exits (zombies included)."""
+
+    def __init__(self, region: Region, proc_root: Path = Path("/proc")) -> None:
+        self.region = region
+        self.proc_root = proc_root
+        self._watched: dict[int, tuple[int, int]] = {}  # slot index -> (pid, pidfd)
+        self._poll = select.poll()
+        self._index_of_fd: dict[int, int] = {}
+        self._last_pids: list[int] = []
+
+    def tick(self) -> list[int]:
+        """Free dead processes' slots; returns their pids."""
+        freed: list[int] = []
+        pids = self.region.slot_pids()
+        if pids != self._last_pids:
+            self._last_pids = pids
+            for index, (pid, _) in list(self._watched.items()):
+                if pids[index] != pid:
+                    self._unwatch(index)  # the gate freed its own slot at exit
+            for index, pid in enumerate(pids):
+                if pid and index not in self._watched and not self._watch(index, pid):
+                    if self.region.free_slot(index, pid):
+                        freed.append(pid)
+        for fd, _ in self._poll.poll(0) if self._watched else ():
+            index = self._index_of_fd[fd]
+            pid = self._watched[index][0]
+            self._unwatch(index)
+            if self.region.free_slot(index, pid):
+                freed.append(pid)
+        for pid in freed:
+            log.info("process_reaped", pid=pid)
+        if freed:
+            self._last_pids = self.region.slot_pids()
+        return freed
+
+    def _watch(self, index: int, pid: int) -> bool:
+        """Start watching a newly seen slot; False when its process is already gone or the pid was
+        reused by another process (its start time differs from the slot's)."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True  # not ours to judge (e.g. no pidfd support): leave the slot alone
+        recorded = self.region.layout.slots[index].start_time
+        actual = _start_time(self.proc_root, pid)
+        if actual is None or (recorded and actual != recorded):
+            os.close(fd)
+            return False
+        self._watched[index] = (pid, fd)
+        self._index_of_fd[fd] = index
+        self._poll.register(fd, select.POLLIN)
+        return True
+
+    def _unwatch(self, index: int) -> None:
+        _, fd = self._watched.pop(index)
+        self._poll.unregister(fd)
+        del self._index_of_fd[fd]
+        os.close(fd)
+
+    def close(self) -> None:
+        for index in list(self._watched):
+            self._unwatch(index)
+
+
+class Agent:
+    def __init__(
+        self,
+        config_path: Path = defaults.CONFIG_PATH,
+        state_dir: Path = defaults.STATE_DIR,
+        use_ebpf: bool = True,
+        probe_mode: str = "memory",
+        gpus: list[Gpu] | None = None,
+    ) -> None:
+        self.config_path = config_path
+        self.state_dir = state_dir
+        self.config: ResourceConfig = load(config_path)  # a bad file at start is fatal: nothing to keep
+        self.reloads = {"success": 1, "failure": 0}
+        self.last_reload_ok = True
+        self.gpus = discover() if gpus is None else gpus
+        self.region = Region.create(state_dir)
+        self.region.set_gpus([(g.uuid, g.memory_total) for g in self.gpus])
+        self.schedulers = [GpuScheduler(self.region, g.index) for g in self.gpus]
+        self._apply(self.config)
+        self.region.heartbeat(time.monotonic_ns())
+        self.accounting = Accounting(self.region, lambda: self.config, use_ebpf=use_ebpf, probe_mode=probe_mode)
+        self.snapshot: Snapshot | None = None
+        self.reaper = Reaper(self.region)
+        self.watcher = ConfigWatcher(config_path, self.reload)
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- the resource file -------------------------------------------------------------------------
+
+    def _apply(self, config: ResourceConfig) -> None:
+        """Write accepted settings where they act: the region (gates read limits there) and the schedulers."""
+        quotas: dict[int, Quota] = {}
+        for group in config.groups.values():
+            index = self.region.set_group(group.name, group.memory_limit, group.min_util, group.max_util)
+            quotas[index] = Quota(group.min_util, group.max_util)
+        for index, name in self.region.group_names().items():
+            if name not in config.groups:
+                self.region.undefine_group(index)
+        self.region.bump_generation()
+        for scheduler in self.schedulers:
+            scheduler.set_quotas(quotas)
+
+    def reload(self, path: Path) -> bool:
+        try:
+            config = load(path)
+        except ConfigError as e:
+            self.reloads["failure"] += 1
+            self.last_reload_ok = False
+            log.error("config_reload_failed", error=str(e), consequence="the last good settings stay in force")
+            return False
+        self._apply(config)
+        self.config = config
+        self.reloads["success"] += 1
+        self.last_reload_ok = True
+        log.info("config_reloaded", path=str(path), groups=sorted(config.groups))
+        return True
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for scheduler in self.schedulers:
+            thread = threading.Thread(target=scheduler.run, args=(self._stop,), name=f"gemtrace-gpu{scheduler.gpu}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        self.snapshot = self.accounting.poll()
+        log.info("agent_started", pid=os.getpid(), state_dir=str(self.state_dir), config=str(self.config_path),
+                 gpus=[g.uuid for g in self.gpus], groups=sorted(self.config.groups),
+                 ebpf=self.accounting.ebpf_status)
+
+    def run_until_stopped(self, on_tick: Callable[[], None] | None = None) -> None:
+        next_poll = next_config = time.monotonic()
+        while not self._stop.wait(defaults.TICK_SECONDS):
+            self.region.heartbeat(time.monotonic_ns())
+            self.reaper.tick()
+            now = time.monotonic()
+            if now >= next_config:
+                self.watcher.check()
+                next_config = now + defaults.CONFIG_POLL_SECONDS
+            if now >= next_poll:
+                self.snapshot = self.accounting.poll()
+                next_poll = now + ACCOUNTING_POLL_SECONDS
+            if on_tick is not None:
+                on_tick()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        """Clean stop: schedulers release their words, the region says no agent, probes detach."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        self.region.stop()
+        self.accounting.close()
+        self.reaper.close()
+        self.region.close()
+        log.info("agent_stopped")
+
+
+def install_signal_handlers(agent: Agent) -> None:
+    def handler(signum: int, _frame: Any) -> None:
+        log.info("signal_received", signal=signal.Signals(signum).name)
+        agent.stop()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

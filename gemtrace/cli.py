@@ -1,0 +1,169 @@
+"""The `gemtrace` command: agent, run, check-config, status, top.
+
+Owns argument parsing and turning errors into one clear line and an exit status; the work is done
+by the modules it calls. Exit statuses: 0 success, 1 a failure the message explains, 2 bad usage
+(argparse's convention), and for `run` the command's own status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from gemtrace import __version__, defaults
+
+EPILOG = """examples:
+  gemtrace agent --config /etc/gemtrace/resource.conf
+  gemtrace run --group train -- python train.py
+  gemtrace check-config /etc/gemtrace/resource.conf
+  gemtrace status
+  gemtrace top
+"""
+
+
+def _fail(message: str, status: int = 1) -> int:
+    print(f"gemtrace: {message}", file=sys.stderr)
+    return status
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from gemtrace import logging as gt_logging
+    from gemtrace.agent import Agent, install_signal_handlers
+    from gemtrace.config import ConfigError
+    from gemtrace.exporter import Exporter, ListenError
+    from gemtrace.gpus import GpuDiscoveryError
+    from gemtrace.region import RegionError
+
+    gt_logging.configure(args.log_level)
+    try:
+        agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode)
+    except (ConfigError, GpuDiscoveryError, RegionError) as e:
+        return _fail(str(e))
+    except PermissionError as e:
+        return _fail(f"{e.filename}: permission denied; the agent runs as root (or with the unit's capabilities)")
+    try:
+        from gemtrace.collectors import registry_for
+
+        exporter = Exporter(registry_for(agent), args.listen)
+    except (ListenError, OSError) as e:
+        agent.close()
+        return _fail(f"cannot serve /metrics on {args.listen}: {e}")
+    install_signal_handlers(agent)
+    exporter.start()
+    agent.start()
+    try:
+        agent.run_until_stopped()
+    finally:
+        exporter.stop()
+        agent.close()
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from gemtrace.config import ConfigError, load
+    from gemtrace.launcher import LaunchError, run
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        run(args.group, command, load(args.config), args.state_dir)
+    except (ConfigError, LaunchError) as e:
+        return _fail(str(e), 2)
+    return 0  # not reached: run() execs
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from gemtrace.config import ConfigError, load
+
+    try:
+        config = load(args.file)
+    except ConfigError as e:
+        return _fail(str(e))
+    print(f"{args.file}: OK, {len(config.groups)} groups")
+    print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'MemoryLimit':>16}  Cgroup")
+    for g in sorted(config.groups.values(), key=lambda g: g.name):
+        limit = "whole GPU" if g.memory_limit is None else f"{g.memory_limit} B"
+        print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {limit:>16}  {'; '.join(g.cgroups) or '-'}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from gemtrace import status
+
+    return status.main(args.listen, args.json)
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from gemtrace import top
+
+    return top.main(args.rest)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="gemtrace",
+        description="Share NVIDIA GPUs between groups of processes with quotas, and see who uses what.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--version", action="version", version=f"gemtrace {__version__}")
+    sub = ap.add_subparsers(dest="command_name", metavar="COMMAND", required=True)
+
+    agent = sub.add_parser("agent", help="run the agent in the foreground (the systemd unit runs this)",
+                           description="Schedule every GPU of this host by the resource file's quotas, "
+                           "account every process through eBPF, and serve Prometheus metrics. Stops "
+                           "cleanly on SIGTERM or SIGINT.")
+    agent.add_argument("--config", type=Path, default=defaults.CONFIG_PATH,
+                       help=f"the resource file (default {defaults.CONFIG_PATH}); reloaded when it changes")
+    agent.add_argument("--state-dir", type=Path, default=defaults.STATE_DIR,
+                       help=f"where the region shared with the gates lives (default {defaults.STATE_DIR})")
+    agent.add_argument("--listen", default=defaults.LISTEN,
+                       help=f"HOST:PORT to serve /metrics on (default {defaults.LISTEN})")
+    agent.add_argument("--no-ebpf", action="store_true",
+                       help="do not attach eBPF probes (accounting then comes from the gates and NVML)")
+    agent.add_argument("--probe-mode", choices=("memory", "launches"), default="memory",
+                       help="memory: probe allocations and contexts (default, no cost per launch); launches: "
+                       "also count every ungated launch (about 0.8 us each: docs/accounting.md)")
+    agent.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    agent.set_defaults(func=cmd_agent)
+
+    run = sub.add_parser("run", help="run a command in a group, with the gate preloaded",
+                         description="Run CMD with the gate (libgemgate.so) preloaded in group NAME; the "
+                         "exit status is CMD's. Any LD_PRELOAD already set is kept after the gate.",
+                         usage="gemtrace run --group NAME [--config FILE] [--state-dir DIR] -- CMD [ARGS...]")
+    run.add_argument("--group", required=True, help="a group of the resource file")
+    run.add_argument("--config", type=Path, default=defaults.CONFIG_PATH,
+                     help=f"the resource file that defines the group (default {defaults.CONFIG_PATH})")
+    run.add_argument("--state-dir", type=Path, default=defaults.STATE_DIR,
+                     help=f"the agent's state dir (default {defaults.STATE_DIR})")
+    run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
+    run.set_defaults(func=cmd_run)
+
+    check = sub.add_parser("check-config", help="validate a resource file and print its effective settings",
+                           description="Validate FILE; on error print FILE:LINE and what is wrong, exit 1.")
+    check.add_argument("file", type=Path, metavar="FILE")
+    check.set_defaults(func=cmd_check_config)
+
+    status = sub.add_parser("status", help="each GPU's groups: share, memory, processes",
+                            description="One view of each GPU's groups from the agent's /metrics: the share "
+                            "used against MinUtil/MaxUtil, memory against the limit, and the processes.")
+    status.add_argument("--listen", default=defaults.LISTEN,
+                        help=f"the agent's HOST:PORT or /metrics URL (default {defaults.LISTEN})")
+    status.add_argument("--json", action="store_true", help="print the figures as JSON")
+    status.set_defaults(func=cmd_status)
+
+    top = sub.add_parser("top", help="live view of the groups (q quits)", add_help=False,
+                         description="Live view; `gemtrace top --help` lists its options.")
+    top.add_argument("rest", nargs=argparse.REMAINDER)
+    top.set_defaults(func=cmd_top)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The agent's Prometheus collectors, one module each; this file is the one place they are registered.
+
+Each collector is a prometheus-client custom Collector that only reads (the agent's state, the
+accounting snapshot, the enforcer's counters) and builds its families from gemtrace/metrics.py.
+Collect apart from expose: nothing here computes what the agent or the accounting already keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from gemtrace.agent import Agent
+
+
+def _agent(agent: Agent) -> Collector:
+    from gemtrace.collectors.agent import AgentCollector
+
+    return AgentCollector(agent)
+
+
+def _groups(agent: Agent) -> Collector:
+    from gemtrace.collectors.groups import GroupCollector
+
+    return GroupCollector(agent)
+
+
+def _processes(agent: Agent) -> Collector:
+    from gemtrace.collectors.processes import ProcessCollector
+
+    acc = agent.accounting
+    return ProcessCollector(lambda: agent.snapshot, lambda: (acc.probes_attached, acc.libcuda_files))
+
+
+def _enforcement(agent: Agent) -> Collector:
+    from gemtrace.collectors.enforcement import EnforcementCollector
+
+    return EnforcementCollector(agent.accounting.enforcer)
+
+
+# name -> factory; one line registers a collector.
+COLLECTORS: dict[str, Callable[[Agent], Collector]] = {
+    "agent": _agent,
+    "groups": _groups,
+    "processes": _processes,
+    "enforcement": _enforcement,
+}
+
+
+def registry_for(agent: Agent) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    for factory in COLLECTORS.values():
+        registry.register(factory(agent))
+    return registry

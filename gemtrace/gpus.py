@@ -1,0 +1,47 @@
+"""The GPUs of this host, from NVML: index, UUID, name, memory. Read once at agent start.
+
+Never used on a per-call path. Without NVML (no driver, no libnvidia-ml) it raises GpuDiscoveryError
+with what to check; the simulated GPU in tests/ provides an NVML that pynvml loads unmodified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class GpuDiscoveryError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    name: str
+    memory_total: int
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def discover() -> list[Gpu]:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception as e:  # pynvml raises NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+        raise GpuDiscoveryError(
+            f"NVML is not available ({e}); is the NVIDIA driver installed and libnvidia-ml.so.1 on the "
+            "library path?"
+        ) from None
+    gpus = []
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        gpus.append(Gpu(
+            index=index,
+            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
+            name=_text(pynvml.nvmlDeviceGetName(handle)),
+            memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
+        ))
+    return gpus

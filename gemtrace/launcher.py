@@ -1,0 +1,67 @@
+"""`gemtrace run --group NAME -- CMD`: start CMD with the gate preloaded, in a group.
+
+Owns finding the gate and building CMD's environment; it then execs CMD, so the exit status is
+CMD's own and no gemtrace process stays around. It never talks to the agent: the gate does.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from gemtrace import defaults
+from gemtrace.config import ConfigError, ResourceConfig
+
+CHECKOUT_GATE = Path(__file__).resolve().parent.parent / "build" / "libgemgate.so"
+
+
+class LaunchError(Exception):
+    pass
+
+
+def find_gate(environ: Mapping[str, str] = os.environ) -> Path:
+    """The gate beside the installed package, or the checkout's build (GEMTRACE_GATE overrides)."""
+    candidates = [Path(environ["GEMTRACE_GATE"])] if environ.get("GEMTRACE_GATE") else []
+    candidates += [defaults.GATE_INSTALLED, CHECKOUT_GATE]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise LaunchError(
+        "the gate library was not found (looked at " + ", ".join(map(str, candidates)) + "); "
+        "install the gemtrace package, or run `make` in the checkout"
+    )
+
+
+def child_environment(group: str, state_dir: Path, gate: Path, environ: Mapping[str, str]) -> dict[str, str]:
+    env = dict(environ)
+    # The gate goes first; an LD_PRELOAD the user already has is kept after it.
+    preload = [str(gate)] + [p for p in environ.get("LD_PRELOAD", "").replace(":", " ").split() if p != str(gate)]
+    env["LD_PRELOAD"] = " ".join(preload)
+    env[defaults.ENV_GROUP] = group
+    env[defaults.ENV_STATE_DIR] = str(state_dir)
+    return env
+
+
+def check_group(group: str, config: ResourceConfig) -> None:
+    if group not in config.groups:
+        known = ", ".join(sorted(config.groups))
+        raise LaunchError(f"group {group!r} is not defined in {config.source} (defined: {known}); "
+                          f"add a [{group}] section or pick one of those")
+
+
+def run(group: str, command: list[str], config: ResourceConfig, state_dir: Path) -> None:
+    """Replace this process with `command` in `group` (returns only by raising)."""
+    if not command:
+        raise LaunchError("no command given: gemtrace run --group NAME -- CMD [ARGS]")
+    check_group(group, config)
+    env = child_environment(group, state_dir, find_gate(), os.environ)
+    try:
+        os.execvpe(command[0], command, env)
+    except FileNotFoundError:
+        raise LaunchError(f"{command[0]}: command not found") from None
+    except PermissionError:
+        raise LaunchError(f"{command[0]}: permission denied") from None
+
+
+__all__ = ["ConfigError", "LaunchError", "check_group", "child_environment", "find_gate", "run"]
