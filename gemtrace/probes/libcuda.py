@@ -143,8 +143,16 @@ def parse_ldconfig(text: str) -> list[Path]:
 def system_paths() -> list[Path]:
     """The host's own libcuda, as the dynamic linker finds it: probed before any process maps it,
     so the first allocations of the first CUDA process are not missed. Empty when there is none."""
+    # LD_LIBRARY_PATH first, as the dynamic linker does: an agent started with it (the simulated GPU,
+    # a driver outside the linker's cache) probes the libcuda its programs load too.
+    found = [Path(d) / "libcuda.so.1" for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d]
     try:
         text = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
-        return []
-    return [p for p in parse_ldconfig(text) if p.exists()]
+        text = ""
+    found += parse_ldconfig(text)
+    unique: dict[Path, None] = {}
+    for path in found:
+        if path.exists():
+            unique.setdefault(path.resolve(), None)
+    return list(unique)

@@ -1,0 +1,283 @@
+"""The agent and the `gemtrace` command end to end on the simulated GPU: the real `gemtrace agent`
+process, real gated clients started with `gemtrace run`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from simgpu_env import REPO, RT_CLIENT, SimGpu
+
+from gemtrace import region as rg
+
+pytestmark = pytest.mark.e2e
+
+GiB = 1 << 30
+MiB = 1 << 20
+CONFIG = "[train]\nMinUtil = 0.2\nMaxUtil = 0.8\nMemoryLimit = 1GiB\n\n[infer]\nMaxUtil = 0.5\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 20) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def gemtrace(*args: str) -> list[str]:
+    return [sys.executable, "-m", "gemtrace.cli", *args]
+
+
+@dataclass
+class Running:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(self.url, timeout=5) as r:
+            return str(r.read().decode())
+
+
+@dataclass
+class Host:
+    sim: SimGpu
+    config: Path
+    state_dir: Path
+    tmp: Path
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = self.sim.env(**extra)
+        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+        return env
+
+    def start_agent(self) -> Running:
+        port = free_port()
+        log = self.tmp / f"agent-{port}.log"
+        proc = subprocess.Popen(
+            gemtrace(
+                "agent",
+                "--config",
+                str(self.config),
+                "--state-dir",
+                str(self.state_dir),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--no-ebpf",
+            ),
+            env=self.env(),
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("wb"),
+        )
+        running = Running(proc, f"http://127.0.0.1:{port}/metrics", log)
+
+        def up() -> bool:
+            assert proc.poll() is None, log.read_text()
+            try:
+                return "gemtrace_agent_info" in running.metrics()
+            except OSError:
+                return False
+
+        wait_until("the agent's /metrics", up)
+        return running
+
+    def run(self, group: str, *args: str, **popen: Any) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            gemtrace(
+                "run",
+                "--group",
+                group,
+                "--config",
+                str(self.config),
+                "--state-dir",
+                str(self.state_dir),
+                "--",
+                str(RT_CLIENT),
+                *args,
+            ),
+            env=self.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            **popen,
+        )
+
+    def region(self) -> rg.Region:
+        return rg.Region.open(self.state_dir)
+
+
+@pytest.fixture
+def host(simgpu: SimGpu, tmp_path: Path) -> Iterator[Host]:
+    config = tmp_path / "resource.conf"
+    config.write_text(CONFIG)
+    yield Host(simgpu, config, tmp_path / "state", tmp_path)
+
+
+def stop(running: Running) -> int:
+    running.proc.send_signal(signal.SIGTERM)
+    return running.proc.wait(timeout=20)
+
+
+def test_sigterm_stops_cleanly_and_releases_every_word(host: Host) -> None:
+    agent = host.start_agent()
+    r = host.region()
+    group = r.group_index("train")
+    assert group is not None
+    assert r.layout.header.heartbeat_ns > 0 and r.layout.header.agent_pid == agent.proc.pid
+    assert stop(agent) == 0
+    assert r.layout.header.heartbeat_ns == 0 and r.layout.header.agent_pid == 0
+    assert not any(r.layout.control[0][g].held for g in range(rg.MAX_GROUPS))
+    assert '"event": "agent_stopped"' in agent.log.read_text()
+    r.close()
+
+
+def test_a_reload_reaches_running_gates_and_a_bad_file_keeps_the_last_good(host: Host) -> None:
+    agent = host.start_agent()
+    try:
+        holder = host.run("train", "alloc", "--api", "v2", str(600 * MiB), "--hold", "60")
+        assert b"CUDA_SUCCESS" in holder.stdout.readline()  # type: ignore[union-attr]
+        probe = host.run("train", "alloc", "--api", "v2", str(600 * MiB))
+        assert b"CUDA_ERROR_OUT_OF_MEMORY" in probe.communicate(timeout=30)[0]
+        host.config.write_text(CONFIG.replace("MemoryLimit = 1GiB", "MemoryLimit = 2GiB"))
+        wait_until("the reload", lambda: 'gemtrace_config_reloads_total{result="success"} 2.0' in agent.metrics())
+        probe = host.run("train", "alloc", "--api", "v2", str(600 * MiB))
+        assert b"CUDA_SUCCESS" in probe.communicate(timeout=30)[0]  # the running gate sees the new limit
+
+        host.config.write_text(CONFIG + "[broken]\nMaxUtil = 2\n")
+        wait_until(
+            "the failed reload", lambda: 'gemtrace_config_reloads_total{result="failure"} 1.0' in agent.metrics()
+        )
+        text = agent.metrics()
+        assert "gemtrace_config_last_reload_success 0.0" in text
+        assert 'gemtrace_group_memory_limit_bytes{group="train"} 2.147483648e+09' in text
+        assert "config_reload_failed" in agent.log.read_text() and "MaxUtil 2 is above 1" in agent.log.read_text()
+        holder.kill()
+        holder.wait()
+    finally:
+        stop(agent)
+
+
+def test_a_killed_process_slot_is_freed_within_100_ms(host: Host) -> None:
+    agent = host.start_agent()
+    try:
+        holder = host.run("train", "alloc", "--api", "v2", str(100 * MiB), "--hold", "60")
+        assert b"CUDA_SUCCESS" in holder.stdout.readline()  # type: ignore[union-attr]
+        r = host.region()
+        assert holder.pid in r.slot_pids()
+        os.kill(holder.pid, signal.SIGKILL)  # not reaped yet: a zombie, as a parent that is slow to wait leaves it
+        killed = time.monotonic()
+        wait_until("the slot to be freed", lambda: holder.pid not in r.slot_pids(), timeout=5)
+        assert time.monotonic() - killed < 0.1
+        holder.wait()
+        r.close()
+    finally:
+        stop(agent)
+
+
+def test_an_agent_restart_adopts_the_region_and_running_programs_keep_going(host: Host) -> None:
+    agent = host.start_agent()
+    holder = host.run("train", "alloc", "--api", "v2", str(700 * MiB), "--hold", "60")
+    try:
+        assert b"CUDA_SUCCESS" in holder.stdout.readline()  # type: ignore[union-attr]
+        r = host.region()
+        index = r.group_index("train")
+        assert stop(agent) == 0
+        agent = host.start_agent()
+        assert r.group_index("train") == index
+        assert holder.poll() is None and holder.pid in r.slot_pids()
+        # The adopted slot still counts against the limit.
+        probe = host.run("train", "alloc", "--api", "v2", str(700 * MiB))
+        assert b"CUDA_ERROR_OUT_OF_MEMORY" in probe.communicate(timeout=30)[0]
+        r.close()
+    finally:
+        holder.kill()
+        holder.wait()
+        stop(agent)
+
+
+def test_run_sets_the_environment_keeps_ld_preload_and_exits_with_the_command_status(host: Host) -> None:
+    env = host.env(LD_PRELOAD="libfoo.so")
+    out = subprocess.run(
+        gemtrace(
+            "run",
+            "--group",
+            "infer",
+            "--config",
+            str(host.config),
+            "--state-dir",
+            "/tmp/somewhere",
+            "--",
+            "sh",
+            "-c",
+            'echo "$LD_PRELOAD|$GEMTRACE_GROUP|$GEMTRACE_STATE_DIR"; exit 7',
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 7
+    assert out.stdout.strip() == f"{REPO / 'build' / 'libgemgate.so'} libfoo.so|infer|/tmp/somewhere"
+
+
+def test_run_refuses_a_group_the_file_does_not_define(host: Host) -> None:
+    out = subprocess.run(
+        gemtrace("run", "--group", "nosuch", "--config", str(host.config), "--", "true"),
+        env=host.env(),
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    assert "group 'nosuch' is not defined" in out.stderr and "default, infer, train" in out.stderr
+
+
+def test_check_config_and_status(host: Host) -> None:
+    out = subprocess.run(gemtrace("check-config", str(host.config)), env=host.env(), capture_output=True, text=True)
+    assert out.returncode == 0 and "train" in out.stdout and "1073741824 B" in out.stdout
+    bad = host.tmp / "bad.conf"
+    bad.write_text("[a]\nMinUtil = 2\n")
+    out = subprocess.run(gemtrace("check-config", str(bad)), env=host.env(), capture_output=True, text=True)
+    assert out.returncode == 1 and f"{bad}:2: MinUtil 2 is above 1" in out.stderr
+
+    agent = host.start_agent()
+    try:
+        listen = agent.url.split("/")[2]
+        out = subprocess.run(gemtrace("status", "--listen", listen), env=host.env(), capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert "train" in out.stdout and "infer" in out.stdout
+    finally:
+        stop(agent)
+    out = subprocess.run(gemtrace("status", "--listen", listen), env=host.env(), capture_output=True, text=True)
+    assert out.returncode == 1 and "gemtrace status:" in out.stderr
+
+
+def test_the_demo_runs(host: Host) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "gemtrace.demo", "--seconds", "4"],
+        env=host.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert out.stdout.count("GPU ") >= 3  # a status frame a second
+    for group in ("train", "infer", "notebook"):
+        assert group in out.stdout
