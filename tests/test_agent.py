@@ -5,137 +5,17 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import pytest
-from simgpu_env import REPO, RT_CLIENT, SimGpu
+from agent_host import CONFIG, Host, MiB, gemtrace, stop, wait_until
+from simgpu_env import REPO
 
 from gemtrace import region as rg
 
 pytestmark = pytest.mark.e2e
-
-GiB = 1 << 30
-MiB = 1 << 20
-CONFIG = "[train]\nMinUtil = 0.2\nMaxUtil = 0.8\nMemoryLimit = 1GiB\n\n[infer]\nMaxUtil = 0.5\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 20) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def gemtrace(*args: str) -> list[str]:
-    return [sys.executable, "-m", "gemtrace.cli", *args]
-
-
-@dataclass
-class Running:
-    proc: subprocess.Popen[bytes]
-    url: str
-    log: Path
-
-    def metrics(self) -> str:
-        with urllib.request.urlopen(self.url, timeout=5) as r:
-            return str(r.read().decode())
-
-
-@dataclass
-class Host:
-    sim: SimGpu
-    config: Path
-    state_dir: Path
-    tmp: Path
-
-    def env(self, **extra: str) -> dict[str, str]:
-        env = self.sim.env(**extra)
-        env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-        return env
-
-    def start_agent(self) -> Running:
-        port = free_port()
-        log = self.tmp / f"agent-{port}.log"
-        proc = subprocess.Popen(
-            gemtrace(
-                "agent",
-                "--config",
-                str(self.config),
-                "--state-dir",
-                str(self.state_dir),
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--no-ebpf",
-            ),
-            env=self.env(),
-            stdout=subprocess.DEVNULL,
-            stderr=log.open("wb"),
-        )
-        running = Running(proc, f"http://127.0.0.1:{port}/metrics", log)
-
-        def up() -> bool:
-            assert proc.poll() is None, log.read_text()
-            try:
-                return "gemtrace_agent_info" in running.metrics()
-            except OSError:
-                return False
-
-        wait_until("the agent's /metrics", up)
-        return running
-
-    def run(self, group: str, *args: str, **popen: Any) -> subprocess.Popen[bytes]:
-        return subprocess.Popen(
-            gemtrace(
-                "run",
-                "--group",
-                group,
-                "--config",
-                str(self.config),
-                "--state-dir",
-                str(self.state_dir),
-                "--",
-                str(RT_CLIENT),
-                *args,
-            ),
-            env=self.env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            **popen,
-        )
-
-    def region(self) -> rg.Region:
-        return rg.Region.open(self.state_dir)
-
-
-@pytest.fixture
-def host(simgpu: SimGpu, tmp_path: Path) -> Iterator[Host]:
-    config = tmp_path / "resource.conf"
-    config.write_text(CONFIG)
-    yield Host(simgpu, config, tmp_path / "state", tmp_path)
-
-
-def stop(running: Running) -> int:
-    running.proc.send_signal(signal.SIGTERM)
-    return running.proc.wait(timeout=20)
-
 
 def test_sigterm_stops_cleanly_and_releases_every_word(host: Host) -> None:
     agent = host.start_agent()
