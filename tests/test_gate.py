@@ -338,3 +338,44 @@ def test_registration_is_fast_with_a_thousand_live_slots(agent: Agent) -> None:
     assert min(times) < 0.01, times
     for index in range(1000):
         agent.region.layout.slots[index].pid = 0
+
+
+PROC_ADDRESS_CHECK = r"""
+import ctypes, json, os
+gate = ctypes.CDLL(os.environ["GATE_PATH"])
+cuda = ctypes.CDLL("libcuda.so.1")
+real = ctypes.CDLL(os.environ["REAL_LIBCUDA"], mode=os.RTLD_NOLOAD)
+addr = lambda lib, name: ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+get = cuda.cuGetProcAddress_v2
+get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
+                ctypes.POINTER(ctypes.c_int)]
+cuda.cuInit(0)
+def ask(name, version, flags=0):
+    fn, status = ctypes.c_void_p(), ctypes.c_int()
+    result = get(name.encode(), ctypes.byref(fn), version, flags, ctypes.byref(status))
+    return {"result": result, "status": status.value, "fn": fn.value}
+print(json.dumps({
+    "via_dlsym_is_gate": addr(cuda, "cuGetProcAddress_v2") == addr(gate, "cuGetProcAddress_v2"),
+    "alloc_12000": ask("cuMemAlloc", 12000)["fn"] == addr(gate, "cuMemAlloc_v2"),
+    # The 32-bit cuMemAlloc of CUDA 3.0 has another ABI: never our v2 wrapper, whatever the driver says.
+    "alloc_3000_not_v2": ask("cuMemAlloc", 3000)["fn"] not in (addr(gate, "cuMemAlloc_v2"),),
+    "launch_ptsz": ask("cuLaunchKernel", 13000, 2)["fn"] == addr(gate, "cuLaunchKernel_ptsz"),
+    "launch_default": ask("cuLaunchKernel", 13000, 0)["fn"] == addr(gate, "cuLaunchKernel"),
+    "itself": ask("cuGetProcAddress", 13000)["fn"] == addr(gate, "cuGetProcAddress_v2"),
+    "ungated_passes": ask("cuDeviceGetCount", 13000)["fn"] == addr(real, "cuDeviceGetCount"),
+    "unknown": ask("cuNoSuchThing", 13000)["status"],
+}))
+"""
+
+
+def test_cu_get_proc_address_answers_by_requested_version_and_flags(agent: Agent) -> None:
+    env = agent.env(
+        "train",
+        GATE_PATH=str(GATE),
+        REAL_LIBCUDA=str(agent.sim.env()["LD_LIBRARY_PATH"].split(":")[0]) + "/libcuda.so.1",
+    )
+    out = subprocess.run(["python3", "-c", PROC_ADDRESS_CHECK], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got.pop("unknown") != 0  # CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND, passed through
+    assert got == {key: True for key in got}, got
