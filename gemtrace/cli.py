@@ -8,6 +8,7 @@ by the modules it calls. Exit statuses: 0 success, 1 a failure the message expla
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,11 @@ EPILOG = """examples:
   gemtrace status
   gemtrace top
 """
+
+
+def _state_dir_default() -> Path:
+    """GEMTRACE_STATE_DIR when set (the gate reads the same variable), else the packaged default."""
+    return Path(os.environ.get(defaults.ENV_STATE_DIR) or defaults.STATE_DIR)
 
 
 def _fail(message: str, status: int = 1) -> int:
@@ -115,8 +121,9 @@ def parser() -> argparse.ArgumentParser:
                            "cleanly on SIGTERM or SIGINT.")
     agent.add_argument("--config", type=Path, default=defaults.CONFIG_PATH,
                        help=f"the resource file (default {defaults.CONFIG_PATH}); reloaded when it changes")
-    agent.add_argument("--state-dir", type=Path, default=defaults.STATE_DIR,
-                       help=f"where the region shared with the gates lives (default {defaults.STATE_DIR})")
+    agent.add_argument("--state-dir", type=Path, default=_state_dir_default(),
+                       help=f"where the region shared with the gates lives (default ${defaults.ENV_STATE_DIR} "
+                       f"or {defaults.STATE_DIR})")
     agent.add_argument("--listen", default=defaults.LISTEN,
                        help=f"HOST:PORT to serve /metrics on (default {defaults.LISTEN})")
     agent.add_argument("--no-ebpf", action="store_true",
@@ -134,8 +141,8 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--group", required=True, help="a group of the resource file")
     run.add_argument("--config", type=Path, default=defaults.CONFIG_PATH,
                      help=f"the resource file that defines the group (default {defaults.CONFIG_PATH})")
-    run.add_argument("--state-dir", type=Path, default=defaults.STATE_DIR,
-                     help=f"the agent's state dir (default {defaults.STATE_DIR})")
+    run.add_argument("--state-dir", type=Path, default=_state_dir_default(),
+                     help=f"the agent's state dir (default ${defaults.ENV_STATE_DIR} or {defaults.STATE_DIR})")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
     run.set_defaults(func=cmd_run)
 
@@ -160,6 +167,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["top"]:
+        # top parses its own options (argparse's REMAINDER would refuse a leading --help).
+        return cmd_top(argparse.Namespace(rest=argv[1:]))
     args = parser().parse_args(argv)
     result: int = args.func(args)
     return result
