@@ -6,8 +6,11 @@ with the gate preloaded (LD_PRELOAD=build/libgemgate.so, GEMTRACE_GROUP, GEMTRAC
   matmul     a loop of 4 fp16 8192x8192 matmuls then torch.cuda.synchronize() (~7 ms of GPU per step)
   inference  a small-batch MLP forward pass (batch 8, 6 layers of 2048) then synchronize: kernels of a
              few microseconds, launch-bound, as in small-batch inference serving
-A group's share = its iterations per second shared / the same work's alone and ungated. Cases: the
-four of issue 3 with matmul loops, and caps 0.3/0.7 with the inference loop (the short-kernel case).
+A group's share = its iterations per second shared / the same work's alone and ungated on the same GPU.
+Cases: the four of issue 3 with matmul loops, caps 0.3/0.7 with the inference loop (the short-kernel
+case), and, when torch sees two GPUs or more, a two-GPU case (one GpuScheduler per GPU, as the agent
+runs them): caps 0.3/0.7 on cuda:0 beside a group capped 0.4 and an uncapped one on cuda:1, each GPU
+scheduled on its own (with one GPU it is skipped with a printed line).
 For comparison, HAMi-core's caps of 30 and 70 delivered about 46% and 54% (issue 3).
 
 Prints a table; with $OUT set, writes scheduler_torch.md and scheduler_torch.json there.
@@ -67,8 +70,8 @@ from gemtrace.scheduler import GpuScheduler, Quota  # noqa: E402
 WORKER = r"""
 import json, os, sys, time
 import torch
-kind = sys.argv[1]
-dev = torch.device("cuda", 0)
+kind, device = sys.argv[1], int(sys.argv[2])
+dev = torch.device("cuda", device)
 torch.backends.cuda.matmul.allow_tf32 = True
 if kind == "matmul":
     a = torch.randn(8192, 8192, device=dev, dtype=torch.float16)
@@ -107,13 +110,15 @@ class Load:
     quota: Quota = Quota()
     kind: str = "matmul"
     gated: bool = True
+    device: int = 0  # the worker's torch device, cuda:<device>
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
     loads: tuple[Load, ...]
-    targets: dict[str, tuple[float, str]]  # group -> (target share, "=" or ">=")
+    targets: dict[str, tuple[float, str]]  # group -> (target share, "=" or ">=") on its load's device
+    gpus: int = 1  # GPUs the case needs; skipped with a printed line when torch sees fewer
 
 
 CASES = (
@@ -126,7 +131,21 @@ CASES = (
     Case("short kernels: caps 0.3 / 0.7",
          (Load("infer30", Quota(0, 0.3), "inference"), Load("infer70", Quota(0, 0.7), "inference")),
          {"infer30": (0.3, "="), "infer70": (0.7, "=")}),
+    # Each GPU is scheduled on its own: GPU 0's groups never wait for GPU 1's, and the 0.4 cap on GPU 1
+    # leaves the rest of GPU 1 to the uncapped group there (work-conserving), whatever GPU 0 does.
+    Case("2 GPUs: caps 0.3 / 0.7 on GPU 0, cap 0.4 + uncapped on GPU 1",
+         (Load("gpu0-capped30", Quota(0, 0.3), device=0), Load("gpu0-capped70", Quota(0, 0.7), device=0),
+          Load("gpu1-capped40", Quota(0, 0.4), device=1), Load("gpu1-uncapped", device=1)),
+         {"gpu0-capped30": (0.3, "="), "gpu0-capped70": (0.7, "="),
+          "gpu1-capped40": (0.4, "="), "gpu1-uncapped": (0.6, "=")}, gpus=2),
 )
+
+
+def visible_gpus() -> int:
+    """GPUs the workers will see: torch's count (imported here only to count)."""
+    import torch
+
+    return int(torch.cuda.device_count())
 
 
 class Worker:
@@ -138,7 +157,8 @@ class Worker:
             env[defaults.ENV_GROUP] = load.group
             env[defaults.ENV_STATE_DIR] = str(state_dir)
         self.load = load
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, load.kind], env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, load.kind, str(load.device)], env=env,
+                                     text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.lines: list[dict[str, Any]] = []
         self.ready = threading.Event()
@@ -250,11 +270,11 @@ class Rig:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| case | group | work | target | share | error (points) | it/s | solo it/s |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = ["| case | group | GPU | work | target | share | error (points) | it/s | solo it/s |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sign = "≥ " if r["kind"] == ">=" else ""
-        out.append(f"| {r['case']} | {r['group']} | {r['work']} | {sign}{r['target']:.2f} | "
+        out.append(f"| {r['case']} | {r['group']} | {r['gpu']} | {r['work']} | {sign}{r['target']:.2f} | "
                    f"{r['share']:.3f} | {(r['share'] - r['target']) * 100:+.1f} | {r['rate']:.1f} | "
                    f"{r['solo']:.1f} |")
     return "\n".join(out)
@@ -271,24 +291,29 @@ def main() -> int:
         print(f"{GATE} is missing: run `make gate` first", file=sys.stderr)
         return 2
     cases = [c for c in CASES if args.cases == "all" or any(s in c.name for s in args.cases.split(","))]
+    gpus = visible_gpus()
+    for case in [c for c in cases if c.gpus > gpus]:
+        print(f"skipped: {case.name} (needs {case.gpus} GPUs, torch sees {gpus})", flush=True)
+    cases = [c for c in cases if c.gpus <= gpus]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gemtrace-sched-") as tmp:
         rig = Rig(Path(tmp))
         try:
-            solo = {}
-            for kind in sorted({load.kind for c in cases for load in c.loads}):
-                solo[kind] = rig.run((Load(f"solo-{kind}", kind=kind, gated=False),), args.warmup,
-                                     args.seconds)[f"solo-{kind}"]
-                print(f"solo {kind}: {solo[kind]:.1f} it/s", flush=True)
+            solo: dict[tuple[str, int], float] = {}  # (work, GPU) -> it/s alone and ungated
+            for kind, device in sorted({(load.kind, load.device) for c in cases for load in c.loads}):
+                solo[kind, device] = rig.run((Load(f"solo-{kind}", kind=kind, gated=False, device=device),),
+                                             args.warmup, args.seconds)[f"solo-{kind}"]
+                print(f"solo {kind} on GPU {device}: {solo[kind, device]:.1f} it/s", flush=True)
             for case in cases:
                 rates = rig.run(case.loads, args.warmup, args.seconds)
                 for load in case.loads:
                     if load.group not in case.targets:
                         continue
                     target, kind = case.targets[load.group]
-                    rows.append({"case": case.name, "group": load.group, "work": load.kind, "target": target,
-                                 "kind": kind, "rate": rates[load.group], "solo": solo[load.kind],
-                                 "share": rates[load.group] / solo[load.kind]})
+                    base = solo[load.kind, load.device]
+                    rows.append({"case": case.name, "group": load.group, "gpu": load.device, "work": load.kind,
+                                 "target": target, "kind": kind, "rate": rates[load.group], "solo": base,
+                                 "share": rates[load.group] / base})
                 print(table(rows[-len(case.targets):]).split("\n", 2)[2], flush=True)
         finally:
             rig.close()
