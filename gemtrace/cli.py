@@ -67,13 +67,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gemtrace.config import ConfigError, load
     from gemtrace.launcher import LaunchError, run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
-        run(args.group, command, load(args.config), args.state_dir)
-    except (ConfigError, LaunchError) as e:
+        run(args.group, command, args.config, args.state_dir)
+    except LaunchError as e:
         return _fail(str(e), 2)
     return 0  # not reached: run() execs
 
@@ -139,8 +138,9 @@ def parser() -> argparse.ArgumentParser:
                          "exit status is CMD's. Any LD_PRELOAD already set is kept after the gate.",
                          usage="gemtrace run --group NAME [--config FILE] [--state-dir DIR] -- CMD [ARGS...]")
     run.add_argument("--group", required=True, help="a group of the resource file")
-    run.add_argument("--config", type=Path, default=defaults.CONFIG_PATH,
-                     help=f"the resource file that defines the group (default {defaults.CONFIG_PATH})")
+    run.add_argument("--config", type=Path, default=None,
+                     help="check the group against this resource file (default: the groups of the running "
+                     f"agent, else {defaults.CONFIG_PATH})")
     run.add_argument("--state-dir", type=Path, default=_state_dir_default(),
                      help=f"the agent's state dir (default ${defaults.ENV_STATE_DIR} or {defaults.STATE_DIR})")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gemtrace import defaults
-from gemtrace.config import ConfigError, ResourceConfig
+from gemtrace.config import ConfigError, load
+from gemtrace.region import Region, RegionError
 
 CHECKOUT_GATE = Path(__file__).resolve().parent.parent / "build" / "libgemgate.so"
 
@@ -43,18 +44,37 @@ def child_environment(group: str, state_dir: Path, gate: Path, environ: Mapping[
     return env
 
 
-def check_group(group: str, config: ResourceConfig) -> None:
-    if group not in config.groups:
-        known = ", ".join(sorted(config.groups))
-        raise LaunchError(f"group {group!r} is not defined in {config.source} (defined: {known}); "
+def defined_groups(state_dir: Path, config: Path | None) -> tuple[set[str], str]:
+    """The groups a program may join, and where that was read: the resource file given with --config,
+    else the running agent's region (the file in force, readable by any user), else the default file."""
+    if config is None:
+        try:
+            region = Region.open(state_dir, writable=False)
+        except (OSError, RegionError):
+            config = defaults.CONFIG_PATH
+        else:
+            try:
+                names = {g.name.decode() for g in region.layout.groups if g.name and g.defined}
+            finally:
+                region.close()
+            return names, f"the running agent's resource file (region in {state_dir})"
+    try:
+        return set(load(config).groups), str(config)
+    except ConfigError as e:
+        raise LaunchError(f"{e} (no agent's region in {state_dir} either: is `gemtrace agent` running?)") from None
+
+
+def check_group(group: str, known: set[str], source: str) -> None:
+    if group not in known:
+        raise LaunchError(f"group {group!r} is not defined in {source} (defined: {', '.join(sorted(known))}); "
                           f"add a [{group}] section or pick one of those")
 
 
-def run(group: str, command: list[str], config: ResourceConfig, state_dir: Path) -> None:
+def run(group: str, command: list[str], config: Path | None, state_dir: Path) -> None:
     """Replace this process with `command` in `group` (returns only by raising)."""
     if not command:
         raise LaunchError("no command given: gemtrace run --group NAME -- CMD [ARGS]")
-    check_group(group, config)
+    check_group(group, *defined_groups(state_dir, config))
     env = child_environment(group, state_dir, find_gate(), os.environ)
     try:
         os.execvpe(command[0], command, env)
@@ -64,4 +84,3 @@ def run(group: str, command: list[str], config: ResourceConfig, state_dir: Path)
         raise LaunchError(f"{command[0]}: permission denied") from None
 
 
-__all__ = ["ConfigError", "LaunchError", "check_group", "child_environment", "find_gate", "run"]

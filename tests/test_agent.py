@@ -11,11 +11,12 @@ import time
 
 import pytest
 from agent_host import CONFIG, Host, MiB, gemtrace, stop, wait_until
-from simgpu_env import REPO
+from simgpu_env import REPO, RT_CLIENT
 
 from gemtrace import region as rg
 
 pytestmark = pytest.mark.e2e
+
 
 def test_sigterm_stops_cleanly_and_releases_every_word(host: Host) -> None:
     agent = host.start_agent()
@@ -161,3 +162,24 @@ def test_the_demo_runs(host: Host) -> None:
     assert out.stdout.count("GPU ") >= 3  # a status frame a second
     for group in ("train", "infer", "notebook"):
         assert group in out.stdout
+
+
+def test_run_without_a_config_checks_the_running_agents_groups(host: Host) -> None:
+    agent = host.start_agent()
+    try:
+        base = ["run", "--state-dir", str(host.state_dir)]
+        out = subprocess.run(
+            gemtrace(*base, "--group", "train", "--", str(RT_CLIENT), "meminfo"),
+            env=host.env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        assert '"total":1073741824' in out.stdout  # gated, in train, whose limit is 1 GiB
+        out = subprocess.run(
+            gemtrace(*base, "--group", "nosuch", "--", "true"), env=host.env(), capture_output=True, text=True
+        )
+        assert out.returncode == 2 and "running agent's resource file" in out.stderr
+    finally:
+        stop(agent)
