@@ -91,15 +91,22 @@ else:
 for _ in range(20):
     step()
 torch.cuda.synchronize()
+# A step longer than this waited on a hold (matmul steps take ~7 ms, inference ones ~0.2 ms alone):
+# the others tell the rate while the group holds the GPU.
+held_step = {"matmul": 0.02, "inference": 0.001}[kind]
 print(json.dumps({"ready": True, "t": time.monotonic()}), flush=True)
-iters, last = 0, 0.0
+iters, last, run_iters, run_s = 0, 0.0, 0, 0.0
+begin = time.monotonic()
 while True:
     step()
     torch.cuda.synchronize()
     iters += 1
     now = time.monotonic()
+    if now - begin < held_step:
+        run_iters, run_s = run_iters + 1, run_s + (now - begin)
+    begin = now
     if now - last >= 0.05:
-        print(json.dumps({"t": now, "iters": iters}), flush=True)
+        print(json.dumps({"t": now, "iters": iters, "run_iters": run_iters, "run_s": run_s}), flush=True)
         last = now
 """
 
@@ -185,6 +192,14 @@ class Worker:
             raise RuntimeError(f"{self.load.group}: no progress between {t0} and {t1}")
         return float((last["iters"] - first["iters"]) / (last["t"] - first["t"]))
 
+    def running_rate(self, t0: float, t1: float) -> float:
+        """Iterations per second of the steps not slowed by a hold (the rate while it held the GPU)."""
+        lines = [p for p in self.lines if "run_iters" in p]
+        first = min(lines, key=lambda p: abs(p["t"] - t0))
+        last = min(lines, key=lambda p: abs(p["t"] - t1))
+        spent = last["run_s"] - first["run_s"]
+        return float((last["run_iters"] - first["run_iters"]) / spent) if spent > 0 else 0.0
+
     def stderr(self) -> str:
         if self.proc.poll() is None:
             return ""
@@ -207,7 +222,7 @@ class Rig:
         import pynvml
 
         pynvml.nvmlInit()
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        handles = self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         gpus = []
         for h in handles:
             uuid = pynvml.nvmlDeviceGetUUID(h)
@@ -243,20 +258,50 @@ class Rig:
             s.set_quotas(quotas)
         return index
 
-    def run(self, loads: tuple[Load, ...], warmup: float, seconds: float) -> dict[str, float]:
-        """Iterations per second of each group over a common window once every worker is warm."""
-        self.define(loads)
+    def _gpu_seconds(self, index: dict[str, int]) -> dict[tuple[str, int], float]:
+        """GPU time each scheduler charged each group so far."""
+        return {(group, s.gpu): s.usage()[i].gpu_seconds for s in self.schedulers
+                for group, i in index.items() if i in s.usage()}
+
+    def run(self, loads: tuple[Load, ...], warmup: float, seconds: float) -> dict[str, dict[str, float]]:
+        """Per group, over a common window once every worker is warm: `rate` (it/s), `running` (it/s of
+        the steps not slowed by a hold), `charged` (GPU time its scheduler charged it / the window),
+        `switches` (holds per second on its GPU) and `sm_mhz` (its GPU's mean SM clock)."""
+        import pynvml
+
+        index = self.define(loads)
         workers = [Worker(load, self.state_dir) for load in loads]
         try:
             for w in workers:
                 if not w.ready.wait(180):
                     raise RuntimeError(f"{w.load.group} did not start: {w.stderr()}")
             time.sleep(warmup)
+            charged0, switches0 = self._gpu_seconds(index), [s.switches for s in self.schedulers]
             t0 = time.monotonic()
-            time.sleep(seconds)
+            clocks: list[list[int]] = [[] for _ in self.handles]
+            while time.monotonic() - t0 < seconds:
+                # Clocks tell a change of speed apart from a change of share (a GPU that rests half the
+                # time may run its kernels at a higher clock than one busy all the time).
+                for h, seen in zip(self.handles, clocks, strict=True):
+                    try:
+                        seen.append(int(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)))
+                    except pynvml.NVMLError:
+                        pass  # not every NVML answers (the simulated GPU's does not): no figure then
+                time.sleep(0.1)
             t1 = time.monotonic()
+            charged1, switches1 = self._gpu_seconds(index), [s.switches for s in self.schedulers]
             time.sleep(0.3)  # a progress line past t1 from every worker
-            return {w.load.group: w.rate(t0, t1) for w in workers}
+            out = {}
+            for w in workers:
+                gpu, group = w.load.device, w.load.group
+                key = (group, gpu)
+                out[group] = {
+                    "rate": w.rate(t0, t1), "running": w.running_rate(t0, t1),
+                    "charged": (charged1[key] - charged0[key]) / (t1 - t0) if key in charged0 else float("nan"),
+                    "switches": (switches1[gpu] - switches0[gpu]) / (t1 - t0),
+                    "sm_mhz": sum(clocks[gpu]) / len(clocks[gpu]) if clocks[gpu] else float("nan"),
+                }
+            return out
         finally:
             for w in workers:
                 w.stop()
@@ -270,13 +315,15 @@ class Rig:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    out = ["| case | group | GPU | work | target | share | error (points) | it/s | solo it/s |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| case | group | GPU | work | target | share | error (points) | time charged | running / solo "
+           "| switches/s | SM MHz | it/s | solo it/s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         sign = "≥ " if r["kind"] == ">=" else ""
         out.append(f"| {r['case']} | {r['group']} | {r['gpu']} | {r['work']} | {sign}{r['target']:.2f} | "
-                   f"{r['share']:.3f} | {(r['share'] - r['target']) * 100:+.1f} | {r['rate']:.1f} | "
-                   f"{r['solo']:.1f} |")
+                   f"{r['share']:.3f} | {(r['share'] - r['target']) * 100:+.1f} | {r['charged']:.3f} | "
+                   f"{r['running'] / r['solo']:.3f} | {r['switches']:.0f} | {r['sm_mhz']:.0f} | "
+                   f"{r['rate']:.1f} | {r['solo']:.1f} |")
     return "\n".join(out)
 
 
@@ -301,9 +348,15 @@ def main() -> int:
         try:
             solo: dict[tuple[str, int], float] = {}  # (work, GPU) -> it/s alone and ungated
             for kind, device in sorted({(load.kind, load.device) for c in cases for load in c.loads}):
-                solo[kind, device] = rig.run((Load(f"solo-{kind}", kind=kind, gated=False, device=device),),
-                                             args.warmup, args.seconds)[f"solo-{kind}"]
-                print(f"solo {kind} on GPU {device}: {solo[kind, device]:.1f} it/s", flush=True)
+                alone = rig.run((Load(f"solo-{kind}", kind=kind, gated=False, device=device),),
+                                args.warmup, args.seconds)[f"solo-{kind}"]
+                solo[kind, device] = alone["rate"]
+                # The same work alone through the gate, uncapped: what the gate and the scheduler cost
+                # a group that is never held (it should be 1.00).
+                gated = rig.run((Load(f"gated-{kind}", kind=kind, device=device),), args.warmup,
+                                args.seconds)[f"gated-{kind}"]
+                print(f"solo {kind} on GPU {device}: {alone['rate']:.1f} it/s ungated at {alone['sm_mhz']:.0f} "
+                      f"MHz; gated uncapped alone {gated['rate'] / alone['rate']:.3f} of it", flush=True)
             for case in cases:
                 rates = rig.run(case.loads, args.warmup, args.seconds)
                 for load in case.loads:
@@ -311,9 +364,10 @@ def main() -> int:
                         continue
                     target, kind = case.targets[load.group]
                     base = solo[load.kind, load.device]
+                    got = rates[load.group]
                     rows.append({"case": case.name, "group": load.group, "gpu": load.device, "work": load.kind,
-                                 "target": target, "kind": kind, "rate": rates[load.group], "solo": base,
-                                 "share": rates[load.group] / base})
+                                 "target": target, "kind": kind, **got, "solo": base,
+                                 "share": got["rate"] / base})
                 print(table(rows[-len(case.targets):]).split("\n", 2)[2], flush=True)
         finally:
             rig.close()
