@@ -64,6 +64,9 @@ class PolicyParams:
     max_slice_ns: int = 60 * MS
     drain_slices: int = 4  # a slice lasts at least this many measured drains
     drain_timeout_ns: int = 50 * MS
+    # A group whose drain outlasted the timeout is charged on until it finishes, at most this long
+    # after it was held (a process that queued work and went off to CPU work reports no finish).
+    max_overrun_ns: int = 1000 * MS
     window_ns: int = 1000 * MS  # time constant of the decayed usage (ordering, util_ratio)
     poll_ns: int = 4 * MS  # looking for demand, or for the holder going idle while others wait
     # Nothing changing (no demand; an uncapped holder idle with nobody else waiting): the look for
@@ -83,11 +86,14 @@ class Observation:
     holder_idle_since: the holder is quiet (no launch since the last look, nothing queued): when it
         last had work; None while it is busy.
     drained_at: while a held group drains: when its last process finished; None while not done.
+    overrun_drained: groups whose drain outlasted the timeout (`TimeSharePolicy.overrunning`) and
+        have since finished: when their last process did.
     """
 
     demand: frozenset[int] = frozenset()
     holder_idle_since: int | None = None
     drained_at: int | None = None
+    overrun_drained: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,11 @@ class TimeSharePolicy:
         self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
         self._last = self.now
         self._changed_at = self.now  # the last look that saw demand, phase or holder activity change
+        # Groups whose drain outlasted the timeout while another group waited: that group was
+        # released, but their queued work still runs (beside it) and is charged to them until they
+        # finish (group -> when they were held). Without this, a process that syncs rarely (hundreds
+        # of ms of kernels queued) ran most of its work uncharged: MaxUtil 0.5 alone gave 0.9.
+        self._overrun: dict[int, int] = {}
 
     # -- configuration -------------------------------------------------------------------------
 
@@ -143,6 +154,7 @@ class TimeSharePolicy:
         for group in list(self._accounts):
             if group not in quotas:
                 del self._accounts[group]
+                self._overrun.pop(group, None)
                 if group == self._holder:
                     # An unscheduled group launches freely (the adapter releases its word); nothing
                     # to drain that would belong to anyone else's account.
@@ -165,6 +177,18 @@ class TimeSharePolicy:
     def holder(self) -> int | None:
         return self._holder
 
+    def overrunning(self) -> dict[int, int]:
+        """Groups still finishing work queued before they were held, past the drain timeout: when
+        each was held (the adapter reports in `Observation.overrun_drained` when they are done)."""
+        return dict(self._overrun)
+
+    def drain_timeout_ns(self) -> int:
+        """How long a held group may drain before the next is released beside it: the configured
+        timeout, or twice the measured drains where they are longer (a process that queues hundreds
+        of ms of kernels between syncs), up to max_overrun_ns."""
+        p = self.params
+        return int(max(p.drain_timeout_ns, min(p.max_overrun_ns, 2 * self._drain_ns)))
+
     def slice_ns(self) -> int:
         p = self.params
         return int(min(p.max_slice_ns, max(p.slice_ns, p.drain_slices * self._drain_ns)))
@@ -175,6 +199,18 @@ class TimeSharePolicy:
         self._advance(now)
         before = (self._demand, self._phase, self._holder, self._charging)
         self._demand = frozenset(g for g in obs.demand if g in self._accounts)
+        for group, drained in obs.overrun_drained.items():
+            hold_at = self._overrun.pop(group, None)
+            if hold_at is not None:
+                end = max(min(drained, now), hold_at)
+                self._refund(group, now - end)
+                # Learn how long drains really take: the next one is given that long (see
+                # drain_timeout) before another group runs beside it.
+                self._drain_ns = 0.75 * self._drain_ns + 0.25 * (end - hold_at)
+        for group, hold_at in list(self._overrun.items()):
+            if now - hold_at >= self.params.max_overrun_ns:
+                del self._overrun[group]
+                self._refund(group, now - (hold_at + self.params.max_overrun_ns))
         if self._phase is Phase.RUNNING:
             self._step_running(now, obs)
         if self._phase is Phase.DRAINING:
@@ -213,7 +249,10 @@ class TimeSharePolicy:
     def _step_draining(self, now: int, obs: Observation) -> None:
         holder = self._holder
         assert holder is not None
-        timed_out = now >= self._hold_at + self.params.drain_timeout_ns
+        # The timeout only matters to a group waiting for the GPU: with nobody to hand it to, the
+        # drain is waited out (and charged) however long it takes.
+        timed_out = now >= self._hold_at + self.drain_timeout_ns() and any(
+            g != holder and self._eligible(g, now) for g in self._demand)
         if obs.drained_at is None and not timed_out:
             return
         end = now if obs.drained_at is None else max(min(obs.drained_at, now), self._released_at)
@@ -221,6 +260,8 @@ class TimeSharePolicy:
             self._refund(holder, now - end)
         drain = max(0, end - self._hold_at)
         self._drain_ns = 0.75 * self._drain_ns + 0.25 * drain
+        if obs.drained_at is None and self._charging:
+            self._overrun[holder] = self._hold_at  # charged on until the adapter sees it finish
         self._phase, self._holder, self._charging = Phase.IDLE, None, False
 
     def _step_idle(self, now: int) -> None:
@@ -228,6 +269,7 @@ class TimeSharePolicy:
         if pick is None:
             return
         owed = self._is_owed(pick)
+        self._overrun.pop(pick, None)  # charged as the holder from now on
         self._phase, self._holder, self._charging = Phase.RUNNING, pick, True
         self._released_at = now
         self._accounts[pick].last_run = now
@@ -292,11 +334,11 @@ class TimeSharePolicy:
     def _wake_at(self, now: int) -> int:
         p = self.params
         if self._phase is Phase.DRAINING:
-            timeout = self._hold_at + p.drain_timeout_ns
+            timeout = self._hold_at + self.drain_timeout_ns()
             if not any(g != self._holder and self._eligible(g, now) for g in self._demand):
                 # Nobody to hand the GPU to: the drain's end comes from the gate's own timestamp,
-                # seeing it late costs nothing.
-                return min(now + p.poll_ns, timeout)
+                # seeing it late costs nothing (and no timeout cuts it short).
+                return now + p.poll_ns
             # Someone waits: the GPU idles from the drain's end until this look sees it. Look once
             # at once (a quiet holder drains at once), then from half the usual drain on, finely.
             fine = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
@@ -343,8 +385,11 @@ class TimeSharePolicy:
         self._window_weight = self._window_weight * decay + gain
         capacity = self._cap_capacity()
         holding = self._phase in (Phase.RUNNING, Phase.DRAINING)
+        for group in [g for g in self._overrun if g not in self._accounts]:
+            del self._overrun[group]
         for group, account in self._accounts.items():
-            charged = dt if holding and self._charging and group == self._holder else 0
+            charged = dt if (holding and self._charging and group == self._holder
+                             or group in self._overrun) else 0
             wants = group in self._demand or charged > 0
             account.gpu_ns += charged
             account.usage = account.usage * decay + gain * charged / dt

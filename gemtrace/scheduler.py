@@ -191,6 +191,11 @@ class GpuScheduler:
         holder_drained = 0
         drain_done = True
         drain_ends: list[int] = []
+        # Groups still finishing work queued before a drain that timed out: held when, done so far,
+        # and when their processes finished.
+        overrun = self._policy.overrunning()
+        overrun_busy: set[int] = set()
+        overrun_ends: dict[int, int] = {}
         seen = self._seen
         if now - self._scanned_at >= self._rescan_ns:
             self._live, self._scanned_at = slots.live(), now
@@ -227,6 +232,11 @@ class GpuScheduler:
                     drain_ends.append(drained)
                 else:
                     drain_done = False
+            if group in overrun:
+                if drained >= overrun[group] or quiet:
+                    overrun_ends[group] = max(overrun_ends.get(group, 0), drained)
+                else:
+                    overrun_busy.add(group)
         if len(seen) > len(live):
             known = set(live)
             for index in [i for i in seen if i not in known]:
@@ -239,8 +249,11 @@ class GpuScheduler:
         if drain is not None and drain_done:
             # When its last process finished; with no process left, when it was held.
             drained_at = min(now, max(drain_ends)) if drain_ends else drain.hold_at
+        # An overrunning group with no process left (they exited) is done when it was held.
+        finished = {g: min(now, overrun_ends.get(g, hold_at)) for g, hold_at in overrun.items()
+                    if g not in overrun_busy}
         return Observation(frozenset(demand), None if holder is None or holder_busy else holder_drained,
-                           drained_at)
+                           drained_at, finished)
 
     def _carry_out(self, now: int, decision: Decision) -> None:
         if decision.draining is not None and self._drain is None:

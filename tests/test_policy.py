@@ -243,3 +243,49 @@ def test_first_launch_after_a_quiet_spell_waits_at_most_the_longest_poll() -> No
     assert gpu.busy_ns[0] == 5 * MS
     usage = policy.usage(4 * SECOND)[0]
     assert usage.throttled_seconds <= PolicyParams().max_poll_ns / 1e9 + 0.001
+
+
+def test_a_drain_is_waited_out_when_nobody_else_wants_the_gpu() -> None:
+    # A process that queues 200 ms of kernels between syncs, capped at 0.5, alone: the drain outlasts
+    # the 50 ms timeout, but with nobody to hand the GPU to it is waited out and charged in full.
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(0, 0.5)})
+    t = 0
+    decision = policy.step(t, Observation(frozenset({0})))
+    assert decision.released == 0
+    while decision.draining is None:
+        t = decision.wake_at
+        decision = policy.step(t, Observation(frozenset({0})))
+    hold_at = t
+    while t < hold_at + 200 * MS:
+        t = max(t + 1, decision.wake_at)
+        decision = policy.step(t, Observation(frozenset()))
+        if t < hold_at + 200 * MS:
+            assert decision.draining == 0, "cut short by the timeout with nobody waiting"
+    decision = policy.step(t, Observation(frozenset(), drained_at=hold_at + 200 * MS))
+    assert decision.draining is None
+    assert policy.usage(t)[0].gpu_seconds * 1e9 == pytest.approx(hold_at + 200 * MS, abs=1)
+
+
+def test_work_queued_past_the_drain_timeout_is_charged_until_it_finishes() -> None:
+    # Group 0 drains for 300 ms while group 1 waits: after the timeout group 1 runs, and group 0 is
+    # charged on (its queued work still runs beside it) until the gate reports it finished.
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota()})
+    policy.step(0, Observation(frozenset({0})))
+    decision = policy.step(1 * MS, Observation(frozenset({0, 1})))
+    t = 1 * MS
+    while decision.draining is None:
+        t = decision.wake_at
+        decision = policy.step(t, Observation(frozenset({0, 1})))
+    hold_at = t
+    while decision.released != 1:
+        t = decision.wake_at
+        decision = policy.step(t, Observation(frozenset({0, 1})))
+    assert t == pytest.approx(hold_at + policy.params.drain_timeout_ns, abs=MS)
+    assert policy.overrunning() == {0: hold_at}
+    policy.step(hold_at + 400 * MS, Observation(frozenset({1}), overrun_drained={0: hold_at + 300 * MS}))
+    assert policy.overrunning() == {}
+    assert policy.usage(hold_at + 400 * MS)[0].gpu_seconds * 1e9 == pytest.approx(hold_at + 300 * MS, abs=1)
+    # The next drain of this GPU is given about as long as the ones measured.
+    assert policy.drain_timeout_ns() > policy.params.drain_timeout_ns
