@@ -24,6 +24,7 @@ from gemtrace import defaults
 from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.config import ConfigError, ConfigWatcher, ResourceConfig, load
 from gemtrace.gpus import Gpu, discover
+from gemtrace.groups_of import ProcReader
 from gemtrace.region import Region
 from gemtrace.scheduler import GpuScheduler, Quota
 
@@ -32,23 +33,13 @@ log = structlog.get_logger("gemtrace.agent")
 ACCOUNTING_POLL_SECONDS = 1.0  # the scrape cadence: polling faster costs CPU for nothing (docs/accounting.md)
 
 
-def _start_time(proc_root: Path, pid: int) -> int | None:
-    """/proc/PID/stat field 22, or None when the process is gone."""
-    try:
-        raw = (proc_root / str(pid) / "stat").read_bytes()
-    except OSError:
-        return None
-    fields = raw[raw.rindex(b")") + 2 :].split()
-    return int(fields[19])  # field 22 counted from 1, after pid and comm
-
-
 class Reaper:
     """Frees the slots of processes that died, within one tick: each live slot's process is watched
     through a pidfd, which becomes readable when the process exits (zombies included)."""
 
     def __init__(self, region: Region, proc_root: Path = Path("/proc")) -> None:
         self.region = region
-        self.proc_root = proc_root
+        self.proc = ProcReader(proc_root)
         self._watched: dict[int, tuple[int, int]] = {}  # slot index -> (pid, pidfd)
         self._poll = select.poll()
         self._index_of_fd: dict[int, int] = {}
@@ -89,7 +80,7 @@ class Reaper:
         except OSError:
             return True  # not ours to judge (e.g. no pidfd support): leave the slot alone
         recorded = self.region.layout.slots[index].start_time
-        actual = _start_time(self.proc_root, pid)
+        actual = self.proc.start_time(pid)
         if actual is None or (recorded and actual != recorded):
             os.close(fd)
             return False
