@@ -64,6 +64,8 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="measurement window per case")
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--no-record", action="store_true", help=f"do not append to {RESULTS}")
+    parser.add_argument("--no-rare-sync", dest="rare_sync", action="store_false",
+                        help="leave out the cases of loops that sync every 100 kernels")
     args = parser.parse_args()
     try:
         require_build()
@@ -75,12 +77,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gemtrace-bench-") as tmp:
         with harness.rig(SimGpu(Path(tmp) / "solo"), Path(tmp) / "solo-state") as rig:
             solo = harness.solo_share(rig, args.warmup, args.seconds)
-        print(f"solo: one ungated launch loop keeps the simulated GPU {solo:.1%} busy", flush=True)
-        for n, case in enumerate((*harness.CASES, harness.TWO_GPUS)):
+            rare_solo = harness.solo_share(rig, args.warmup, args.seconds, harness.RARE_SYNC_PER_ITER)
+        print(f"solo: one ungated launch loop keeps the simulated GPU {solo:.1%} busy "
+              f"({rare_solo:.1%} syncing every {harness.RARE_SYNC_PER_ITER} kernels)", flush=True)
+        for n, case in enumerate((*harness.CASES, harness.TWO_GPUS, *(harness.RARE_SYNC if args.rare_sync else ()))):
             devices = 1 + max(d for load in case.loads for d in load.devices)
             with harness.rig(SimGpu(Path(tmp) / f"sim{n}", devices=devices), Path(tmp) / f"state{n}") as rig:
                 cpu0, t0 = rig.scheduler_cpu_seconds(), time.monotonic()
-                case_rows = harness.run_case(rig, case, args.warmup, args.seconds, solo)
+                rare = case in harness.RARE_SYNC
+                case_rows = harness.run_case(rig, case, args.warmup, args.seconds, rare_solo if rare else solo)
                 cpu = (rig.scheduler_cpu_seconds() - cpu0) / (time.monotonic() - t0) / devices
             for row in case_rows:
                 row["cpu"] = cpu

@@ -45,6 +45,7 @@ class Load:
     processes: int = 1
     devices: tuple[int, ...] = (0,)
     gated: bool = True
+    launches_per_iter: int = PER_ITER  # kernels between two syncs
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,17 @@ CASES = (
     Case("MaxUtil 0.5 alone", (Load("capped50", Quota(0, 0.5)),), {("capped50", 0): (0.5, "=")}),
     Case("MinUtil 0.6 vs two hogs", (Load("reserved60", Quota(0.6, 1.0)), Load("hog1"), Load("hog2")),
          {("reserved60", 0): (0.6, ">=")}),
+)
+# A process that syncs rarely, as a PyTorch training loop may (the CPU runs ahead): 100 kernels, 200 ms
+# of GPU work, queued between two syncs, so a held group's drain outlasts the 50 ms drain timeout.
+RARE_SYNC_PER_ITER = 100
+RARE_SYNC = (
+    Case("rare syncs: MaxUtil 0.5 alone", (Load("capped50", Quota(0, 0.5), launches_per_iter=RARE_SYNC_PER_ITER),),
+         {("capped50", 0): (0.5, "=")}),
+    Case("rare syncs: caps 0.3 / 0.7",
+         (Load("capped30", Quota(0, 0.3), launches_per_iter=RARE_SYNC_PER_ITER),
+          Load("capped70", Quota(0, 0.7), launches_per_iter=RARE_SYNC_PER_ITER)),
+         {("capped30", 0): (0.3, "="), ("capped70", 0): (0.7, "=")}),
 )
 TWO_GPUS = Case(
     "2 GPUs, each its own",
@@ -104,7 +116,7 @@ class Rig:
         extra = {defaults.ENV_STATE_DIR: str(self.state_dir), defaults.ENV_GROUP: load.group}
         if load.gated:
             extra["LD_PRELOAD"] = str(self.gate)
-        args = ["launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter", str(PER_ITER),
+        args = ["launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter", str(load.launches_per_iter),
                 "--seconds", f"{seconds:g}", "--progress",
                 "--device", str(device)]
         return self.sim.start(args, client=self.client, **extra)
@@ -179,9 +191,10 @@ def measure(the_rig: Rig, loads: Sequence[Load], warmup: float, seconds: float,
     return shares
 
 
-def solo_share(the_rig: Rig, warmup: float, seconds: float) -> float:
+def solo_share(the_rig: Rig, warmup: float, seconds: float, launches_per_iter: int = PER_ITER) -> float:
     """The device share of one launch loop alone on GPU 0 with no gate at all."""
-    return measure(the_rig, [Load("solo", gated=False)], warmup, seconds)[("solo", 0)]
+    return measure(the_rig, [Load("solo", gated=False, launches_per_iter=launches_per_iter)], warmup,
+                   seconds)[("solo", 0)]
 
 
 def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: float) -> list[dict[str, Any]]:
