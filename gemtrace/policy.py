@@ -250,9 +250,11 @@ class TimeSharePolicy:
         holder = self._holder
         assert holder is not None
         # The timeout only matters to a group waiting for the GPU: with nobody to hand it to, the
-        # drain is waited out (and charged) however long it takes.
+        # drain is waited out (and charged), up to max_overrun_ns (a process that queued work and went
+        # off to CPU work reports no end until it next launches or syncs).
         timed_out = now >= self._hold_at + self.drain_timeout_ns() and any(
-            g != holder and self._eligible(g, now) for g in self._demand)
+            g != holder and self._eligible(g, now) for g in self._demand
+        ) or now >= self._hold_at + self.params.max_overrun_ns
         if obs.drained_at is None and not timed_out:
             return
         end = now if obs.drained_at is None else max(min(obs.drained_at, now), self._released_at)
@@ -260,7 +262,7 @@ class TimeSharePolicy:
             self._refund(holder, now - end)
         drain = max(0, end - self._hold_at)
         self._drain_ns = 0.75 * self._drain_ns + 0.25 * drain
-        if obs.drained_at is None and self._charging:
+        if obs.drained_at is None and self._charging and now < self._hold_at + self.params.max_overrun_ns:
             self._overrun[holder] = self._hold_at  # charged on until the adapter sees it finish
         self._phase, self._holder, self._charging = Phase.IDLE, None, False
 
@@ -337,8 +339,8 @@ class TimeSharePolicy:
             timeout = self._hold_at + self.drain_timeout_ns()
             if not any(g != self._holder and self._eligible(g, now) for g in self._demand):
                 # Nobody to hand the GPU to: the drain's end comes from the gate's own timestamp,
-                # seeing it late costs nothing (and no timeout cuts it short).
-                return now + p.poll_ns
+                # seeing it late costs nothing (and only max_overrun_ns cuts it short).
+                return min(now + p.poll_ns, self._hold_at + p.max_overrun_ns)
             # Someone waits: the GPU idles from the drain's end until this look sees it. Look once
             # at once (a quiet holder drains at once), then from half the usual drain on, finely.
             fine = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))

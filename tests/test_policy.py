@@ -289,3 +289,20 @@ def test_work_queued_past_the_drain_timeout_is_charged_until_it_finishes() -> No
     assert policy.usage(hold_at + 400 * MS)[0].gpu_seconds * 1e9 == pytest.approx(hold_at + 300 * MS, abs=1)
     # The next drain of this GPU is given about as long as the ones measured.
     assert policy.drain_timeout_ns() > policy.params.drain_timeout_ns
+
+
+def test_a_drain_that_never_reports_is_charged_at_most_max_overrun() -> None:
+    # The held process queued work and went off to CPU work: no sync, no launch, no end reported.
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(0, 0.5)})
+    decision = policy.step(0, Observation(frozenset({0})))
+    t = 0
+    while decision.draining is None:
+        t = decision.wake_at
+        decision = policy.step(t, Observation(frozenset({0})))
+    hold_at = t
+    while decision.draining is not None:
+        assert t <= hold_at + policy.params.max_overrun_ns
+        t = max(t + 1, decision.wake_at)
+        decision = policy.step(t, Observation(frozenset()))
+    assert policy.usage(t)[0].gpu_seconds * 1e9 <= hold_at + policy.params.max_overrun_ns + 1
