@@ -279,6 +279,33 @@ int gt_current_gpu(void)
     return gpu;
 }
 
+/* A launch runs on its stream's device, which need not be the current context's: the CUDA runtime
+ * may launch on a stream of device 1 while the thread's current context is device 0's (seen with
+ * PyTorch on cuda:1 of a two-GPU host). The default streams mean the current context. */
+static GT_TLS CUstream cached_stream;
+static GT_TLS int cached_stream_gpu = -1;
+
+int gt_stream_gpu(CUstream stream)
+{
+    if (!__atomic_load_n(&gt_proc.devices_known, __ATOMIC_ACQUIRE))
+        learn_devices();
+    if (gt_proc.device_count == 1)
+        return gt_proc.single_gpu;
+    if (!stream || stream == CU_STREAM_LEGACY || stream == CU_STREAM_PER_THREAD || !GT_REAL(cuStreamGetDevice))
+        return gt_current_gpu();
+    if (stream == cached_stream)
+        return cached_stream_gpu;
+    CUdevice device;
+    if (gt_real.cuStreamGetDevice(stream, &device) != CUDA_SUCCESS)
+        return gt_current_gpu();
+    int gpu = gt_gpu_of_device(device);
+    if (gpu >= 0)
+        gt_note_gpu(gpu);
+    cached_stream = stream;
+    cached_stream_gpu = gpu;
+    return gpu;
+}
+
 void gt_note_gpu(int gpu)
 {
     if (gt_attached() && !(__atomic_load_n(&gt_proc.slot->gpu_mask, __ATOMIC_RELAXED) & (1u << gpu)))
@@ -309,6 +336,8 @@ static void after_fork_in_child(void)
     last_attempt_ns = 0;
     cached_ctx = NULL;
     cached_gpu = -1;
+    cached_stream = NULL;
+    cached_stream_gpu = -1;
     extern void gt_memory_forget_all(void);
     gt_memory_forget_all();
 }

@@ -56,6 +56,7 @@ bool gt_agent_alive(void);
 uint64_t gt_now_ns(void);
 int gt_gpu_of_device(CUdevice device); /* -1 when the device is not one the agent schedules */
 int gt_current_gpu(void);              /* the current context's GPU, -1 when none or unknown */
+int gt_stream_gpu(CUstream stream);    /* the GPU a stream's work runs on (multi-GPU processes) */
 void gt_note_gpu(int gpu);             /* set the slot's gpu_mask bit */
 
 /* launch.c */

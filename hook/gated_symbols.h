@@ -52,6 +52,7 @@
     X(cuCtxGetDevice)                                                                               \
     X(cuDeviceGetCount)                                                                             \
     X(cuDeviceGetUuid)                                                                              \
-    X(cuDeviceGetUuid_v2)
+    X(cuDeviceGetUuid_v2)                                                                           \
+    X(cuStreamGetDevice)
 
 #endif

@@ -149,4 +149,4 @@ GT_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVers
 }
 
 /* wrapper_for_real() and dlsym() index gt_real as an array whose first members are the gated list. */
-_Static_assert(sizeof(struct gt_real) == sizeof(void *) * (N_GATED + 5), "gt_real: one pointer per listed symbol");
+_Static_assert(sizeof(struct gt_real) == sizeof(void *) * (N_GATED + 6), "gt_real: one pointer per listed symbol");

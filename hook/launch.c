@@ -48,19 +48,24 @@ void gt_close_burst(int gpu)
     __atomic_store_n(&gt_proc.slot->drained_ns[gpu], now, __ATOMIC_RELEASE);
 }
 
-static void drain(int gpu)
+/* Wait until our queued work on `gpu` has run. The launch's own stream where it names one: the
+ * current context may be another device's (see gt_stream_gpu). */
+static void drain(int gpu, CUstream stream)
 {
     if (!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE))
         return;
-    if (GT_REAL(cuCtxSynchronize) && gt_real.cuCtxSynchronize() == CUDA_SUCCESS)
+    bool named = stream && stream != CU_STREAM_LEGACY && stream != CU_STREAM_PER_THREAD;
+    CUresult r = named ? (GT_REAL(cuStreamSynchronize) ? gt_real.cuStreamSynchronize(stream) : CUDA_ERROR_NOT_FOUND)
+                       : (GT_REAL(cuCtxSynchronize) ? gt_real.cuCtxSynchronize() : CUDA_ERROR_NOT_FOUND);
+    if (r == CUDA_SUCCESS)
         gt_close_burst(gpu);
 }
 
-static __attribute__((noinline)) void hold(int gpu, uint32_t *held)
+static __attribute__((noinline)) void hold(int gpu, uint32_t *held, CUstream stream)
 {
     if (!gt_agent_alive())
         return; /* no agent, or a stale one: never hang (the last limits written still apply to memory) */
-    drain(gpu);
+    drain(gpu, stream);
     struct gt_slot *slot = gt_proc.slot;
     __atomic_fetch_add(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
     while (__atomic_load_n(held, __ATOMIC_ACQUIRE) && gt_agent_alive())
@@ -71,7 +76,7 @@ static __attribute__((noinline)) void hold(int gpu, uint32_t *held)
 
 static GT_TLS uint32_t ungated_launches;
 
-static void gate_launch(void)
+static void gate_launch(CUstream stream)
 {
     if (GT_UNLIKELY(!gt_attached())) {
         /* Not attached (no agent yet): look again now and then, not on every launch. */
@@ -79,11 +84,11 @@ static void gate_launch(void)
             return;
     }
     int gpu = gt_proc.single_gpu;
-    if (GT_UNLIKELY(gpu < 0) && (gpu = gt_current_gpu()) < 0)
+    if (GT_UNLIKELY(gpu < 0) && (gpu = gt_stream_gpu(stream)) < 0)
         return;
     uint32_t *held = &gt_proc.region->control[gpu][gt_proc.group].held;
     if (GT_UNLIKELY(__atomic_load_n(held, __ATOMIC_ACQUIRE)))
-        hold(gpu, held);
+        hold(gpu, held, stream);
     if (GT_UNLIKELY(!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_RELAXED)))
         open_burst(gpu);
     __atomic_fetch_add(&gt_proc.slot->launches[gpu], 1, __ATOMIC_RELAXED);
@@ -95,7 +100,7 @@ GT_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned int gx, unsigned int gy
 {
     if (!GT_REAL(cuLaunchKernel))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch();
+    gate_launch(stream);
     return gt_real.cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
 }
 
@@ -105,7 +110,7 @@ GT_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned i
 {
     if (!GT_REAL(cuLaunchKernel_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch();
+    gate_launch(stream);
     return gt_real.cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
 }
 
@@ -113,7 +118,7 @@ GT_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, 
 {
     if (!GT_REAL(cuLaunchKernelEx))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch();
+    gate_launch(config ? config->hStream : NULL);
     return gt_real.cuLaunchKernelEx(config, f, params, extra);
 }
 
@@ -121,7 +126,7 @@ GT_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunctio
 {
     if (!GT_REAL(cuLaunchKernelEx_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch();
+    gate_launch(config ? config->hStream : NULL);
     return gt_real.cuLaunchKernelEx_ptsz(config, f, params, extra);
 }
 
@@ -131,7 +136,7 @@ GT_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned int gx, unsi
 {
     if (!GT_REAL(cuLaunchCooperativeKernel))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch();
+    gate_launch(stream);
     return gt_real.cuLaunchCooperativeKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params);
 }
 
@@ -141,7 +146,7 @@ GT_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx,
 {
     if (!GT_REAL(cuLaunchCooperativeKernel_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch();
+    gate_launch(stream);
     return gt_real.cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, shared, stream, params);
 }
 
@@ -149,7 +154,7 @@ GT_EXPORT CUresult cuGraphLaunch(CUgraphExec graph, CUstream stream)
 {
     if (!GT_REAL(cuGraphLaunch))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch();
+    gate_launch(stream);
     return gt_real.cuGraphLaunch(graph, stream);
 }
 
@@ -157,7 +162,7 @@ GT_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec graph, CUstream stream)
 {
     if (!GT_REAL(cuGraphLaunch_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch();
+    gate_launch(stream);
     return gt_real.cuGraphLaunch_ptsz(graph, stream);
 }
 

@@ -839,6 +839,21 @@ static CUresult stream_query(CUstream h, bool per_thread)
     return stream_end(s) <= sim_now() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
+/* The device a stream's work runs on (CUDA 12.8): the gate asks it to charge a launch to the GPU its
+ * stream names, which need not be the current context's. */
+static CUresult stream_get_device(CUstream h, CUdevice *device, bool per_thread)
+{
+    CUresult err = CUDA_SUCCESS;
+    struct CUstream_st *s = resolve_stream(h, per_thread, &err);
+    if (!s)
+        return err;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    *device = s->ctx->ordinal;
+    return CUDA_SUCCESS;
+}
+SIM_API CUresult cuStreamGetDevice(CUstream h, CUdevice *device) { return stream_get_device(h, device, false); }
+SIM_API CUresult cuStreamGetDevice_ptsz(CUstream h, CUdevice *device) { return stream_get_device(h, device, true); }
 SIM_API CUresult cuStreamQuery(CUstream h) { return stream_query(h, false); }
 SIM_API CUresult cuStreamQuery_ptsz(CUstream h) { return stream_query(h, true); }
 

@@ -57,6 +57,7 @@
     SYM(cuStreamDestroy, 4000, cuStreamDestroy_v2, NULL)                                      \
     SYM(cuStreamSynchronize, 2000, cuStreamSynchronize, cuStreamSynchronize_ptsz)             \
     SYM(cuStreamQuery, 2000, cuStreamQuery, cuStreamQuery_ptsz)                               \
+    SYM(cuStreamGetDevice, 12080, cuStreamGetDevice, cuStreamGetDevice_ptsz)                \
     SYM(cuStreamWaitEvent, 3020, cuStreamWaitEvent, cuStreamWaitEvent_ptsz)                   \
     SYM(cuEventCreate, 2000, cuEventCreate, NULL)                                             \
     SYM(cuEventRecord, 2000, cuEventRecord, cuEventRecord_ptsz)                               \
