@@ -30,7 +30,7 @@ struct gt_real {
 };
 extern struct gt_real gt_real;
 
-/* Fill gt_real (idempotent, retried until libcuda is there). */
+/* Fill gt_real (idempotent, retried until libcuda is there, then never again). */
 void gt_resolve_real(void);
 #define GT_REAL(name) (GT_LIKELY(gt_real.name != NULL) ? gt_real.name : (gt_resolve_real(), gt_real.name))
 

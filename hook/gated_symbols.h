@@ -44,13 +44,17 @@
     X(cuMemFree_v2)                                                                                 \
     X(cuMemFreeAsync)                                                                               \
     X(cuMemFreeAsync_ptsz)                                                                          \
-    X(cuMemGetInfo_v2)
+    X(cuMemGetInfo_v2)                                                                              \
+    /* remembered, not gated: the device a pool's memory lives on (cuMemAllocFromPoolAsync) */      \
+    X(cuMemPoolCreate)
 
 /* Entry points the wrappers call but do not gate: resolved with the rest, never handed out. */
 #define GT_HELPER_SYMBOLS(X)                                                                        \
     X(cuCtxGetCurrent)                                                                              \
     X(cuCtxGetDevice)                                                                               \
     X(cuDeviceGetCount)                                                                             \
+    X(cuDeviceGetDefaultMemPool)                                                                    \
+    X(cuDeviceGetMemPool)                                                                           \
     X(cuDeviceGetUuid)                                                                              \
     X(cuDeviceGetUuid_v2)                                                                           \
     X(cuStreamGetDevice)

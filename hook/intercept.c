@@ -22,15 +22,21 @@ typedef void *(*dlsym_fn)(void *, const char *);
 static dlsym_fn real_dlsym_fn;
 static void *libcuda_handle; /* the handle a program looked a gated name up in */
 
-/* glibc 2.34 moved dlsym into libc under a new version; __libc_dlsym is gone (LESSONS.md). */
+/* glibc 2.34 moved dlsym into libc under a new version; __libc_dlsym is gone (LESSONS.md). Guarded: a
+ * dlvsym that itself calls dlsym (seen with other interposers, HAMi-core PR #326 on WSL2) gets NULL
+ * instead of recursing. */
+static GT_TLS int finding_dlsym;
+
 static dlsym_fn real_dlsym(void)
 {
     dlsym_fn fn = __atomic_load_n(&real_dlsym_fn, __ATOMIC_ACQUIRE);
-    if (GT_LIKELY(fn != NULL))
+    if (GT_LIKELY(fn != NULL) || finding_dlsym)
         return fn;
+    finding_dlsym = 1;
     fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
     if (!fn)
         fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    finding_dlsym = 0;
     __atomic_store_n(&real_dlsym_fn, fn, __ATOMIC_RELEASE);
     return fn;
 }
@@ -67,16 +73,25 @@ static void *lookup_real(const char *name)
 }
 
 static pthread_mutex_t resolve_lock = PTHREAD_MUTEX_INITIALIZER;
+static int gt_real_complete; /* 1 once a pass ran with libcuda loaded: what is still NULL, the driver lacks */
 
 void gt_resolve_real(void)
 {
+    if (__atomic_load_n(&gt_real_complete, __ATOMIC_ACQUIRE))
+        return;
     pthread_mutex_lock(&resolve_lock);
+    int found = 0;
 #define GT_RESOLVE(name)                                                                            \
     if (!gt_real.name)                                                                              \
-        __atomic_store_n((void **)&gt_real.name, lookup_real(#name), __ATOMIC_RELEASE);
+        __atomic_store_n((void **)&gt_real.name, lookup_real(#name), __ATOMIC_RELEASE);             \
+    found |= gt_real.name != NULL;
     GT_GATED_SYMBOLS(GT_RESOLVE)
     GT_HELPER_SYMBOLS(GT_RESOLVE)
 #undef GT_RESOLVE
+    /* A symbol the driver does not export (an older driver's) is then looked up once, not on every
+     * call; before libcuda is loaded nothing is found and the next call tries again. */
+    if (found)
+        __atomic_store_n(&gt_real_complete, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&resolve_lock);
 }
 
@@ -100,30 +115,66 @@ static void *wrapper_for_real(void *fn)
     return fn;
 }
 
-GT_EXPORT void *dlsym(void *handle, const char *symbol)
+/* A gated name: our wrapper when what the handle holds is the driver's entry point (or already ours). */
+static __attribute__((noinline)) void *answer_gated(void *handle, const char *symbol, int gated, dlsym_fn lookup)
 {
-    dlsym_fn lookup = real_dlsym();
-    int gated = gated_index_by_name(symbol);
-    if (gated < 0)
-        return lookup ? lookup(handle, symbol) : NULL;
     void *fn = lookup(handle, symbol);
     if (!fn)
         return NULL; /* the handle has no such symbol: say so, as the real dlsym would */
-    if (handle != RTLD_NEXT && handle != RTLD_DEFAULT)
-        __atomic_store_n(&libcuda_handle, handle, __ATOMIC_RELEASE);
     if (fn == wrappers[gated])
         return fn; /* RTLD_DEFAULT found our own export already */
-    void **slot = (void **)&gt_real + gated;
-    if (!__atomic_load_n(slot, __ATOMIC_ACQUIRE))
-        __atomic_store_n(slot, fn, __ATOMIC_RELEASE);
-    return wrappers[gated];
+    void **real = (void **)&gt_real + gated;
+    if (handle != RTLD_NEXT && handle != RTLD_DEFAULT) {
+        /* A library handle, normally libcuda's (maybe from a path of its own): remember it and take
+         * the entry point from it. */
+        __atomic_store_n(&libcuda_handle, handle, __ATOMIC_RELEASE);
+        if (!__atomic_load_n(real, __ATOMIC_ACQUIRE))
+            __atomic_store_n(real, fn, __ATOMIC_RELEASE);
+    } else {
+        /* A search of the global scope may meet another interposer's function: never take it for
+         * the driver's (calling it from our wrapper could loop back to us), and hand it out as is. */
+        gt_resolve_real();
+    }
+    return __atomic_load_n(real, __ATOMIC_ACQUIRE) == fn ? wrappers[gated] : fn;
+}
+
+/* Everything but the gated names goes to the real dlsym by a tail call, so that the real one sees the
+ * program's return address: dlsym(RTLD_NEXT, ...) from another library must search after THAT
+ * library, not after us (tests/test_gate.py checks it). The tail call is forced where the compiler
+ * can be told to (clang, GCC >= 15: musttail), else by optimising this one function (GCC 12 does the
+ * tail call from -O1 on; a -O0 build would otherwise break RTLD_NEXT for every other library). */
+#if defined(__has_attribute)
+#if __has_attribute(musttail)
+#define GT_MUSTTAIL __attribute__((musttail))
+#endif
+#endif
+#ifdef GT_MUSTTAIL
+#define GT_TAIL_CALLS
+#else
+#define GT_MUSTTAIL
+#if defined(__GNUC__) && !defined(__clang__)
+#define GT_TAIL_CALLS __attribute__((optimize("O2")))
+#else
+#define GT_TAIL_CALLS
+#endif
+#endif
+
+GT_EXPORT GT_TAIL_CALLS void *dlsym(void *handle, const char *symbol)
+{
+    dlsym_fn lookup = real_dlsym();
+    if (GT_UNLIKELY(!lookup))
+        return NULL;
+    int gated = gated_index_by_name(symbol);
+    if (gated < 0)
+        GT_MUSTTAIL return lookup(handle, symbol);
+    return answer_gated(handle, symbol, gated, lookup);
 }
 
 static void gate_answer(void **pfn)
 {
     if (!pfn || !*pfn)
         return;
-    gt_resolve_real(); /* reals of every gated symbol, to match what the driver chose */
+    gt_resolve_real(); /* reals of every gated symbol, to match what the driver chose (once) */
     *pfn = wrapper_for_real(*pfn);
 }
 
@@ -149,4 +200,7 @@ GT_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVers
 }
 
 /* wrapper_for_real() and dlsym() index gt_real as an array whose first members are the gated list. */
-_Static_assert(sizeof(struct gt_real) == sizeof(void *) * (N_GATED + 6), "gt_real: one pointer per listed symbol");
+#define GT_ONE(name) +1
+enum { N_HELPERS = 0 GT_HELPER_SYMBOLS(GT_ONE) };
+#undef GT_ONE
+_Static_assert(sizeof(struct gt_real) == sizeof(void *) * (N_GATED + N_HELPERS), "gt_real: one pointer per listed symbol");

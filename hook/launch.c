@@ -168,10 +168,10 @@ GT_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec graph, CUstream stream)
 
 /* --- synchronisation: after a successful sync nothing of ours is queued (the burst ends) ---------- */
 
-static CUresult synced(CUresult r)
+static CUresult synced(CUresult r, CUstream stream)
 {
     if (r == CUDA_SUCCESS && gt_attached())
-        gt_close_burst(gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_current_gpu());
+        gt_close_burst(gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_stream_gpu(stream));
     return r;
 }
 
@@ -179,14 +179,14 @@ GT_EXPORT CUresult cuCtxSynchronize(void)
 {
     if (!GT_REAL(cuCtxSynchronize))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuCtxSynchronize());
+    return synced(gt_real.cuCtxSynchronize(), NULL);
 }
 
 GT_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
 {
     if (!GT_REAL(cuCtxSynchronize_v2))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuCtxSynchronize_v2(ctx));
+    return synced(gt_real.cuCtxSynchronize_v2(ctx), NULL);
 }
 
 /* A stream or event sync drains that stream only; a process with work on several streams may still
@@ -195,19 +195,19 @@ GT_EXPORT CUresult cuStreamSynchronize(CUstream stream)
 {
     if (!GT_REAL(cuStreamSynchronize))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuStreamSynchronize(stream));
+    return synced(gt_real.cuStreamSynchronize(stream), stream);
 }
 
 GT_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream stream)
 {
     if (!GT_REAL(cuStreamSynchronize_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuStreamSynchronize_ptsz(stream));
+    return synced(gt_real.cuStreamSynchronize_ptsz(stream), stream);
 }
 
 GT_EXPORT CUresult cuEventSynchronize(CUevent event)
 {
     if (!GT_REAL(cuEventSynchronize))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuEventSynchronize(event));
+    return synced(gt_real.cuEventSynchronize(event), NULL);
 }

@@ -7,8 +7,9 @@
  * nothing is allocated and no interleaving of processes or threads overshoots. Every byte added is
  * remembered here with its pointer or handle; a release subtracts only what we added, so frees of
  * pointers we never saw, double frees or frees after a crash cannot drive a counter below zero
- * (LESSONS.md: HAMi #1181, 17 TB in use). The device comes from the call's own arguments where it
- * names one (cuMemCreate's location: HAMi-core #169), else from the current context.
+ * (LESSONS.md: HAMi #1181, 17 TB in use). The device comes from the call's own arguments where they
+ * name one (cuMemCreate's location: HAMi-core #169; a pool's device; a stream's device for the
+ * stream-ordered allocators), else from the current context.
  */
 #define _GNU_SOURCE
 #include "gate.h"
@@ -71,6 +72,64 @@ static bool untrack(struct table *t, uint64_t key, uint64_t *bytes, int *gpu)
     return true;
 }
 
+/* --- pools: which CUDA device a pool's memory lives on ---------------------------------------------
+ * The driver cannot be asked, so pools we see created are remembered (a destroyed pool's address
+ * reused by a new one is simply overwritten); the devices' default and current pools are matched by
+ * asking the driver for them. */
+
+#define GT_POOLS 256
+
+static struct {
+    CUmemoryPool pool;
+    CUdevice device;
+} pools[GT_POOLS];
+static unsigned pools_next;
+static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void remember_pool(CUmemoryPool pool, CUdevice device)
+{
+    pthread_mutex_lock(&pools_lock);
+    unsigned i = 0;
+    while (i < GT_POOLS && pools[i].pool != pool)
+        i++;
+    if (i == GT_POOLS)
+        i = pools_next++ % GT_POOLS; /* more than 256 live pools: the oldest record goes */
+    pools[i].pool = pool;
+    pools[i].device = device;
+    pthread_mutex_unlock(&pools_lock);
+}
+
+static CUdevice device_of_pool(CUmemoryPool pool)
+{
+    CUdevice device = -1;
+    pthread_mutex_lock(&pools_lock);
+    for (unsigned i = 0; i < GT_POOLS && device < 0; i++)
+        if (pools[i].pool == pool)
+            device = pools[i].device;
+    pthread_mutex_unlock(&pools_lock);
+    int count = 0;
+    if (device < 0 && GT_REAL(cuDeviceGetCount) && gt_real.cuDeviceGetCount(&count) == CUDA_SUCCESS) {
+        for (CUdevice d = 0; d < count && device < 0; d++) {
+            CUmemoryPool p = NULL;
+            if ((GT_REAL(cuDeviceGetDefaultMemPool) && gt_real.cuDeviceGetDefaultMemPool(&p, d) == CUDA_SUCCESS &&
+                 p == pool) ||
+                (GT_REAL(cuDeviceGetMemPool) && gt_real.cuDeviceGetMemPool(&p, d) == CUDA_SUCCESS && p == pool))
+                device = d;
+        }
+    }
+    return device;
+}
+
+GT_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
+{
+    if (!GT_REAL(cuMemPoolCreate))
+        return CUDA_ERROR_NOT_FOUND;
+    CUresult r = gt_real.cuMemPoolCreate(pool, props);
+    if (r == CUDA_SUCCESS && pool && props && props->location.type == CU_MEM_LOCATION_TYPE_DEVICE)
+        remember_pool(*pool, props->location.id);
+    return r;
+}
+
 void gt_memory_forget_all(void)
 {
     /* In a forked child: the parent's allocations are not the child's. The entries leak (malloc after
@@ -79,6 +138,7 @@ void gt_memory_forget_all(void)
     memset(handles.bucket, 0, sizeof handles.bucket);
     pthread_mutex_init(&pointers.lock, NULL);
     pthread_mutex_init(&handles.lock, NULL);
+    pthread_mutex_init(&pools_lock, NULL);
 }
 
 /* --- the group's usage and the reservation protocol ----------------------------------------------- */
@@ -135,6 +195,24 @@ static int gpu_for_device(CUdevice device)
     return gpu;
 }
 
+/* Stream-ordered allocations come from the stream's device (its current pool). */
+static int gpu_for_stream(CUstream stream)
+{
+    if (!gt_attached() && !gt_attach_slow(true))
+        return -1;
+    return gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_stream_gpu(stream);
+}
+
+static int gpu_for_pool(CUmemoryPool pool, CUstream stream)
+{
+    if (!gt_attached() && !gt_attach_slow(true))
+        return -1;
+    if (gt_proc.single_gpu >= 0)
+        return gt_proc.single_gpu;
+    CUdevice device = device_of_pool(pool);
+    return device >= 0 ? gpu_for_device(device) : gt_stream_gpu(stream);
+}
+
 /* Reserve, allocate through `call`, then remember the pointer; shared by every pointer allocator. */
 #define GT_ALLOCATE(gpu, bytes, dptr, call)                                                         \
     do {                                                                                            \
@@ -170,21 +248,21 @@ GT_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream str
 {
     if (!GT_REAL(cuMemAllocAsync))
         return CUDA_ERROR_NOT_FOUND;
-    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocAsync(dptr, bytes, stream));
+    GT_ALLOCATE(gpu_for_stream(stream), bytes, dptr, gt_real.cuMemAllocAsync(dptr, bytes, stream));
 }
 
 GT_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUstream stream)
 {
     if (!GT_REAL(cuMemAllocAsync_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocAsync_ptsz(dptr, bytes, stream));
+    GT_ALLOCATE(gpu_for_stream(stream), bytes, dptr, gt_real.cuMemAllocAsync_ptsz(dptr, bytes, stream));
 }
 
 GT_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream stream)
 {
     if (!GT_REAL(cuMemAllocFromPoolAsync))
         return CUDA_ERROR_NOT_FOUND;
-    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocFromPoolAsync(dptr, bytes, pool, stream));
+    GT_ALLOCATE(gpu_for_pool(pool, stream), bytes, dptr, gt_real.cuMemAllocFromPoolAsync(dptr, bytes, pool, stream));
 }
 
 GT_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool,
@@ -192,7 +270,7 @@ GT_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytes,
 {
     if (!GT_REAL(cuMemAllocFromPoolAsync_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocFromPoolAsync_ptsz(dptr, bytes, pool, stream));
+    GT_ALLOCATE(gpu_for_pool(pool, stream), bytes, dptr, gt_real.cuMemAllocFromPoolAsync_ptsz(dptr, bytes, pool, stream));
 }
 
 /* The pitch is the driver's choice: reserve the unpadded size first, then the padding it added. */

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import threading
@@ -23,6 +24,8 @@ from gemtrace.region import Region
 pytestmark = pytest.mark.e2e
 
 GATE = REPO / "build" / "libgemgate.so"
+GATE_CLIENTS = REPO / "tests" / "gate_clients"
+CUDA_INCLUDE = Path(os.environ.get("CUDA_PATH", "/usr/local/cuda")) / "include"
 MiB = 1 << 20
 GiB = 1 << 30
 
@@ -198,6 +201,56 @@ def test_devices_are_told_apart_by_uuid_whatever_cuda_visible_devices_says(agent
         holder.kill()
 
 
+def _cc(out: Path, *args: str) -> Path:
+    subprocess.run(["cc", "-std=c11", "-Wall", "-Wextra", "-o", str(out), *args], check=True, capture_output=True)
+    return out
+
+
+@pytest.mark.parametrize("api", ["pool", "created", "stream", "create"])
+def test_an_allocation_is_charged_to_the_device_it_names_not_the_current_one(
+    agent2: Agent, tmp_path: Path, api: str
+) -> None:
+    agent2.region.set_group("train", GiB, 0, 1)
+    probe = _cc(
+        tmp_path / "devices_probe",
+        f"-I{CUDA_INCLUDE}",
+        str(GATE_CLIENTS / "devices_probe.c"),
+        f"-L{REPO / 'build' / 'simgpu'}",
+        "-lcuda",
+    )
+    size = 64 * MiB
+    holder = agent2.sim.start([api, str(size)], client=probe, **agent2.env("train"))
+    try:
+        assert holder.next_json() == {"api": api, "size": size, "result": 0}
+        holder.wait_for("holding")
+        (slot,) = agent2.slots_of(holder.pid)
+        # The current context is device 0's; the allocation named device 1.
+        assert list(slot.memory)[:2] == [0, size]
+        assert slot.gpu_mask & 0b10
+    finally:
+        holder.kill()
+
+
+def test_dlsym_rtld_next_from_another_library_still_finds_the_next_one(agent: Agent, tmp_path: Path) -> None:
+    source = str(GATE_CLIENTS / "next_twin.c")
+    _cc(tmp_path / "libtwin_a.so", "-shared", "-fPIC", "-DTWIN=1", source, "-ldl")
+    _cc(tmp_path / "libtwin_b.so", "-shared", "-fPIC", "-DTWIN=2", source)
+    twin = _cc(
+        tmp_path / "twin",
+        "-DTWIN=0",
+        "-DTWIN_MAIN",
+        source,
+        f"-L{tmp_path}",
+        "-Wl,--no-as-needed",
+        "-ltwin_a",
+        "-ltwin_b",
+        f"-Wl,-rpath,{tmp_path}",
+    )
+    for gated in (False, True):
+        out = subprocess.run([str(twin)], env=agent.env("train", gated=gated), capture_output=True, text=True)
+        assert (out.returncode, out.stdout) == (0, "2\n"), (gated, out.stdout, out.stderr)
+
+
 # --- launches -------------------------------------------------------------------------------------
 
 
@@ -260,6 +313,63 @@ def test_a_held_process_killed_blocks_nobody(agent: Agent) -> None:
     finally:
         first.kill()
         second.kill()
+
+
+def _reap(agent: Agent) -> None:
+    """What the agent does for a process that died: free its slot (its counters go with it)."""
+    for index, slot in list(agent.region.live_slots()):
+        pid = slot.pid
+        if pid and not psutil.pid_exists(pid):
+            agent.region.free_slot(index, pid)
+        elif pid and psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            agent.region.free_slot(index, pid)
+
+
+def test_clients_killed_at_random_points_never_block_another(agent: Agent) -> None:
+    group = agent.region.set_group("train", 512 * MiB, 0, 1)
+    env = agent.env("train")
+    rng = random.Random(2)
+    victims: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(12):
+            # Allocating threads and launching threads, the group held and released under them,
+            # each killed after a random moment: inside an allocation, a reservation, a held wait...
+            batch = [
+                subprocess.Popen(
+                    [str(RT_CLIENT), "alloc-threads", "--threads", "4", "--size", str(8 * MiB), "--count", "50"],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+                subprocess.Popen(
+                    [str(RT_CLIENT), "launch-loop", "--kernel-ns", "20000", "--threads", "2", "--seconds", "30"],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+            ]
+            victims += batch
+            deadline = time.monotonic() + rng.uniform(0.005, 0.15)
+            while time.monotonic() < deadline:
+                (agent.region.hold if rng.random() < 0.5 else agent.region.release)(0, group)
+                time.sleep(rng.uniform(0, 0.01))
+            for victim in batch:
+                victim.send_signal(signal.SIGKILL)
+            for victim in batch:
+                victim.wait(timeout=10)
+        agent.region.release(0, group)
+        _reap(agent)
+        assert list(agent.region.live_slots()) == []
+        # Nothing the dead left behind blocks or charges anyone: launches run, the whole limit fits.
+        lines, _ = run(["launch-loop", "--kernel-ns", "1000", "--iters", "20"], env, timeout=20)
+        assert lines[-1]["launches"] == 20
+        lines, _ = run(["alloc", "--api", "v2", str(512 * MiB)], env, timeout=20)
+        assert lines[0]["name"] == "CUDA_SUCCESS"
+    finally:
+        for victim in victims:
+            if victim.poll() is None:
+                victim.kill()
+                victim.wait()
 
 
 def test_launch_counts_and_busy_time_reach_the_slot(agent: Agent) -> None:
