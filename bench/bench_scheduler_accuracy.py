@@ -65,7 +65,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--no-record", action="store_true", help=f"do not append to {RESULTS}")
     parser.add_argument("--no-rare-sync", dest="rare_sync", action="store_false",
-                        help="leave out the cases of loops that sync every 100 kernels")
+                        help="leave out the cases of loops that sync every 100 kernels or never")
+    parser.add_argument("--only", metavar="TEXT", help="run only the cases whose name contains TEXT")
     args = parser.parse_args()
     try:
         require_build()
@@ -78,14 +79,21 @@ def main() -> int:
         with harness.rig(SimGpu(Path(tmp) / "solo"), Path(tmp) / "solo-state") as rig:
             solo = harness.solo_share(rig, args.warmup, args.seconds)
             rare_solo = harness.solo_share(rig, args.warmup, args.seconds, harness.RARE_SYNC_PER_ITER)
+            never_solo = harness.solo_share(rig, args.warmup, args.seconds, syncs=False)
         print(f"solo: one ungated launch loop keeps the simulated GPU {solo:.1%} busy "
-              f"({rare_solo:.1%} syncing every {harness.RARE_SYNC_PER_ITER} kernels)", flush=True)
-        for n, case in enumerate((*harness.CASES, harness.TWO_GPUS, *(harness.RARE_SYNC if args.rare_sync else ()))):
+              f"({rare_solo:.1%} syncing every {harness.RARE_SYNC_PER_ITER} kernels, {never_solo:.1%} never)",
+              flush=True)
+        cases = (*harness.CASES, harness.TWO_GPUS,
+                 *((*harness.RARE_SYNC, *harness.NEVER_SYNC, harness.ON_CUDA1_NEVER_SYNC) if args.rare_sync else ()))
+        for n, case in enumerate(cases):
+            if args.only and args.only not in case.name:
+                continue
             devices = 1 + max(d for load in case.loads for d in load.devices)
             with harness.rig(SimGpu(Path(tmp) / f"sim{n}", devices=devices), Path(tmp) / f"state{n}") as rig:
                 cpu0, t0 = rig.scheduler_cpu_seconds(), time.monotonic()
-                rare = case in harness.RARE_SYNC
-                case_rows = harness.run_case(rig, case, args.warmup, args.seconds, rare_solo if rare else solo)
+                never = case in harness.NEVER_SYNC or case is harness.ON_CUDA1_NEVER_SYNC
+                base = rare_solo if case in harness.RARE_SYNC else never_solo if never else solo
+                case_rows = harness.run_case(rig, case, args.warmup, args.seconds, base)
                 cpu = (rig.scheduler_cpu_seconds() - cpu0) / (time.monotonic() - t0) / devices
             for row in case_rows:
                 row["cpu"] = cpu

@@ -101,6 +101,9 @@ class Decision:
     released: int | None  # the one group whose launches may proceed on this GPU (None: all held)
     draining: int | None  # the group just held that is finishing its queued work
     wake_at: int  # look again no later than this (ns, the policy's clock)
+    # The released group is to keep its queue short (GT_RELEASED_SHORT_QUEUE): a hold is coming,
+    # because another group wants the GPU or the released group has a MaxUtil below 1.
+    short_queue: bool = False
 
 
 class Phase(Enum):
@@ -219,9 +222,12 @@ class TimeSharePolicy:
             self._step_idle(now)
         if (self._demand, self._phase, self._holder, self._charging) != before:
             self._changed_at = now
-        return Decision(self._holder if self._phase is Phase.RUNNING else None,
-                        self._holder if self._phase is Phase.DRAINING else None,
-                        self._wake_at(now))
+        released = self._holder if self._phase is Phase.RUNNING else None
+        return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
+                        released is not None and self._hold_coming(released))
+
+    def _hold_coming(self, holder: int) -> bool:
+        return self._accounts[holder].quota.max_util < 1.0 or any(g != holder for g in self._demand)
 
     def _step_running(self, now: int, obs: Observation) -> None:
         holder = self._holder

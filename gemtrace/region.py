@@ -18,7 +18,7 @@ from pathlib import Path
 # The header is the source of truth; these literals are the installed package's copy of it, and
 # tests/test_region_layout.py fails if they ever differ from the header.
 MAGIC = 0x45434152544D4547
-VERSION = 1
+VERSION = 2
 MAX_GPUS = 8
 MAX_GROUPS = 64
 MAX_SLOTS = 1024
@@ -29,6 +29,11 @@ NO_LIMIT = 2**64 - 1
 UTIL_ONE = 1_000_000
 HEARTBEAT_STALE_NS = 2_000_000_000
 HOLD_RECHECK_NS = 100_000_000
+QUEUE_BOUND_NS = 10_000_000
+# enum gt_held: the values of a control word
+RELEASED = 0
+HELD = 1
+RELEASED_SHORT_QUEUE = 2
 REGION_FILE = "region"
 SLOT_GATED = 1
 
@@ -256,16 +261,22 @@ class Region:
         self.layout.header.config_generation += 1
 
     def is_held(self, gpu: int, group: int) -> bool:
-        return bool(self.layout.control[gpu][group].held)
+        return bool(self.layout.control[gpu][group].held == HELD)
 
     def hold(self, gpu: int, group: int) -> None:
-        self.layout.control[gpu][group].held = 1
+        self.layout.control[gpu][group].held = HELD
 
-    def release(self, gpu: int, group: int) -> None:
+    def release(self, gpu: int, group: int, short_queue: bool = False) -> None:
+        """Let the group launch; with `short_queue` its processes keep no more than GT_QUEUE_BOUND_NS
+        of work queued (a hold is coming: its drain stays short)."""
         control = self.layout.control[gpu][group]
-        if control.held:
+        word = RELEASED_SHORT_QUEUE if short_queue else RELEASED
+        if control.held == word:
+            return
+        was_held = control.held == HELD
+        control.held = word
+        if was_held:
             control.grant_seq += 1
-            control.held = 0
             self._wake(ctypes.addressof(control) + Control.held.offset)
 
     def release_all(self) -> None:

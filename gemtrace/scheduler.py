@@ -110,9 +110,13 @@ class GpuScheduler:
 
     def set_quotas(self, quotas: Mapping[int, Quota]) -> None:
         """The groups to schedule on this GPU and their quotas (group index -> Quota); takes effect
-        at the next look. A group left out is no longer held: its launches proceed."""
+        at the next look. A group left out is no longer held: its launches proceed. A new group is
+        held at once: a process of it that started before the next look would otherwise launch
+        unscheduled (and fill the driver's queue with seconds of work)."""
         with self._lock:
             self._pending_quotas = dict(quotas)
+            for group in quotas.keys() - self._scheduled:
+                self.region.hold(self.gpu, group)
 
     def usage(self) -> dict[int, GroupUsage]:
         with self._lock:
@@ -267,13 +271,15 @@ class GpuScheduler:
         if decision.released != self._released:
             if self._released is not None:
                 self.region.hold(self.gpu, self._released)
-            if decision.released is not None:
-                self.region.release(self.gpu, decision.released)
             self._released = decision.released
+        if decision.released is not None:
+            # Also when only short_queue changed (a no-op when the word already says it).
+            self.region.release(self.gpu, decision.released, decision.short_queue)
 
     def _release_all(self) -> None:
         with self._lock:
-            for group in self._scheduled:
+            # Groups set but not yet applied are held too (set_quotas holds new groups at once).
+            for group in self._scheduled | (self._pending_quotas or {}).keys():
                 self.region.release(self.gpu, group)
             self._released = None
             self._drain = None

@@ -46,6 +46,14 @@ struct gt_process {
     int device_gpu[GT_MAX_DEVICES]; /* CUDA ordinal -> region gpu index, -1 when not in the region */
     uint32_t burst_open[GT_MAX_GPUS]; /* 1 while we have work queued that no sync has drained (atomic) */
     uint64_t burst_start_ns[GT_MAX_GPUS];
+    uint64_t burst_first_launch[GT_MAX_GPUS]; /* slot->launches[gpu] when the burst opened */
+    uint64_t launch_ns[GT_MAX_GPUS];      /* a launch's share of a burst's time, decayed mean (0: none yet) */
+    /* keep_queue_short (launch.c): launches up to queue_base[gpu] are known to have run; an event
+     * recorded after launch marker_launch[gpu] while marker_armed[gpu]. */
+    uint64_t queue_base[GT_MAX_GPUS];
+    uint64_t marker_launch[GT_MAX_GPUS];
+    uint32_t marker_armed[GT_MAX_GPUS];
+    CUevent marker_event[GT_MAX_GPUS];
 };
 extern struct gt_process gt_proc;
 

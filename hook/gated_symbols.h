@@ -57,6 +57,11 @@
     X(cuDeviceGetMemPool)                                                                           \
     X(cuDeviceGetUuid)                                                                              \
     X(cuDeviceGetUuid_v2)                                                                           \
-    X(cuStreamGetDevice)
+    X(cuStreamGetDevice)                                                                            \
+    /* keep_queue_short's marker: an event in the stream's context, waited on for part of a queue */ \
+    X(cuStreamGetCtx)                                                                               \
+    X(cuCtxSetCurrent)                                                                              \
+    X(cuEventCreate)                                                                                \
+    X(cuEventRecord)
 
 #endif

@@ -14,14 +14,22 @@
  * Time: every *_ns field is CLOCK_MONOTONIC nanoseconds (Python: time.monotonic_ns()).
  *
  * Launch gating (per GPU, per group): control[gpu][group].held is a futex word (shared, not
- * FUTEX_PRIVATE). 0 = released: launches proceed after one atomic load. 1 = held: a launching thread
+ * FUTEX_PRIVATE), one of enum gt_held.
+ *   GT_RELEASED: launches proceed after one atomic load.
+ *   GT_RELEASED_SHORT_QUEUE: launches proceed, but a process whose queued work on that GPU comes to
+ *      more than about GT_QUEUE_BOUND_NS (its launches since it last drained, times the time a launch
+ *      took in its earlier bursts) drains it first. The agent
+ *      sets it where a hold is coming (another group waits, or the group has a MaxUtil), so that the
+ *      hold's drain is short: a process that never synchronises (its CPU runs seconds ahead, the
+ *      driver's queue full) would otherwise make each drain seconds long.
+ *   GT_HELD: a launching thread
  *   1. drains: if its process launched on that GPU since it last drained, it synchronises the
- *      context and stores slots[i].drained_ns[gpu] = now (the end of its burst);
+ *      launch's stream (or the context) and stores slots[i].drained_ns[gpu] = now (the burst's end);
  *   2. adds 1 to slots[i].waiting[gpu], futex-waits on `held` (timeout GT_HOLD_RECHECK_NS so it can
- *      re-check the heartbeat), and leaves when held == 0 or the heartbeat is older than
+ *      re-check the heartbeat), and leaves when held != GT_HELD or the heartbeat is older than
  *      GT_HEARTBEAT_STALE_NS (no agent: never hang); then subtracts 1 from waiting[gpu].
- * The agent stores held = 0 then FUTEX_WAKEs all waiters on the word; on a clean stop it releases
- * every word and stores heartbeat_ns = 0.
+ * The agent stores a released value then FUTEX_WAKEs all waiters on the word; on a clean stop it
+ * releases every word and stores heartbeat_ns = 0.
  *
  * Memory (per GPU, per group, the limit is groups[g].memory_limit): a gate reserves optimistically:
  * it adds the size to its own slots[i].memory[gpu] (seq_cst), then sums memory[gpu] over every
@@ -35,7 +43,7 @@
 #include <stdint.h>
 
 #define GT_REGION_MAGIC 0x45434152544d4547ULL /* "GEMTRACE" read as a little-endian uint64 */
-#define GT_REGION_VERSION 1u
+#define GT_REGION_VERSION 2u
 #define GT_REGION_FILE "region"
 #define GT_DEFAULT_STATE_DIR "/run/gemtrace"
 
@@ -50,6 +58,13 @@
 #define GT_UTIL_ONE 1000000u                       /* min/max utilisation in parts per million */
 #define GT_HEARTBEAT_STALE_NS 2000000000ull        /* gates ignore `held` when the agent is silent this long */
 #define GT_HOLD_RECHECK_NS 100000000ull            /* a held launch re-checks the heartbeat this often */
+#define GT_QUEUE_BOUND_NS 10000000ull              /* GT_RELEASED_SHORT_QUEUE: the most work left queued */
+
+enum gt_held {
+    GT_RELEASED = 0,
+    GT_HELD = 1,
+    GT_RELEASED_SHORT_QUEUE = 2,
+};
 
 enum gt_slot_flags {
     GT_SLOT_GATED = 1u << 0, /* the gate is loaded in this process (always set by gates) */
@@ -83,7 +98,7 @@ struct gt_group {                /* agent-owned; a name keeps its index for the 
 };
 
 struct gt_control {              /* agent-owned, one cache line per GPU and group */
-    uint32_t held;               /* futex word: 0 released, 1 held */
+    uint32_t held;               /* futex word: enum gt_held */
     uint32_t reserved0;
     uint64_t grant_seq;          /* bumped on every release, for observers */
     uint64_t reserved[6];

@@ -6,6 +6,8 @@
  * Held: the launching thread first drains what the process has queued on that GPU (so the next group's
  * slice is not eaten by our backlog: Gemini's expiry sync, LESSONS.md), then sleeps on the held word
  * (a shared futex; the agent wakes it), re-checking the agent's heartbeat so it never hangs without one.
+ * Released with a short queue (a hold is coming): a backlog older than GT_QUEUE_BOUND_NS is drained
+ * first, so that the hold's drain is short whatever the process queues.
  *
  * A burst is the time from the first launch after the process was idle to the sync that drains it;
  * its length is added to the slot's busy_ns (on a time-sliced GPU it includes other contexts' kernels
@@ -15,6 +17,7 @@
 #include "gate.h"
 
 #include <limits.h>
+#include <pthread.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -30,8 +33,13 @@ static void futex_wait(uint32_t *word, uint32_t expected, uint64_t timeout_ns)
 static void open_burst(int gpu)
 {
     uint32_t closed = 0;
-    if (__atomic_compare_exchange_n(&gt_proc.burst_open[gpu], &closed, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+    if (__atomic_compare_exchange_n(&gt_proc.burst_open[gpu], &closed, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+        uint64_t launches = __atomic_load_n(&gt_proc.slot->launches[gpu], __ATOMIC_RELAXED);
+        gt_proc.burst_first_launch[gpu] = launches;
+        __atomic_store_n(&gt_proc.queue_base[gpu], launches, __ATOMIC_RELAXED);
+        __atomic_store_n(&gt_proc.marker_armed[gpu], 0, __ATOMIC_RELAXED);
         gt_proc.burst_start_ns[gpu] = gt_now_ns();
+    }
 }
 
 void gt_close_burst(int gpu)
@@ -44,8 +52,18 @@ void gt_close_burst(int gpu)
         uint64_t start = gt_proc.burst_start_ns[gpu];
         if (now > start)
             __atomic_fetch_add(&gt_proc.slot->busy_ns[gpu], now - start, __ATOMIC_RELAXED);
+        uint64_t launches = __atomic_load_n(&gt_proc.slot->launches[gpu], __ATOMIC_RELAXED) - gt_proc.burst_first_launch[gpu];
+        if (now > start && launches > 0 && launches < UINT32_MAX) {
+            uint64_t per = (now - start) / launches, mean = __atomic_load_n(&gt_proc.launch_ns[gpu], __ATOMIC_RELAXED);
+            __atomic_store_n(&gt_proc.launch_ns[gpu], mean ? (3 * mean + per) / 4 : per, __ATOMIC_RELAXED);
+        }
     }
     __atomic_store_n(&gt_proc.slot->drained_ns[gpu], now, __ATOMIC_RELEASE);
+}
+
+static bool is_named_stream(CUstream stream)
+{
+    return stream && stream != CU_STREAM_LEGACY && stream != CU_STREAM_PER_THREAD;
 }
 
 /* Wait until our queued work on `gpu` has run. The launch's own stream where it names one: the
@@ -54,8 +72,7 @@ static void drain(int gpu, CUstream stream)
 {
     if (!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE))
         return;
-    bool named = stream && stream != CU_STREAM_LEGACY && stream != CU_STREAM_PER_THREAD;
-    CUresult r = named ? (GT_REAL(cuStreamSynchronize) ? gt_real.cuStreamSynchronize(stream) : CUDA_ERROR_NOT_FOUND)
+    CUresult r = is_named_stream(stream) ? (GT_REAL(cuStreamSynchronize) ? gt_real.cuStreamSynchronize(stream) : CUDA_ERROR_NOT_FOUND)
                        : (GT_REAL(cuCtxSynchronize) ? gt_real.cuCtxSynchronize() : CUDA_ERROR_NOT_FOUND);
     if (r == CUDA_SUCCESS)
         gt_close_burst(gpu);
@@ -68,10 +85,87 @@ static __attribute__((noinline)) void hold(int gpu, uint32_t *held, CUstream str
     drain(gpu, stream);
     struct gt_slot *slot = gt_proc.slot;
     __atomic_fetch_add(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
-    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) && gt_agent_alive())
-        futex_wait(held, 1, GT_HOLD_RECHECK_NS);
+    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive())
+        futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
     __atomic_store_n(&slot->last_launch_ns[gpu], gt_now_ns(), __ATOMIC_RELAXED);
+}
+
+/* Released, with a hold coming: keep what the process has queued on the GPU under about
+ * GT_QUEUE_BOUND_NS of work, so that the hold's drain is short. A CPU that runs ahead queues the
+ * driver's whole queue (1024 launches, seconds of kernels) in microseconds, so the age of the burst
+ * says nothing; its launches times what a launch took in the bursts drained so far does. Before the
+ * first drain there is no such figure: a burst of a few launches is drained to measure one.
+ * With a figure, the GPU is never let run dry: an event is recorded when half the bound is queued,
+ * and a launch that would queue more than the bound waits for that event only (half stays queued).
+ * Returns true when the launch waited (the held word may have changed meanwhile). */
+#define GT_FIRST_MEASURE_LAUNCHES 16
+static pthread_mutex_t marker_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* An event in the stream's context (the current one may be another device's), recorded on it. */
+static bool record_marker(int gpu, CUstream stream, uint64_t launches)
+{
+    if (!GT_REAL(cuEventRecord) || !GT_REAL(cuEventCreate) || !GT_REAL(cuCtxSetCurrent) || !GT_REAL(cuCtxGetCurrent))
+        return false;
+    CUevent *event = &gt_proc.marker_event[gpu];
+    if (!*event) {
+        CUcontext current = NULL, ctx = NULL;
+        if (gt_real.cuCtxGetCurrent(&current) != CUDA_SUCCESS)
+            return false;
+        ctx = current;
+        if (is_named_stream(stream) && (!GT_REAL(cuStreamGetCtx) || gt_real.cuStreamGetCtx(stream, &ctx) != CUDA_SUCCESS))
+            return false;
+        if (!ctx || (ctx != current && gt_real.cuCtxSetCurrent(ctx) != CUDA_SUCCESS))
+            return false;
+        CUresult created = gt_real.cuEventCreate(event, CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC);
+        if (ctx != current)
+            gt_real.cuCtxSetCurrent(current);
+        if (created != CUDA_SUCCESS) {
+            *event = NULL;
+            return false;
+        }
+    }
+    if (gt_real.cuEventRecord(*event, stream) != CUDA_SUCCESS)
+        return false; /* another context than the event's (a stream of another context on this GPU) */
+    gt_proc.marker_launch[gpu] = launches;
+    __atomic_store_n(&gt_proc.marker_armed[gpu], 1, __ATOMIC_RELEASE);
+    return true;
+}
+
+static bool keep_queue_short(int gpu, CUstream stream)
+{
+    if (!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE))
+        return false;
+    uint64_t launches = __atomic_load_n(&gt_proc.slot->launches[gpu], __ATOMIC_RELAXED);
+    uint64_t per_launch = __atomic_load_n(&gt_proc.launch_ns[gpu], __ATOMIC_RELAXED);
+    if (!per_launch) {
+        if (launches - gt_proc.burst_first_launch[gpu] < GT_FIRST_MEASURE_LAUNCHES &&
+            gt_now_ns() - gt_proc.burst_start_ns[gpu] <= GT_QUEUE_BOUND_NS)
+            return false;
+        drain(gpu, stream);
+        return true;
+    }
+    uint64_t queued = (launches - __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED)) * per_launch;
+    if (queued < GT_QUEUE_BOUND_NS / 2 || !gt_agent_alive() || pthread_mutex_trylock(&marker_lock) != 0)
+        return false;
+    bool waited = false;
+    if (__atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) && queued > GT_QUEUE_BOUND_NS) {
+        /* Not through our cuEventSynchronize wrapper: this is no end of a burst. */
+        if (gt_real.cuEventSynchronize(gt_proc.marker_event[gpu]) == CUDA_SUCCESS)
+            __atomic_store_n(&gt_proc.queue_base[gpu], gt_proc.marker_launch[gpu], __ATOMIC_RELAXED);
+        __atomic_store_n(&gt_proc.marker_armed[gpu], 0, __ATOMIC_RELAXED);
+        waited = true;
+        queued = (launches - __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED)) * per_launch;
+    }
+    bool fallback = false;
+    if (!__atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) && queued >= GT_QUEUE_BOUND_NS / 2)
+        fallback = !record_marker(gpu, stream, launches) && queued > GT_QUEUE_BOUND_NS;
+    pthread_mutex_unlock(&marker_lock);
+    if (fallback) { /* no event to wait on: drain all of it */
+        drain(gpu, stream);
+        waited = true;
+    }
+    return waited;
 }
 
 static GT_TLS uint32_t ungated_launches;
@@ -87,8 +181,15 @@ static void gate_launch(CUstream stream)
     if (GT_UNLIKELY(gpu < 0) && (gpu = gt_stream_gpu(stream)) < 0)
         return;
     uint32_t *held = &gt_proc.region->control[gpu][gt_proc.group].held;
-    if (GT_UNLIKELY(__atomic_load_n(held, __ATOMIC_ACQUIRE)))
-        hold(gpu, held, stream);
+    uint32_t state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
+    if (GT_UNLIKELY(state != GT_RELEASED)) {
+        /* After a wait the group may have been held meanwhile: look again, or this launch would
+         * queue work behind the drain the scheduler has just seen end. */
+        if (state == GT_RELEASED_SHORT_QUEUE && keep_queue_short(gpu, stream))
+            state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
+        if (state == GT_HELD)
+            hold(gpu, held, stream);
+    }
     if (GT_UNLIKELY(!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_RELAXED)))
         open_burst(gpu);
     __atomic_fetch_add(&gt_proc.slot->launches[gpu], 1, __ATOMIC_RELAXED);

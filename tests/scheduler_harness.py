@@ -46,6 +46,10 @@ class Load:
     devices: tuple[int, ...] = (0,)
     gated: bool = True
     launches_per_iter: int = PER_ITER  # kernels between two syncs
+    syncs: bool = True  # False: never synchronises (the driver's queue fills and paces the launches)
+    # Launch on a stream of its own while this device's context is current (PyTorch on cuda:1 keeps
+    # device 0's current): None for the default stream of the load's device.
+    current_device: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,24 @@ RARE_SYNC = (
          (Load("capped30", Quota(0, 0.3), launches_per_iter=RARE_SYNC_PER_ITER),
           Load("capped70", Quota(0, 0.7), launches_per_iter=RARE_SYNC_PER_ITER)),
          {("capped30", 0): (0.3, "="), ("capped70", 0): (0.7, "=")}),
+)
+# A process that never synchronises (a loop whose CPU runs ahead until the driver's queue of 1024
+# launches is full, as a PyTorch worker on cuda:1 calling torch.cuda.synchronize() for the current
+# device 0 does): 2 s of work queued, unless the gate keeps it short.
+NEVER_SYNC = (
+    Case("never syncs: MaxUtil 0.5 alone", (Load("capped50", Quota(0, 0.5), syncs=False),),
+         {("capped50", 0): (0.5, "=")}),
+    Case("never syncs: caps 0.3 / 0.7",
+         (Load("capped30", Quota(0, 0.3), syncs=False), Load("capped70", Quota(0, 0.7), syncs=False)),
+         {("capped30", 0): (0.3, "="), ("capped70", 0): (0.7, "=")}),
+)
+# PyTorch on cuda:1 of a two-GPU host: launches on a stream of device 1 while device 0's context is
+# current, and torch.cuda.synchronize() syncs device 0, so the loop never waits for its GPU.
+ON_CUDA1_NEVER_SYNC = Case(
+    "GPU 1 with device 0 current, never syncing: cap 0.4 + uncapped",
+    (Load("capped40", Quota(0, 0.4), devices=(1,), syncs=False, current_device=0),
+     Load("uncapped", devices=(1,), syncs=False, current_device=0)),
+    {("capped40", 1): (0.4, "="), ("uncapped", 1): (0.6, "=")},
 )
 TWO_GPUS = Case(
     "2 GPUs, each its own",
@@ -118,7 +140,8 @@ class Rig:
             extra["LD_PRELOAD"] = str(self.gate)
         args = ["launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter", str(load.launches_per_iter),
                 "--seconds", f"{seconds:g}", "--progress",
-                "--device", str(device)]
+                "--device", str(device), *(() if load.syncs else ("--no-sync",)),
+                *(() if load.current_device is None else ("--stream", "--current-device", str(load.current_device)))]
         return self.sim.start(args, client=self.client, **extra)
 
 
@@ -191,10 +214,11 @@ def measure(the_rig: Rig, loads: Sequence[Load], warmup: float, seconds: float,
     return shares
 
 
-def solo_share(the_rig: Rig, warmup: float, seconds: float, launches_per_iter: int = PER_ITER) -> float:
+def solo_share(the_rig: Rig, warmup: float, seconds: float, launches_per_iter: int = PER_ITER,
+               syncs: bool = True) -> float:
     """The device share of one launch loop alone on GPU 0 with no gate at all."""
-    return measure(the_rig, [Load("solo", gated=False, launches_per_iter=launches_per_iter)], warmup,
-                   seconds)[("solo", 0)]
+    return measure(the_rig, [Load("solo", gated=False, launches_per_iter=launches_per_iter, syncs=syncs)],
+                   warmup, seconds)[("solo", 0)]
 
 
 def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: float) -> list[dict[str, Any]]:

@@ -287,6 +287,40 @@ def test_held_launches_wait_without_spinning_and_resume_at_release(agent: Agent)
         loop.kill()
 
 
+def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent: Agent) -> None:
+    """A loop that never synchronises fills the driver's queue (1024 launches of 2 ms here: 2 s of
+    work). Released plainly its burst never ends; released with a short queue, the gate keeps no more
+    than about QUEUE_BOUND_NS queued, so that a hold's drain is short."""
+    group = agent.region.set_group("train", None, 0, 1)
+    loop = agent.sim.start(["launch-loop", "--kernel-ns", "2000000", "--no-sync", "--seconds", "30"],
+                           **agent.env("train"))
+    try:
+        deadline = time.monotonic() + 10
+        while _launches(agent, loop.pid) < 1100:  # the queue is full: launches wait for kernels
+            assert time.monotonic() < deadline, "the loop never filled the queue"
+            time.sleep(0.05)
+        slot = agent.slots_of(loop.pid)[0]
+        assert slot.drained_ns[0] == 0 and slot.busy_ns[0] == 0  # one burst, never drained
+
+        agent.region.release(0, group, short_queue=True)
+        time.sleep(3.0)  # the first drain takes the 2 s queued before (and measures a launch: 2 ms)
+        # Kept short by waiting for part of the queue, never all of it: the GPU stays busy (500
+        # kernels of 2 ms a second).
+        before, started = _launches(agent, loop.pid), time.monotonic()
+        time.sleep(1.0)
+        rate = (_launches(agent, loop.pid) - before) / (time.monotonic() - started)
+        assert rate > 0.95 * 500, f"{rate:.0f} launches/s of 500"
+
+        agent.region.hold(0, group)
+        held_at = time.monotonic()
+        while not slot.waiting[0]:
+            assert time.monotonic() - held_at < 1.0, "the hold's drain took the whole queue"
+            time.sleep(0.0005)
+        assert time.monotonic() - held_at < (rg.QUEUE_BOUND_NS / 1e9) + 0.05
+    finally:
+        loop.kill()
+
+
 def test_a_silent_agent_never_hangs_a_program(agent: Agent) -> None:
     group = agent.region.set_group("train", None, 0, 1)
     agent.region.hold(0, group)

@@ -306,3 +306,19 @@ def test_a_drain_that_never_reports_is_charged_at_most_max_overrun() -> None:
         t = max(t + 1, decision.wake_at)
         decision = policy.step(t, Observation(frozenset()))
     assert policy.usage(t)[0].gpu_seconds * 1e9 <= hold_at + policy.params.max_overrun_ns + 1
+
+
+def test_a_released_group_keeps_its_queue_short_only_where_a_hold_is_coming() -> None:
+    """short_queue asks the gate to drain a backlog older than QUEUE_BOUND_NS: worth it only where
+    the group will be held (a MaxUtil, or another group wanting the GPU), a cost for nothing otherwise."""
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(0, 1.0), 1: Quota(0, 1.0), 2: Quota(0, 0.5)})
+    alone = policy.step(0, Observation(frozenset({0})))
+    assert alone.released == 0 and not alone.short_queue
+    contended = policy.step(1 * MS, Observation(frozenset({0, 1})))
+    assert contended.released == 0 and contended.short_queue
+
+    capped = TimeSharePolicy(now=0)
+    capped.set_quotas(0, {2: Quota(0, 0.5)})
+    decision = capped.step(0, Observation(frozenset({2})))
+    assert decision.released == 2 and decision.short_queue

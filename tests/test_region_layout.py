@@ -82,6 +82,12 @@ def test_constants_match_the_header() -> None:
     assert defines["GT_UTIL_ONE"] == region.UTIL_ONE
     assert defines["GT_HEARTBEAT_STALE_NS"] == region.HEARTBEAT_STALE_NS
     assert defines["GT_HOLD_RECHECK_NS"] == region.HOLD_RECHECK_NS
+    assert defines["GT_QUEUE_BOUND_NS"] == region.QUEUE_BOUND_NS
+    enum = re.search(r"enum gt_held \{(.*?)\};", HEADER.read_text(), re.S)
+    assert enum
+    held = dict(re.findall(r"^\s+(GT_\w+) = (\d+),", enum.group(1), re.M))
+    assert {k: int(v) for k, v in held.items()} == {
+        "GT_RELEASED": region.RELEASED, "GT_HELD": region.HELD, "GT_RELEASED_SHORT_QUEUE": region.RELEASED_SHORT_QUEUE}
     assert b"GEMTRACE" == region.MAGIC.to_bytes(8, "little")
 
 

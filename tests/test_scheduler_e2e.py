@@ -50,6 +50,27 @@ def test_share(rig: harness.Rig, solo: float, case: harness.Case) -> None:
         assert rows[0]["looks_per_s"] < 80
 
 
+@pytest.mark.parametrize("case", harness.NEVER_SYNC, ids=lambda c: c.name)
+def test_share_of_loops_that_never_sync(rig: harness.Rig, case: harness.Case) -> None:
+    """Each process keeps the driver's queue full (2 s of kernels) unless the gate keeps it short.
+    Alone such a loop keeps the GPU busy all the time (its queue never empties): solo is 1."""
+    check(harness.run_case(rig, case, WARMUP + 1.0, SECONDS, 1.0))
+
+
+def test_a_process_on_gpu_1_with_device_0_current_is_held_by_gpu_1(simgpu_factory: Callable[..., SimGpu],
+                                                                      tmp_path: Path) -> None:
+    """PyTorch on cuda:1 of a two-GPU host: its launches go to a stream of device 1 while device 0's
+    context is current, and its syncs are device 0's (it never waits for GPU 1). GPU 1's scheduler
+    holds it all the same: the gate keeps its queue short with an event in device 1's context."""
+    with harness.rig(simgpu_factory(devices=2), tmp_path / "state") as the_rig:
+        rows = harness.run_case(the_rig, harness.ON_CUDA1_NEVER_SYNC, WARMUP + 1.0, SECONDS, 1.0)
+        usage = the_rig.schedulers[1].usage()
+        assert sum(u.gpu_seconds for u in usage.values()) > 0
+        assert not the_rig.schedulers[0].usage() or all(
+            u.gpu_seconds == 0 for u in the_rig.schedulers[0].usage().values())
+    check(rows)
+
+
 def test_two_gpus_are_scheduled_independently(simgpu_factory: Callable[..., SimGpu], tmp_path: Path,
                                               solo: float) -> None:
     with harness.rig(simgpu_factory(devices=2), tmp_path / "state") as the_rig:

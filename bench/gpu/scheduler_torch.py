@@ -10,7 +10,10 @@ A group's share = its iterations per second shared / the same work's alone and u
 Cases: the four of issue 3 with matmul loops, caps 0.3/0.7 with the inference loop (the short-kernel
 case), and, when torch sees two GPUs or more, a two-GPU case (one GpuScheduler per GPU, as the agent
 runs them): caps 0.3/0.7 on cuda:0 beside a group capped 0.4 and an uncapped one on cuda:1, each GPU
-scheduled on its own (with one GPU it is skipped with a printed line).
+scheduled on its own (with one GPU it is skipped with a printed line). The workers call
+torch.cuda.synchronize() as users write it, for the current device: on cuda:1 that is device 0, so
+the loops on GPU 1 never wait for their own GPU (the driver's queue fills, seconds of kernels): the
+gate must keep such a process's queue short for GPU 1's scheduler to hold it (GT_RELEASED_SHORT_QUEUE).
 For comparison, HAMi-core's caps of 30 and 70 delivered about 46% and 54% (issue 3).
 
 Prints a table; with $OUT set, writes scheduler_torch.md and scheduler_torch.json there.
@@ -155,8 +158,17 @@ def visible_gpus() -> int:
     return int(torch.cuda.device_count())
 
 
+def worker_cpu(position: int) -> int | None:
+    """A CPU of its own for the case's n-th worker, the same one in every run (the solo's is the
+    first worker's): the inference loop is CPU-bound, and a worker the kernel moved between CPUs ran
+    up to 30% slower or faster from one solo run to the next. CPU 0 is left to this process's
+    scheduler threads. None where there are too few CPUs to give each its own."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[1 + position] if len(cpus) > position + 1 else None
+
+
 class Worker:
-    def __init__(self, load: Load, state_dir: Path) -> None:
+    def __init__(self, load: Load, state_dir: Path, cpu: int | None = None) -> None:
         env = dict(os.environ)
         env.pop("LD_PRELOAD", None)
         if load.gated:
@@ -164,8 +176,9 @@ class Worker:
             env[defaults.ENV_GROUP] = load.group
             env[defaults.ENV_STATE_DIR] = str(state_dir)
         self.load = load
+        pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
         self.proc = subprocess.Popen([sys.executable, "-c", WORKER, load.kind, str(load.device)], env=env,
-                                     text=True,
+                                     text=True, preexec_fn=pin,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.lines: list[dict[str, Any]] = []
         self.ready = threading.Event()
@@ -270,7 +283,7 @@ class Rig:
         import pynvml
 
         index = self.define(loads)
-        workers = [Worker(load, self.state_dir) for load in loads]
+        workers = [Worker(load, self.state_dir, worker_cpu(n)) for n, load in enumerate(loads)]
         try:
             for w in workers:
                 if not w.ready.wait(180):

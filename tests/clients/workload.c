@@ -3,7 +3,7 @@
  * Python tests can follow them. Subcommands:
  *   launch-loop --kernel-ns N [--launches-per-iter K] [--seconds S | --iters I] [--device D]
  *               [--api launch|ex|coop|extra|graph] [--stream] [--threads T] [--no-sync] [--progress]
- *               [--sync stream|ctx|event|memcpy]
+ *               [--sync stream|ctx|event|memcpy] [--current-device C]
  *       K launches then a synchronisation (cuStreamSynchronize, cuCtxSynchronize, an event's, or a
  *       4-byte cuMemcpyDtoH from a 4 KiB buffer allocated for it, as PyTorch's .item() does),
  *       repeated, on the default stream (or, with --stream, on a
@@ -11,6 +11,8 @@
  *       "kernel_s","launch_s","event_s","threads"} (sums over threads; launch_s is the time spent
  *       before the final synchronisation and event_s what events around the loop measured, the
  *       longest of any thread). --progress prints {"progress","t","iters","launches"} each second.
+ *       --current-device C (with --stream): once the stream exists, device C's primary context is made
+ *       current, as PyTorch leaves device 0's current while it launches on a stream of cuda:1.
  *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free] SIZE...
  *       one {"size","result","name"} line per allocation, then {"holding":S,"pid"} before holding,
  *       then {"freed":n} with --free.
@@ -80,7 +82,7 @@ struct opts {
     uint64_t kernel_ns;
     long per_iter, iters, threads, count, launches;
     double seconds, hold;
-    int device;
+    int device, current_device; /* current_device: -1 unless --current-device */
     const char *api, *sync;
     bool no_sync, progress, free_after, stream;
     uint64_t size;
@@ -100,7 +102,7 @@ static uint64_t size_arg(const char *text)
 
 static void parse(int argc, char **argv, struct opts *o)
 {
-    *o = (struct opts){.per_iter = 1, .threads = 1, .count = 1};
+    *o = (struct opts){.per_iter = 1, .threads = 1, .count = 1, .current_device = -1};
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (strcmp(a, name) == 0 && v && (i++, 1))
@@ -126,6 +128,8 @@ static void parse(int argc, char **argv, struct opts *o)
             o->hold = strtod(v, NULL);
         else if (OPT("--device"))
             o->device = (int)strtol(v, NULL, 10);
+        else if (OPT("--current-device"))
+            o->current_device = (int)strtol(v, NULL, 10);
         else if (OPT("--api"))
             o->api = v;
         else if (OPT("--sync"))
@@ -229,6 +233,14 @@ static void *run_loop(void *arg)
     if (strcmp(sync, "memcpy") == 0)
         CHECK(D->f_cuMemAlloc(&buffer, 4096));
     CHECK(D->f_cuEventRecord(ev_start, stream));
+    /* After the events: they belong to the stream's context. */
+    if (o->stream && o->current_device >= 0) {
+        CUdevice other;
+        CUcontext other_ctx;
+        CHECK(D->f_cuDeviceGet(&other, o->current_device));
+        CHECK(D->f_cuDevicePrimaryCtxRetain(&other_ctx, other));
+        CHECK(D->f_cuCtxSetCurrent(other_ctx));
+    }
     long iters_wanted = o->iters > 0 ? o->iters : (o->seconds > 0 ? -1 : 1);
     double start = now_s(), next_progress = start + 1.0, t = start;
     while (iters_wanted < 0 ? t - start < o->seconds : l->iters < iters_wanted) {

@@ -82,6 +82,7 @@ struct CUctx_st {
 struct CUevent_st {
     uint32_t magic;
     unsigned flags;
+    struct CUctx_st *ctx; /* the context current at creation: only its streams may record it */
     _Atomic uint64_t t; /* when the GPU reaches the event; 0 until recorded */
 };
 
@@ -852,6 +853,19 @@ static CUresult stream_get_device(CUstream h, CUdevice *device, bool per_thread)
     *device = s->ctx->ordinal;
     return CUDA_SUCCESS;
 }
+static CUresult stream_get_ctx(CUstream h, CUcontext *pctx, bool per_thread)
+{
+    CUresult err = CUDA_SUCCESS;
+    struct CUstream_st *s = resolve_stream(h, per_thread, &err);
+    if (!s)
+        return err;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = s->ctx;
+    return CUDA_SUCCESS;
+}
+SIM_API CUresult cuStreamGetCtx(CUstream h, CUcontext *pctx) { return stream_get_ctx(h, pctx, false); }
+SIM_API CUresult cuStreamGetCtx_ptsz(CUstream h, CUcontext *pctx) { return stream_get_ctx(h, pctx, true); }
 SIM_API CUresult cuStreamGetDevice(CUstream h, CUdevice *device) { return stream_get_device(h, device, false); }
 SIM_API CUresult cuStreamGetDevice_ptsz(CUstream h, CUdevice *device) { return stream_get_device(h, device, true); }
 SIM_API CUresult cuStreamQuery(CUstream h) { return stream_query(h, false); }
@@ -1021,6 +1035,7 @@ SIM_API CUresult cuEventCreate(CUevent *pev, unsigned int flags)
         return CUDA_ERROR_OUT_OF_MEMORY;
     e->magic = EVENT_MAGIC;
     e->flags = flags;
+    e->ctx = current_ctx();
     *pev = e;
     return CUDA_SUCCESS;
 }
@@ -1034,6 +1049,8 @@ static CUresult event_record(CUevent ev, CUstream h, bool per_thread)
     struct CUstream_st *s = resolve_stream(h, per_thread, &err);
     if (!s)
         return err;
+    if (s->ctx != ev->ctx)
+        return CUDA_ERROR_INVALID_HANDLE; /* as the driver: an event and its stream share a context */
     uint64_t now = sim_now(), end = stream_end(s);
     atomic_store(&ev->t, end > now ? end : now); /* the GPU reaches it after the stream's work */
     return CUDA_SUCCESS;
