@@ -23,6 +23,11 @@ pytestmark = pytest.mark.e2e
 STANDIN = r"""
 import json, signal, subprocess, sys, time
 kind, device = sys.argv[1], sys.argv[2]
+if kind == "idle":  # holds a context and runs nothing
+    print(json.dumps({"ready": True, "t": time.monotonic()}), flush=True)
+    while True:
+        time.sleep(0.05)
+        print(json.dumps({"t": time.monotonic(), "iters": 0, "run_iters": 0, "run_s": 0.0}), flush=True)
 kernel_ns, per_iter = {"matmul": (2_000_000, 4), "inference": (50_000, 12)}[kind]
 loop = subprocess.Popen([RT_CLIENT, "launch-loop", "--kernel-ns", str(kernel_ns), "--launches-per-iter",
                          str(per_iter), "--seconds", "600", "--progress", "--device", device],
@@ -81,8 +86,16 @@ def test_two_gpu_case_schedules_each_gpu(tmp_path: Path) -> None:
     assert rc in (0, 1), output
 
 
+def test_diagnostic_rows_are_shown_and_not_judged(tmp_path: Path) -> None:
+    rc, output, result = run_bench(tmp_path, 1, "beside an idle context")
+    rows = {r["group"]: r for r in result["rows"]}
+    assert set(rows) == {"infer-beside-idle"} and rows["infer-beside-idle"]["kind"] == "~", output
+    assert "~ 1.00" in output, output
+    assert rc == 0, output  # "~" rows never fail the run
+
+
 def test_two_gpu_case_skipped_on_one_gpu(tmp_path: Path) -> None:
-    rc, output, result = run_bench(tmp_path, 1, "2 GPUs,MaxUtil 0.5")
+    rc, output, result = run_bench(tmp_path, 1, "2 GPUs,MaxUtil 0.5 alone")
     assert "skipped: 2 GPUs" in output and "torch sees 1" in output, output
     assert [(r["group"], r["gpu"]) for r in result["rows"]] == [("capped50", 0)], output
     assert rc in (0, 1), output
