@@ -158,7 +158,7 @@ class Region:
             layout.header.agent_pid = os.getpid()
             for gpu in range(MAX_GPUS):
                 for group in range(MAX_GROUPS):
-                    layout.control[gpu][group].held = 0
+                    layout.control[gpu][group].held = RELEASED
             layout.header.magic = MAGIC
             del layout
             mapping.flush()
