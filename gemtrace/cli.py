@@ -73,22 +73,22 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         run(args.group, command, args.config, args.state_dir)
     except LaunchError as e:
-        return _fail(str(e), 2)
+        return _fail(str(e), e.status)
     return 0  # not reached: run() execs
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from gemtrace.config import ConfigError, load
+    from gemtrace.config import ConfigError, format_size, load
 
     try:
         config = load(args.file)
     except ConfigError as e:
         return _fail(str(e))
     print(f"{args.file}: OK, {len(config.groups)} groups")
-    print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'MemoryLimit':>16}  Cgroup")
+    print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'MemoryLimit':>26}  Cgroup")
     for g in sorted(config.groups.values(), key=lambda g: g.name):
-        limit = "whole GPU" if g.memory_limit is None else f"{g.memory_limit} B"
-        print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {limit:>16}  {'; '.join(g.cgroups) or '-'}")
+        limit = "whole GPU" if g.memory_limit is None else f"{format_size(g.memory_limit)} ({g.memory_limit} B)"
+        print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {limit:>26}  {'; '.join(g.cgroups) or '-'}")
     return 0
 
 

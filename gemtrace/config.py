@@ -68,6 +68,15 @@ _GROUP_NAME = re.compile(r"^[A-Za-z0-9_.:@+-]{1,63}$")
 KEYS = ("MinUtil", "MaxUtil", "MemoryLimit", "Cgroup")
 
 
+def format_size(n: float) -> str:
+    """Bytes for people: "512 B", "1.5 GiB" (powers of 2, one decimal)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_size(text: str) -> int:
     """Bytes from "2GiB", "500M", "1.5G", "4096": k M G T are powers of 10, Ki Mi Gi Ti powers of 2,
     a trailing B is optional. ValueError says what was wrong."""

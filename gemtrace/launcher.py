@@ -18,7 +18,12 @@ CHECKOUT_GATE = Path(__file__).resolve().parent.parent / "build" / "libgemgate.s
 
 
 class LaunchError(Exception):
-    pass
+    """Why CMD was not run; `status` is the exit status, as a shell gives it (127: no such command,
+    126: not executable, 2: a usage or configuration error)."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def find_gate(environ: Mapping[str, str] = os.environ) -> Path:
@@ -79,8 +84,10 @@ def run(group: str, command: list[str], config: Path | None, state_dir: Path) ->
     try:
         os.execvpe(command[0], command, env)
     except FileNotFoundError:
-        raise LaunchError(f"{command[0]}: command not found") from None
+        raise LaunchError(f"{command[0]}: command not found", 127) from None
     except PermissionError:
-        raise LaunchError(f"{command[0]}: permission denied") from None
+        raise LaunchError(f"{command[0]}: permission denied", 126) from None
+    except OSError as e:  # e.g. ENOEXEC: not a program this system can run
+        raise LaunchError(f"{command[0]}: {e.strerror}", 126) from None
 
 

@@ -26,6 +26,7 @@ from typing import TextIO
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemtrace import defaults, region
+from gemtrace.config import format_size
 from gemtrace.metrics import CATALOGUE
 
 REFRESH_SECONDS = 1.0
@@ -252,20 +253,15 @@ def share_bar(share: float, min_util: float, max_util: float, width: int) -> str
 
 
 def memory_bar(used: float, limit: float | None, width: int) -> str:
+    """Used against the limit; blank when there is nothing to measure against."""
     if not limit:
-        return "[" + "?" * width + "]"
+        return "[" + " " * width + "]"
     filled = round(max(0.0, min(used / limit, 1.0)) * width)
     return "[" + "#" * filled + "." * (width - filled) + "]"
 
 
 def human_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    return "-" if n is None else format_size(n)
 
 
 def _pct(x: float | None) -> str:
@@ -293,10 +289,13 @@ def render(frame: Frame, source: str, width: int = 100) -> list[str]:
         lines.append(f"  {'GROUP':<12} {'SHARE':<{bar_w + 2}} {'NOW':>4} {'MIN':>4} {'MAX':>4}  "
                      f"{'MEMORY':<24}  {'LIMIT':>10}")
         for g in gpu.groups:
-            mem = memory_bar(g.memory_bytes, g.memory_limit_bytes, 10)
+            # A group without a MemoryLimit may use the whole GPU: its bar is against that.
+            limit = g.memory_limit_bytes or gpu.memory_total_bytes
+            mem = memory_bar(g.memory_bytes, limit, 10)
+            shown_limit = human_bytes(g.memory_limit_bytes) if g.memory_limit_bytes else "whole GPU"
             lines.append(f"  {g.name[:12]:<12} {share_bar(g.share, g.min_util, g.max_util, bar_w)} "
                          f"{_pct(g.share):>4} {_pct(g.min_util):>4} {_pct(g.max_util):>4}  "
-                         f"{human_bytes(g.memory_bytes):<12}{mem}  {human_bytes(g.memory_limit_bytes):>10}")
+                         f"{human_bytes(g.memory_bytes):<12}{mem}  {shown_limit:>10}")
             for p in g.processes:
                 rate = "" if p.launches_per_second is None else f"  {p.launches_per_second:.0f} launches/s"
                 lines.append(f"      {p.pid:>7} {p.comm[:15]:<15} kernel {_pct(p.kernel_share):>4} "

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from agent_host import CONFIG, Host, MiB, gemtrace, stop, wait_until
@@ -128,6 +129,16 @@ def test_run_refuses_a_group_the_file_does_not_define(host: Host) -> None:
     )
     assert out.returncode == 2
     assert "group 'nosuch' is not defined" in out.stderr and "default, infer, train" in out.stderr
+
+
+def test_run_exits_as_a_shell_does_when_the_command_cannot_run(host: Host, tmp_path: Path) -> None:
+    not_executable = tmp_path / "script"
+    not_executable.write_text("#!/bin/sh\n")
+    for command, status, said in ((str(tmp_path / "missing"), 127, "command not found"),
+                                  (str(not_executable), 126, "permission denied")):
+        out = subprocess.run(gemtrace("run", "--group", "train", "--config", str(host.config), "--", command),
+                             env=host.env(), capture_output=True, text=True)
+        assert out.returncode == status and f"{command}: {said}" in out.stderr, out.stderr
 
 
 def test_check_config_and_status(host: Host) -> None:

@@ -86,7 +86,7 @@ def test_share_bar_shows_share_against_min_and_max(share: float, lo: float, hi: 
 def test_memory_bar_and_units() -> None:
     assert top.memory_bar(GIB, 4 * GIB, 8) == "[##......]"
     assert top.memory_bar(9 * GIB, 4 * GIB, 4) == "[####]"
-    assert top.memory_bar(GIB, None, 3) == "[???]"
+    assert top.memory_bar(GIB, None, 3) == "[   ]"
     assert [top.human_bytes(n) for n in (512, 1536, 3 * GIB, None)] == ["512 B", "1.5 KiB", "3.0 GiB", "-"]
 
 
@@ -102,6 +102,12 @@ def test_render_lists_each_group_with_its_processes() -> None:
     assert "55%" in train and "20%" in train and "70%" in train and "8.0 GiB" in train
     idx = lines.index(train)
     assert "1201 python" in lines[idx + 1] and "3.0 GiB" in lines[idx + 1]
+    # A group without a MemoryLimit: its bar is against the whole GPU (0.5 of 16 GiB), and it says so.
+    gpu = frame.gpus[0]
+    unlimited = [replace(g, memory_limit_bytes=None) if g.name == "infer" else g for g in gpu.groups]
+    lines = top.render(replace(frame, gpus=[replace(gpu, groups=unlimited)]), "u", width=120)
+    infer = next(line for line in lines if line.lstrip().startswith("infer"))
+    assert infer.endswith("[..........]   whole GPU"), infer
     assert all(len(line) <= 60 for line in top.render(frame, "u", width=60))
 
 
