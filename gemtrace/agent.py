@@ -125,6 +125,7 @@ class Agent:
         self.reaper = Reaper(self.region)
         self.watcher = ConfigWatcher(config_path, self.reload)
         self._stop = threading.Event()
+        self.stop_signal: str | None = None  # the signal that asked for the stop, for the log
         self._threads: list[threading.Thread] = []
 
     # -- the resource file -------------------------------------------------------------------------
@@ -184,6 +185,8 @@ class Agent:
                 next_poll = now + ACCOUNTING_POLL_SECONDS
             if on_tick is not None:
                 on_tick()
+        if self.stop_signal is not None:
+            log.info("signal_received", signal=self.stop_signal)
 
     def stop(self) -> None:
         self._stop.set()
@@ -201,8 +204,11 @@ class Agent:
 
 
 def install_signal_handlers(agent: Agent) -> None:
+    # The handler runs between two bytecodes of the main thread, which may be inside a log call
+    # holding structlog's (non-reentrant) write lock: logging here could deadlock the stop. It only
+    # records the signal; the main loop logs it when it returns.
     def handler(signum: int, _frame: Any) -> None:
-        log.info("signal_received", signal=signal.Signals(signum).name)
+        agent.stop_signal = signal.Signals(signum).name
         agent.stop()
 
     signal.signal(signal.SIGTERM, handler)
