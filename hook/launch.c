@@ -132,7 +132,7 @@ static bool record_marker(int gpu, CUstream stream, uint64_t launches)
     return true;
 }
 
-static bool keep_queue_short(int gpu, CUstream stream)
+static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream)
 {
     if (!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE))
         return false;
