@@ -67,6 +67,7 @@ except ImportError:  # the GPU machine has no structlog: gemtrace.scheduler only
     sys.modules["structlog"] = _shim
 
 from gemtrace import defaults  # noqa: E402
+from gemtrace.policy import PolicyParams  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 from gemtrace.scheduler import GpuScheduler, Quota  # noqa: E402
 
@@ -74,6 +75,7 @@ WORKER = r"""
 import json, os, sys, time
 import torch
 kind, device = sys.argv[1], int(sys.argv[2])
+paced_s = float(sys.argv[3]) if len(sys.argv) > 3 else 0.0  # >0: rest this long after running this long
 dev = torch.device("cuda", device)
 torch.backends.cuda.matmul.allow_tf32 = True
 if kind == "matmul":
@@ -103,8 +105,11 @@ torch.cuda.synchronize()
 held_step = {"matmul": 0.02, "inference": 0.001, "idle": 1.0}[kind]
 print(json.dumps({"ready": True, "t": time.monotonic()}), flush=True)
 iters, last, run_iters, run_s = 0, 0.0, 0, 0.0
-begin = time.monotonic()
+begin = paced_from = time.monotonic()
 while True:
+    if paced_s and begin - paced_from >= paced_s:
+        time.sleep(paced_s)  # as if held, with no gemtrace: this step is not counted as running
+        paced_from = time.monotonic()
     step()
     torch.cuda.synchronize()
     iters += 1
@@ -125,6 +130,7 @@ class Load:
     kind: str = "matmul"
     gated: bool = True
     device: int = 0  # the worker's torch device, cuda:<device>
+    paced_ms: float = 0.0  # >0: the worker itself runs this long, then sleeps this long (no gemtrace)
 
 
 @dataclass(frozen=True)
@@ -148,12 +154,15 @@ CASES = (
          {"infer30": (0.3, "="), "infer70": (0.7, "=")}),
     # Why short kernels run slower inside their slices (targets marked "~" are diagnostics, not
     # goals): held and resumed with no other process on the GPU; ungated beside a process that only
-    # holds a context; two ungated loops side by side (the GPU's own time-slicing, no gemtrace).
+    # holds a context; ungated, resting as often as a cap of 0.5 holds it (the host's own cost of
+    # a loop that sleeps half the time); two ungated loops side by side (the GPU's own time-slicing).
     Case("short kernels, capped at 0.5 alone", (Load("infer50", Quota(0, 0.5), "inference"),),
          {"infer50": (0.5, "~")}),
     Case("short kernels: ungated beside an idle context",
          (Load("infer-beside-idle", kind="inference", gated=False), Load("idle", kind="idle", gated=False)),
          {"infer-beside-idle": (1.0, "~")}),
+    Case("short kernels: ungated, resting 20 ms every 20 ms by itself",
+         (Load("infer-paced", kind="inference", gated=False, paced_ms=20.0),), {"infer-paced": (0.5, "~")}),
     Case("short kernels: two ungated side by side",
          (Load("infer-a", kind="inference", gated=False), Load("infer-b", kind="inference", gated=False)),
          {"infer-a": (0.5, "~"), "infer-b": (0.5, "~")}),
@@ -174,13 +183,41 @@ def visible_gpus() -> int:
     return int(torch.cuda.device_count())
 
 
+CPUS = sorted(os.sched_getaffinity(0))  # taken at import, before this process pins itself
+
+
+def physical_cores(cpus: list[int]) -> list[list[int]]:
+    """The CPUs grouped by physical core (hyperthreads of one core together), in order; each CPU
+    its own core where sysfs does not say."""
+    cores: dict[tuple[str, str], list[int]] = {}
+    for cpu in cpus:
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            key = ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+        except OSError:
+            key = ("cpu", str(cpu))
+        cores.setdefault(key, []).append(cpu)
+    return list(cores.values())
+
+
+CORES = physical_cores(CPUS)
+
+
 def worker_cpu(position: int) -> int | None:
-    """A CPU of its own for the case's n-th worker, the same one in every run (the solo's is the
-    first worker's): the inference loop is CPU-bound, and a worker the kernel moved between CPUs ran
-    up to 30% slower or faster from one solo run to the next. CPU 0 is left to this process's
-    scheduler threads. None where there are too few CPUs to give each its own."""
-    cpus = sorted(os.sched_getaffinity(0))
-    return cpus[1 + position] if len(cpus) > position + 1 else None
+    """A physical core of its own for the case's n-th worker, the same one in every run (the solo's is
+    the first worker's): the inference loop is CPU-bound, and a worker the kernel moved between CPUs
+    ran up to 30% slower or faster from one solo run to the next. The first core is this process's (its
+    scheduler threads: `pin_self`), and no worker shares a core with another one's hyperthread. None
+    where there are too few cores to give each its own."""
+    return CORES[1 + position][0] if len(CORES) > position + 1 else None
+
+
+def pin_self() -> None:
+    """Keep this process's threads (the schedulers, their polls during drains) off the workers' cores:
+    unpinned, or pinned to the hyperthread beside the first worker's, they slowed that worker's
+    launch-bound loop (H100, 2026-11-22 16:51-17:00)."""
+    if len(CORES) > 1:
+        os.sched_setaffinity(0, set(CORES[0]))
 
 
 class Worker:
@@ -192,9 +229,10 @@ class Worker:
             env[defaults.ENV_GROUP] = load.group
             env[defaults.ENV_STATE_DIR] = str(state_dir)
         self.load = load
-        pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, load.kind, str(load.device)], env=env,
-                                     text=True, preexec_fn=pin,
+        cpus = set(CPUS) if cpu is None else {cpu}  # not this process's own pin (pin_self)
+        pin = (lambda: os.sched_setaffinity(0, cpus)) if len(CPUS) > 1 else None
+        argv = [sys.executable, "-c", WORKER, load.kind, str(load.device), str(load.paced_ms / 1e3)]
+        self.proc = subprocess.Popen(argv, env=env, text=True, preexec_fn=pin,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.lines: list[dict[str, Any]] = []
         self.ready = threading.Event()
@@ -247,7 +285,7 @@ class Worker:
 class Rig:
     """A region with every GPU's UUID, one scheduler thread per GPU and a heartbeat."""
 
-    def __init__(self, state_dir: Path) -> None:
+    def __init__(self, state_dir: Path, params: PolicyParams | None = None) -> None:
         import pynvml
 
         pynvml.nvmlInit()
@@ -263,7 +301,7 @@ class Rig:
         self.region = Region.create(state_dir)
         self.region.set_gpus(gpus)
         self.stop = threading.Event()
-        self.schedulers = [GpuScheduler(self.region, i) for i in range(len(gpus))]
+        self.schedulers = [GpuScheduler(self.region, i, params=params) for i in range(len(gpus))]
         self.threads = [threading.Thread(target=s.run, args=(self.stop,)) for s in self.schedulers]
         self.threads.append(threading.Thread(target=self._beat))
         self.region.heartbeat(time.monotonic_ns())
@@ -361,8 +399,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--cases", default="all", help="comma-separated substrings of case names")
+    parser.add_argument("--slice-ms", type=float, metavar="MS",
+                        help=f"the scheduler's slice (default {PolicyParams().slice_ns / 1e6:g} ms; at most "
+                             "max_slice grows with it)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    pin_self()
     if not GATE.exists():
         print(f"{GATE} is missing: run `make gate` first", file=sys.stderr)
         return 2
@@ -373,7 +415,13 @@ def main() -> int:
     cases = [c for c in cases if c.gpus <= gpus]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gemtrace-sched-") as tmp:
-        rig = Rig(Path(tmp))
+        params = None
+        if args.slice_ms is not None:
+            if args.slice_ms <= 0:
+                parser.error("--slice-ms must be positive")
+            slice_ns = int(args.slice_ms * 1e6)
+            params = PolicyParams(slice_ns=slice_ns, max_slice_ns=max(PolicyParams().max_slice_ns, slice_ns))
+        rig = Rig(Path(tmp), params)
         try:
             solo: dict[tuple[str, int], float] = {}  # (work, GPU) -> it/s alone and ungated
             for kind, device in sorted({(load.kind, load.device) for c in cases for load in c.loads
@@ -403,8 +451,9 @@ def main() -> int:
             rig.close()
     text = table(rows)
     stamp = time.strftime("%Y-%m-%d %H:%M %Z")
-    header = (f"{stamp}, {rig.device}, {platform.node()}; {args.seconds:g} s windows after {args.warmup:g} s "
-              "warm-up; share = it/s shared / it/s alone ungated")
+    slice_note = "" if args.slice_ms is None else f"; slice {args.slice_ms:g} ms"
+    header = (f"{stamp}, {rig.device}, {platform.node()}{slice_note}; {args.seconds:g} s windows after "
+              f"{args.warmup:g} s warm-up; share = it/s shared / it/s alone ungated")
     print(f"\n{header}\n\n{text}")
     ok = all(abs(r["share"] - r["target"]) <= 0.02 if r["kind"] == "=" else r["share"] >= r["target"] - 0.02
              for r in rows if r["kind"] != "~")
