@@ -340,6 +340,7 @@ static void after_fork_in_child(void)
     cached_stream_gpu = -1;
     extern void gt_memory_forget_all(void);
     gt_memory_forget_all();
+    gt_launch_after_fork();
 }
 
 __attribute__((constructor)) static void gate_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }

@@ -69,5 +69,6 @@ void gt_note_gpu(int gpu);             /* set the slot's gpu_mask bit */
 
 /* launch.c */
 void gt_close_burst(int gpu);     /* our queued work on gpu has drained (after a sync) */
+void gt_launch_after_fork(void);  /* the child of a fork starts with launch.c's lock free */
 
 #endif

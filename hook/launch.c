@@ -102,6 +102,9 @@ static __attribute__((noinline)) void hold(int gpu, uint32_t *held, CUstream str
 #define GT_FIRST_MEASURE_LAUNCHES 16
 static pthread_mutex_t marker_lock = PTHREAD_MUTEX_INITIALIZER;
 
+/* After fork: a thread of the parent may have held the lock; the child has no such thread. */
+void gt_launch_after_fork(void) { pthread_mutex_init(&marker_lock, NULL); }
+
 /* An event in the stream's context (the current one may be another device's), recorded on it. */
 static bool record_marker(int gpu, CUstream stream, uint64_t launches)
 {
