@@ -18,8 +18,8 @@
  *   GT_RELEASED: launches proceed after one atomic load.
  *   GT_RELEASED_SHORT_QUEUE: launches proceed, but a process whose queued work on that GPU comes to
  *      more than about GT_QUEUE_BOUND_NS (its launches since it last drained, times the time a launch
- *      took in its earlier bursts) drains it first. The agent
- *      sets it where a hold is coming (another group waits, or the group has a MaxUtil), so that the
+ *      took in its earlier bursts) first waits until about half of that is left. The agent sets it
+ *      where a hold is coming (another group waits, or the group has a MaxUtil), so that the
  *      hold's drain is short: a process that never synchronises (its CPU runs seconds ahead, the
  *      driver's queue full) would otherwise make each drain seconds long.
  *   GT_HELD: a launching thread

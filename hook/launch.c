@@ -6,8 +6,9 @@
  * Held: the launching thread first drains what the process has queued on that GPU (so the next group's
  * slice is not eaten by our backlog: Gemini's expiry sync, LESSONS.md), then sleeps on the held word
  * (a shared futex; the agent wakes it), re-checking the agent's heartbeat so it never hangs without one.
- * Released with a short queue (a hold is coming): a backlog older than GT_QUEUE_BOUND_NS is drained
- * first, so that the hold's drain is short whatever the process queues.
+ * Released with a short queue (a hold is coming): a launch that would leave more than about
+ * GT_QUEUE_BOUND_NS of work queued first waits for part of it (keep_queue_short), so that the hold's
+ * drain is short whatever the process queues.
  *
  * A burst is the time from the first launch after the process was idle to the sync that drains it;
  * its length is added to the slot's busy_ns (on a time-sliced GPU it includes other contexts' kernels

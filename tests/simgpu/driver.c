@@ -840,19 +840,7 @@ static CUresult stream_query(CUstream h, bool per_thread)
     return stream_end(s) <= sim_now() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
-/* The device a stream's work runs on (CUDA 12.8): the gate asks it to charge a launch to the GPU its
- * stream names, which need not be the current context's. */
-static CUresult stream_get_device(CUstream h, CUdevice *device, bool per_thread)
-{
-    CUresult err = CUDA_SUCCESS;
-    struct CUstream_st *s = resolve_stream(h, per_thread, &err);
-    if (!s)
-        return err;
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
-    *device = s->ctx->ordinal;
-    return CUDA_SUCCESS;
-}
+/* The context a stream belongs to: the gate creates its queue marker there. */
 static CUresult stream_get_ctx(CUstream h, CUcontext *pctx, bool per_thread)
 {
     CUresult err = CUDA_SUCCESS;
@@ -862,6 +850,20 @@ static CUresult stream_get_ctx(CUstream h, CUcontext *pctx, bool per_thread)
     if (!pctx)
         return CUDA_ERROR_INVALID_VALUE;
     *pctx = s->ctx;
+    return CUDA_SUCCESS;
+}
+
+/* The device a stream's work runs on (CUDA 12.8): the gate asks it to charge a launch to the GPU its
+ * stream names, which need not be the current context's. */
+static CUresult stream_get_device(CUstream h, CUdevice *device, bool per_thread)
+{
+    CUcontext ctx;
+    CUresult err = stream_get_ctx(h, &ctx, per_thread);
+    if (err != CUDA_SUCCESS)
+        return err;
+    if (!device)
+        return CUDA_ERROR_INVALID_VALUE;
+    *device = ctx->ordinal;
     return CUDA_SUCCESS;
 }
 SIM_API CUresult cuStreamGetCtx(CUstream h, CUcontext *pctx) { return stream_get_ctx(h, pctx, false); }
