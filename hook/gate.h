@@ -7,11 +7,10 @@
 #ifndef GEMTRACE_GATE_H
 #define GEMTRACE_GATE_H
 
-#define __CUDA_API_VERSION_INTERNAL 1 /* the versioned names (cuMemAlloc_v2, *_ptsz) as libcuda exports them */
-#include <cuda.h>
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "cuda_driver_api.h" /* the versioned names (cuMemAlloc_v2, *_ptsz) as libcuda exports them */
 #include "gated_symbols.h"
 #include "gemtrace_region.h"
 

@@ -4,7 +4,7 @@
  * From this list come the table of real entry points (gate.h), the answers of our dlsym and
  * cuGetProcAddress (intercept.c) and the check that every listed symbol has a wrapper (the linker:
  * the table takes each wrapper's address). Adding a symbol: list it here and write its wrapper in
- * launch.c or memory.c with the prototype cuda.h gives it.
+ * launch.c or memory.c with the prototype that cuda_driver_api.h declares for it (copied from cuda.h).
  *
  * Launch entry points include the _ptsz variants that cuGetProcAddress hands out for the per-thread
  * default stream (LESSONS.md: cuLaunchKernelEx went unthrottled in HAMi-core until added; cuBLAS uses it).

@@ -7,7 +7,7 @@
 int main(int argc, char **argv)
 {
     struct drv d = {
-#define LINK(name, type, linked) .f_##name = linked,
+#define LINK(name, linked) .f_##name = linked,
         DRV_FUNCS(LINK)
 #undef LINK
     };

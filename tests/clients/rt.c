@@ -22,14 +22,14 @@ int main(int argc, char **argv)
         printf("{\"error\":\"dlopen\",\"message\":\"%s\"}\n", dlerror());
         return 2;
     }
-    PFN_cuGetProcAddress_v12000 get = (PFN_cuGetProcAddress_v12000)dlsym(lib, "cuGetProcAddress_v2");
+    __typeof__(&cuGetProcAddress_v2) get = (__typeof__(&cuGetProcAddress_v2))dlsym(lib, "cuGetProcAddress_v2");
     if (!get) {
         printf("{\"error\":\"dlsym\",\"message\":\"no cuGetProcAddress_v2\"}\n");
         return 2;
     }
     struct drv d;
     CUdriverProcAddressQueryResult status;
-#define RESOLVE(name, type, linked)                                                             \
+#define RESOLVE(name, linked)                                                                   \
     if (get(#name, (void **)&d.f_##name, 13000, flags, &status) != CUDA_SUCCESS ||              \
         status != CU_GET_PROC_ADDRESS_SUCCESS) {                                                \
         printf("{\"error\":\"cuGetProcAddress\",\"symbol\":\"%s\",\"status\":%d}\n", #name, (int)status); \

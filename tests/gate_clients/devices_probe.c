@@ -1,14 +1,15 @@
 /*
  * devices_probe.c - allocations whose device is not the current context's, for tests/test_gate.py.
- * Linked with -lcuda (the simulated one). The current context is device 0's throughout; each
- * allocation names device 1 another way:
+ * Linked with -lcuda (the simulated one); -I hook finds cuda_driver_api.h. The current context is
+ * device 0's throughout; each allocation names device 1 another way:
  *   pool     cuMemAllocFromPoolAsync from device 1's default pool
  *   created  cuMemAllocFromPoolAsync from a pool created on device 1
  *   stream   cuMemAllocAsync on a stream of device 1's context
  *   create   cuMemCreate with location.id = 1
  * Prints {"api","size","result"} per allocation, then {"holding":pid} and sleeps until killed.
  */
-#include <cuda.h>
+#include "cuda_driver_api.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -18,13 +18,11 @@
  * made to it, as with the real libcuda.
  *
  * The launch path takes no lock and makes no system call beyond clock_gettime (vDSO), so that the
- * gate's overhead can be measured against it. Functions use the real prototypes of cuda.h, built
- * with __CUDA_API_VERSION_INTERNAL as NVIDIA builds libcuda, so the versioned names are the real ones.
+ * gate's overhead can be measured against it. Functions use the real prototypes of cuda.h by the
+ * names libcuda exports, as the gate's hook/cuda_driver_api.h declares them (checked against cuda.h).
  */
 #define _GNU_SOURCE
-#define __CUDA_API_VERSION_INTERNAL 1
-#include <cuda.h>
-
+#include "cuda_driver_api.h"
 #include "simgpu.h"
 
 #include <errno.h>
