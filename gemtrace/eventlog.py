@@ -50,8 +50,9 @@ def _stream_is_journal(stream: TextIO) -> bool:
     return is_journal_stream(os.environ.get("JOURNAL_STREAM"), st)
 
 
-def _journal_priority_prefix(_logger: Any, method_name: str, rendered: str) -> str:
-    """Runs after the renderer: the line as journald reads a priority from it."""
+def _journal_priority_prefix(_logger: Any, method_name: str, rendered: Any) -> str:
+    """Runs after the renderer, so `rendered` is the line (structlog types it as the event dict):
+    the line as journald reads a priority from it."""
     return f"<{JOURNAL_PRIORITY.get(method_name, JOURNAL_PRIORITY['info'])}>{rendered}"
 
 
