@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             agent.kill()
         agent_log.close()
         shutil.rmtree(work, ignore_errors=True)
+        if workloads:  # it ran: the frames have scrolled the log's path away
+            print(f"{TITLE}: stopped; the agent's log is kept in {log_path}", flush=True)
 
 
 if __name__ == "__main__":

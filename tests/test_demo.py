@@ -67,6 +67,7 @@ def test_the_demo_is_quiet_and_shows_only_its_own_programs(host: Host, tmp_path:
         log_path = Path(match.group(1))
         assert out.stdout.count("\ngemtrace demo  on the simulated GPU") >= 3  # a frame a second
         assert "gemtrace top" not in out.stdout
+        assert lines[-1] == f"gemtrace demo: stopped; the agent's log is kept in {log_path}"
         for group in ("train", "infer", "notebook"):
             assert f"  {group} " in out.stdout
         assert f" {stranger.pid} " not in out.stdout
