@@ -113,7 +113,11 @@ class Accounting:
         rescan_seconds: float = defaults.LIBCUDA_RESCAN_SECONDS,
         clock: Callable[[], int] = time.monotonic_ns,
         libcuda_paths: Sequence[Path] | None = None,
+        scan_host: bool = True,
     ) -> None:
+        """`libcuda_paths`: files probed from the start (None: the host's, from ldconfig). `scan_host`
+        False: probe only those, never the other libcuda files that processes map (the demo, which
+        must not account for, nor kill, the host's other programs)."""
         self.region = region
         self.config_getter = config_getter
         self.proc = ProcReader(proc_root)
@@ -127,6 +131,7 @@ class Accounting:
         # Probed from the start even before any process maps them, so that a process's first
         # allocations are not missed while the next rescan is due (None: the host's, from ldconfig).
         self.libcuda_paths = tuple(libcuda.system_paths() if libcuda_paths is None else libcuda_paths)
+        self.scan_host = scan_host
         self._lock = threading.RLock()  # guards bcc and the caches below
         self._info: dict[int, _Info] = {}
         self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): last account, kept for the grace
@@ -202,7 +207,7 @@ class Accounting:
     def rescan(self) -> None:
         """Attach to libcuda files newly mapped; detach from those no live process maps any more."""
         assert self.probes is not None
-        files = self._scanner.scan(skip=os.getpid())
+        files = self._scanner.scan(skip=os.getpid()) if self.scan_host else {}
         pinned = {}
         for path in self.libcuda_paths:
             try:

@@ -30,6 +30,11 @@ from gemtrace.scheduler import GpuScheduler, Quota
 
 log = structlog.get_logger("gemtrace.agent")
 
+# Set to libcuda paths (separated by ':'), the agent probes only those files instead of every
+# libcuda on the host: `make demo` sets it to the simulated libcuda, so that its agent neither
+# accounts for nor kills the host's other programs.
+ENV_PROBE_LIBCUDA = "GEMTRACE_PROBE_LIBCUDA"
+
 ACCOUNTING_POLL_SECONDS = 1.0  # the scrape cadence: polling faster costs CPU for nothing (docs/accounting.md)
 
 
@@ -108,7 +113,10 @@ class Agent:
         use_ebpf: bool = True,
         probe_mode: str = "memory",
         gpus: list[Gpu] | None = None,
+        libcuda_paths: list[Path] | None = None,
     ) -> None:
+        """`libcuda_paths`: probe only these libcuda files (None: ENV_PROBE_LIBCUDA's, or when it is
+        unset every libcuda file on the host)."""
         self.config_path = config_path
         self.state_dir = state_dir
         self.config: ResourceConfig = load(config_path)  # a bad file at start is fatal: nothing to keep
@@ -120,7 +128,10 @@ class Agent:
         self.schedulers = [GpuScheduler(self.region, g.index) for g in self.gpus]
         self._apply(self.config)
         self.region.heartbeat(time.monotonic_ns())
-        self.accounting = Accounting(self.region, lambda: self.config, use_ebpf=use_ebpf, probe_mode=probe_mode)
+        if libcuda_paths is None and os.environ.get(ENV_PROBE_LIBCUDA):
+            libcuda_paths = [Path(p) for p in os.environ[ENV_PROBE_LIBCUDA].split(":") if p]
+        self.accounting = Accounting(self.region, lambda: self.config, use_ebpf=use_ebpf, probe_mode=probe_mode,
+                                     libcuda_paths=libcuda_paths, scan_host=libcuda_paths is None)
         self.snapshot: Snapshot | None = None
         self.reaper = Reaper(self.region)
         self.watcher = ConfigWatcher(config_path, self.reload)

@@ -34,14 +34,14 @@ def _fail(message: str, status: int = 1) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from gemtrace import logging as gt_logging
+    from gemtrace import eventlog
     from gemtrace.agent import Agent, install_signal_handlers
     from gemtrace.config import ConfigError
     from gemtrace.exporter import Exporter, ListenError
     from gemtrace.gpus import GpuDiscoveryError
     from gemtrace.region import RegionError
 
-    gt_logging.configure(args.log_level)
+    eventlog.configure(args.log_level)
     try:
         agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode)
     except (ConfigError, GpuDiscoveryError, RegionError) as e:

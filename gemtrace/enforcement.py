@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 RESOURCE_MEMORY = "memory"
+RESOURCES = (RESOURCE_MEMORY,)  # every `resource` a quota breach can name
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,11 @@ GOLDEN = Path(__file__).parent / "golden" / "metrics.txt"
 UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 # Values that are the same on every run of this setup (quotas, limits, totals, info, reload counts).
 # Every other series keeps its labels in the golden copy, and PLACEHOLDER for its value.
+# The enforcement counters are among them: nothing in the golden setup goes over a limit, so they must
+# read 0, not be absent.
 STABLE = re.compile(r"^gemtrace_(agent_info|gpu_info|gpu_memory_total_bytes|group_util_(min|max)_ratio|"
-                    r"group_memory_limit_bytes|config_reloads_total|config_last_reload_success)\b")
+                    r"group_memory_limit_bytes|config_reloads_total|config_last_reload_success|"
+                    r"oom_kills_total|quota_breaches_total|tampering_events_total)\b")
 PLACEHOLDER = "<value>"
 PLACEHOLDER_AT_END = re.compile(rf" {re.escape(PLACEHOLDER)}$", re.MULTILINE)
 

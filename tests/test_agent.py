@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -159,20 +158,6 @@ def test_check_config_and_status(host: Host) -> None:
         stop(agent)
     out = subprocess.run(gemtrace("status", "--listen", listen), env=host.env(), capture_output=True, text=True)
     assert out.returncode == 1 and "gemtrace status:" in out.stderr
-
-
-def test_the_demo_runs(host: Host) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "gemtrace.demo", "--seconds", "4"],
-        env=host.env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    assert out.stdout.count("GPU ") >= 3  # a status frame a second
-    for group in ("train", "infer", "notebook"):
-        assert group in out.stdout
 
 
 def test_run_without_a_config_checks_the_running_agents_groups(host: Host) -> None:

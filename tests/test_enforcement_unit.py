@@ -55,3 +55,24 @@ def test_at_the_limit_is_not_over() -> None:
     e = MemoryEnforcer(kill=killed.append)
     assert e.check([Holding(1, "a", GPU, 500 * MiB, 1)], {"a": 500 * MiB}) == []
     assert killed == [] and not e.breaches
+
+
+def test_every_defined_group_is_exported_at_zero_before_its_first_event() -> None:
+    killed: list[int] = []
+    e = MemoryEnforcer(kill=killed.append)
+    defined = ["a", "b"]
+    registry = CollectorRegistry()
+    registry.register(EnforcementCollector(e, lambda: defined))
+    text = generate_latest(registry).decode()
+    for group in ("a", "b"):
+        assert f'gemtrace_oom_kills_total{{group="{group}"}} 0.0' in text
+        assert f'gemtrace_quota_breaches_total{{group="{group}",resource="memory"}} 0.0' in text
+        assert f'gemtrace_tampering_events_total{{group="{group}"}} 0.0' in text
+
+    e.check([Holding(1, "a", GPU, 600 * MiB, 1)], {"a": 500 * MiB})
+    defined = ["b"]  # a reload removed group a: its counts stay, a counter does not go back
+    text = generate_latest(registry).decode()
+    assert 'gemtrace_oom_kills_total{group="a"} 1.0' in text
+    assert 'gemtrace_quota_breaches_total{group="a",resource="memory"} 1.0' in text
+    assert 'gemtrace_tampering_events_total{group="a"}' not in text  # never had one, no longer defined
+    assert 'gemtrace_oom_kills_total{group="b"} 0.0' in text

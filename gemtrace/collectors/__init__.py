@@ -39,7 +39,7 @@ def _processes(agent: Agent) -> Collector:
 def _enforcement(agent: Agent) -> Collector:
     from gemtrace.collectors.enforcement import EnforcementCollector
 
-    return EnforcementCollector(agent.accounting.enforcer)
+    return EnforcementCollector(agent.accounting.enforcer, lambda: agent.config.groups)
 
 
 # name -> factory; one line registers a collector.

@@ -1,36 +1,41 @@
 """Counters of memory enforcement: OOM kills, quota breaches and slot tampering, per group.
 
-Reads MemoryEnforcer's counters only; a group appears once it has an event (counters born at their
-first event, as the alert rules expect).
+Reads MemoryEnforcer's counters only. Every group of the resource file in force is exported from
+the start, at 0 until its first event (and every resource a breach can name), so that a dashboard
+shows 0 rather than "No data" and increase() sees the first event as a step from 0. A group that
+had events and was then removed from the file keeps its series: a counter does not go back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from gemtrace.collectors.processes import family
-from gemtrace.enforcement import MemoryEnforcer
+from gemtrace.enforcement import RESOURCES, MemoryEnforcer
 from gemtrace.metrics import spec
 
 
 class EnforcementCollector(Collector):
-    def __init__(self, enforcer: MemoryEnforcer) -> None:
+    def __init__(self, enforcer: MemoryEnforcer, groups: Callable[[], Iterable[str]] = lambda: ()) -> None:
+        """`groups`: the names of the groups defined now (the resource file in force)."""
         self._enforcer = enforcer
+        self._groups = groups
 
     def collect(self) -> Iterator[Metric]:
         oom_kills, breach_counts, tampering_counts = self._enforcer.counters()
+        defined = set(self._groups())
         kills = family(spec("gemtrace_oom_kills_total"))
-        for group, n in sorted(oom_kills.items()):
-            kills.add_metric([group], float(n))
+        for group in sorted(defined | set(oom_kills)):
+            kills.add_metric([group], float(oom_kills.get(group, 0)))
         breaches = family(spec("gemtrace_quota_breaches_total"))
-        for (group, resource), n in sorted(breach_counts.items()):
-            breaches.add_metric([group, resource], float(n))
+        for group, resource in sorted({(g, r) for g in defined for r in RESOURCES} | set(breach_counts)):
+            breaches.add_metric([group, resource], float(breach_counts.get((group, resource), 0)))
         tampering = family(spec("gemtrace_tampering_events_total"))
-        for group, n in sorted(tampering_counts.items()):
-            tampering.add_metric([group], float(n))
+        for group in sorted(defined | set(tampering_counts)):
+            tampering.add_metric([group], float(tampering_counts.get(group, 0)))
         yield kills
         yield breaches
         yield tampering

@@ -114,12 +114,60 @@ def bpf_source_dir() -> Path:
     raise BpfUnavailable(f"{BPF_PROGRAM} not found in {', '.join(map(str, BPF_SOURCE_DIRS))}; reinstall gemtrace")
 
 
+def _read_os_release() -> str:
+    for path in (Path("/etc/os-release"), Path("/usr/lib/os-release")):
+        try:
+            return path.read_text()
+        except OSError:
+            continue
+    return ""
+
+
+def distribution(os_release: str) -> str:
+    """"ubuntu", "debian" or "" (another or unknown) from os-release(5) text (pure): ID, then ID_LIKE,
+    since a derivative names its parent there (Linux Mint: ID_LIKE="ubuntu debian")."""
+    fields = {}
+    for line in os_release.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            fields[key.strip()] = value.strip().strip("\"'")
+    for name in (fields.get("ID", ""), *fields.get("ID_LIKE", "").split()):
+        if name in ("ubuntu", "debian"):
+            return name
+    return ""
+
+
+# The package that follows the newest distribution kernel, by distribution and machine.
+_HEADERS_META = {("debian", "x86_64"): "linux-headers-amd64", ("debian", "aarch64"): "linux-headers-arm64",
+                 ("ubuntu", "x86_64"): "linux-headers-generic", ("ubuntu", "aarch64"): "linux-headers-generic"}
+
+
+def missing_headers_help(headers: Path, release: str, machine: str, os_release: str) -> str:
+    """What to tell an operator whose running kernel has no headers where bcc looks (pure).
+
+    The package's Recommends pulls the headers of the newest distribution kernel, which are not the
+    running kernel's until a reboot into it, and a kernel that is not the distribution's has none."""
+    distro = distribution(os_release)
+    exact = f"linux-headers-{release}"
+    meta = _HEADERS_META.get((distro, machine))
+    if distro:
+        install = f"run `apt-get install {exact}` as root"
+        if meta:
+            install += f" (if the archive no longer has it, `apt-get install {meta}` and reboot into the newest kernel)"
+    else:
+        install = (f"install the headers of kernel {release} (Debian and Ubuntu: `apt-get install {exact}`; "
+                   "other distributions: their kernel headers or kernel-devel package)")
+    return (f"bcc compiles the eBPF probes against the running kernel's headers, and {headers} is missing: "
+            f"{install}, then restart the agent. Until then the agent accounts what the gates and NVML report")
+
+
 def _import_bcc():  # type: ignore[no-untyped-def]
     try:
         import bcc  # noqa: PLC0415  (the distribution's python3-bpfcc)
     except ImportError as e:
         raise BpfUnavailable(
-            f"bcc's Python module is missing ({e}): install the distribution's python3-bpfcc"
+            f"bcc's Python module is missing ({e}): run `apt-get install python3-bpfcc` as root, "
+            "then restart the agent"
         ) from None
     return bcc
 
@@ -136,10 +184,8 @@ class BpfProbes:
         src = bpf_source_dir()
         headers = Path("/lib/modules") / os.uname().release / "build"
         if not headers.exists():
-            raise BpfUnavailable(
-                f"bcc needs kernel headers at {headers}: install linux-headers-amd64 and link it there "
-                "(see .ci/run)"
-            )
+            raise BpfUnavailable(missing_headers_help(headers, os.uname().release, os.uname().machine,
+                                                      _read_os_release()))
         try:
             self._bpf = bcc.BPF(
                 src_file=str(src / BPF_PROGRAM).encode(),
