@@ -2,7 +2,8 @@
 
 Owns argument parsing and turning errors into one clear line and an exit status; the work is done
 by the modules it calls. Exit statuses: 0 success, 1 a failure the message explains, 2 bad usage
-(argparse's convention), and for `run` the command's own status.
+(argparse's convention), EXIT_NO_GPU_DRIVER when the agent finds no usable NVIDIA driver, and for
+`run` the command's own status. The Debian package's man page is generated from `help_parsers()`.
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from pathlib import Path
 
 from gemtrace import __version__, defaults
 
+# sysexits.h's EX_CONFIG: the host lacks what the agent needs (the NVIDIA driver), so restarting
+# cannot help; the unit names it in RestartPreventExitStatus= (packaging/deb/gemtrace.service).
+EXIT_NO_GPU_DRIVER = 78
+
 EPILOG = """examples:
   gemtrace agent --config /etc/gemtrace/resource.conf
   gemtrace run --group train -- python train.py
-  gemtrace check-config /etc/gemtrace/resource.conf
+  gemtrace check-config
   gemtrace status
   gemtrace top
 """
@@ -44,7 +49,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
     eventlog.configure(args.log_level)
     try:
         agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode)
-    except (ConfigError, GpuDiscoveryError, RegionError) as e:
+    except GpuDiscoveryError as e:
+        return _fail(f"{e} The agent cannot run without it: install the NVIDIA driver (`nvidia-smi` lists the "
+                     "GPUs once it works), then `systemctl restart gemtrace`. The service does not restart the "
+                     f"agent by itself for this (exit status {EXIT_NO_GPU_DRIVER}).", EXIT_NO_GPU_DRIVER)
+    except (ConfigError, RegionError) as e:
         return _fail(str(e))
     except PermissionError as e:
         return _fail(f"{e.filename}: permission denied; the agent runs as root (or with the unit's capabilities)")
@@ -71,7 +80,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
-        run(args.group, command, args.config, args.state_dir)
+        run(args.group, command, args.config, args.state_dir, args.require_agent)
     except LaunchError as e:
         return _fail(str(e), e.status)
     return 0  # not reached: run() execs
@@ -104,6 +113,18 @@ def cmd_top(args: argparse.Namespace) -> int:
     return top.main(args.rest)
 
 
+def help_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The parser whose --help each command prints, by name ("" for `gemtrace` itself): what the
+    man page documents. `top` parses its own options (gemtrace.top.parser)."""
+    from gemtrace import top
+
+    ap = parser()
+    commands = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {"": ap, **commands.choices}
+    parsers["top"] = top.parser()
+    return parsers
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="gemtrace",
@@ -118,44 +139,53 @@ def parser() -> argparse.ArgumentParser:
                            description="Schedule every GPU of this host by the resource file's quotas, "
                            "account every process through eBPF, and serve Prometheus metrics. Stops "
                            "cleanly on SIGTERM or SIGINT.")
-    agent.add_argument("--config", type=Path, default=defaults.CONFIG_PATH,
+    agent.add_argument("--config", type=Path, default=defaults.CONFIG_PATH, metavar="FILE",
                        help=f"the resource file (default {defaults.CONFIG_PATH}); reloaded when it changes")
-    agent.add_argument("--state-dir", type=Path, default=_state_dir_default(),
+    agent.add_argument("--state-dir", type=Path, default=_state_dir_default(), metavar="DIR",
                        help=f"where the region shared with the gates lives (default ${defaults.ENV_STATE_DIR} "
                        f"or {defaults.STATE_DIR})")
-    agent.add_argument("--listen", default=defaults.LISTEN,
+    agent.add_argument("--listen", default=defaults.LISTEN, metavar="HOST:PORT",
                        help=f"HOST:PORT to serve /metrics on (default {defaults.LISTEN})")
     agent.add_argument("--no-ebpf", action="store_true",
                        help="do not attach eBPF probes (accounting then comes from the gates and NVML)")
     agent.add_argument("--probe-mode", choices=("memory", "launches"), default="memory",
                        help="memory: probe allocations and contexts (default, no cost per launch); launches: "
                        "also count every ungated launch (about 0.8 us each: docs/accounting.md)")
-    agent.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info")
+    agent.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                       help="log events of this severity and above (default info); the log goes to stderr, "
+                       "one JSON object per line unless stderr is a terminal")
     agent.set_defaults(func=cmd_agent)
 
     run = sub.add_parser("run", help="run a command in a group, with the gate preloaded",
                          description="Run CMD with the gate (libgemgate.so) preloaded in group NAME; the "
                          "exit status is CMD's. Any LD_PRELOAD already set is kept after the gate.",
-                         usage="gemtrace run --group NAME [--config FILE] [--state-dir DIR] -- CMD [ARGS...]")
-    run.add_argument("--group", required=True, help="a group of the resource file")
-    run.add_argument("--config", type=Path, default=None,
+                         usage="gemtrace run --group NAME [--config FILE] [--state-dir DIR] [--require-agent] "
+                         "-- CMD [ARGS...]")
+    run.add_argument("--group", required=True, metavar="NAME", help="a group of the resource file")
+    run.add_argument("--config", type=Path, default=None, metavar="FILE",
                      help="check the group against this resource file (default: the groups of the running "
                      f"agent, else {defaults.CONFIG_PATH})")
-    run.add_argument("--state-dir", type=Path, default=_state_dir_default(),
+    run.add_argument("--state-dir", type=Path, default=_state_dir_default(), metavar="DIR",
                      help=f"the agent's state dir (default ${defaults.ENV_STATE_DIR} or {defaults.STATE_DIR})")
+    run.add_argument("--require-agent", action="store_true",
+                     help="refuse to run CMD (exit 1) when no agent is running, instead of running it without "
+                     "its group's quotas after a warning")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
     run.set_defaults(func=cmd_run)
 
     check = sub.add_parser("check-config", help="validate a resource file and print its effective settings",
                            description="Validate FILE; on error print FILE:LINE and what is wrong, exit 1.")
-    check.add_argument("file", type=Path, metavar="FILE")
+    check.add_argument("file", type=Path, metavar="FILE", nargs="?", default=defaults.CONFIG_PATH,
+                       help=f"the resource file to check (default {defaults.CONFIG_PATH}, the agent's)")
     check.set_defaults(func=cmd_check_config)
 
     status = sub.add_parser("status", help="each GPU's groups: share, memory, processes",
                             description="One view of each GPU's groups from the agent's /metrics: the share "
                             "used against MinUtil/MaxUtil, memory against the limit, and the processes.")
-    status.add_argument("--listen", default=defaults.LISTEN,
-                        help=f"the agent's HOST:PORT or /metrics URL (default {defaults.LISTEN})")
+    status.add_argument("--listen", default=defaults.LISTEN, metavar="HOST:PORT",
+                        help=f"the agent's address (its `agent --listen`) or /metrics URL (default {defaults.LISTEN})")
+    # `top` once took --url for the same address: accepted here too, so either name works for both.
+    status.add_argument("--url", dest="listen", help=argparse.SUPPRESS)
     status.add_argument("--json", action="store_true", help="print the figures as JSON")
     status.set_defaults(func=cmd_status)
 

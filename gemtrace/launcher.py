@@ -1,18 +1,25 @@
 """`gemtrace run --group NAME -- CMD`: start CMD with the gate preloaded, in a group.
 
 Owns finding the gate and building CMD's environment; it then execs CMD, so the exit status is
-CMD's own and no gemtrace process stays around. It never talks to the agent: the gate does.
+CMD's own and no gemtrace process stays around. It never talks to the agent: the gate does. It only
+reads a snapshot of the agent's region, for the groups in force and to tell an operator when no agent
+is there (the gate then lets CMD run without its group's quotas, which a first run should not hide).
 """
 
 from __future__ import annotations
 
 import os
+import shlex
+import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from gemtrace import defaults
 from gemtrace.config import ConfigError, load
-from gemtrace.region import Region, RegionError
+from gemtrace.region import HEARTBEAT_STALE_NS, REGION_FILE, Region, RegionError, RegionLayout
+
+START_AGENT = "sudo systemctl start gemtrace"
 
 CHECKOUT_GATE = Path(__file__).resolve().parent.parent / "build" / "libgemgate.so"
 
@@ -49,20 +56,41 @@ def child_environment(group: str, state_dir: Path, gate: Path, environ: Mapping[
     return env
 
 
-def defined_groups(state_dir: Path, config: Path | None) -> tuple[set[str], str]:
+def read_region(state_dir: Path) -> tuple[RegionLayout | None, str]:
+    """A snapshot of the agent's region in `state_dir` (readable by any user), or None and why not."""
+    try:
+        region = Region.open(state_dir, writable=False)
+    except FileNotFoundError:
+        return None, f"no region in {state_dir}"
+    except (OSError, RegionError) as e:
+        return None, str(e)
+    try:
+        return region.layout, ""
+    finally:
+        region.close()
+
+
+def agent_absence(layout: RegionLayout | None, why_none: str, path: Path, now_ns: int) -> str | None:
+    """Why no agent serves the region at `path`, as the gate judges it (None: an agent is running).
+    `now_ns` is CLOCK_MONOTONIC, the heartbeat's clock."""
+    if layout is None:
+        return why_none
+    beat = layout.header.heartbeat_ns
+    if beat == 0:
+        return f"it stopped and left {path}"
+    if now_ns - beat >= HEARTBEAT_STALE_NS:
+        return f"the heartbeat in {path} is {(now_ns - beat) / 1e9:.0f} s old"
+    return None
+
+
+def defined_groups(layout: RegionLayout | None, state_dir: Path, config: Path | None) -> tuple[set[str], str]:
     """The groups a program may join, and where that was read: the resource file given with --config,
-    else the running agent's region (the file in force, readable by any user), else the default file."""
+    else the agent's region (the file in force, readable by any user), else the default file."""
     if config is None:
-        try:
-            region = Region.open(state_dir, writable=False)
-        except (OSError, RegionError):
-            config = defaults.CONFIG_PATH
-        else:
-            try:
-                names = {g.name.decode() for g in region.layout.groups if g.name and g.defined}
-            finally:
-                region.close()
+        if layout is not None:
+            names = {g.name.decode() for g in layout.groups if g.name and g.defined}
             return names, f"the running agent's resource file (region in {state_dir})"
+        config = defaults.CONFIG_PATH
     try:
         return set(load(config).groups), str(config)
     except ConfigError as e:
@@ -75,11 +103,20 @@ def check_group(group: str, known: set[str], source: str) -> None:
                           f"add a [{group}] section or pick one of those")
 
 
-def run(group: str, command: list[str], config: Path | None, state_dir: Path) -> None:
-    """Replace this process with `command` in `group` (returns only by raising)."""
+def run(group: str, command: list[str], config: Path | None, state_dir: Path, require_agent: bool = False) -> None:
+    """Replace this process with `command` in `group` (returns only by raising). Without a running
+    agent it says so in one line and runs `command` anyway, or with `require_agent` refuses (status 1)."""
     if not command:
         raise LaunchError("no command given: gemtrace run --group NAME -- CMD [ARGS]")
-    check_group(group, *defined_groups(state_dir, config))
+    layout, why_none = read_region(state_dir)
+    check_group(group, *defined_groups(layout, state_dir, config))
+    absent = agent_absence(layout, why_none, state_dir / REGION_FILE, time.monotonic_ns())
+    if absent is not None:
+        if require_agent:
+            raise LaunchError(f"the gemtrace agent is not running ({absent}); not starting {shlex.join(command)} "
+                              f"(--require-agent). Start the agent: {START_AGENT}", 1)
+        print(f"gemtrace: warning: the gemtrace agent is not running ({absent}), so {shlex.join(command)} runs "
+              f"without the quotas of group {group!r}. Start the agent: {START_AGENT}", file=sys.stderr, flush=True)
     env = child_environment(group, state_dir, find_gate(), os.environ)
     try:
         os.execvpe(command[0], command, env)

@@ -371,18 +371,26 @@ def metrics_url(address: str) -> str:
     return f"http://{address}/metrics"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """`gemtrace top`'s options (the Debian package's man page is generated from this parser too)."""
     ap = argparse.ArgumentParser(prog="gemtrace top",
                                  description="Live view of gemtrace's groups on this host.")
-    ap.add_argument("--url", default=defaults.LISTEN,
-                    help=f"the agent's address (host:port) or /metrics URL (default {defaults.LISTEN})")
-    ap.add_argument("--state-dir", type=Path, default=None,
+    ap.add_argument("--listen", default=defaults.LISTEN, metavar="HOST:PORT",
+                    help=f"the agent's address (its `agent --listen`) or /metrics URL (default {defaults.LISTEN})")
+    # The first name of --listen, kept working for scripts; `gemtrace status` always said --listen.
+    ap.add_argument("--url", dest="listen", help=argparse.SUPPRESS)
+    ap.add_argument("--state-dir", type=Path, default=None, metavar="DIR",
                     help="read the region in this state dir instead of the agent's /metrics "
                          f"(the gates' view; the agent's is {defaults.STATE_DIR})")
     ap.add_argument("--once", action="store_true", help="print one frame as plain text and exit")
-    ap.add_argument("--interval", type=float, default=REFRESH_SECONDS, help="seconds between frames")
-    args = ap.parse_args(argv)
-    url = str(args.state_dir) if args.state_dir is not None else metrics_url(args.url)
+    ap.add_argument("--interval", type=float, default=REFRESH_SECONDS, metavar="SECONDS",
+                    help=f"seconds between frames (default {REFRESH_SECONDS:g})")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    url = str(args.state_dir) if args.state_dir is not None else metrics_url(args.listen)
     if args.once or not sys.stdout.isatty():
         try:
             return _plain(url, args.once, args.interval)

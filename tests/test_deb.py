@@ -127,6 +127,19 @@ def test_files_are_in_place(installed: Path) -> None:
     ]
     missing = [str(p) for p in expected if not p.is_file()]
     assert missing == []
+    # The README and docs/, compressed over 4 kB as Debian policy wants, but the alerts' runbook.
+    doc = Path("/usr/share/doc/gemtrace")
+    for source in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        plain, packed = doc / source.name, doc / f"{source.name}.gz"
+        text = plain.read_text() if plain.is_file() else gzip.decompress(packed.read_bytes()).decode()
+        assert text == source.read_text(), source.name
+    assert (doc / "alerts.md").is_file()
+    # Every alert's runbook_url opens the installed runbook, at a heading of it.
+    rules = Path("/usr/share/gemtrace/prometheus/rules/gemtrace.rules.yml").read_text()
+    urls = re.findall(r"runbook_url: (\S+)", rules)
+    assert urls and {u.split("#")[0] for u in urls} == {"file:///usr/share/doc/gemtrace/alerts.md"}
+    headings = re.findall(r"^## (\w+)$", (doc / "alerts.md").read_text(), re.M)
+    assert {u.split("#")[1] for u in urls} <= {h.lower() for h in headings}
     assert list((REPO / "bpf").glob("*.c")), "bpf/ holds no BPF program to package"
     assert os.access(GEMTRACE, os.X_OK)
     # The gate installed is the one built, stripped: same dynamic symbols.
@@ -152,6 +165,9 @@ def test_unit_verifies(installed: Path) -> None:
     unit = UNIT.read_text()
     assert "ExecStart=/usr/bin/gemtrace agent $GEMTRACE_OPTS" in unit
     assert "EnvironmentFile=-/etc/default/gemtrace" in unit and "Restart=on-failure" in unit
+    # No driver (exit 78) is not restarted for ever; a pidfd per gated process fits.
+    assert re.findall(r"^RestartPreventExitStatus=(.*)$", unit, re.M) == ["78"]
+    assert re.findall(r"^LimitNOFILE=(.*)$", unit, re.M) == ["65536"]
     caps = re.search(r"^CapabilityBoundingSet=(.*)$", unit, re.M)
     assert caps and set(caps.group(1).split()) == {
         "CAP_BPF",
@@ -179,20 +195,42 @@ def test_installed_code_is_used(installed: Path) -> None:
     assert version == _version()
 
 
-def test_help_and_man_page_name_every_command(installed: Path) -> None:
+def test_help_and_man_page_name_every_command_and_option(installed: Path) -> None:
+    """`man gemtrace` documents every flag that the installed command's --help shows."""
     out = _installed_gemtrace("--help").stdout
     commands = {"agent", "run", "check-config", "status", "top"}
     missing = [c for c in sorted(commands) if c not in out]
     assert missing == [], out
     man = gzip.decompress(Path("/usr/share/man/man1/gemtrace.1.gz").read_bytes()).decode()
-    for command in commands:
-        assert f".B {command.replace('-', chr(92) + '-')}" in man, command
-        _installed_gemtrace(command, "--help")  # every command has its --help
+    flags = set(re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", out))
+    for command in sorted(commands):
+        assert f'.SS "{command.replace("-", chr(92) + "-")}"' in man, command
+        help_text = _installed_gemtrace(command, "--help").stdout  # every command has its --help
+        flags |= set(re.findall(r"(?<![\w-])(--?[a-z][a-z-]*)", help_text))
+    assert {"--no-ebpf", "--probe-mode", "--log-level", "--json", "--once", "--interval", "--require-agent"} <= flags
+    undocumented = [f for f in sorted(flags) if "\\fB" + f.replace("-", "\\-") + "\\fR" not in man]
+    assert undocumented == []
+    # man renders the installed page without a warning.
+    proc = _sh("man", "--warnings", "-l", "/usr/share/man/man1/gemtrace.1.gz", env=_clean_env(MANWIDTH="80"))
+    assert proc.stderr == "" and "--require-agent" in proc.stdout
 
 
 def test_check_config_accepts_the_shipped_file(installed: Path) -> None:
     out = _installed_gemtrace("check-config", str(CONF)).stdout
     assert "default" in out
+    # With no argument, the same file: the agent's.
+    assert _installed_gemtrace("check-config").stdout == out and out.startswith(f"{CONF}: OK")
+
+
+def test_installed_agent_without_the_nvidia_driver_exits_78(installed: Path, tmp_path: Path) -> None:
+    """As on a host without the driver: the simulated NVML reports the driver not loaded."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    env = simgpu_env(blocker / "simgpu", base=_clean_env())
+    proc = _installed_gemtrace("agent", "--config", str(CONF), "--state-dir", str(tmp_path / "state"),
+                               "--listen", "127.0.0.1:0", "--no-ebpf", env=env, check=False)
+    assert proc.returncode == 78, proc.stderr
+    assert "NVIDIA driver" in proc.stderr and "libnvidia-ml.so.1" in proc.stderr
 
 
 def _free_port() -> int:

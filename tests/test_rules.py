@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "grafana" / "rules" / "gemtrace.rules.yml"
 RULE_TESTS = sorted((ROOT / "grafana" / "rules" / "tests").glob("*.yml"))
 RUNBOOK = ROOT / "docs" / "alerts.md"
-RUNBOOK_BASE = "https://github.com/gemtrace/gemtrace/blob/main/docs/alerts.md#"
+# Where the Debian package installs docs/alerts.md (packaging/deb/build.sh), uncompressed.
+RUNBOOK_BASE = "file:///usr/share/doc/gemtrace/alerts.md#"
 
 
 def _alerts() -> list[dict[str, Any]]:

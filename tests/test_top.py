@@ -144,7 +144,7 @@ def agent_url() -> Iterator[str]:
 
 @pytest.mark.unit
 def test_once_prints_one_plain_frame(agent_url: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert top.main(["--once", "--url", agent_url]) == 0
+    assert top.main(["--once", "--listen", agent_url]) == 0
     out = capsys.readouterr().out
     assert out.count("gemtrace top") == 1 and "train" in out and "1401 hog" in out
 
@@ -152,7 +152,7 @@ def test_once_prints_one_plain_frame(agent_url: str, capsys: pytest.CaptureFixtu
 @pytest.mark.unit
 def test_plain_mode_repeats_frames_with_rates(agent_url: str) -> None:
     """Not a terminal and no --once: frames follow one another, like `top -b`."""
-    proc = subprocess.Popen([sys.executable, "-m", "gemtrace.top", "--url", agent_url, "--interval", "0.2"],
+    proc = subprocess.Popen([sys.executable, "-m", "gemtrace.top", "--listen", agent_url, "--interval", "0.2"],
                             cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
@@ -192,7 +192,7 @@ def test_terminal_mode_in_tmux_refreshes_and_quits_on_q(agent_url: str, tmp_path
     tmux = _tmux()
     socket = str(tmp_path / "tmux.sock")
     done = tmp_path / "exit-status"
-    cmd = f"{sys.executable} -m gemtrace.top --url {agent_url}; echo $? > {done}"
+    cmd = f"{sys.executable} -m gemtrace.top --listen {agent_url}; echo $? > {done}"
     base = [tmux, "-S", socket]
     subprocess.run([*base, "new-session", "-d", "-x", "120", "-y", "40", "-c", str(ROOT), cmd], check=True)
     try:

@@ -4,8 +4,9 @@
 #
 #   packaging/deb/build.sh BUILD     (what `make deb` runs; BUILD is the top Makefile's build/)
 #
-# Needs the gate already built (BUILD/libgemgate.so: `make gate`), dpkg-dev (dpkg-shlibdeps) and
-# pip with network access once, to fetch the pinned nvidia-ml-py wheel (vendor.txt) that the package
+# Needs the gate already built (BUILD/libgemgate.so: `make gate`), the venv (`make venv`: the man
+# page is generated from gemtrace's argument parser), dpkg-dev (dpkg-shlibdeps) and pip with network
+# access once, to fetch the pinned nvidia-ml-py wheel (vendor.txt) that the package
 # carries because Debian does not package it. Nothing is fetched at install time.
 # Never writes outside BUILD.
 set -euo pipefail
@@ -81,10 +82,22 @@ find "$top/grafana/rules" -maxdepth 1 -type f -name '*.yml' -exec install -m 064
 install -D -m 0644 "$here/resource.conf" "$root/etc/gemtrace/resource.conf"
 install -D -m 0644 "$here/default" "$root/etc/default/gemtrace"
 install -D -m 0644 "$here/gemtrace.service" "$root/lib/systemd/system/gemtrace.service"
-install -D -m 0644 "$here/gemtrace.1" "$root/usr/share/man/man1/gemtrace.1"
+# The man page: gemtrace.1.in's prose with the synopsis and options from the argument parser
+# (manpage.py), so it says what `gemtrace --help` says. The venv's Python has gemtrace's imports.
+python=${PYTHON:-}
+if [ -z "$python" ]; then
+    if [ -x "$top/.venv/bin/python" ]; then python="$top/.venv/bin/python"; else python=python3; fi
+fi
+install -d "$root/usr/share/man/man1"
+"$python" "$here/manpage.py" "$here/gemtrace.1.in" "$version" "$(date -u -d "@$SOURCE_DATE_EPOCH" +%Y-%m-%d)" \
+    > "$root/usr/share/man/man1/gemtrace.1"
 gzip -9n "$root/usr/share/man/man1/gemtrace.1"
+# Docs, as Debian policy 12.3 wants them (over 4 kB compressed), but alerts.md: the alert rules'
+# runbook_url points at file:///usr/share/doc/gemtrace/alerts.md, which must open as it is.
 doc="$root/usr/share/doc/gemtrace"
 install -D -m 0644 "$here/copyright" "$doc/copyright"
+install -m 0644 "$top/README.md" "$top"/docs/*.md "$doc/"
+find "$doc" -maxdepth 1 -name '*.md' ! -name alerts.md -size +4k -exec gzip -9n {} +
 changed=$(date -u -R -d "@$SOURCE_DATE_EPOCH")
 printf 'gemtrace (%s) unstable; urgency=medium\n\n  * Release %s (see the git history for the changes).\n\n -- %s  %s\n' \
     "$version" "$version" "$maintainer" "$changed" | gzip -9n > "$doc/changelog.gz"
