@@ -56,8 +56,8 @@ lock:
 	rm -rf $(LOCK_VENV)
 
 lint: venv
-	$(VENV)/bin/ruff check gemtrace tests bench
-	$(VENV)/bin/mypy gemtrace
+	$(VENV)/bin/ruff check gemtrace tests bench packaging
+	$(VENV)/bin/mypy gemtrace packaging/deb/manpage.py
 
 test: all
 	$(MAKE) lint
