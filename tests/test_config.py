@@ -108,6 +108,25 @@ def test_the_watcher_sees_in_place_writes_and_replacements(tmp_path: Path) -> No
     watcher.run(stop)  # returns at once when stopped
 
 
+def test_a_request_reloads_at_once_changed_or_not_and_wake_ends_the_run(tmp_path: Path) -> None:
+    path = tmp_path / "r.conf"
+    path.write_text("[a]\n")
+    seen: list[Path] = []
+    watcher = ConfigWatcher(path, seen.append, interval=3600)
+    stop = threading.Event()
+    thread = threading.Thread(target=watcher.run, args=(stop,))
+    thread.start()
+    watcher.request()  # SIGHUP: the file has not changed, it is read all the same
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [path]
+    stop.set()
+    watcher.wake()
+    thread.join(timeout=1)
+    assert not thread.is_alive() and seen == [path]
+
+
 # -- what an adversary tried (issue 11): every one a ConfigError with its line, nothing else -------
 
 
