@@ -2,7 +2,8 @@
 
 Owns the agent's lifecycle and its loop: the heartbeat (gates ignore a silent agent, so a dead agent
 never hangs a program), reaping the slots of processes that died (pidfds: a dead process is seen
-within a tick), reloading the resource file, and polling the accounting at the scrape cadence. It
+within a tick), and polling the accounting at the scrape cadence; and, on a thread of its own so that
+no file can stall the heartbeat, reloading the resource file when it changes or on SIGHUP. It
 decides nothing itself: the schedulers decide who runs, the enforcer whom to kill. On SIGTERM or
 SIGINT it stops cleanly: every word released, heartbeat 0, so no gate is left waiting.
 """
@@ -25,7 +26,7 @@ from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.config import ConfigError, ConfigWatcher, ResourceConfig, load
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
-from gemtrace.region import Region
+from gemtrace.region import MAX_GROUPS, Region, RegionError
 from gemtrace.scheduler import GpuScheduler, Quota
 
 log = structlog.get_logger("gemtrace.agent")
@@ -114,12 +115,14 @@ class Agent:
         probe_mode: str = "memory",
         gpus: list[Gpu] | None = None,
         libcuda_paths: list[Path] | None = None,
+        config_poll_seconds: float = defaults.CONFIG_POLL_SECONDS,
     ) -> None:
         """`libcuda_paths`: probe only these libcuda files (None: ENV_PROBE_LIBCUDA's, or when it is
         unset every libcuda file on the host)."""
         self.config_path = config_path
         self.state_dir = state_dir
         self.config: ResourceConfig = load(config_path)  # a bad file at start is fatal: nothing to keep
+        # Written by the reload thread only; read by /metrics.
         self.reloads = {"success": 1, "failure": 0}
         self.last_reload_ok = True
         self.gpus = discover() if gpus is None else gpus
@@ -134,15 +137,32 @@ class Agent:
                                      libcuda_paths=libcuda_paths, scan_host=libcuda_paths is None)
         self.snapshot: Snapshot | None = None
         self.reaper = Reaper(self.region)
-        self.watcher = ConfigWatcher(config_path, self.reload)
+        self.watcher = ConfigWatcher(config_path, self.reload, config_poll_seconds)
+        self._reload_lock = threading.Lock()  # one reload at a time: the thread's, or a caller's
         self._stop = threading.Event()
         self.stop_signal: str | None = None  # the signal that asked for the stop, for the log
         self._threads: list[threading.Thread] = []
 
     # -- the resource file -------------------------------------------------------------------------
 
+    def _check_room(self, config: ResourceConfig) -> None:
+        """Refuse, before writing anything, a file whose new groups the region has no entry left for.
+        An entry keeps its name for the region's life (running gates hold its index), so groups
+        dropped from earlier files still take theirs."""
+        taken = self.region.group_names()
+        new = sorted(set(config.groups) - set(taken.values()))
+        if len(new) > MAX_GROUPS - len(taken):
+            dropped = sorted(set(taken.values()) - set(config.groups))
+            raise RegionError(
+                f"{config.source}: the region has room for {MAX_GROUPS} groups over the agent's life and "
+                f"{len(taken)} are taken, {len(dropped)} by groups no longer in the file ({', '.join(dropped)}); "
+                f"{len(new)} new groups do not fit: reuse the dropped names, or stop the agent and the gated "
+                f"programs and remove {self.region.path}"
+            )
+
     def _apply(self, config: ResourceConfig) -> None:
         """Write accepted settings where they act: the region (gates read limits there) and the schedulers."""
+        self._check_room(config)
         quotas: dict[int, Quota] = {}
         for group in config.groups.values():
             index = self.region.set_group(group.name, group.memory_limit, group.min_util, group.max_util)
@@ -155,19 +175,28 @@ class Agent:
             scheduler.set_quotas(quotas)
 
     def reload(self, path: Path) -> bool:
-        try:
-            config = load(path)
-        except ConfigError as e:
-            self.reloads["failure"] += 1
-            self.last_reload_ok = False
-            log.error("config_reload_failed", error=str(e), consequence="the last good settings stay in force")
-            return False
-        self._apply(config)
-        self.config = config
-        self.reloads["success"] += 1
-        self.last_reload_ok = True
-        log.info("config_reloaded", path=str(path), groups=sorted(config.groups))
-        return True
+        """Read, check and apply the resource file; on any failure the last good settings stay and
+        /metrics says so (the failure counter, last reload success 0)."""
+        with self._reload_lock:
+            try:
+                config = load(path)
+                self._apply(config)
+            except (ConfigError, RegionError) as e:
+                return self._reload_failed(str(e))
+            except Exception as e:  # a bug: report it, and keep reloading on the next change
+                log.exception("config_reload_crashed")
+                return self._reload_failed(f"{path}: {type(e).__name__}: {e}")
+            self.config = config
+            self.last_reload_ok = True
+            self.reloads["success"] += 1
+            log.info("config_reloaded", path=str(path), groups=sorted(config.groups))
+            return True
+
+    def _reload_failed(self, error: str) -> bool:
+        self.last_reload_ok = False
+        self.reloads["failure"] += 1
+        log.error("config_reload_failed", error=error, consequence="the last good settings stay in force")
+        return False
 
     # -- running -----------------------------------------------------------------------------------
 
@@ -177,20 +206,20 @@ class Agent:
                                       daemon=True)
             thread.start()
             self._threads.append(thread)
+        watcher = threading.Thread(target=self.watcher.run, args=(self._stop,), name="gemtrace-config", daemon=True)
+        watcher.start()
+        self._threads.append(watcher)
         self.snapshot = self.accounting.poll()
         log.info("agent_started", pid=os.getpid(), state_dir=str(self.state_dir), config=str(self.config_path),
                  gpus=[g.uuid for g in self.gpus], groups=sorted(self.config.groups),
                  ebpf=self.accounting.ebpf_status)
 
     def run_until_stopped(self, on_tick: Callable[[], None] | None = None) -> None:
-        next_poll = next_config = time.monotonic()
+        next_poll = time.monotonic()
         while not self._stop.wait(defaults.TICK_SECONDS):
             self.region.heartbeat(time.monotonic_ns())
             self.reaper.tick()
             now = time.monotonic()
-            if now >= next_config:
-                self.watcher.check()
-                next_config = now + defaults.CONFIG_POLL_SECONDS
             if now >= next_poll:
                 self.snapshot = self.accounting.poll()
                 next_poll = now + ACCOUNTING_POLL_SECONDS
@@ -205,6 +234,7 @@ class Agent:
     def close(self) -> None:
         """Clean stop: schedulers release their words, the region says no agent, probes detach."""
         self._stop.set()
+        self.watcher.wake()
         for thread in self._threads:
             thread.join(timeout=5)
         self.region.stop()
@@ -224,3 +254,5 @@ def install_signal_handlers(agent: Agent) -> None:
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    # SIGHUP: reload the resource file now (systemctl reload), changed or not. Only sets an event.
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: agent.watcher.request())

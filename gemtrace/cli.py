@@ -33,6 +33,16 @@ def _state_dir_default() -> Path:
     return Path(os.environ.get(defaults.ENV_STATE_DIR) or defaults.STATE_DIR)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < 10**6:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds between 0 and 1000000")
+    return value
+
+
 def _fail(message: str, status: int = 1) -> int:
     print(f"gemtrace: {message}", file=sys.stderr)
     return status
@@ -48,7 +58,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
     eventlog.configure(args.log_level)
     try:
-        agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode)
+        agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode,
+                      config_poll_seconds=args.config_poll)
     except GpuDiscoveryError as e:
         return _fail(f"{e} The agent cannot run without it: install the NVIDIA driver (`nvidia-smi` lists the "
                      "GPUs once it works), then `systemctl restart gemtrace`. The service does not restart the "
@@ -140,7 +151,11 @@ def parser() -> argparse.ArgumentParser:
                            "account every process through eBPF, and serve Prometheus metrics. Stops "
                            "cleanly on SIGTERM or SIGINT.")
     agent.add_argument("--config", type=Path, default=defaults.CONFIG_PATH, metavar="FILE",
-                       help=f"the resource file (default {defaults.CONFIG_PATH}); reloaded when it changes")
+                       help=f"the resource file (default {defaults.CONFIG_PATH}); reloaded when it changes "
+                       "and on SIGHUP")
+    agent.add_argument("--config-poll", type=_positive_seconds, default=defaults.CONFIG_POLL_SECONDS,
+                       metavar="SECONDS", help="how often to look whether the resource file changed "
+                       f"(default {defaults.CONFIG_POLL_SECONDS:g})")
     agent.add_argument("--state-dir", type=Path, default=_state_dir_default(), metavar="DIR",
                        help=f"where the region shared with the gates lives (default ${defaults.ENV_STATE_DIR} "
                        f"or {defaults.STATE_DIR})")

@@ -6,22 +6,31 @@
     MemoryLimit = 8GiB   # device memory per GPU; k M G T powers of 10, Ki Mi Gi Ti powers of 2
     Cgroup = /kubepods/pod1234   # processes in this cgroup (prefix) belong to the group
 
-Owns parsing (pure, over text: `parse_text`), loading, and watching for changes (`ConfigWatcher`).
-Never applies anything: the agent writes accepted settings into the region and the schedulers. A bad
-file is a `ConfigError` naming the file and line and saying what to do; the caller keeps the last
-good settings.
+Owns reading (`read_file`: a bounded regular file), parsing (pure, over text: `parse_text`), and
+watching for changes (`ConfigWatcher`). Every bound a value must meet to fit the region is checked
+here, once, so `gemtrace check-config` and the agent accept exactly the same files. Never applies
+anything: the agent writes accepted settings into the region and the schedulers. A bad file is a
+`ConfigError` naming the file and line and saying what to do; the caller keeps the last good settings.
 """
 
 from __future__ import annotations
 
+import errno
+import math
 import os
 import re
+import stat
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
+
 from gemtrace import defaults
+from gemtrace import region as rg
+
+log = structlog.get_logger("gemtrace.config")
 
 
 class ConfigError(Exception):
@@ -45,6 +54,7 @@ class _Draft:
     min_util: float = 0.0
     max_util: float = 1.0
     min_util_line: int = 0
+    max_util_line: int = 0
     memory_limit: int | None = None
     cgroups: list[str] = field(default_factory=list)
 
@@ -55,23 +65,47 @@ class ResourceConfig:
     source: str = ""
 
 
+# Bounds. The region is the one home of its capacities; these follow from it.
+MAX_FILE_BYTES = 1 << 20  # a resource file of 64 groups fits in a few KiB: 1 MiB is a mistake, not a config
+MAX_GROUPS = rg.MAX_GROUPS  # `default` included: the agent always defines it (it reserves one entry)
+MAX_NAME_BYTES = rg.NAME_LEN - 1  # the region stores names NUL-terminated
+MAX_MEMORY_LIMIT = rg.NO_LIMIT - 1  # the region's u64; NO_LIMIT (2**64-1) means no limit
+MIN_MAX_UTIL = 1 / rg.UTIL_ONE  # the region stores ratios in millionths: less would be 0, a group never run
+MAX_CGROUP_BYTES = 4096  # PATH_MAX
+
 _UNITS = {
     "": 1,
     "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40,
-    "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?|\.\d+)\s*([kKMGT]i?)?\s*B?\s*$")
-_SECTION = re.compile(r"^\[([^\[\]]+)\]$")
-_KEY = re.compile(r"^([A-Za-z][A-Za-z0-9-]*)\s*=\s*(.*)$")
-_GROUP_NAME = re.compile(r"^[A-Za-z0-9_.:@+-]{1,63}$")
+# ASCII digits only: float() would take any Unicode digit. No two repeats may match the same
+# characters: `\s*([kKMGT]i?)?\s*B?\s*` took 46 s on "1", 4000 spaces and "x", holding the GIL.
+# Values are stripped before they are matched.
+_SIZE = re.compile(r"(?:([0-9]+)(?:\.([0-9]+))?|\.([0-9]+))[ \t]*(?:([kKMGT]i?)[ \t]*)?B?")
+_RATIO = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+_SECTION = re.compile(r"\[([^\[\]]+)\]")
+_KEY = re.compile(r"([A-Za-z][A-Za-z0-9-]*)\s*=\s*(.*)", re.ASCII)
+_GROUP_NAME = re.compile(rf"[A-Za-z0-9_.:@+-]{{1,{MAX_NAME_BYTES}}}", re.ASCII)
 KEYS = ("MinUtil", "MaxUtil", "MemoryLimit", "Cgroup")
+# A size's decimals past this many cannot change its byte count: n / 2**40 has at most 40 decimals.
+_SIZE_DECIMALS = 40
+
+
+def _shown(text: str, limit: int = 60) -> str:
+    """What the user wrote, for a message: cut short (a message quotes a value, not a megabyte) and
+    with control characters escaped (a message is one line of a log)."""
+    short = text if len(text) <= limit else text[:limit] + "..."
+    return short if short.isprintable() else repr(short)[1:-1]
+
+
+def _quote(text: str, limit: int = 60) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
 
 
 def format_size(n: float) -> str:
     """Bytes for people: "512 B", "1.5 GiB" (powers of 2, one decimal)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"):
+        if abs(n) < 1024 or unit == "EiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
@@ -79,29 +113,55 @@ def format_size(n: float) -> str:
 
 def parse_size(text: str) -> int:
     """Bytes from "2GiB", "500M", "1.5G", "4096": k M G T are powers of 10, Ki Mi Gi Ti powers of 2,
-    a trailing B is optional. ValueError says what was wrong."""
-    match = _SIZE.match(text)
+    a trailing B is optional; a fraction of a byte is dropped. Exact integer arithmetic, so no number
+    is too long to read and none rounds. ValueError says what was wrong."""
+    match = _SIZE.fullmatch(text.strip())
     if not match:
-        raise ValueError(f"{text.strip()!r} is not a size (examples: 4096, 500M, 2GiB)")
-    number, unit = match.group(1), match.group(2) or ""
-    value = float(number) * _UNITS[unit]
-    if value != int(value) and value < 1:
-        raise ValueError(f"{text.strip()!r} is less than one byte")
-    return int(value)
-
-
-def _ratio(key: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{key} {text!r} is not a number; give a ratio between 0 and 1, e.g. 0.25") from None
-    if not 0.0 <= value <= 1.0 or value != value:
-        raise ValueError(f"{key} {text} is {'above 1' if value > 1 else 'below 0'}; give a ratio between 0 and 1")
+        raise ValueError(f"{_quote(text.strip())} is not a size (examples: 4096, 500M, 2GiB)")
+    whole = (match.group(1) or "").lstrip("0")
+    decimals = (match.group(2) or match.group(3) or "")[:_SIZE_DECIMALS]
+    too_large = ValueError(f"{_shown(text.strip())} is above {MAX_MEMORY_LIMIT} bytes "
+                           f"({format_size(MAX_MEMORY_LIMIT)}), the largest size; leave MemoryLimit out for no limit")
+    if len(whole) > len(str(MAX_MEMORY_LIMIT)):  # read no more digits than a size can have
+        raise too_large
+    scaled = int(whole + decimals or "0") * _UNITS[match.group(4) or ""]
+    value = scaled // 10 ** len(decimals)
+    if value == 0 and scaled > 0:
+        raise ValueError(f"{_quote(text.strip())} is less than one byte")
+    if value > MAX_MEMORY_LIMIT:
+        raise too_large
     return value
 
 
+def _ratio(key: str, text: str) -> float:
+    if not _RATIO.fullmatch(text):
+        raise ValueError(f"{key} {_quote(text)} is not a number; give a ratio between 0 and 1, e.g. 0.25")
+    value = float(text) + 0.0  # + 0.0: -0 is 0
+    if not math.isfinite(value) or value > 1.0:
+        raise ValueError(f"{key} {_shown(text)} is above 1; give a ratio between 0 and 1")
+    if value < 0.0:
+        raise ValueError(f"{key} {_shown(text)} is below 0; give a ratio between 0 and 1")
+    return value
+
+
+def _cgroups(text: str) -> list[str]:
+    paths = [p.strip() for p in text.split(";") if p.strip()]
+    if not paths or any(not p.startswith("/") for p in paths):
+        raise ValueError(f"Cgroup {_quote(text)} must be one or more absolute cgroup paths separated by ;")
+    for p in paths:
+        if not p.isprintable():
+            raise ValueError(f"Cgroup {_quote(p)} holds a control or separator character; "
+                             "give the path as /proc/PID/cgroup shows it")
+        if len(p.encode()) > MAX_CGROUP_BYTES:
+            raise ValueError(f"Cgroup {_quote(p)} is longer than {MAX_CGROUP_BYTES} bytes, the longest path")
+    return paths
+
+
 def parse_text(text: str, filename: str = "resource.conf") -> ResourceConfig:
-    """Parse a resource file's text. The group `default` (no quota) exists unless the file defines it."""
+    """Parse a resource file's text. The group `default` (no quota) exists unless the file defines it.
+
+    Lines end at "\\n" only (a "\\r" before it is dropped), as an editor counts them: str.splitlines
+    would also split at a form feed or U+2028 inside a comment and shift every line number after it."""
     groups: dict[str, _Draft] = {}
     current: str | None = None
     seen_keys: dict[str, int] = {}
@@ -109,32 +169,37 @@ def parse_text(text: str, filename: str = "resource.conf") -> ResourceConfig:
     def fail(lineno: int, message: str) -> ConfigError:
         return ConfigError(f"{filename}:{lineno}: {message}")
 
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
+    for lineno, raw in enumerate(text.split("\n"), start=1):
+        line = raw.removesuffix("\r").strip()
         if not line or line.startswith("#"):
             continue
-        section = _SECTION.match(line)
+        section = _SECTION.fullmatch(line)
         if section:
             name = section.group(1).strip()
-            if not _GROUP_NAME.match(name):
-                raise fail(lineno, f"group name {name!r} must be 1 to 63 letters, digits or _.:@+-")
+            if not _GROUP_NAME.fullmatch(name):
+                raise fail(lineno, f"group name {_quote(name)} must be 1 to {MAX_NAME_BYTES} letters, digits "
+                                   "or _.:@+-")
             if name in groups:
                 raise fail(lineno, f"group [{name}] is defined twice (first at line {groups[name].line}); "
                                    "merge the two sections")
+            # `default` always exists, so it counts whether or not the file has come to it yet.
+            if name != defaults.DEFAULT_GROUP and len(groups.keys() - {defaults.DEFAULT_GROUP}) + 1 >= MAX_GROUPS:
+                raise fail(lineno, f"[{name}] is one group too many: the agent has room for {MAX_GROUPS} groups, "
+                                   f"{defaults.DEFAULT_GROUP} included; merge or remove some groups")
             groups[name] = _Draft(line=lineno)
             current = name
             seen_keys = {}
             continue
-        key_value = _KEY.match(line)
+        key_value = _KEY.fullmatch(line)
         if not key_value:
-            raise fail(lineno, f"cannot read {line!r}; expected [group] or Key = value")
+            raise fail(lineno, f"cannot read {_quote(line)}; expected [group] or Key = value")
         key, value = key_value.group(1), key_value.group(2).strip()
         if current is None:
             raise fail(lineno, f"{key} is outside any [group] section; put it under the group it belongs to")
         if key not in KEYS:
-            raise fail(lineno, f"unknown key {key!r}; known keys: {', '.join(KEYS)}")
+            raise fail(lineno, f"unknown key {_quote(key)}; known keys: {', '.join(KEYS)}")
         if key != "Cgroup" and key in seen_keys:
-            raise fail(lineno, f"{key} is set twice in [{current}] (first at line {seen_keys[key]})")
+            raise fail(lineno, f"{key} is set twice in [{current}] (first at line {seen_keys[key]}); keep one")
         seen_keys[key] = lineno
         group = groups[current]
         try:
@@ -143,16 +208,19 @@ def parse_text(text: str, filename: str = "resource.conf") -> ResourceConfig:
                 group.min_util_line = lineno
             elif key == "MaxUtil":
                 group.max_util = _ratio(key, value)
+                group.max_util_line = lineno
+                if group.max_util < MIN_MAX_UTIL:
+                    # A group that may never run holds its programs at their first launch for ever,
+                    # with nothing to say why: refuse it here, where the reason can be given.
+                    raise ValueError(f"MaxUtil {_shown(value)} of [{current}] would stop its programs for ever; give a "
+                                     f"positive share of at least {MIN_MAX_UTIL:g}, or remove the group")
             elif key == "MemoryLimit":
                 size = parse_size(value)
                 if size <= 0:
-                    raise ValueError(f"MemoryLimit {value} must be above 0; leave it out for no limit")
+                    raise ValueError(f"MemoryLimit {_shown(value)} must be above 0; leave it out for no limit")
                 group.memory_limit = size
             else:
-                paths = [p.strip() for p in value.split(";") if p.strip()]
-                if not paths or any(not p.startswith("/") for p in paths):
-                    raise ValueError(f"Cgroup {value!r} must be one or more absolute cgroup paths separated by ;")
-                group.cgroups.extend(paths)
+                group.cgroups.extend(_cgroups(value))
         except ValueError as e:
             raise fail(lineno, str(e)) from None
 
@@ -160,39 +228,93 @@ def parse_text(text: str, filename: str = "resource.conf") -> ResourceConfig:
     for name, g in groups.items():
         if g.min_util > g.max_util:
             raise fail(g.min_util_line or g.line,
-                       f"MinUtil {g.min_util:g} of [{name}] is above its MaxUtil {g.max_util:g}")
+                       f"MinUtil {g.min_util:g} of [{name}] is above its MaxUtil {g.max_util:g}"
+                       + (f" (line {g.max_util_line})" if g.max_util_line else ""))
         result[name] = GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups))
-    total = sum(g.min_util for g in result.values())
+    total = math.fsum(g.min_util for g in result.values())
     if total > 1.0 + 1e-9:
         reserving = ", ".join(f"{g.name} {g.min_util:g}" for g in result.values() if g.min_util > 0)
         last = max((groups[g.name].min_util_line for g in result.values() if g.min_util > 0), default=1)
-        raise fail(last, f"the MinUtils add up to {total:g}, above 1 ({reserving}); lower some of them")
+        raise fail(last, f"the MinUtils add up to {total:g}, above 1 ({reserving}); "
+                         "lower some of them")
     if defaults.DEFAULT_GROUP not in result:
         result[defaults.DEFAULT_GROUP] = GroupConfig(defaults.DEFAULT_GROUP)
     return ResourceConfig(groups=result, source=filename)
 
 
-def load(path: Path) -> ResourceConfig:
+def read_file(path: Path) -> bytes:
+    """The bytes of a resource file, refusing anything but a regular file of at most MAX_FILE_BYTES.
+
+    Symbolic links are followed (operators link the file from a config repository). The open is
+    non-blocking so that a FIFO at the path opens at once instead of waiting for a writer, and the
+    opened descriptor (not the path, which may change in between) must then be a regular file: a
+    FIFO, a socket or a device (/dev/zero) is refused before a byte is read. A regular file's read
+    does not wait on another process, so these two steps are the read timeout; the size cap stops a
+    file that keeps growing. A hung network file system can still stall a read: the agent reads on
+    its own thread, never the heartbeat's, for that reason."""
     try:
-        text = path.read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read the resource file: {e.strerror}") from None
-    except UnicodeDecodeError:
-        raise ConfigError(f"{path}: not a text file (UTF-8 expected)") from None
-    return parse_text(text, str(path))
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
+                    else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a regular file")
+            raise ConfigError(f"{path}: the resource file is {kind}; give the path of a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= MAX_FILE_BYTES:
+            try:
+                chunk = os.read(fd, MAX_FILE_BYTES + 1 - size)
+            except BlockingIOError:
+                raise ConfigError(f"{path}: the resource file would block on reading; "
+                                  "give the path of a regular file") from None
+            except OSError as e:
+                if e.errno == errno.EINTR:
+                    continue
+                raise ConfigError(f"{path}: cannot read the resource file: {e.strerror}") from None
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > MAX_FILE_BYTES:
+            raise ConfigError(f"{path}: the resource file is larger than {MAX_FILE_BYTES // 1024} KiB, the "
+                              "most gemtrace reads; is this the right file?")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
-def _stamp(path: Path) -> tuple[int, int, int, int] | None:
+def decode(data: bytes, filename: str) -> str:
+    """UTF-8 text (a leading byte-order mark, as some editors write, is dropped); an invalid byte
+    is an error at its line."""
+    try:
+        return data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as e:
+        lineno = data.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{filename}:{lineno}: byte {data[e.start]:#04x} is not UTF-8 text; "
+                          "save the file as UTF-8") from None
+
+
+def load(path: Path) -> ResourceConfig:
+    """Read and parse a resource file: what `gemtrace check-config` and the agent both call."""
+    return parse_text(decode(read_file(path), str(path)), str(path))
+
+
+def _stamp(path: Path) -> tuple[int, int, int, int, int] | None:
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class ConfigWatcher:
-    """Calls `on_change(path)` when the file changes (inode, size or times), looking at most every
-    `interval` seconds. Editors that replace the file (rename) and in-place writes both count."""
+    """Calls `on_change(path)` when the file changes (device, inode, size or times), looking at most
+    every `interval` seconds, or at once (changed or not) after `request()`. Editors that replace the
+    file (rename) and in-place writes both count. `run` is meant for a thread of its own: a slow
+    file system then delays only the next reload."""
 
     def __init__(self, path: Path, on_change: Callable[[Path], object],
                  interval: float = defaults.CONFIG_POLL_SECONDS) -> None:
@@ -200,15 +322,28 @@ class ConfigWatcher:
         self.on_change = on_change
         self.interval = interval
         self._stamp = _stamp(path)
+        self._requested = threading.Event()
 
-    def check(self) -> bool:
+    def check(self, force: bool = False) -> bool:
         stamp = _stamp(self.path)
-        if stamp == self._stamp:
+        if stamp == self._stamp and not force:
             return False
         self._stamp = stamp
         self.on_change(self.path)
         return True
 
+    def request(self) -> None:
+        """Reload at once, changed or not (SIGHUP). Only sets an event: safe in a signal handler."""
+        self._requested.set()
+
     def run(self, stop: threading.Event) -> None:
-        while not stop.wait(self.interval):
-            self.check()
+        while not stop.is_set():
+            requested = self._requested.wait(self.interval)
+            if stop.is_set():
+                return
+            self._requested.clear()
+            self.check(force=requested)
+
+    def wake(self) -> None:
+        """Let `run` see a stop set since it began waiting now, not after `interval`."""
+        self._requested.set()

@@ -69,7 +69,8 @@ class Host:
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         return env
 
-    def start_agent(self) -> Running:
+    def start_agent(self, *options: str) -> Running:
+        """Start `gemtrace agent` on this host; `options` are more of its command-line options."""
         port = free_port()
         log = self.tmp / f"agent-{port}.log"
         proc = subprocess.Popen(
@@ -82,6 +83,7 @@ class Host:
                 "--listen",
                 f"127.0.0.1:{port}",
                 "--no-ebpf",
+                *options,
             ),
             env=self.env(),
             stdout=subprocess.DEVNULL,

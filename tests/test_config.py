@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from gemtrace.config import ConfigError, ConfigWatcher, GroupConfig, load, parse_size, parse_text
+from gemtrace import region as rg
+from gemtrace.config import MAX_FILE_BYTES, ConfigError, ConfigWatcher, GroupConfig, load, parse_size, parse_text
 
 pytestmark = pytest.mark.unit
 
@@ -103,3 +106,176 @@ def test_the_watcher_sees_in_place_writes_and_replacements(tmp_path: Path) -> No
     stop = threading.Event()
     stop.set()
     watcher.run(stop)  # returns at once when stopped
+
+
+def test_a_request_reloads_at_once_changed_or_not_and_wake_ends_the_run(tmp_path: Path) -> None:
+    path = tmp_path / "r.conf"
+    path.write_text("[a]\n")
+    seen: list[Path] = []
+    watcher = ConfigWatcher(path, seen.append, interval=3600)
+    stop = threading.Event()
+    thread = threading.Thread(target=watcher.run, args=(stop,))
+    thread.start()
+    watcher.request()  # SIGHUP: the file has not changed, it is read all the same
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [path]
+    stop.set()
+    watcher.wake()
+    thread.join(timeout=1)
+    assert not thread.is_alive() and seen == [path]
+
+
+# -- what an adversary tried (issue 11): every one a ConfigError with its line, nothing else -------
+
+
+def error_of(text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_text(text, "r.conf")
+    return str(info.value)
+
+
+def test_a_fifo_at_the_path_is_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "resource.conf"
+    os.mkfifo(fifo)
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"resource.conf: the resource file is a FIFO; give the path of a regular"):
+        load(fifo)  # opening a FIFO without O_NONBLOCK waits for a writer: for ever
+    assert time.monotonic() - started < 0.5
+
+
+def test_a_link_to_a_device_is_refused_and_a_link_to_a_file_followed(tmp_path: Path) -> None:
+    zero = tmp_path / "zero.conf"
+    zero.symlink_to("/dev/zero")  # read_text() on it filled memory
+    with pytest.raises(ConfigError, match="the resource file is a device"):
+        load(zero)
+    real = tmp_path / "real.conf"
+    real.write_text("[a]\nMaxUtil = 0.5\n")
+    linked = tmp_path / "linked.conf"
+    linked.symlink_to(real)  # operators link the file from a config repository
+    assert load(linked).groups["a"].max_util == 0.5
+    with pytest.raises(ConfigError, match="the resource file is a directory"):
+        load(tmp_path)
+
+
+def test_a_file_above_the_size_cap_is_refused(tmp_path: Path) -> None:
+    big = tmp_path / "big.conf"
+    big.write_bytes(b"#" * MAX_FILE_BYTES + b"\n[a]\n")
+    with pytest.raises(ConfigError, match=r"big.conf: the resource file is larger than 1024 KiB"):
+        load(big)
+    big.write_bytes(b"#" * (MAX_FILE_BYTES - 5) + b"\n[a]\n")  # exactly the cap: read
+    assert "a" in load(big).groups
+
+
+def test_invalid_utf8_is_reported_at_its_line(tmp_path: Path) -> None:
+    path = tmp_path / "r.conf"
+    path.write_bytes(b"[a]\n# caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"r.conf:2: byte 0xe9 is not UTF-8 text; save the file as UTF-8"):
+        load(path)
+    path.write_bytes("\ufeff[a]\r\nMaxUtil = 0.5\r\n".encode())  # a byte-order mark and CRLF: fine
+    assert load(path).groups["a"].max_util == 0.5
+
+
+@pytest.mark.parametrize("digits", [400, 5000])
+def test_a_number_of_hundreds_of_digits_is_an_error_not_an_overflow(digits: int) -> None:
+    assert error_of("[a]\nMemoryLimit = " + "9" * digits + "\n").startswith("r.conf:2: 999")
+    assert "is above 18446744073709551614 bytes" in error_of("[a]\nMemoryLimit = " + "9" * digits + "\n")
+    assert "MaxUtil 999" in error_of("[a]\nMaxUtil = " + "9" * digits + "\n")
+    assert error_of("[a]\nMaxUtil = 0.5\nMinUtil = 0." + "9" * digits + "\n") == (
+        "r.conf:3: MinUtil 1 of [a] is above its MaxUtil 0.5 (line 2)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("limit", "accepted"),
+    [
+        (str(2**64), False),  # wrapped to 0 in the region's u64: every allocation failed
+        (str(2**64 - 1), False),  # the region's NO_LIMIT
+        (str(2**64 - 2), True),
+        ("16EiB", False),
+        ("16777215Ti", True),
+        ("16777216Ti", False),
+        ("0.5", False),
+        ("0.0009765625Ki", True),  # exactly one byte
+        ("1" + "0" * 19, True),
+        ("1e400", False),
+        ("inf", False),
+        ("nan", False),
+        ("\u0663G", False),  # an Arabic-Indic 3: float() takes it, a size does not
+    ],
+)
+def test_memory_limits_fit_the_regions_u64(limit: str, accepted: bool) -> None:
+    text = f"[a]\nMemoryLimit = {limit}\n"
+    if accepted:
+        value = parse_text(text).groups["a"].memory_limit
+        assert value is not None and 1 <= value <= rg.NO_LIMIT - 1
+        assert rg.Group(memory_limit=value).memory_limit == value  # stored as written, no wrap
+    else:
+        assert error_of(text).startswith("r.conf:2: ")
+
+
+def test_groups_up_to_the_regions_capacity_with_default_counted() -> None:
+    capacity = rg.MAX_GROUPS
+    most = "".join(f"[g{i}]\n" for i in range(capacity - 1))
+    assert len(parse_text(most).groups) == capacity  # default added
+    assert len(parse_text(most + "[default]\n").groups) == capacity
+    assert len(parse_text("[default]\n" + most).groups) == capacity
+    assert error_of(most + f"[g{capacity}]\n") == (
+        f"r.conf:{capacity}: [g{capacity}] is one group too many: the agent has room for {capacity} groups, "
+        "default included; merge or remove some groups"
+    )
+    assert error_of("".join(f"[g{i}]\n" for i in range(10_000))).startswith(f"r.conf:{capacity}: ")
+
+
+def test_group_names_fit_the_regions_name_field() -> None:
+    longest = "n" * (rg.NAME_LEN - 1)
+    assert longest in parse_text(f"[{longest}]\n").groups
+    assert f"must be 1 to {rg.NAME_LEN - 1} letters" in error_of(f"[{longest}n]\n")
+    assert "must be 1 to" in error_of("[gr\u00fcn]\n")  # a sane character set: ASCII only
+    assert "must be 1 to" in error_of("[a\x00]\n")
+
+
+@pytest.mark.parametrize("value", ["0", "0.0", "-0", "0.0000001", "1e-9"])
+def test_max_util_zero_is_refused_with_what_to_do(value: str) -> None:
+    assert error_of(f"[a]\nMaxUtil = {value}\n") == (
+        f"r.conf:2: MaxUtil {value} of [a] would stop its programs for ever; give a positive share of at least "
+        "1e-06, or remove the group"
+    )
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "0x1", "1_0", "\u0660.5", "0.5 # half"])
+def test_ratios_are_finite_ascii_decimals(value: str) -> None:
+    assert error_of(f"[a]\nMinUtil = {value}\n").startswith("r.conf:2: MinUtil ")
+
+
+@pytest.mark.parametrize("separator", ["\x0c", "\u2028", "\u2029", "\x0b", "\x1c", "\x85"])
+def test_line_separators_inside_a_comment_do_not_split_the_line(separator: str) -> None:
+    assert error_of(f"# one{separator}two\n[a]\nMaxUtil = x\n").startswith("r.conf:3: MaxUtil 'x'")
+    assert parse_text(f"[a]\n# one{separator}two = 3\nMaxUtil = 0.5\n").groups["a"].max_util == 0.5
+
+
+def test_line_numbers_count_lf_only_and_crlf_lines_are_read() -> None:
+    assert error_of("[a]\r\nMaxUtil = 0.5\r\nMaxUtil = 0.6\r\n") == (
+        "r.conf:3: MaxUtil is set twice in [a] (first at line 2); keep one"
+    )
+    assert error_of("[a]\r\r\nMaxUtil = x\n").startswith("r.conf:2: ")  # a lone \r is no line end
+
+
+def test_cgroup_paths_are_printable() -> None:
+    assert "control or separator character" in error_of("[a]\nCgroup = /kube\x1bpods\n")
+    assert "longer than 4096 bytes" in error_of("[a]\nCgroup = /" + "p" * 4096 + "\n")
+
+
+def test_values_that_once_took_seconds_to_match_are_refused_at_once() -> None:
+    # `\s*([kKMGT]i?)?\s*B?\s*` backtracked cubically: 4000 spaces took 46 s, holding the GIL.
+    started = time.monotonic()
+    for value in ["1" + " " * 200_000 + "x", "1 G" + " " * 200_000 + "x", "1" * 200_000 + "x"]:
+        error_of(f"[a]\nMemoryLimit = {value}\n")
+        error_of(f"[a]\nMaxUtil = {value}\n")
+    assert time.monotonic() - started < 1.0
+
+
+def test_messages_quote_a_long_value_short() -> None:
+    message = error_of("[a]\nfoo bar" + "x" * 100_000 + "\n")
+    assert message.startswith("r.conf:2: cannot read 'foo bar") and len(message) < 200
