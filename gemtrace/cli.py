@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from gemtrace import __version__, defaults
+from gemtrace.placement import DEFAULT_POLICY, POLICIES
 
 EPILOG = """examples:
   gemtrace agent --config /etc/gemtrace/resource.conf
@@ -26,6 +27,12 @@ EPILOG = """examples:
 def _state_dir_default() -> Path:
     """GEMTRACE_STATE_DIR when set (the gate reads the same variable), else the packaged default."""
     return Path(os.environ.get(defaults.ENV_STATE_DIR) or defaults.STATE_DIR)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GPUs (1 or more)")
+    return int(text)
 
 
 def _fail(message: str, status: int = 1) -> int:
@@ -71,7 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
-        run(args.group, command, args.config, args.state_dir)
+        run(args.group, command, args.config, args.state_dir, args.gpus, args.policy)
     except LaunchError as e:
         return _fail(str(e), e.status)
     return 0  # not reached: run() execs
@@ -136,13 +143,19 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a command in a group, with the gate preloaded",
                          description="Run CMD with the gate (libgemgate.so) preloaded in group NAME; the "
                          "exit status is CMD's. Any LD_PRELOAD already set is kept after the gate.",
-                         usage="gemtrace run --group NAME [--config FILE] [--state-dir DIR] -- CMD [ARGS...]")
+                         usage="gemtrace run --group NAME [--gpus N [--policy P]] [--config FILE] [--state-dir DIR] "
+                         "-- CMD [ARGS...]")
     run.add_argument("--group", required=True, help="a group of the resource file")
     run.add_argument("--config", type=Path, default=None,
                      help="check the group against this resource file (default: the groups of the running "
                      f"agent, else {defaults.CONFIG_PATH})")
     run.add_argument("--state-dir", type=Path, default=_state_dir_default(),
                      help=f"the agent's state dir (default ${defaults.ENV_STATE_DIR} or {defaults.STATE_DIR})")
+    run.add_argument("--gpus", type=_positive_int, metavar="N",
+                     help="give CMD N GPUs (CUDA_VISIBLE_DEVICES, by UUID) that have room for the group, "
+                     "best linked first (docs/placement.md); among CUDA_VISIBLE_DEVICES if set")
+    run.add_argument("--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
+                     help=f"how --gpus chooses (default {DEFAULT_POLICY})")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
     run.set_defaults(func=cmd_run)
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gemtrace import defaults
 from gemtrace.config import ConfigError, load
+from gemtrace.placement import DEFAULT_POLICY
 from gemtrace.region import Region, RegionError
 
 CHECKOUT_GATE = Path(__file__).resolve().parent.parent / "build" / "libgemgate.so"
@@ -75,12 +76,15 @@ def check_group(group: str, known: set[str], source: str) -> None:
                           f"add a [{group}] section or pick one of those")
 
 
-def run(group: str, command: list[str], config: Path | None, state_dir: Path) -> None:
+def run(group: str, command: list[str], config: Path | None, state_dir: Path,
+        gpus: int | None = None, policy: str = DEFAULT_POLICY) -> None:
     """Replace this process with `command` in `group` (returns only by raising)."""
     if not command:
         raise LaunchError("no command given: gemtrace run --group NAME -- CMD [ARGS]")
     check_group(group, *defined_groups(state_dir, config))
     env = child_environment(group, state_dir, find_gate(), os.environ)
+    from gemtrace import allotment  # it imports LaunchError from here
+    env.update(allotment.environment(group, gpus, policy, state_dir, config, env))
     try:
         os.execvpe(command[0], command, env)
     except FileNotFoundError:
