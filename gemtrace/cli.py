@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from gemtrace import __version__, defaults
+from gemtrace.placement import DEFAULT_POLICY, POLICIES
 
 # sysexits.h's EX_CONFIG: the host lacks what the agent needs (the NVIDIA driver), so restarting
 # cannot help; the unit names it in RestartPreventExitStatus= (packaging/deb/gemtrace.service).
@@ -41,6 +42,12 @@ def _positive_seconds(text: str) -> float:
     if not 0 < value < 10**6:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds between 0 and 1000000")
     return value
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of GPUs (1 or more)")
+    return int(text)
 
 
 def _fail(message: str, status: int = 1) -> int:
@@ -91,7 +98,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
-        run(args.group, command, args.config, args.state_dir, args.require_agent)
+        run(args.group, command, args.config, args.state_dir, args.require_agent, args.gpus, args.policy)
     except LaunchError as e:
         return _fail(str(e), e.status)
     return 0  # not reached: run() execs
@@ -174,8 +181,8 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run a command in a group, with the gate preloaded",
                          description="Run CMD with the gate (libgemgate.so) preloaded in group NAME; the "
                          "exit status is CMD's. Any LD_PRELOAD already set is kept after the gate.",
-                         usage="gemtrace run --group NAME [--config FILE] [--state-dir DIR] [--require-agent] "
-                         "-- CMD [ARGS...]")
+                         usage="gemtrace run --group NAME [--gpus N [--policy P]] [--config FILE] "
+                         "[--state-dir DIR] [--require-agent] -- CMD [ARGS...]")
     run.add_argument("--group", required=True, metavar="NAME", help="a group of the resource file")
     run.add_argument("--config", type=Path, default=None, metavar="FILE",
                      help="check the group against this resource file (default: the groups of the running "
@@ -185,6 +192,11 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--require-agent", action="store_true",
                      help="refuse to run CMD (exit 1) when no agent is running, instead of running it without "
                      "its group's quotas after a warning")
+    run.add_argument("--gpus", type=_positive_int, metavar="N",
+                     help="give CMD N GPUs (CUDA_VISIBLE_DEVICES, by UUID) that have room for the group, "
+                     "best linked first (docs/placement.md); among CUDA_VISIBLE_DEVICES if set")
+    run.add_argument("--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
+                     help=f"how --gpus chooses (default {DEFAULT_POLICY})")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
     run.set_defaults(func=cmd_run)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gemtrace import defaults
 from gemtrace.config import ConfigError, load
+from gemtrace.placement import DEFAULT_POLICY
 from gemtrace.region import HEARTBEAT_STALE_NS, REGION_FILE, Region, RegionError, RegionLayout
 
 START_AGENT = "sudo systemctl start gemtrace"
@@ -103,9 +104,11 @@ def check_group(group: str, known: set[str], source: str) -> None:
                           f"add a [{group}] section or pick one of those")
 
 
-def run(group: str, command: list[str], config: Path | None, state_dir: Path, require_agent: bool = False) -> None:
+def run(group: str, command: list[str], config: Path | None, state_dir: Path, require_agent: bool = False,
+        gpus: int | None = None, policy: str = DEFAULT_POLICY) -> None:
     """Replace this process with `command` in `group` (returns only by raising). Without a running
-    agent it says so in one line and runs `command` anyway, or with `require_agent` refuses (status 1)."""
+    agent it says so in one line and runs `command` anyway, or with `require_agent` refuses (status 1).
+    With `gpus` it picks that many GPUs by `policy` (gemtrace/allotment.py)."""
     if not command:
         raise LaunchError("no command given: gemtrace run --group NAME -- CMD [ARGS]")
     layout, why_none = read_region(state_dir)
@@ -115,9 +118,13 @@ def run(group: str, command: list[str], config: Path | None, state_dir: Path, re
         if require_agent:
             raise LaunchError(f"the gemtrace agent is not running ({absent}); not starting {shlex.join(command)} "
                               f"(--require-agent). Start the agent: {START_AGENT}", 1)
+        free = " and every GPU counts as free for --gpus" if gpus is not None else ""
         print(f"gemtrace: warning: the gemtrace agent is not running ({absent}), so {shlex.join(command)} runs "
-              f"without the quotas of group {group!r}. Start the agent: {START_AGENT}", file=sys.stderr, flush=True)
+              f"without the quotas of group {group!r}{free}. Start the agent: {START_AGENT}", file=sys.stderr,
+              flush=True)
     env = child_environment(group, state_dir, find_gate(), os.environ)
+    from gemtrace import allotment  # it imports LaunchError from here
+    env.update(allotment.environment(group, gpus, policy, layout if absent is None else None, config, env))
     try:
         os.execvpe(command[0], command, env)
     except FileNotFoundError:

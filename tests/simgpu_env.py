@@ -63,7 +63,7 @@ def simgpu_env(
     **extra: str,
 ) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    for key in ("CUDA_VISIBLE_DEVICES", "SIMGPU_QUEUE_DEPTH", "LD_PRELOAD"):
+    for key in ("CUDA_VISIBLE_DEVICES", "SIMGPU_QUEUE_DEPTH", "SIMGPU_TOPOLOGY", "LD_PRELOAD"):
         env.pop(key, None)  # the caller's own settings must not leak into a simulation
     previous = env.get("LD_LIBRARY_PATH")
     env["LD_LIBRARY_PATH"] = str(SIMGPU_DIR) + (f":{previous}" if previous else "")

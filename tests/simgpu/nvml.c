@@ -327,33 +327,168 @@ SIM_API nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t device, u
     return running_processes(device, count, infos, 1);
 }
 
+#define GPU_PCI_ID 0x233010de     /* an H100's device and vendor id */
+#define NVSWITCH_PCI_ID 0x1af110de /* an NVSwitch of the A100 generation */
+
+static void fill_pci(nvmlPciInfo_t *pci, unsigned bus, unsigned device_id)
+{
+    memset(pci, 0, sizeof *pci);
+    snprintf(pci->busId, sizeof pci->busId, "00000000:%02X:00.0", bus);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%s", pci->busId + 4);
+    pci->bus = bus;
+    pci->pciDeviceId = device_id;
+    pci->pciSubSystemId = 0x16c110de;
+}
+
 SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci)
 {
     REQUIRE_READY();
     if (!device_of(device) || !pci)
         return NVML_ERROR_INVALID_ARGUMENT;
-    memset(pci, 0, sizeof *pci);
-    bus_id(device->index, pci->busId, sizeof pci->busId);
-    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%s", pci->busId + 4);
-    pci->domain = 0;
-    pci->bus = 0x10 + device->index;
-    pci->device = 0;
-    pci->pciDeviceId = 0x233010de; /* an H100's device and vendor id */
-    pci->pciSubSystemId = 0x16c110de;
+    fill_pci(pci, 0x10 + device->index, GPU_PCI_ID); /* the bus of bus_id() and cuDeviceGetPCIBusId */
     return NVML_SUCCESS;
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t device, nvmlPciInfo_t *pci) { return nvmlDeviceGetPciInfo_v3(device, pci); }
 SIM_API nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t device, nvmlPciInfo_t *pci) { return nvmlDeviceGetPciInfo_v3(device, pci); }
 
-/* NVML_TOPOLOGY_INTERNAL (0) for a device and itself, NVML_TOPOLOGY_HOSTBRIDGE (30) otherwise: the
- * simulated devices hang off one host bridge. */
+/* ---- topology (SIMGPU_TOPOLOGY, see simgpu.h) ------------------------------------------------ */
+
+enum { /* nvmlGpuTopologyLevel_t */
+    NVML_TOPOLOGY_INTERNAL = 0,
+    NVML_TOPOLOGY_SINGLE = 10,
+    NVML_TOPOLOGY_MULTIPLE = 20,
+    NVML_TOPOLOGY_HOSTBRIDGE = 30,
+    NVML_TOPOLOGY_NODE = 40,
+    NVML_TOPOLOGY_SYSTEM = 50,
+};
+enum { NVML_FEATURE_DISABLED = 0, NVML_FEATURE_ENABLED = 1 };               /* nvmlEnableState_t */
+enum { NVML_NVLINK_DEVICE_TYPE_GPU = 0x00, NVML_NVLINK_DEVICE_TYPE_SWITCH = 0x02 }; /* nvmlIntNvLinkDeviceType_t */
+enum { NVML_NVLINK_VERSION_2_0 = 2, NVML_NVLINK_VERSION_3_0 = 4 };          /* nvmlNvlinkVersion_t */
+
+/* DGX-1 with V100s: the hybrid cube-mesh of NVIDIA's DGX-1 whitepaper, 6 links per GPU. */
+static const struct { unsigned char a, b, links; } DGX1_NVLINKS[] = {
+    {0, 1, 1}, {0, 2, 1}, {0, 3, 2}, {0, 4, 2}, {1, 2, 2}, {1, 3, 1}, {1, 5, 2}, {2, 3, 2},
+    {2, 6, 1}, {3, 7, 1}, {4, 5, 1}, {4, 6, 1}, {4, 7, 2}, {5, 6, 2}, {5, 7, 1}, {6, 7, 2},
+};
+#define DGX1_LINKS_PER_GPU 6
+#define DGX1_GPUS 8
+/* DGX A100: each GPU's 12 links go two by two to 6 NVSwitches; NVML names the switch, not the peer. */
+#define A100_LINKS_PER_GPU 12
+#define A100_LINKS_PER_SWITCH 2
+
+struct nvlink_end {
+    int gpu;          /* the remote GPU's index, or -1 for an NVSwitch */
+    unsigned nvswitch;
+    unsigned version;
+};
+
+/* The far end of one link: NOT_SUPPORTED without NVLink, INVALID_ARGUMENT past the GPU's last link,
+ * NOT_FOUND for a link whose peer is not simulated (fewer than 8 devices: the link is down). */
+static nvmlReturn_t nvlink_of(unsigned dev, unsigned link, struct nvlink_end *end)
+{
+    switch (g_sim->topology) {
+    case SIM_TOPOLOGY_DGX1:
+        if (dev >= DGX1_GPUS)
+            return NVML_ERROR_NOT_SUPPORTED;
+        if (link >= DGX1_LINKS_PER_GPU)
+            return NVML_ERROR_INVALID_ARGUMENT;
+        for (unsigned i = 0, next = 0; i < sizeof DGX1_NVLINKS / sizeof *DGX1_NVLINKS; i++) {
+            if (DGX1_NVLINKS[i].a != dev && DGX1_NVLINKS[i].b != dev)
+                continue;
+            next += DGX1_NVLINKS[i].links; /* the pair's links are numbered one after another */
+            if (link < next) {
+                unsigned peer = DGX1_NVLINKS[i].a == dev ? DGX1_NVLINKS[i].b : DGX1_NVLINKS[i].a;
+                *end = (struct nvlink_end){.gpu = (int)peer, .version = NVML_NVLINK_VERSION_2_0};
+                return peer < g_sim->n_devices ? NVML_SUCCESS : NVML_ERROR_NOT_FOUND;
+            }
+        }
+        return NVML_ERROR_INVALID_ARGUMENT;
+    case SIM_TOPOLOGY_DGX_A100:
+        if (link >= A100_LINKS_PER_GPU)
+            return NVML_ERROR_INVALID_ARGUMENT;
+        *end = (struct nvlink_end){.gpu = -1, .nvswitch = link / A100_LINKS_PER_SWITCH, .version = NVML_NVLINK_VERSION_3_0};
+        return NVML_SUCCESS;
+    default:
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+}
+
+/* Checks the arguments and finds the link's far end; NOT_FOUND (a link down) is left to the caller. */
+static nvmlReturn_t nvlink_call(nvmlDevice_t device, unsigned link, const void *out, struct nvlink_end *end)
+{
+    REQUIRE_READY();
+    if (!device_of(device) || !out)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return nvlink_of(device->index, link, end);
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, int *isActive)
+{
+    struct nvlink_end end;
+    nvmlReturn_t r = nvlink_call(device, link, isActive, &end);
+    if (r == NVML_SUCCESS || r == NVML_ERROR_NOT_FOUND) {
+        *isActive = r == NVML_SUCCESS ? NVML_FEATURE_ENABLED : NVML_FEATURE_DISABLED;
+        return NVML_SUCCESS;
+    }
+    return r;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetNvLinkVersion(nvmlDevice_t device, unsigned int link, unsigned int *version)
+{
+    struct nvlink_end end;
+    nvmlReturn_t r = nvlink_call(device, link, version, &end);
+    if (r == NVML_SUCCESS)
+        *version = end.version;
+    return r == NVML_ERROR_NOT_FOUND ? NVML_ERROR_NOT_SUPPORTED : r;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci)
+{
+    struct nvlink_end end;
+    nvmlReturn_t r = nvlink_call(device, link, pci, &end);
+    if (r == NVML_SUCCESS) {
+        if (end.gpu >= 0)
+            fill_pci(pci, 0x10 + (unsigned)end.gpu, GPU_PCI_ID);
+        else
+            fill_pci(pci, 0xc0 + end.nvswitch, NVSWITCH_PCI_ID);
+    }
+    return r == NVML_ERROR_NOT_FOUND ? NVML_ERROR_NOT_SUPPORTED : r;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci)
+{
+    return nvmlDeviceGetNvLinkRemotePciInfo_v2(device, link, pci);
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned int link, int *type)
+{
+    struct nvlink_end end;
+    nvmlReturn_t r = nvlink_call(device, link, type, &end);
+    if (r == NVML_SUCCESS)
+        *type = end.gpu >= 0 ? NVML_NVLINK_DEVICE_TYPE_GPU : NVML_NVLINK_DEVICE_TYPE_SWITCH;
+    return r == NVML_ERROR_NOT_FOUND ? NVML_ERROR_NOT_SUPPORTED : r;
+}
+
+/* PCIe: the default puts every device under one host bridge; the 8-GPU layouts pair GPUs on PCIe
+ * switches (0-1, 2-3, ...) and put four GPUs on each CPU. Under a CPU, the DGX-1's switches share
+ * one host bridge (one Intel root complex); the others' sit on separate root ports (NODE). */
 SIM_API nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t a, nvmlDevice_t b, int *level)
 {
     REQUIRE_READY();
     if (!device_of(a) || !device_of(b) || !level)
         return NVML_ERROR_INVALID_ARGUMENT;
-    *level = a->index == b->index ? 0 : 30;
+    unsigned i = a->index, j = b->index;
+    if (i == j)
+        *level = NVML_TOPOLOGY_INTERNAL;
+    else if (g_sim->topology == SIM_TOPOLOGY_HOSTBRIDGE)
+        *level = NVML_TOPOLOGY_HOSTBRIDGE;
+    else if (i / 2 == j / 2)
+        *level = NVML_TOPOLOGY_SINGLE;
+    else if (i / 4 == j / 4)
+        *level = g_sim->topology == SIM_TOPOLOGY_DGX1 ? NVML_TOPOLOGY_HOSTBRIDGE : NVML_TOPOLOGY_NODE;
+    else
+        *level = NVML_TOPOLOGY_SYSTEM;
     return NVML_SUCCESS;
 }
 
@@ -366,12 +501,4 @@ SIM_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtil
     util->gpu = (unsigned)(sim_utilisation(d) * 100.0 + 0.5);
     util->memory = 0; /* no memory traffic is simulated */
     return NVML_SUCCESS;
-}
-
-SIM_API nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, unsigned int *active)
-{
-    (void)link;
-    (void)active;
-    REQUIRE_READY();
-    return device_of(device) ? NVML_ERROR_NOT_SUPPORTED : NVML_ERROR_INVALID_ARGUMENT;
 }

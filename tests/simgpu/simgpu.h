@@ -32,6 +32,15 @@
 
 #define SIM_API __attribute__((visibility("default")))
 
+/* How the devices are linked, as NVML reports it (nvml.c); chosen by SIMGPU_TOPOLOGY when the state
+ * file is made. The 8-GPU layouts are NVIDIA's: docs/placement.md and nvml.c's tables. */
+enum sim_topology {
+    SIM_TOPOLOGY_HOSTBRIDGE = 0, /* "hostbridge" (default): all devices under one host bridge, no NVLink */
+    SIM_TOPOLOGY_DGX1 = 1,       /* "dgx1": DGX-1 (Volta), hybrid cube-mesh NVLink, PCIe switch pairs */
+    SIM_TOPOLOGY_DGX_A100 = 2,   /* "dgx-a100": every GPU's 12 NVLinks to 6 NVSwitches, PCIe switch pairs */
+    SIM_TOPOLOGY_PCIE = 3,       /* "pcie": two CPUs, PCIe switch pairs, no NVLink */
+};
+
 struct sim_util_sample {
     _Atomic uint64_t t;    /* when the sample was taken */
     _Atomic uint64_t busy; /* kernel time completed by then */
@@ -69,7 +78,9 @@ struct sim_state {
     uint32_t n_devices;
     _Atomic int32_t creator_pid;
     uint64_t memory;          /* per device */
-    uint64_t reserved[8];
+    uint32_t topology;        /* enum sim_topology, from SIMGPU_TOPOLOGY (0 in files made before it) */
+    uint32_t reserved0;
+    uint64_t reserved[7];
     struct sim_device dev[SIM_MAX_DEVICES];
     struct sim_proc proc[SIM_MAX_PROCS];
 };

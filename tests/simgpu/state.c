@@ -74,6 +74,25 @@ static void state_dir(char *out, size_t len)
         snprintf(out, len, "/dev/shm/simgpu-%u", (unsigned)getuid());
 }
 
+static const char *const TOPOLOGY_NAMES[] = {
+    [SIM_TOPOLOGY_HOSTBRIDGE] = "hostbridge",
+    [SIM_TOPOLOGY_DGX1] = "dgx1",
+    [SIM_TOPOLOGY_DGX_A100] = "dgx-a100",
+    [SIM_TOPOLOGY_PCIE] = "pcie",
+};
+
+/* SIMGPU_TOPOLOGY's value, or -1 when it names none (unset or empty is the default). */
+static int topology_from_env(void)
+{
+    const char *env = getenv("SIMGPU_TOPOLOGY");
+    if (!env || !*env)
+        return SIM_TOPOLOGY_HOSTBRIDGE;
+    for (unsigned i = 0; i < sizeof TOPOLOGY_NAMES / sizeof *TOPOLOGY_NAMES; i++)
+        if (strcmp(env, TOPOLOGY_NAMES[i]) == 0)
+            return (int)i;
+    return -1;
+}
+
 static void init_state(struct sim_state *s, const char *dir)
 {
     const char *env = getenv("SIMGPU_DEVICES");
@@ -88,6 +107,13 @@ static void init_state(struct sim_state *s, const char *dir)
         fprintf(stderr, "simgpu: SIMGPU_MEMORY=%s is not a size such as 16GiB; using 16GiB\n", env);
         mem = SIM_DEFAULT_MEMORY;
     }
+    int topology = topology_from_env();
+    if (topology < 0) {
+        fprintf(stderr, "simgpu: SIMGPU_TOPOLOGY=%s is not one of hostbridge, dgx1, dgx-a100, pcie; "
+                        "using hostbridge\n", getenv("SIMGPU_TOPOLOGY"));
+        topology = SIM_TOPOLOGY_HOSTBRIDGE;
+    }
+    s->topology = (uint32_t)topology;
     s->version = SIM_VERSION;
     s->size = sizeof *s;
     s->n_devices = (uint32_t)n;
@@ -108,12 +134,15 @@ static void warn_if_env_differs(const struct sim_state *s, const char *path)
 {
     const char *env = getenv("SIMGPU_DEVICES");
     const char *mem = getenv("SIMGPU_MEMORY");
+    const char *topo = getenv("SIMGPU_TOPOLOGY");
+    int topology = topology_from_env();
     if ((env && *env && strtol(env, NULL, 10) != (long)s->n_devices) ||
-        (mem && *mem && sim_parse_size(mem) != s->memory))
+        (mem && *mem && sim_parse_size(mem) != s->memory) || (topo && *topo && topology >= 0 && (uint32_t)topology != s->topology))
         fprintf(stderr,
-                "simgpu: %s was made with %u devices of %llu bytes; this process's SIMGPU_DEVICES/"
-                "SIMGPU_MEMORY differ and are ignored (use another SIMGPU_STATE_DIR)\n",
-                path, s->n_devices, (unsigned long long)s->memory);
+                "simgpu: %s was made with %u devices of %llu bytes, topology %s; this process's SIMGPU_DEVICES/"
+                "SIMGPU_MEMORY/SIMGPU_TOPOLOGY differ and are ignored (use another SIMGPU_STATE_DIR)\n",
+                path, s->n_devices, (unsigned long long)s->memory,
+                s->topology < sizeof TOPOLOGY_NAMES / sizeof *TOPOLOGY_NAMES ? TOPOLOGY_NAMES[s->topology] : "?");
 }
 
 /* Creation is race-free without a lock: O_EXCL picks one creator, which fills the file and publishes
