@@ -120,7 +120,8 @@ class Agent:
         self.schedulers = [GpuScheduler(self.region, g.index) for g in self.gpus]
         self._apply(self.config)
         self.region.heartbeat(time.monotonic_ns())
-        self.accounting = Accounting(self.region, lambda: self.config, use_ebpf=use_ebpf, probe_mode=probe_mode)
+        self.accounting = Accounting(self.region, lambda: self.config, use_ebpf=use_ebpf, probe_mode=probe_mode,
+                                     group_seconds=self.group_seconds)
         self.snapshot: Snapshot | None = None
         self.reaper = Reaper(self.region)
         self.watcher = ConfigWatcher(config_path, self.reload)
@@ -157,6 +158,13 @@ class Agent:
         self.last_reload_ok = True
         log.info("config_reloaded", path=str(path), groups=sorted(config.groups))
         return True
+
+    def group_seconds(self) -> dict[tuple[str, str], float]:
+        """GPU seconds the schedulers charged each group, by (GPU UUID, group name)."""
+        names = self.region.group_names()
+        return {(gpu.uuid, names[index]): usage.gpu_seconds
+                for gpu, scheduler in zip(self.gpus, self.schedulers, strict=True)
+                for index, usage in scheduler.usage().items() if index in names}
 
     # -- running -----------------------------------------------------------------------------------
 

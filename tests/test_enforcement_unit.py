@@ -55,3 +55,12 @@ def test_at_the_limit_is_not_over() -> None:
     e = MemoryEnforcer(kill=killed.append)
     assert e.check([Holding(1, "a", GPU, 500 * MiB, 1)], {"a": 500 * MiB}) == []
     assert killed == [] and not e.breaches
+
+
+def test_among_processes_of_unknown_allocation_time_an_ungated_one_goes_before_a_gated_one() -> None:
+    killed: list[int] = []
+    e = MemoryEnforcer(kill=killed.append)
+    # Rebuilt after an agent restart: eBPF saw neither allocate, so both are as old as can be.
+    holdings = [Holding(1, "a", GPU, 400 * MiB, 0, gated=True), Holding(2, "a", GPU, 400 * MiB, 0, gated=False)]
+    e.check(holdings, {"a": 500 * MiB})
+    assert killed == [2]
