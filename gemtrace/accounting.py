@@ -303,6 +303,8 @@ class Accounting:
                 continue
             pinned[file_id] = path
         with self._lock:
+            # A late pid that maps no libcuda any more has exited (or let go of the GPU): forget it.
+            self._late_pids &= {pid for entry in files.values() for pid in entry.pids}
             for file_id, pinned_path in pinned.items():
                 if file_id not in self.probes.files and self.probes.attach(file_id, pinned_path):
                     log.info("libcuda_attached", path=str(pinned_path), probes=self.probes.probe_count)
