@@ -9,6 +9,13 @@ Owns the per-process view (Snapshot) and the enforcement thread. Sources, best f
 A watcher thread waits on the eBPF ring buffer: an allocation wakes it, and MemoryEnforcer kills
 within milliseconds; it also rescans /proc for libcuda files every LIBCUDA_RESCAN_SECONDS. If bcc
 cannot run, one log line says why (ebpf_status keeps it) and the gates and NVML still count.
+
+eBPF cannot know what a process allocated before its libcuda was probed (an agent restart, a
+container's copy found late): for such an inherited process the memory is rebuilt from its gate's
+slot or, ungated, NVML less the context overhead (memory = max(eBPF, rebuilt)), at start and
+whenever one is first seen, and the enforcer acts on it at once. A group's processes are never
+given more GPU time together than the scheduler gave the group (GpuTimeShare): a burst measured by
+the gate also holds the time it waited behind the group's other processes.
 Never writes to the region; never kills but through MemoryEnforcer.
 """
 
@@ -17,7 +24,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +36,7 @@ from gemtrace.enforcement import Holding, MemoryEnforcer
 from gemtrace.groups_of import ENV_VISIBLE_DEVICES, ProcReader, group_for, visible_devices
 from gemtrace.probes import libcuda
 from gemtrace.probes.bpf_loader import EVENT_ALLOC, EVENT_EXIT, BpfProbes, BpfUnavailable, Event, Usage
-from gemtrace.probes.nvml import NvmlReader
+from gemtrace.probes.nvml import NvmlProcess, NvmlReader
 
 log = structlog.get_logger("gemtrace.accounting")
 
@@ -97,6 +104,77 @@ class _SlotView:
     launches: tuple[int, ...]
     busy_ns: tuple[int, ...]
     gpu_mask: int
+    start_time: int
+
+
+def boot_ticks() -> int:
+    """Now, in the unit of /proc/PID/stat's start time (clock ticks since boot)."""
+    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
+
+
+def _monotonic_of_ticks(ticks: int | None) -> int:
+    """A /proc start time as CLOCK_MONOTONIC ns (eBPF's clock); 0 when not known."""
+    if ticks is None:
+        return 0
+    since_boot_ns = ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+    return max(0, since_boot_ns - (time.clock_gettime_ns(time.CLOCK_BOOTTIME) - time.monotonic_ns()))
+
+
+@dataclass
+class _Share:
+    raw_seen: float  # the gate's busy seconds at the last apportioning
+    charged: float  # what the process has been given
+
+
+class GpuTimeShare:
+    """Per-process GPU time of gated processes, so that a group's processes together never get more
+    than the group's time on that GPU (the scheduler's figure, charged once per interval).
+
+    The gate measures a burst from its first launch to the sync that drains it; on a time-sliced GPU
+    that includes the time its kernels waited behind the group's other processes, so three busy
+    processes of one group measure about three times the group's time. Each poll, the bursts that
+    ended since the last (the increase of each process's busy seconds) are paid out of what the group
+    was given and not yet paid to its processes: in full if it covers them all, else that remainder is
+    split in proportion and the excess (the waiting) is dropped. The remainder carries over, because
+    the gate counts a burst only when it ends while the scheduler charges it as it runs.
+    Pure: plain figures in, figures out; `apportion` is called with every live gated process.
+    """
+
+    def __init__(self) -> None:
+        self._procs: dict[tuple[int, str], _Share] = {}
+        self._paid: dict[tuple[str, str], float] = {}  # (gpu, group) -> given to its processes so far
+
+    def apportion(self, raw: Mapping[tuple[str, str], Mapping[int, float]],
+                  group_seconds: Mapping[tuple[str, str], float],
+                  inherited: Collection[int] = ()) -> dict[tuple[int, str], float]:
+        """`raw`: (gpu, group) -> pid -> the gate's busy seconds; `group_seconds`: (gpu, group) -> the
+        group's GPU seconds; `inherited`: pids whose earlier bursts predate the group's figure (not
+        paid). Returns (pid, gpu) -> seconds, never decreasing for a process; a group without a
+        figure gets its raw increases unchanged."""
+        out: dict[tuple[int, str], float] = {}
+        kept: dict[tuple[int, str], _Share] = {}  # processes gone are dropped: the snapshot keeps their figure
+        for (gpu, group), procs in raw.items():
+            shares: dict[int, _Share] = {}
+            increase: dict[int, float] = {}
+            for pid, seconds in procs.items():
+                share = self._procs.get((pid, gpu))
+                if share is None:
+                    share = _Share(seconds if pid in inherited else 0.0, 0.0)
+                shares[pid] = kept[(pid, gpu)] = share
+                increase[pid] = max(0.0, seconds - share.raw_seen)
+                share.raw_seen = seconds
+            total = sum(increase.values())
+            figure = group_seconds.get((gpu, group))
+            paid = self._paid.get((gpu, group), 0.0)
+            scale = 1.0
+            if figure is not None and total > 0:
+                scale = min(1.0, max(0.0, figure - paid) / total)
+            for pid, share in shares.items():
+                share.charged += increase[pid] * scale
+                out[(pid, gpu)] = share.charged
+            self._paid[(gpu, group)] = paid + total * scale
+        self._procs = kept
+        return out
 
 
 class Accounting:
@@ -114,10 +192,13 @@ class Accounting:
         clock: Callable[[], int] = time.monotonic_ns,
         libcuda_paths: Sequence[Path] | None = None,
         scan_host: bool = True,
+        group_seconds: Callable[[], Mapping[tuple[str, str], float]] | None = None,
     ) -> None:
         """`libcuda_paths`: files probed from the start (None: the host's, from ldconfig). `scan_host`
         False: probe only those, never the other libcuda files that processes map (the demo, which
-        must not account for, nor kill, the host's other programs)."""
+        must not account for, nor kill, the host's other programs). `group_seconds`: (GPU UUID,
+        group) -> the GPU seconds the scheduler charged the group; with it, a group's gated processes
+        together are never given more (None: the gates' figures as they are)."""
         self.region = region
         self.config_getter = config_getter
         self.proc = ProcReader(proc_root)
@@ -141,6 +222,15 @@ class Accounting:
         self._last_poll_ns: int | None = None
         self._tamper_suspect: dict[tuple[int, str], tuple[int, int]] = {}
         self._tampered: set[tuple[int, str]] = set()
+        self.group_seconds = group_seconds
+        self._time_share = GpuTimeShare()
+        # A process started by now may hold memory that eBPF never saw (probes attach below); so may
+        # one mapping a libcuda file that a later rescan is the first to probe (_late_pids).
+        self._since_ticks = boot_ticks()
+        self._late_pids: set[int] = set()
+        self._inherited_holding: set[int] = set()  # inherited processes with rebuilt memory, last look
+        self._rebuild_due = True
+        self._context_bytes: dict[str, int] = {}  # per GPU: NVML's per-process figure less the true one
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.probes: BpfProbes | None = None
@@ -155,6 +245,7 @@ class Accounting:
         if self.probes is not None:
             self.probes.open_events(self._on_event)
             self.rescan()
+            self._alloc_event = True  # the watcher's first look enforces on the rebuilt figures
             self._thread = threading.Thread(target=self._watch, name="gemtrace-accounting", daemon=True)
             self._thread.start()
 
@@ -216,9 +307,12 @@ class Accounting:
                 continue
             pinned[file_id] = path
         with self._lock:
+            # A late pid that maps no libcuda any more has exited (or let go of the GPU): forget it.
+            self._late_pids &= {pid for entry in files.values() for pid in entry.pids}
             for file_id, pinned_path in pinned.items():
                 if file_id not in self.probes.files and self.probes.attach(file_id, pinned_path):
                     log.info("libcuda_attached", path=str(pinned_path), probes=self.probes.probe_count)
+                    self._note_late(files.get(file_id))
             for file_id, entry in files.items():
                 if file_id in self.probes.files:
                     continue
@@ -232,12 +326,20 @@ class Accounting:
                     continue
                 if n:
                     log.info("libcuda_attached", path=entry.path, via=str(via), probes=n)
+                    self._note_late(entry)
             for file_id in self.probes.files - set(files) - set(pinned):
                 self.probes.detach(file_id)
                 log.info("libcuda_detached", inode=file_id.inode, dev=file_id.dev)
 
+    def _note_late(self, entry: libcuda.LibcudaFile | None) -> None:
+        """Processes that mapped a libcuda file before it was probed: eBPF missed what they did."""
+        if entry is not None and entry.pids:
+            self._late_pids |= entry.pids
+            self._rebuild_due = True
+
     def enforce(self) -> None:
-        """Check every group's memory on every GPU against its limit, from the eBPF figures."""
+        """Check every group's memory on every GPU against its limit: eBPF's figures, rebuilt for the
+        processes whose earlier allocations eBPF cannot have seen."""
         assert self.probes is not None
         config = self.config_getter()
         limits: dict[str, int | None] = {}
@@ -248,14 +350,24 @@ class Accounting:
             if not any(limit is not None for limit in limits.values()):
                 return  # no group has a limit: nothing to read
             usage = self.probes.usage()
+        ebpf_mem, last_alloc = self._ebpf_memory(usage, config)
+        memory = dict(ebpf_mem)
+        gated: set[int] = set()
+        if self._rebuild_due or self._inherited_holding:  # slots and NVML read only while they matter
+            slots = self._slots()
+            gated = set(slots)
+            nvml_procs = self.nvml.processes() if self.nvml.available else []
+            for key, rebuilt in self._rebuilt(config, slots, nvml_procs, self._gpu_list(), ebpf_mem).items():
+                memory[key] = max(memory.get(key, 0), rebuilt)
         holdings = []
-        for u in usage:
-            if u.bytes <= 0 or u.pid in self._exited:
+        for (pid, uuid), used in memory.items():
+            info = self._info.get(pid)
+            if used <= 0 or info is None or pid in self._exited:
                 continue
-            info = self._info_of(u.pid, config)
-            if info is None or u.dev >= len(info.uuids):
-                continue
-            holdings.append(Holding(u.pid, info.group, info.uuids[u.dev], u.bytes, u.last_alloc_ns))
+            # A process eBPF saw allocate nothing since the start: its own start is the latest its
+            # allocations can be known to be, so the newest such process goes first.
+            when = last_alloc.get((pid, uuid)) or _monotonic_of_ticks(info.start_time)
+            holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated))
         if any(limits.get(h.group) is not None for h in holdings):
             self.enforcer.check(holdings, limits, event_ns=self._last_alloc_ns)
 
@@ -265,6 +377,76 @@ class Accounting:
             self.probes.forget(gone)
             for pid in gone:
                 self._info.pop(pid, None)
+            self._late_pids -= gone
+
+    def _ebpf_memory(self, usage: Sequence[Usage], config: _Config | None
+                     ) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str], int]]:
+        """eBPF's bytes and last allocation time by (pid, GPU UUID); exited processes left out."""
+        memory: dict[tuple[int, str], int] = {}
+        last_alloc: dict[tuple[int, str], int] = {}
+        for u in usage:
+            if u.pid in self._exited:
+                continue
+            info = self._info_of(u.pid, config)
+            if info is None or u.dev >= len(info.uuids):
+                continue
+            key = (u.pid, info.uuids[u.dev])
+            memory[key] = memory.get(key, 0) + u.bytes
+            last_alloc[key] = max(last_alloc.get(key, 0), u.last_alloc_ns)
+        return memory, last_alloc
+
+    def _inherited(self, pid: int, info: _Info) -> bool:
+        """Started before the probes (or mapped a libcuda file before it was probed)."""
+        return pid in self._late_pids or (info.start_time is not None and info.start_time <= self._since_ticks)
+
+    def _rebuilt(self, config: _Config | None, slots: Mapping[int, _SlotView], nvml_procs: Sequence[NvmlProcess],
+                 physical: Sequence[str], ebpf_mem: Mapping[tuple[int, str], int]) -> dict[tuple[int, str], int]:
+        """Memory of the live inherited processes by (pid, GPU UUID), from what survives eBPF's
+        blindness: a gated process's slot (the gate counted from the process's start), else NVML's
+        figure less the context overhead (learnt per GPU from processes whose true figure is known:
+        the smallest difference; none known yet: nothing taken off, an over-count that errs toward
+        holding the limit). The caller takes max(eBPF, rebuilt): eBPF only ever adds what it saw."""
+        nvml_mem = {(p.pid, p.gpu): p.used_bytes for p in nvml_procs}
+        out: dict[tuple[int, str], int] = {}
+        inherited: dict[int, bool] = {}
+
+        def is_inherited(pid: int) -> bool:
+            if pid not in inherited:
+                info = self._info_of(pid, config)
+                inherited[pid] = info is not None and self.proc.alive(pid) and self._inherited(pid, info)
+            return inherited[pid]
+
+        overhead: dict[str, int] = {}
+        for pid, sv in slots.items():
+            info = self._info_of(pid, config)
+            if info is not None and sv.start_time and info.start_time is not None and sv.start_time != info.start_time:
+                continue  # a reused pid: the slot is a dead process's, left for the agent to free
+            for g, uuid in enumerate(physical):
+                if not sv.gpu_mask >> g & 1:
+                    continue
+                if (pid, uuid) in nvml_mem:
+                    diff = max(0, nvml_mem[(pid, uuid)] - sv.memory[g])
+                    overhead[uuid] = min(overhead.get(uuid, diff), diff)
+                if sv.memory[g] and is_inherited(pid):
+                    out[(pid, uuid)] = sv.memory[g]
+        for (pid, uuid), used in nvml_mem.items():
+            if pid in slots or is_inherited(pid) or (pid, uuid) not in ebpf_mem:
+                continue
+            diff = max(0, used - ebpf_mem[(pid, uuid)])  # eBPF saw all of this one's allocations
+            overhead[uuid] = min(overhead.get(uuid, diff), diff)
+        self._context_bytes.update(overhead)
+        for (pid, uuid), used in nvml_mem.items():
+            if pid not in slots and is_inherited(pid):
+                out[(pid, uuid)] = max(0, used - self._context_bytes.get(uuid, 0))
+        holding = {pid for (pid, _), used in out.items() if used > 0}
+        new = holding - self._inherited_holding
+        if new:
+            log.info("memory_rebuilt", pids=sorted(new)[:20],
+                     bytes={f"{pid}/{uuid}": used for (pid, uuid), used in sorted(out.items()) if pid in new})
+            self._alloc_event = True  # the watcher enforces on them at once
+        self._inherited_holding = holding
+        self._rebuild_due = False
+        return out
 
     # -- per-process facts -------------------------------------------------------------------------
 
@@ -304,7 +486,8 @@ class Accounting:
             return {}
         out: dict[int, _SlotView] = {}
         for index, s in self.region.live_slots():
-            out[s.pid] = _SlotView(s.pid, index, tuple(s.memory), tuple(s.launches), tuple(s.busy_ns), s.gpu_mask)
+            out[s.pid] = _SlotView(s.pid, index, tuple(s.memory), tuple(s.launches), tuple(s.busy_ns), s.gpu_mask,
+                                   s.start_time)
         return out
 
     # -- the snapshot ------------------------------------------------------------------------------
@@ -348,6 +531,7 @@ class Accounting:
                 ebpf_mem.setdefault((pid, info.uuids[dev]), 0)
                 launch_gpu[pid] = info.uuids[dev]  # launches count on the device it works on last
         nvml_mem = {(p.pid, p.gpu): p.used_bytes for p in nvml_procs}
+        rebuilt = self._rebuilt(config, slots, nvml_procs, physical, ebpf_mem) if self.probes is not None else {}
 
         keys: set[tuple[int, str]] = set(ebpf_mem) | set(nvml_mem)
         for pid, sv in slots.items():
@@ -367,7 +551,9 @@ class Accounting:
             slot = slots.get(pid)
             g = physical.index(uuid) if uuid in physical else -1
             gated = slot is not None
-            if self.probes is not None and (pid, uuid) in ebpf_mem:
+            if (pid, uuid) in rebuilt:
+                memory = max(rebuilt[(pid, uuid)], ebpf_mem.get((pid, uuid), 0))
+            elif self.probes is not None and (pid, uuid) in ebpf_mem:
                 memory = ebpf_mem[(pid, uuid)]
             elif slot is not None and g >= 0:
                 memory = slot.memory[g]
@@ -384,8 +570,25 @@ class Accounting:
             if slot is not None and g >= 0 and self.probes is not None and (pid, uuid) in ebpf_mem:
                 self._check_tampering(pid, info.group, uuid, slot.memory[g], ebpf_mem[(pid, uuid)])
 
+        if self.group_seconds is not None:
+            self._share_gpu_time(live, config)
         self._integrate_nvml(now, live, slots, physical)
         return self._with_exited(now, live)
+
+    def _share_gpu_time(self, live: dict[tuple[int, str], ProcessAccount], config: _Config | None) -> None:
+        """Gated processes' GPU time, apportioned within each group (GpuTimeShare)."""
+        assert self.group_seconds is not None
+        raw: dict[tuple[str, str], dict[int, float]] = {}
+        inherited: set[int] = set()
+        for (pid, uuid), acc in live.items():
+            if acc.gated:
+                raw.setdefault((uuid, acc.group), {})[pid] = acc.gpu_seconds
+                info = self._info_of(pid, config)
+                if info is not None and self._inherited(pid, info):
+                    inherited.add(pid)
+        shared = self._time_share.apportion(raw, self.group_seconds(), inherited)
+        for key, seconds in shared.items():
+            live[key] = replace(live[key], gpu_seconds=seconds)
 
     def _check_tampering(self, pid: int, group: str, uuid: str, slot_bytes: int, ebpf_bytes: int) -> None:
         """A slot that shows less than eBPF saw is hiding memory from the gates' quota. The gate

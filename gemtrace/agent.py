@@ -134,7 +134,8 @@ class Agent:
         if libcuda_paths is None and os.environ.get(ENV_PROBE_LIBCUDA):
             libcuda_paths = [Path(p) for p in os.environ[ENV_PROBE_LIBCUDA].split(":") if p]
         self.accounting = Accounting(self.region, lambda: self.config, use_ebpf=use_ebpf, probe_mode=probe_mode,
-                                     libcuda_paths=libcuda_paths, scan_host=libcuda_paths is None)
+                                     libcuda_paths=libcuda_paths, scan_host=libcuda_paths is None,
+                                     group_seconds=self.group_seconds)
         self.snapshot: Snapshot | None = None
         self.reaper = Reaper(self.region)
         self.watcher = ConfigWatcher(config_path, self.reload, config_poll_seconds)
@@ -197,6 +198,13 @@ class Agent:
         self.reloads["failure"] += 1
         log.error("config_reload_failed", error=error, consequence="the last good settings stay in force")
         return False
+
+    def group_seconds(self) -> dict[tuple[str, str], float]:
+        """GPU seconds the schedulers charged each group, by (GPU UUID, group name)."""
+        names = self.region.group_names()
+        return {(gpu.uuid, names[index]): usage.gpu_seconds
+                for gpu, scheduler in zip(self.gpus, self.schedulers, strict=True)
+                for index, usage in scheduler.usage().items() if index in names}
 
     # -- running -----------------------------------------------------------------------------------
 

@@ -3,9 +3,12 @@
 Owns the decision (which process dies) and its bookkeeping (counters, log events). The victim is
 the group's process that allocated last on that GPU, then the next-latest, until what the group
 would hold without the processes already killed is within the limit; a process outside the group
-is never a candidate. A killed process keeps its memory until it has exited, so it stays `pending`
-and is not counted twice. The figures come from eBPF (gemtrace.accounting), so a process without the
-gate is held to the limit too. Pure apart from the injected `kill`; called on every allocation event.
+is never a candidate. A process whose last allocation is not known (it allocated before the agent
+started: its memory was rebuilt from its slot or NVML) counts as the oldest; among equals an ungated
+process goes first (the gate held the gated one to the limit, nothing held the other). A killed
+process keeps its memory until it has exited, so it stays `pending` and is not counted twice. The
+figures come from eBPF (gemtrace.accounting), so a process without the gate is held to the limit
+too. Pure apart from the injected `kill`; called on every allocation event.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ RESOURCES = (RESOURCE_MEMORY,)  # every `resource` a quota breach can name
 
 @dataclass(frozen=True)
 class Holding:
-    """What one process holds on one GPU, with the time of its last allocation there."""
+    """What one process holds on one GPU, with the time of its last allocation there (0: unknown)."""
 
     pid: int
     group: str
     gpu: str
     bytes: int
     last_alloc_ns: int
+    gated: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ class MemoryEnforcer:
                 remaining = total - sum(h.bytes for h in hs if h.pid in self._pending)
                 candidates = sorted(
                     (h for h in hs if h.pid not in self._pending and h.bytes > 0),
-                    key=lambda h: h.last_alloc_ns,
+                    key=lambda h: (h.last_alloc_ns, not h.gated),
                     reverse=True,
                 )
                 for victim in candidates:

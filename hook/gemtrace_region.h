@@ -36,6 +36,8 @@
  * slot with pid != 0 and the same group; above the limit it subtracts the size again and returns
  * CUDA_ERROR_OUT_OF_MEMORY without calling the driver. Two racing reservations may both fail near
  * the limit; neither can overshoot. A slot's counters only ever subtract what that process added.
+ * While the heartbeat is stale, that sum leaves out the slots whose process no longer exists
+ * (kill(pid, 0) fails with ESRCH): their memory went with them and no agent is there to free them.
  */
 #ifndef GEMTRACE_REGION_H
 #define GEMTRACE_REGION_H

@@ -14,9 +14,12 @@
 #define _GNU_SOURCE
 #include "gate.h"
 
+#include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 /* --- what we allocated: address or handle -> (bytes, gpu) ---------------------------------------- */
 
@@ -143,15 +146,35 @@ void gt_memory_forget_all(void)
 
 /* --- the group's usage and the reservation protocol ----------------------------------------------- */
 
+/* Only the agent frees a dead process's slot; while it is away (a stale heartbeat) nobody does, and a
+ * group would be refused allocations that fit because of memory that went with its dead processes.
+ * So then, and only on the allocation path, a slot whose process no longer exists is not counted (it
+ * stays for the agent to free). kill(pid, 0) is one cheap system call and reads no /proc; a reused
+ * pid or a zombie still counts: an over-count, never an overshoot, since a process's device memory
+ * is gone once its pid is (ESRCH). The pid is the one the gate stored (getpid()): the same pid
+ * namespace that the agent's reaper assumes. errno is the caller's, so it is put back. */
+static bool owner_gone(int32_t pid)
+{
+    int saved = errno;
+    bool gone = pid != (int32_t)getpid() && kill(pid, 0) == -1 && errno == ESRCH;
+    errno = saved;
+    return gone;
+}
+
 static uint64_t group_usage(int gpu)
 {
     struct gt_region *r = gt_proc.region;
+    bool agent_away = !gt_agent_alive();
     uint64_t sum = 0;
     for (int i = 0; i < GT_MAX_SLOTS; i++) {
         struct gt_slot *s = &r->slots[i];
-        if (__atomic_load_n(&s->pid, __ATOMIC_SEQ_CST) != 0 &&
-            __atomic_load_n(&s->group, __ATOMIC_RELAXED) == gt_proc.group)
-            sum += __atomic_load_n(&s->memory[gpu], __ATOMIC_SEQ_CST);
+        int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
+        if (pid == 0 || __atomic_load_n(&s->group, __ATOMIC_RELAXED) != gt_proc.group)
+            continue;
+        uint64_t bytes = __atomic_load_n(&s->memory[gpu], __ATOMIC_SEQ_CST);
+        if (bytes && agent_away && owner_gone(pid))
+            continue;
+        sum += bytes;
     }
     return sum;
 }

@@ -69,8 +69,9 @@ class Host:
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         return env
 
-    def start_agent(self, *options: str) -> Running:
-        """Start `gemtrace agent` on this host; `options` are more of its command-line options."""
+    def start_agent(self, *options: str, ebpf: bool = False) -> Running:
+        """Start `gemtrace agent` on this host; `options` are more of its command-line options, `ebpf`:
+        with the eBPF accounting and enforcement (needs root and bcc)."""
         port = free_port()
         log = self.tmp / f"agent-{port}.log"
         proc = subprocess.Popen(
@@ -82,7 +83,7 @@ class Host:
                 str(self.state_dir),
                 "--listen",
                 f"127.0.0.1:{port}",
-                "--no-ebpf",
+                *(() if ebpf else ("--no-ebpf",)),
                 *options,
             ),
             env=self.env(),

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gemtrace.accounting import Accounting, ProcessAccount, Snapshot
+from gemtrace.accounting import Accounting, GpuTimeShare, ProcessAccount, Snapshot
 from gemtrace.collectors.processes import ProcessCollector
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
 from gemtrace.probes import libcuda
@@ -201,3 +201,27 @@ def test_gated_processes_from_slots_and_series_vanish_after_grace(tmp_path: Path
     assert samples(registry) == {}
     acc.close()
     region.close()
+
+
+def test_a_groups_processes_share_its_time_and_never_get_more() -> None:
+    share = GpuTimeShare()
+    a, b = (UUIDS[0], "train"), (UUIDS[0], "infer")
+    # Three processes of train each measured 3 s of bursts (each waited behind the others) while the
+    # scheduler gave train 3.3 s; infer has one process, well under its group's figure.
+    got = share.apportion({a: {1: 3.0, 2: 3.0, 3: 3.0}, b: {4: 1.0}}, {a: 3.3, b: 1.2})
+    assert got[(1, UUIDS[0])] == pytest.approx(1.1) and got[(2, UUIDS[0])] == pytest.approx(1.1)
+    assert sum(got[(pid, UUIDS[0])] for pid in (1, 2, 3)) == pytest.approx(3.3)
+    assert got[(4, UUIDS[0])] == 1.0
+    # A burst is counted when it ends, the group as it runs: what infer got and its process did not
+    # claim yet is kept for it (0.2 s), and no more.
+    got = share.apportion({a: {1: 3.0, 2: 3.0, 3: 3.0}, b: {4: 1.5}}, {a: 3.3, b: 1.2})
+    assert got[(4, UUIDS[0])] == pytest.approx(1.2) and got[(1, UUIDS[0])] == pytest.approx(1.1)
+    # Never decreasing, also when the group's figure is taken back a little (a refund).
+    got = share.apportion({a: {1: 4.0, 2: 3.0, 3: 3.0}, b: {4: 1.5}}, {a: 3.2, b: 1.2})
+    assert got[(1, UUIDS[0])] == pytest.approx(1.1)
+    # A group the scheduler has no figure for keeps the gates' figures; an inherited process's bursts
+    # before this agent are not its to give.
+    got = share.apportion({(UUIDS[1], "x"): {5: 7.0}, a: {6: 50.0}}, {a: 4.0}, inherited={6})
+    assert got[(5, UUIDS[1])] == 7.0 and got[(6, UUIDS[0])] == 0.0
+    got = share.apportion({a: {6: 50.5}}, {a: 4.0})
+    assert got[(6, UUIDS[0])] == pytest.approx(0.5)

@@ -76,3 +76,12 @@ def test_every_defined_group_is_exported_at_zero_before_its_first_event() -> Non
     assert 'gemtrace_quota_breaches_total{group="a",resource="memory"} 1.0' in text
     assert 'gemtrace_tampering_events_total{group="a"}' not in text  # never had one, no longer defined
     assert 'gemtrace_oom_kills_total{group="b"} 0.0' in text
+
+
+def test_among_processes_of_unknown_allocation_time_an_ungated_one_goes_before_a_gated_one() -> None:
+    killed: list[int] = []
+    e = MemoryEnforcer(kill=killed.append)
+    # Rebuilt after an agent restart: eBPF saw neither allocate, so both are as old as can be.
+    holdings = [Holding(1, "a", GPU, 400 * MiB, 0, gated=True), Holding(2, "a", GPU, 400 * MiB, 0, gated=False)]
+    e.check(holdings, {"a": 500 * MiB})
+    assert killed == [2]
