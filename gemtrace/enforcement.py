@@ -9,6 +9,10 @@ process goes first (the gate held the gated one to the limit, nothing held the o
 process keeps its memory until it has exited, so it stays `pending` and is not counted twice. The
 figures come from eBPF (gemtrace.accounting), so a process without the gate is held to the limit
 too. Pure apart from the injected `kill`; called on every allocation event.
+
+Enforcement is how it is wired: a subscriber of the accounting, woken by eBPF's allocation events
+(the OOM killer's path: it reads eBPF's memory alone, through `holdings`) and handed every merged
+snapshot (the audit of the slots: tampering). It reads no source itself and never merges.
 """
 
 from __future__ import annotations
@@ -20,9 +24,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
+
+if TYPE_CHECKING:
+    from gemtrace.accounting import Snapshot
+    from gemtrace.merge import Merged
+    from gemtrace.sources import Key
 
 RESOURCE_MEMORY = "memory"
 RESOURCES = (RESOURCE_MEMORY,)  # every `resource` a quota breach can name
@@ -131,3 +140,46 @@ class MemoryEnforcer:
             self.tampering[group] += 1
         self._log.warning("slot_tampering", pid=pid, group=group, gpu=gpu, slot_bytes=slot_bytes,
                           ebpf_bytes=ebpf_bytes)
+
+
+class Enforcement:
+    """The enforcer as the accounting's subscriber. `limits`: group -> MemoryLimit (None: none) of the
+    resource file in force; `holdings`: what every process holds now (Accounting.holdings)."""
+
+    def __init__(self, enforcer: MemoryEnforcer, limits: Callable[[], Mapping[str, int | None]],
+                 holdings: Callable[[], list[Holding]]) -> None:
+        self.enforcer = enforcer
+        self._limits = limits
+        self._holdings = holdings
+        self._tamper_suspect: dict[tuple[int, str], tuple[int, int]] = {}
+        self._tampered: set[tuple[int, str]] = set()
+
+    def on_allocation(self, event_ns: int | None) -> None:
+        """Memory may have grown: check every group on every GPU against its limit."""
+        limits = self._limits()
+        if not any(limit is not None for limit in limits.values()):
+            return  # no group has a limit: nothing to read
+        holdings = self._holdings()
+        if any(limits.get(h.group) is not None for h in holdings):
+            self.enforcer.check(holdings, limits, event_ns=event_ns)
+
+    def on_snapshot(self, snapshot: Snapshot, merged: Mapping[Key, Merged]) -> None:
+        """A slot that shows less than eBPF saw is hiding memory from the gates' quota. The gate
+        reserves before it calls the driver, so a slot may lead eBPF for a moment, never trail it
+        for two polls in a row with the same figures."""
+        for p in snapshot.processes:
+            m = merged.get((p.pid, p.gpu))
+            if m is None or m.slot_memory is None or m.ebpf_memory is None or p.exited_ns is not None:
+                continue
+            self._audit(p.pid, p.group, p.gpu, m.slot_memory, m.ebpf_memory)
+
+    def _audit(self, pid: int, group: str, uuid: str, slot_bytes: int, ebpf_bytes: int) -> None:
+        key = (pid, uuid)
+        if slot_bytes >= ebpf_bytes:
+            self._tamper_suspect.pop(key, None)
+            self._tampered.discard(key)
+            return
+        if self._tamper_suspect.get(key) == (slot_bytes, ebpf_bytes) and key not in self._tampered:
+            self._tampered.add(key)
+            self.enforcer.note_tampering(pid, group, uuid, slot_bytes, ebpf_bytes)
+        self._tamper_suspect[key] = (slot_bytes, ebpf_bytes)
