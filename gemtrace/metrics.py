@@ -1,6 +1,6 @@
 """The one catalogue of gemtrace's Prometheus metrics: names, types, units, labels and help texts.
 
-The exporter builds every family from here, docs/metrics.md is generated from here
+The collectors build every family from here (`family`), docs/metrics.md is generated from here
 (`python -m gemtrace.metrics --markdown`), and the dashboard and alert tests check their queries
 against it. Conventions: `gemtrace_` prefix, base units (seconds, bytes), `_total` on counters,
 ratios 0-1, and the same label names across families (`gpu` is always the GPU's UUID).
@@ -11,6 +11,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from typing import Literal
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 MetricType = Literal["counter", "gauge", "info"]
 
@@ -87,6 +89,22 @@ CATALOGUE: dict[str, MetricSpec] = {spec.name: spec for spec in _SPECS}
 def spec(name: str) -> MetricSpec:
     """The spec of a metric by its exposition name; KeyError names the unknown metric."""
     return CATALOGUE[name]
+
+
+def family(s: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
+    """An empty counter or gauge family of the spec, for a collector to fill."""
+    if s.type == "info":
+        raise ValueError(f"{s.name} is an info metric: use info_family")
+    cls = CounterMetricFamily if s.type == "counter" else GaugeMetricFamily
+    return cls(s.family, s.help, labels=list(s.labels), unit=s.unit)
+
+
+def info_family(s: MetricSpec) -> InfoMetricFamily:
+    """An empty info family of the spec: its labels go in each sample's value
+    (add_metric([], {"version": ...})), as prometheus-client wants them."""
+    if s.type != "info":
+        raise ValueError(f"{s.name} is a {s.type}: use family")
+    return InfoMetricFamily(s.family, s.help, labels=[])
 
 
 def markdown() -> str:
