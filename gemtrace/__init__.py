@@ -7,9 +7,11 @@ The stack, top to bottom:
     scheduler.py  per-GPU time-share policy (pure) driving region control words
     region.py     ctypes mirror of hook/gemtrace_region.h (the gates' shared memory)
     probes/       eBPF uprobes on libcuda (bpf/*.c) and NVML readers
-    accounting.py per-process / per-group figures merged from eBPF, gates and NVML
+    accounting.py per-process / per-group figures, kept across polls
+    sources/      eBPF, the gates' slots and NVML behind one interface (each with a fake)
+    merge.py      the best figure of each process (docs/accounting.md's table, row by row)
     enforcement.py memory-quota OOM killer
-    exporter.py   Prometheus collectors; metrics.py is the one catalogue of metric names
+    exporter.py   /metrics; collectors/ read narrow views; metrics.py is the one catalogue of metric names
 """
 
 __version__ = "0.1.0"

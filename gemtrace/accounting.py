@@ -101,12 +101,19 @@ class _Seen:
     nvml_in_account: float = 0.0  # the part of nvml_seconds already in account.gpu_seconds
 
 
-def _monotonic_of_ticks(ticks: int | None) -> int:
-    """A /proc start time as CLOCK_MONOTONIC ns (eBPF's clock); 0 when not known."""
+def _suspended_ns() -> int:
+    """CLOCK_BOOTTIME - CLOCK_MONOTONIC: the time the host spent suspended."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) - time.monotonic_ns()
+
+
+def _monotonic_of_ticks(ticks: int | None, suspended_ns: int) -> int:
+    """A /proc start time as CLOCK_MONOTONIC ns (eBPF's clock); 0 when not known. `suspended_ns`
+    is read once per look, so that processes started in the same tick stay equal (then an ungated
+    one goes before a gated one, docs/accounting.md) rather than ordered by the clocks' jitter."""
     if ticks is None:
         return 0
     since_boot_ns = ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-    return max(0, since_boot_ns - (time.clock_gettime_ns(time.CLOCK_BOOTTIME) - time.monotonic_ns()))
+    return max(0, since_boot_ns - suspended_ns)
 
 
 @dataclass
@@ -306,6 +313,7 @@ class Accounting:
             for key, rebuilt in self._rebuild(config, ebpf, gate, nvml).items():
                 memory[key] = max(memory.get(key, 0), rebuilt)
         holdings = []
+        suspended_ns = _suspended_ns()
         for (pid, uuid), used in memory.items():
             info = self._info.get(pid)
             if used <= 0 or info is None:
@@ -313,7 +321,7 @@ class Accounting:
             # A process eBPF saw allocate nothing since the start: its own start is the latest its
             # allocations can be known to be, so the newest such process goes first.
             f = ebpf.figures.get((pid, uuid))
-            when = (f.last_alloc_ns if f is not None else 0) or _monotonic_of_ticks(info.start_time)
+            when = (f.last_alloc_ns if f is not None else 0) or _monotonic_of_ticks(info.start_time, suspended_ns)
             holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated))
         return holdings
 
