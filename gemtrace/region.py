@@ -202,6 +202,7 @@ class Region:
         return cls(path, fd, mapping)
 
     def close(self) -> None:
+        self.__dict__.pop("slot_columns", None)  # its views point into the mapping about to go
         del self.layout
         try:
             self._map.close()
