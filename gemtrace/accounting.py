@@ -181,6 +181,11 @@ class Accounting:
                 self._exited.add(ev.pid)
             self._alloc_event = True  # memory went: a pending kill may be settled
 
+    def enforce_soon(self) -> None:
+        """Check every limit at the watcher's next wake-up (within 50 ms) rather than at the next
+        allocation: after a reload, a MemoryLimit lowered below a group's use acts at once."""
+        self._alloc_event = True
+
     def _watch(self) -> None:
         assert self.probes is not None
         next_scan = self.clock() + self.rescan_ns

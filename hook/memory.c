@@ -146,11 +146,12 @@ void gt_memory_forget_all(void)
 static uint64_t group_usage(int gpu)
 {
     struct gt_region *r = gt_proc.region;
+    uint32_t group = gt_group();
     uint64_t sum = 0;
     for (int i = 0; i < GT_MAX_SLOTS; i++) {
         struct gt_slot *s = &r->slots[i];
         if (__atomic_load_n(&s->pid, __ATOMIC_SEQ_CST) != 0 &&
-            __atomic_load_n(&s->group, __ATOMIC_RELAXED) == gt_proc.group)
+            __atomic_load_n(&s->group, __ATOMIC_RELAXED) == group)
             sum += __atomic_load_n(&s->memory[gpu], __ATOMIC_SEQ_CST);
     }
     return sum;
@@ -158,7 +159,7 @@ static uint64_t group_usage(int gpu)
 
 static uint64_t group_limit(void)
 {
-    return __atomic_load_n(&gt_proc.region->groups[gt_proc.group].memory_limit, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&gt_proc.region->groups[gt_group()].memory_limit, __ATOMIC_ACQUIRE);
 }
 
 static void unreserve(int gpu, uint64_t bytes)
