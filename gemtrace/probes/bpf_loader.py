@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import os
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -252,22 +251,12 @@ class BpfProbes:
         self._bpf.ring_buffer_poll(timeout_ms)
 
     def close(self) -> None:
-        """Detach every probe at once. Closing a uprobe's perf event waits in the kernel for RCU grace
-        periods (about 0.1 s each on a busy host, longer with many processes mapping the file), and
-        bcc's detach by symbol re-reads the ELF file each time: 37 probes one after another took 4 to
-        12 s (bench/results/agent_stop.md). Closed from a thread each, by event name, the waits
-        overlap; cleanup() then finds nothing left to detach."""
-        events = list(self._bpf.uprobe_fds)
-        if events:
-            with ThreadPoolExecutor(max_workers=min(len(events), 64), thread_name_prefix="gemtrace-detach") as pool:
-                list(pool.map(self._detach_event, events))
+        """Detach every probe through bcc's cleanup(), by event name: detaching by symbol first re-read
+        the ELF file for each probe. What stays is the kernel's: closing a uprobe's perf event waits
+        for an RCU tasks-trace grace period under a global mutex (perf_uprobe_destroy), about 0.1 s
+        per probe on a quiet host and more with many processes, one after another
+        (bench/results/agent_stop.md). The agent releases its gates before this (Agent.close)."""
         self._bpf.cleanup()
         for attached in self._files.values():
             os.close(attached.fd)
         self._files.clear()
-
-    def _detach_event(self, name: bytes) -> None:
-        try:
-            self._bpf.detach_uprobe_event(name)
-        except Exception:
-            pass  # already gone with its file; cleanup() releases what is left
