@@ -69,7 +69,7 @@ class Host:
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         return env
 
-    def start_agent(self) -> Running:
+    def start_agent(self, ebpf: bool = False) -> Running:
         port = free_port()
         log = self.tmp / f"agent-{port}.log"
         proc = subprocess.Popen(
@@ -81,7 +81,7 @@ class Host:
                 str(self.state_dir),
                 "--listen",
                 f"127.0.0.1:{port}",
-                "--no-ebpf",
+                *(() if ebpf else ("--no-ebpf",)),
             ),
             env=self.env(),
             stdout=subprocess.DEVNULL,
