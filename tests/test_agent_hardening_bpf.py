@@ -1,6 +1,6 @@
 """Issue 11 with eBPF: the real agent, probes attached to the simulated libcuda. A MemoryLimit
 lowered below a group's use acts at the reload (not at the group's next allocation), and the stop
-releases the gates before the probes detach."""
+releases the gates before the probes detach, all within 2 s."""
 
 from __future__ import annotations
 
@@ -42,9 +42,10 @@ def test_a_lowered_limit_is_enforced_at_the_reload_and_the_stop_releases_first(h
         assert r.layout.header.heartbeat_ns == 0
         assert not any(r.layout.control[0][g].held == rg.HELD for g in range(rg.MAX_GROUPS))
         (line,) = [json.loads(x) for x in agent.log.read_text().splitlines() if '"agent_stopped"' in x]
-        # The gates were free within milliseconds; the rest is the kernel's detaching (agent_stop.md).
+        # The gates are free within milliseconds; then the probes detach, as uprobe_multi links in
+        # parallel (one perf event each took 4 to 10 s: bench/results/agent_stop.md).
         assert line["steps_ms"]["release"] < 50, line
-        print(f"stop took {took:.2f} s: {line['steps_ms']}")
+        assert took < 2, f"stop took {took:.2f} s: {line['steps_ms']}"
         r.close()
     finally:
         client.close()
