@@ -453,10 +453,14 @@ class Accounting:
                                gpu_seconds=seen.account.gpu_seconds + tail))
         return Snapshot(now, tuple(sorted(out, key=lambda a: (a.gpu, a.pid))))
 
-    def close(self) -> None:
+    def stop_watching(self) -> None:
+        """Stop the watcher thread (enforcement, rescans); close() detaches the probes after it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+
+    def close(self) -> None:
+        self.stop_watching()
         if self.probes is not None:
             with self._lock:
                 self.probes.close()
