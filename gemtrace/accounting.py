@@ -277,6 +277,11 @@ class Accounting:
                 self._exited.add(ev.pid)
             self._alloc_event = True  # memory went: a pending kill may be settled
 
+    def enforce_soon(self) -> None:
+        """Check every limit at the watcher's next wake-up (within 50 ms) rather than at the next
+        allocation: after a reload, a MemoryLimit lowered below a group's use acts at once."""
+        self._alloc_event = True
+
     def _watch(self) -> None:
         assert self.probes is not None
         next_scan = self.clock() + self.rescan_ns
@@ -656,10 +661,14 @@ class Accounting:
                                gpu_seconds=seen.account.gpu_seconds + tail))
         return Snapshot(now, tuple(sorted(out, key=lambda a: (a.gpu, a.pid))))
 
-    def close(self) -> None:
+    def stop_watching(self) -> None:
+        """Stop the watcher thread (enforcement, rescans); close() detaches the probes after it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+
+    def close(self) -> None:
+        self.stop_watching()
         if self.probes is not None:
             with self._lock:
                 self.probes.close()

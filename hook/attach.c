@@ -120,10 +120,13 @@ static struct gt_region *map_region(const char *dir)
     return map == MAP_FAILED ? NULL : map;
 }
 
+/* Only a defined group: an entry the resource file dropped is kept only while processes still in
+ * it are moved to "default", and may then serve another name. */
 static int find_group(struct gt_region *r, const char *name)
 {
     for (int g = 0; g < GT_MAX_GROUPS; g++)
-        if (strncmp(r->groups[g].name, name, GT_NAME_LEN) == 0)
+        if (__atomic_load_n(&r->groups[g].defined, __ATOMIC_ACQUIRE) == 1 &&
+            strncmp(r->groups[g].name, name, GT_NAME_LEN) == 0)
             return g;
     return -1;
 }
@@ -185,7 +188,6 @@ bool gt_attach_slow(bool wait)
             fill_slot(slot, (uint32_t)group);
             gt_proc.region = r;
             gt_proc.slot = slot;
-            gt_proc.group = (uint32_t)group;
             __atomic_store_n(&gt_proc.attached, 1, __ATOMIC_RELEASE);
             ok = true;
         } else if (r) {

@@ -184,7 +184,7 @@ static void gate_launch(CUstream stream)
     int gpu = gt_proc.single_gpu;
     if (GT_UNLIKELY(gpu < 0) && (gpu = gt_stream_gpu(stream)) < 0)
         return;
-    uint32_t *held = &gt_proc.region->control[gpu][gt_proc.group].held;
+    uint32_t *held = &gt_proc.region->control[gpu][gt_group()].held;
     uint32_t state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
     if (GT_UNLIKELY(state != GT_RELEASED)) {
         /* After a wait the group may have been held meanwhile: look again, or this launch would

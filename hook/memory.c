@@ -164,12 +164,13 @@ static bool owner_gone(int32_t pid)
 static uint64_t group_usage(int gpu)
 {
     struct gt_region *r = gt_proc.region;
+    uint32_t group = gt_group();
     bool agent_away = !gt_agent_alive();
     uint64_t sum = 0;
     for (int i = 0; i < GT_MAX_SLOTS; i++) {
         struct gt_slot *s = &r->slots[i];
         int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
-        if (pid == 0 || __atomic_load_n(&s->group, __ATOMIC_RELAXED) != gt_proc.group)
+        if (pid == 0 || __atomic_load_n(&s->group, __ATOMIC_RELAXED) != group)
             continue;
         uint64_t bytes = __atomic_load_n(&s->memory[gpu], __ATOMIC_SEQ_CST);
         if (bytes && agent_away && owner_gone(pid))
@@ -181,7 +182,7 @@ static uint64_t group_usage(int gpu)
 
 static uint64_t group_limit(void)
 {
-    return __atomic_load_n(&gt_proc.region->groups[gt_proc.group].memory_limit, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&gt_proc.region->groups[gt_group()].memory_limit, __ATOMIC_ACQUIRE);
 }
 
 static void unreserve(int gpu, uint64_t bytes)
