@@ -269,6 +269,12 @@ class Accounting:
     def subscribe(self, listener: SnapshotListener) -> None:
         self._listeners.append(listener)
 
+    def enforce_soon(self) -> None:
+        """Check every limit at the watcher's next wake-up (within 50 ms) rather than at the next
+        allocation: after a reload, a MemoryLimit lowered below a group's use acts at once."""
+        if self.ebpf is not None:
+            self.ebpf.nudge()
+
     # -- status ----------------------------------------------------------------------------------
 
     @property
@@ -494,6 +500,11 @@ class Accounting:
             out.append(replace(seen.account, memory_bytes=0, exited_ns=seen.exited_ns,
                                gpu_seconds=seen.account.gpu_seconds + tail))
         return Snapshot(now, tuple(sorted(out, key=lambda a: (a.gpu, a.pid))))
+
+    def stop_watching(self) -> None:
+        """Stop the eBPF source's thread (enforcement, rescans); close() detaches the probes after it."""
+        if self.ebpf is not None:
+            self.ebpf.stop_watching()
 
     def close(self) -> None:
         """Stops the eBPF source's thread and detaches every uprobe."""

@@ -1,34 +1,42 @@
 """The agent: wires the resource file, the region, one scheduler per GPU, the accounting and /metrics.
 
-Owns the agent's lifecycle and its loop: the heartbeat (gates ignore a silent agent, so a dead agent
-never hangs a program), reaping the slots of processes that died (pidfds: a dead process is seen
-within a tick), and polling the accounting at the scrape cadence; and, on a thread of its own so that
-no file can stall the heartbeat, reloading the resource file when it changes or on SIGHUP. It
+Owns the agent's lifecycle: the state dir's lock (one agent per region), the keeper thread (the
+heartbeat every tick, since gates ignore a silent agent so a dead agent never hangs a program; and
+every second the group table re-asserted, processes of dropped groups moved to default, unused
+entries freed), the config thread (reloading the resource file when it changes or on SIGHUP, so that
+no file can stall anything else), and the main loop: reaping the slots of processes that died
+(pidfds: a dead process is seen within a tick) and polling the accounting at the scrape cadence. The
+heartbeat has its thread so that no amount of reaping or accounting delays it. It
 decides nothing itself: the schedulers decide who runs, the enforcer whom to kill. On SIGTERM or
-SIGINT it stops cleanly: every word released, heartbeat 0, so no gate is left waiting.
+SIGINT it stops cleanly and fast: every word released and heartbeat 0 first, so no gate is left
+waiting, then the probes detached.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import resource
 import select
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from gemtrace import defaults
+from gemtrace import region as rg
 from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.collectors.agent import AgentView
 from gemtrace.collectors.groups import GroupQuota, GroupsView
-from gemtrace.config import ConfigError, ConfigWatcher, ResourceConfig, load
+from gemtrace.config import ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
-from gemtrace.region import MAX_GROUPS, Region, RegionError
+from gemtrace.region import Region, RegionError
 from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
 
 log = structlog.get_logger("gemtrace.agent")
@@ -38,12 +46,66 @@ log = structlog.get_logger("gemtrace.agent")
 # accounts for nor kills the host's other programs.
 ENV_PROBE_LIBCUDA = "GEMTRACE_PROBE_LIBCUDA"
 
+DEFAULT_GROUP = defaults.DEFAULT_GROUP
+
 ACCOUNTING_POLL_SECONDS = 1.0  # the scrape cadence: polling faster costs CPU for nothing (docs/accounting.md)
+TABLE_SECONDS = 1.0  # how often the group table is re-asserted: a forged limit lasts at most this long
+LOCK_FILE = "agent.lock"
+KEEPER_NICE = -10  # the keeper thread's nice value (Linux gives each thread its own)
+
+
+class AgentRunning(RegionError):
+    """Another agent holds the state dir's lock."""
+
+
+class AgentLock:
+    """An exclusive flock on $STATE_DIR/agent.lock, held for the agent's life: two agents on one
+    region would each release a group, and both would run at once. The file holds the owner's pid,
+    for the message the second one gives. The kernel drops the lock when the process dies."""
+
+    def __init__(self, state_dir: Path) -> None:
+        path = state_dir / LOCK_FILE
+        try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise rg.os_error(path, e) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise AgentRunning(f"another gemtrace agent (pid {owner}) owns {state_dir}; stop it first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def raise_fd_limit() -> tuple[int, int]:
+    """Raise RLIMIT_NOFILE's soft limit to the hard one: the reaper holds a pidfd per gated process
+    (1000 processes with the default 1024 ran out). Returns (soft, hard) after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass  # keep the soft limit; the reaper copes with EMFILE (retries, never takes it for gone)
+    return soft, hard
 
 
 class Reaper:
     """Frees the slots of processes that died, within one tick: each live slot's process is watched
-    through a pidfd, which becomes readable when the process exits (zombies included)."""
+    through a pidfd, which becomes readable when the process exits (zombies included).
+
+    Only a process known to be gone (ESRCH, no /proc entry, another start time) is freed: a failure
+    to look (out of file descriptors, say) is retried on later ticks, never taken for an exit (that
+    once freed live processes' slots, and their memory left the group's sum)."""
 
     def __init__(self, region: Region, proc_root: Path = Path("/proc")) -> None:
         self.region = region
@@ -52,20 +114,27 @@ class Reaper:
         self._poll = select.poll()
         self._index_of_fd: dict[int, int] = {}
         self._last_pids: list[int] = []
+        self._retry = False  # some live slot could not be looked at: look again next tick
+        self.fd_limit_hits = 0  # how often a look failed for want of file descriptors
 
     def tick(self) -> list[int]:
         """Free dead processes' slots; returns their pids."""
         freed: list[int] = []
         pids = self.region.slot_pids()
-        if pids != self._last_pids:
+        if pids != self._last_pids or self._retry:
             self._last_pids = pids
+            self._retry = False
             for index, (pid, _) in list(self._watched.items()):
                 if pids[index] != pid:
                     self._unwatch(index)  # the gate freed its own slot at exit
             for index, pid in enumerate(pids):
-                if pid and index not in self._watched and not self._watch(index, pid):
-                    if self.region.free_slot(index, pid):
-                        freed.append(pid)
+                if not pid or index in self._watched:
+                    continue
+                state = self._watch(index, pid)
+                if state is None:
+                    self._retry = True
+                elif not state and self.region.free_slot(index, pid):
+                    freed.append(pid)
         for fd, _ in self._poll.poll(0) if self._watched else ():
             index = self._index_of_fd[fd]
             pid = self._watched[index][0]
@@ -78,17 +147,27 @@ class Reaper:
             self._last_pids = self.region.slot_pids()
         return freed
 
-    def _watch(self, index: int, pid: int) -> bool:
-        """Start watching a newly seen slot; False when its process is already gone or the pid was
-        reused by another process (its start time differs from the slot's)."""
+    def _watch(self, index: int, pid: int) -> bool | None:
+        """Start watching a newly seen slot: True when watched (or not ours to judge), False when
+        its process is gone or the pid was reused by another process (its start time differs from
+        the slot's), None when it cannot tell now (retry)."""
         try:
             fd = os.pidfd_open(pid)
         except ProcessLookupError:
             return False
-        except OSError:
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                self._out_of_fds(e)
+                return None
             return True  # not ours to judge (e.g. no pidfd support): leave the slot alone
         recorded = self.region.layout.slots[index].start_time
-        actual = self.proc.start_time(pid)
+        try:
+            actual = self.proc.start_time_strict(pid)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                self._out_of_fds(e)
+            return None
         if actual is None or (recorded and actual != recorded):
             os.close(fd)
             return False
@@ -96,6 +175,14 @@ class Reaper:
         self._index_of_fd[fd] = index
         self._poll.register(fd, select.POLLIN)
         return True
+
+    def _out_of_fds(self, e: OSError) -> None:
+        if not self.fd_limit_hits:
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            log.warning("fd_limit_reached", error=e.strerror, soft=soft, hard=hard, watched=len(self._watched),
+                        consequence="processes beyond it are watched once descriptors free up; none is taken "
+                        "for gone (raise LimitNOFILE in the unit)")
+        self.fd_limit_hits += 1
 
     def _unwatch(self, index: int) -> None:
         _, fd = self._watched.pop(index)
@@ -128,8 +215,17 @@ class Agent:
         self.reloads = {"success": 1, "failure": 0}
         self.last_reload_ok = True
         self.gpus = discover() if gpus is None else gpus
-        self.region = Region.create(state_dir)
-        self.region.set_gpus([(g.uuid, g.memory_total) for g in self.gpus])
+        self.fd_limit = raise_fd_limit()
+        self._lock = AgentLock(state_dir)  # before the region is touched: one agent per region
+        try:
+            self.region = Region.create(state_dir, on_replace=lambda reason: log.warning(
+                "region_replaced", reason=reason,
+                consequence="programs still mapping the old file run ungated until they restart"))
+        except BaseException:
+            self._lock.release()
+            raise
+        self._table_lock = threading.Lock()  # _apply (reloads) against the keeper's table pass
+        self._groups: dict[int, GroupConfig] = {}  # group index -> what the region must say there
         self.schedulers = [GpuScheduler(self.region, g.index) for g in self.gpus]
         self._apply(self.config)
         self.region.heartbeat(time.monotonic_ns())
@@ -144,38 +240,85 @@ class Agent:
         self._reload_lock = threading.Lock()  # one reload at a time: the thread's, or a caller's
         self._stop = threading.Event()
         self.stop_signal: str | None = None  # the signal that asked for the stop, for the log
+        self.stop_signal_at: float | None = None  # when (time.monotonic()), for the stop's timings
         self._threads: list[threading.Thread] = []
+        self._keeper: threading.Thread | None = None
 
     # -- the resource file -------------------------------------------------------------------------
 
-    def _check_room(self, config: ResourceConfig) -> None:
-        """Refuse, before writing anything, a file whose new groups the region has no entry left for.
-        An entry keeps its name for the region's life (running gates hold its index), so groups
-        dropped from earlier files still take theirs."""
-        taken = self.region.group_names()
-        new = sorted(set(config.groups) - set(taken.values()))
-        if len(new) > MAX_GROUPS - len(taken):
-            dropped = sorted(set(taken.values()) - set(config.groups))
-            raise RegionError(
-                f"{config.source}: the region has room for {MAX_GROUPS} groups over the agent's life and "
-                f"{len(taken)} are taken, {len(dropped)} by groups no longer in the file ({', '.join(dropped)}); "
-                f"{len(new)} new groups do not fit: reuse the dropped names, or stop the agent and the gated "
-                f"programs and remove {self.region.path}"
-            )
-
     def _apply(self, config: ResourceConfig) -> None:
         """Write accepted settings where they act: the region (gates read limits there) and the schedulers."""
-        self._check_room(config)
-        quotas: dict[int, Quota] = {}
-        for group in config.groups.values():
-            index = self.region.set_group(group.name, group.memory_limit, group.min_util, group.max_util)
-            quotas[index] = Quota(group.min_util, group.max_util)
-        for index, name in self.region.group_names().items():
-            if name not in config.groups:
-                self.region.undefine_group(index)
-        self.region.bump_generation()
+        with self._table_lock:
+            if self._groups:
+                known = {g.name: index for index, g in self._groups.items()}
+            else:  # the first time: a group of the adopted region keeps its index (running gates use it)
+                known = {name: index for index, name in self.region.group_names().items()
+                         if self.region.layout.groups[index].defined}
+            groups = {known[name]: g for name, g in config.groups.items() if name in known}
+            self._sync_table(groups)  # drops the others first, so that new names find room
+            for name, g in config.groups.items():
+                if name not in known:
+                    groups[self.region.set_group(name, g.memory_limit, g.min_util, g.max_util)] = g
+            self._groups = groups
+            self._sync_table(groups)
+            self.region.bump_generation()
+        quotas = {index: Quota(g.min_util, g.max_util) for index, g in groups.items()}
         for scheduler in self.schedulers:
             scheduler.set_quotas(quotas)
+
+    def _sync_table(self, groups: Mapping[int, GroupConfig]) -> None:
+        """Make the region's group table say `groups` and nothing else, storing only what differs: a
+        process whose group is not among them is moved to default (gates read their group from their
+        slot), and an entry no live slot refers to is freed, so renames never exhaust the table."""
+        region = self.region
+        default = next((index for index, g in groups.items() if g.name == DEFAULT_GROUP), None)
+        slot_groups = region.slot_groups()
+        if default is not None:
+            for slot, group in slot_groups.items():
+                if group not in groups:
+                    pid = region.layout.slots[slot].pid
+                    if region.move_slot(slot, pid, group, default):
+                        log.info("process_moved_to_default", pid=pid, slot=slot, group=group)
+            slot_groups = region.slot_groups()
+        used = set(slot_groups.values())
+        for index in range(rg.MAX_GROUPS):
+            entry = region.layout.groups[index]
+            if index in groups:
+                g = groups[index]
+                region.put_group(index, g.name, g.memory_limit, g.min_util, g.max_util)
+            elif entry.defined or entry.name:
+                region.undefine_group(index)
+                if index not in used:
+                    region.free_group(index)
+        region.set_gpus([(g.uuid, g.memory_total) for g in self.gpus])
+
+    def _keep_region(self) -> None:
+        """The keeper thread: the heartbeat every tick, the table every TABLE_SECONDS; on the stop,
+        every word released and the heartbeat 0 within a tick of the signal, whatever the main loop
+        is in the middle of (an accounting poll of a thousand processes takes seconds)."""
+        try:
+            # Ahead of the agent's other threads for the CPU (1000 programs starting at once on a small
+            # host starved it of whole tenths of a second); it wakes for a few microseconds a tick.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), KEEPER_NICE)
+        except OSError:
+            pass  # without CAP_SYS_NICE: the default priority
+        try:
+            self._beat_until_stopped()
+        finally:
+            self.region.stop()
+
+    def _beat_until_stopped(self) -> None:
+        next_table = time.monotonic() + TABLE_SECONDS
+        while not self._stop.wait(defaults.TICK_SECONDS):
+            self.region.heartbeat(time.monotonic_ns())
+            now = time.monotonic()
+            if now >= next_table:
+                next_table = now + TABLE_SECONDS
+                try:
+                    with self._table_lock:
+                        self._sync_table(self._groups)
+                except Exception:
+                    log.exception("group_table_pass_failed")
 
     def reload(self, path: Path) -> bool:
         """Read, check and apply the resource file; on any failure the last good settings stay and
@@ -193,6 +336,8 @@ class Agent:
             self.last_reload_ok = True
             self.reloads["success"] += 1
             log.info("config_reloaded", path=str(path), groups=sorted(config.groups))
+            # A MemoryLimit lowered below what a group holds acts now, not at its next allocation.
+            self.accounting.enforce_soon()
             return True
 
     def _reload_failed(self, error: str) -> bool:
@@ -228,6 +373,8 @@ class Agent:
     # -- running -----------------------------------------------------------------------------------
 
     def start(self) -> None:
+        self._keeper = threading.Thread(target=self._keep_region, name="gemtrace-keeper", daemon=True)
+        self._keeper.start()
         for scheduler in self.schedulers:
             thread = threading.Thread(target=scheduler.run, args=(self._stop,), name=f"gemtrace-gpu{scheduler.gpu}",
                                       daemon=True)
@@ -244,7 +391,6 @@ class Agent:
     def run_until_stopped(self, on_tick: Callable[[], None] | None = None) -> None:
         next_poll = time.monotonic()
         while not self._stop.wait(defaults.TICK_SECONDS):
-            self.region.heartbeat(time.monotonic_ns())
             self.reaper.tick()
             now = time.monotonic()
             if now >= next_poll:
@@ -259,16 +405,40 @@ class Agent:
         self._stop.set()
 
     def close(self) -> None:
-        """Clean stop: schedulers release their words, the region says no agent, probes detach."""
+        """Clean stop, gates first: the keeper stops beating and every word is released with the
+        heartbeat 0 before anything slow, then the schedulers and the probes stop (detaching uprobes
+        takes the kernel about a tenth of a second each: bench/results/agent_stop.md)."""
+        steps: dict[str, float] = {}
+        started = mark = time.monotonic()
+
+        def step(name: str) -> None:
+            nonlocal mark
+            now = time.monotonic()
+            steps[name] = round((now - mark) * 1e3, 1)
+            mark = now
+
+        if self.stop_signal_at is not None:
+            steps["main_loop"] = round((started - self.stop_signal_at) * 1e3, 1)  # the signal to here
         self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(timeout=1)  # it released every word on its way out
+        self.region.stop()  # (and this, for an agent never started)
+        step("release")
         self.watcher.wake()
         for thread in self._threads:
             thread.join(timeout=5)
-        self.region.stop()
+        self.region.stop()  # a scheduler's last look may have held a word again
+        step("schedulers")
+        self.accounting.stop_watching()
+        step("watcher")
         self.accounting.close()
+        step("probes")
         self.reaper.close()
         self.region.close()
-        log.info("agent_stopped")
+        self._lock.release()
+        step("region")
+        log.info("agent_stopped", seconds=round(time.monotonic() - (self.stop_signal_at or started), 3),
+                 steps_ms=steps)
 
 
 def install_signal_handlers(agent: Agent) -> None:
@@ -277,6 +447,7 @@ def install_signal_handlers(agent: Agent) -> None:
     # records the signal; the main loop logs it when it returns.
     def handler(signum: int, _frame: Any) -> None:
         agent.stop_signal = signal.Signals(signum).name
+        agent.stop_signal_at = time.monotonic()
         agent.stop()
 
     signal.signal(signal.SIGTERM, handler)

@@ -80,6 +80,15 @@ def visible_devices(value: str | None, physical: Sequence[str]) -> list[str]:
     return out
 
 
+def parse_start_time(stat: bytes) -> int | None:
+    """Field 22 of a /proc/PID/stat line; comm (field 2) may hold spaces and parentheses."""
+    fields = stat.rsplit(b")", 1)[-1].split()
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
 class ProcReader:
     """Reads one process's facts from a /proc tree; every reader returns None when the process is gone."""
 
@@ -107,13 +116,16 @@ class ProcReader:
     def start_time(self, pid: int) -> int | None:
         """Field 22 of /proc/PID/stat (clock ticks since boot): tells a reused pid apart."""
         raw = self._read(pid, "stat")
-        if raw is None:
-            return None
-        fields = raw.rsplit(b")", 1)[-1].split()
+        return None if raw is None else parse_start_time(raw)
+
+    def start_time_strict(self, pid: int) -> int | None:
+        """As start_time, but None only when the process is gone: any other failure to read (out of
+        file descriptors, say) raises OSError, so that a caller never takes it for an exit."""
         try:
-            return int(fields[19])
-        except (IndexError, ValueError):
+            raw = (self.proc_root / str(pid) / "stat").read_bytes()
+        except (FileNotFoundError, ProcessLookupError):
             return None
+        return parse_start_time(raw)
 
     def alive(self, pid: int) -> bool:
         """Running: a zombie (killed, not yet waited for) holds no GPU memory and counts as gone."""

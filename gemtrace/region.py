@@ -3,17 +3,21 @@
 This module owns the mapping of the region file and the few operations on it that need care
 (creating it so a gate never maps a half-written file, releasing a futex word, freeing a dead
 process's slot). It never decides anything: the scheduler decides what to hold, the agent when to
-reap. The layout is defined once, in the C header; tests/test_region_layout.py compiles a program
-that prints sizeof/offsetof of every field and compares them with the classes below.
+reap. The file is mode 0666 (every gated program writes its own slot), so nothing read back from it
+is trusted: names are decoded defensively, and a region whose header or group table is not sound is
+replaced rather than adopted (`unsound`). The layout is defined once, in the C header;
+tests/test_region_layout.py compiles a program that prints sizeof/offsetof of every field and
+compares them with the classes below.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
 import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 
@@ -114,6 +118,53 @@ class RegionVersionError(RegionError):
     pass
 
 
+def decode_name(raw: bytes) -> str:
+    """A name read back from the region (any user may have written it): never raises."""
+    return raw.decode("utf-8", "replace")
+
+
+def unsound(layout: RegionLayout) -> str | None:
+    """Why an adopted region cannot be trusted, or None. Checks what the agent would otherwise act
+    on: the GPU count, every group entry (a NUL-terminated UTF-8 name, `defined` 0 or 1, utilisations
+    within 0..1) and every control word."""
+    header = layout.header
+    if header.n_gpus > MAX_GPUS:
+        return f"n_gpus {header.n_gpus} is above {MAX_GPUS}"
+    raw_groups = bytes(memoryview(layout.groups).cast("B"))
+    size = ctypes.sizeof(Group)
+    for index in range(MAX_GROUPS):
+        name = raw_groups[index * size : index * size + NAME_LEN]
+        if b"\0" not in name:
+            return f"group {index}: its name is not NUL-terminated"
+        name = name.split(b"\0", 1)[0]
+        try:
+            name.decode("utf-8")
+        except UnicodeDecodeError:
+            return f"group {index}: its name is not UTF-8"
+        group = layout.groups[index]
+        if name and (group.defined not in (0, 1) or group.min_util_ppm > UTIL_ONE or group.max_util_ppm > UTIL_ONE):
+            return f"group {index} ({decode_name(name)!r}): defined/utilisation out of range"
+    for gpu in range(MAX_GPUS):
+        for group_index in range(MAX_GROUPS):
+            if layout.control[gpu][group_index].held not in (RELEASED, HELD, RELEASED_SHORT_QUEUE):
+                return f"control word of GPU {gpu}, group {group_index} is {layout.control[gpu][group_index].held}"
+    return None
+
+
+def os_error(path: Path, e: OSError) -> RegionError:
+    """One line a person can act on for the errors a host can give while the region is created."""
+    if e.errno == errno.ENOSPC:
+        return RegionError(f"{path.parent}: no space left for the {REGION_SIZE}-byte region; free space on that "
+                           "filesystem (or point --state-dir elsewhere) and start the agent again")
+    if e.errno == errno.EROFS:
+        return RegionError(f"{path.parent} is on a read-only filesystem; the agent needs a writable --state-dir "
+                           "(the unit's RuntimeDirectory, /run/gemtrace)")
+    if e.errno == errno.EDQUOT:
+        return RegionError(f"{path.parent}: disk quota exceeded writing the region; raise the quota or point "
+                           "--state-dir elsewhere")
+    return RegionError(f"{path}: cannot create the region: {e.strerror or e}")
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_futex = 202  # x86-64; the gate and the agent run on x86-64 hosts only (see packaging)
 _FUTEX_WAKE = 1
@@ -132,27 +183,56 @@ class Region:
     # -- opening ---------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, state_dir: Path) -> Region:
-        """The agent's view: adopt a region of this version (groups and live slots survive an agent
-        restart, so running programs keep going), or replace a missing, foreign or torn one.
+    def create(cls, state_dir: Path, on_replace: Callable[[str], None] | None = None) -> Region:
+        """The agent's view: adopt a sound region of this version (groups and live slots survive an
+        agent restart, so running programs keep going), or replace a missing, foreign, torn or
+        unsound one; `on_replace(reason)` hears why an existing file was replaced.
 
-        A new file is written under a temporary name and renamed into place with the magic already
-        set, so a gate never maps a half-initialised region.
+        A new file is written under a temporary name, its blocks allocated (a sparse file would kill
+        the agent and every gated program with SIGBUS on a full filesystem), and renamed into place
+        with the magic already set, so a gate never maps a half-initialised region.
         """
-        state_dir.mkdir(parents=True, exist_ok=True)
         path = state_dir / REGION_FILE
         try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise os_error(path, e) from None
+        reason = None
+        try:
             region = cls.open(state_dir)
-        except (FileNotFoundError, RegionError):
+        except FileNotFoundError:
             region = None
+        except RegionError as e:
+            region, reason = None, str(e)
+        except OSError as e:
+            region, reason = None, f"{path}: {e.strerror or e}"
         if region is not None:
-            region.layout.header.agent_pid = os.getpid()
-            return region
+            reason = unsound(region.layout)
+            if reason is None:
+                region.layout.header.agent_pid = os.getpid()
+                return region
+            region.close()
+            reason = f"{path}: {reason}"
+        if reason is not None and on_replace is not None:
+            on_replace(reason)
+        try:
+            return cls._create_new(state_dir, path)
+        except OSError as e:
+            raise os_error(path, e) from None
+
+    @classmethod
+    def _create_new(cls, state_dir: Path, path: Path) -> Region:
         tmp = state_dir / f".{REGION_FILE}.{os.getpid()}"
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
         try:
             os.fchmod(fd, 0o666)  # gated programs of any user map it read-write (their own slot)
-            os.ftruncate(fd, REGION_SIZE)
+            try:
+                os.posix_fallocate(fd, 0, REGION_SIZE)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise
+                # No fallocate here (some filesystems): write the zeros, which allocates as surely.
+                os.pwrite(fd, bytes(REGION_SIZE), 0)
             mapping = mmap.mmap(fd, REGION_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             layout = RegionLayout.from_buffer(mapping)
             layout.header.version = VERSION
@@ -216,16 +296,23 @@ class Region:
         self.layout.header.heartbeat_ns = now_ns
 
     def set_gpus(self, gpus: list[tuple[str, int]]) -> None:
-        """Publish the GPUs as (uuid, memory_total); the index in this list is the gpu index."""
+        """Publish the GPUs as (uuid, memory_total); the index in this list is the gpu index. Stores
+        only what differs: the agent re-asserts it with the group table."""
         if len(gpus) > MAX_GPUS:
             raise RegionError(f"{len(gpus)} GPUs found; the region has room for {MAX_GPUS}")
         for index, (uuid, total) in enumerate(gpus):
-            self.layout.gpus[index].uuid = uuid.encode()[: UUID_LEN - 1]
-            self.layout.gpus[index].memory_total = total
-        self.layout.header.n_gpus = len(gpus)
+            gpu = self.layout.gpus[index]
+            encoded = uuid.encode()[: UUID_LEN - 1]
+            if gpu.uuid != encoded:
+                gpu.uuid = encoded
+            if gpu.memory_total != total:
+                gpu.memory_total = total
+        if self.layout.header.n_gpus != len(gpus):
+            self.layout.header.n_gpus = len(gpus)
 
     def gpu_uuids(self) -> list[str]:
-        return [self.layout.gpus[i].uuid.decode() for i in range(self.layout.header.n_gpus)]
+        n_gpus = min(self.layout.header.n_gpus, MAX_GPUS)
+        return [decode_name(self.layout.gpus[i].uuid) for i in range(n_gpus)]
 
     def group_index(self, name: str) -> int | None:
         encoded = name.encode()
@@ -235,10 +322,11 @@ class Region:
         return None
 
     def group_names(self) -> dict[int, str]:
-        return {i: g.name.decode() for i, g in enumerate(self.layout.groups) if g.name}
+        return {i: decode_name(g.name) for i, g in enumerate(self.layout.groups) if g.name}
 
     def set_group(self, name: str, memory_limit: int | None, min_util: float, max_util: float) -> int:
-        """Define or update a group; a name keeps its index for the region's life (gates cache it)."""
+        """Define or update a group; a name keeps its index while any slot refers to it (gates read
+        it from their slot)."""
         encoded = name.encode()
         if not encoded or len(encoded) >= NAME_LEN:
             raise RegionError(f"group name {name!r} must be 1 to {NAME_LEN - 1} bytes")
@@ -246,19 +334,58 @@ class Region:
         if index is None:
             free = [i for i in range(MAX_GROUPS) if not self.layout.groups[i].name]
             if not free:
-                raise RegionError(f"the region has room for {MAX_GROUPS} groups")
+                raise RegionError(
+                    f"the region has room for {MAX_GROUPS} groups and every one is defined or still used by a "
+                    "running process; define fewer groups"
+                )
             index = free[0]
-        group = self.layout.groups[index]
-        group.memory_limit = NO_LIMIT if memory_limit is None else memory_limit
-        group.min_util_ppm = round(min_util * UTIL_ONE)
-        group.max_util_ppm = round(max_util * UTIL_ONE)
-        group.defined = 1
-        group.name = encoded  # last: a gate looking the name up sees complete limits
+        self.put_group(index, name, memory_limit, min_util, max_util)
         return index
 
+    def put_group(self, index: int, name: str, memory_limit: int | None, min_util: float, max_util: float) -> None:
+        """Make entry `index` say exactly this group, storing only what differs (the agent re-asserts
+        its table every second; a value forged in the region is put back)."""
+        encoded = name.encode()
+        group = self.layout.groups[index]
+        limit = NO_LIMIT if memory_limit is None else memory_limit
+        min_ppm, max_ppm = round(min_util * UTIL_ONE), round(max_util * UTIL_ONE)
+        if group.memory_limit != limit:
+            group.memory_limit = limit
+        if group.min_util_ppm != min_ppm:
+            group.min_util_ppm = min_ppm
+        if group.max_util_ppm != max_ppm:
+            group.max_util_ppm = max_ppm
+        if group.defined != 1:
+            group.defined = 1
+        if group.name != encoded:
+            group.name = encoded  # last: a gate looking the name up sees complete limits
+
     def undefine_group(self, index: int) -> None:
-        """The resource file dropped the group: keep its index (running gates hold it), lift its hold."""
-        self.layout.groups[index].defined = 0
+        """The resource file dropped the group: keep its entry while slots refer to it (the agent
+        moves their processes to the default group, see the header), lift its hold."""
+        if self.layout.groups[index].defined != 0:
+            self.layout.groups[index].defined = 0
+
+    def free_group(self, index: int) -> None:
+        """Forget an undefined group no slot refers to, so that its entry can serve a new name."""
+        group = self.layout.groups[index]
+        group.name = b""  # first: no gate finds it from now on
+        ctypes.memset(ctypes.addressof(group) + NAME_LEN, 0, ctypes.sizeof(Group) - NAME_LEN)
+
+    def slot_groups(self) -> dict[int, int]:
+        """slot index -> group index of every claimed slot, in one strided pass."""
+        columns = self.slot_columns
+        pids, groups = columns.pids(), columns.group.tolist()
+        return {i: g for i, (p, g) in enumerate(zip(pids, groups, strict=True)) if p}
+
+    def move_slot(self, index: int, pid: int, old: int, new: int) -> bool:
+        """Move a live process from group `old` (no longer defined) to `new`; False if the slot
+        changed owner or group meanwhile (a process claiming a slot only ever names a defined group)."""
+        slot = self.layout.slots[index]
+        if slot.pid != pid or slot.group != old:
+            return False
+        slot.group = new
+        return True
 
     def bump_generation(self) -> None:
         self.layout.header.config_generation += 1
@@ -267,7 +394,9 @@ class Region:
         return bool(self.layout.control[gpu][group].held == HELD)
 
     def hold(self, gpu: int, group: int) -> None:
-        self.layout.control[gpu][group].held = HELD
+        control = self.layout.control[gpu][group]
+        if control.held != HELD:
+            control.held = HELD
 
     def release(self, gpu: int, group: int, short_queue: bool = False) -> None:
         """Let the group launch; with `short_queue` its processes keep no more than GT_QUEUE_BOUND_NS

@@ -6,6 +6,10 @@ GPU, whether the released group went idle, whether a held group finished drainin
 the `Decision` by holding and releasing control[gpu][group] words. The agent runs one `GpuScheduler`
 per GPU, each in its own thread (`run(stop)`). It never decides anything itself, never writes a slot,
 and never blocks a gate: on any way out of `run` (stop, or an error) it releases every word it held.
+Every look re-asserts all of its GPU's words (held, released, released with a short queue, and
+released for every group it does not schedule), comparing first and storing only what differs: any
+user can write the region, and a forged release must last one look at most, not until the next
+decision.
 
 Cost: a look reads only the live slots (a scan of the whole table for new processes every 50 ms);
 it looks at the policy's next deadline: once a slice while one group has the GPU alone, every few ms
@@ -15,6 +19,7 @@ while nothing changes.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -74,6 +79,10 @@ class GpuScheduler:
         self.gpu = gpu
         self._clock = clock
         self._slots = SlotTable(region, gpu)
+        control = region.layout.control[gpu]
+        raw = memoryview((ctypes.c_char * ctypes.sizeof(control)).from_address(ctypes.addressof(control))).cast("B")
+        self._held = raw.cast("I")[rg.Control.held.offset // 4 :: ctypes.sizeof(rg.Control) // 4]
+        self._short_queue = False
         self._lock = threading.Lock()
         self._policy = TimeSharePolicy(params or PolicyParams(), now=clock())
         self._pending_quotas: dict[int, Quota] | None = None
@@ -136,6 +145,7 @@ class GpuScheduler:
                 self._pending_quotas = None
             decision = self._policy.step(now, self._observe(now))
             self._carry_out(now, decision)
+            self._assert_words()
             self.looks += 1
             return decision.wake_at
 
@@ -253,9 +263,24 @@ class GpuScheduler:
             if self._released is not None:
                 self.region.hold(self.gpu, self._released)
             self._released = decision.released
+        self._short_queue = decision.short_queue
         if decision.released is not None:
             # Also when only short_queue changed (a no-op when the word already says it).
             self.region.release(self.gpu, decision.released, decision.short_queue)
+
+    def _assert_words(self) -> None:
+        """Put back any word that says other than this scheduler means: a few microseconds (one
+        strided read of 64 words) when nothing was forged."""
+        released = rg.RELEASED_SHORT_QUEUE if self._short_queue else rg.RELEASED
+        for group, word in enumerate(self._held.tolist()):
+            if group not in self._scheduled:
+                if word != rg.RELEASED:
+                    self.region.release(self.gpu, group)
+            elif group == self._released:
+                if word != released:
+                    self.region.release(self.gpu, group, self._short_queue)
+            elif word != rg.HELD:
+                self.region.hold(self.gpu, group)
 
     def _release_all(self) -> None:
         with self._lock:

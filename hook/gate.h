@@ -38,7 +38,6 @@ struct gt_process {
     int attached;                 /* 1 once region, group and slot are ours (atomic) */
     struct gt_region *region;
     struct gt_slot *slot;
-    uint32_t group;
     int single_gpu;               /* region gpu index when the process sees one CUDA device, else -1 */
     int devices_known;            /* 1 once device_gpu[] is filled (atomic) */
     int device_count;
@@ -60,6 +59,15 @@ extern struct gt_process gt_proc;
 bool gt_attach_slow(bool wait);   /* try to attach (rate-limited); true when attached */
 static inline bool gt_attached(void) { return GT_LIKELY(__atomic_load_n(&gt_proc.attached, __ATOMIC_ACQUIRE)); }
 bool gt_agent_alive(void);
+
+/* The process's group, read from its slot on every use rather than cached: the agent moves a process
+ * whose group the resource file dropped to "default" by rewriting slot->group (gemtrace_region.h).
+ * Masked, because the slot lies in a file any user can write: a forged index stays in bounds. */
+_Static_assert((GT_MAX_GROUPS & (GT_MAX_GROUPS - 1)) == 0, "GT_MAX_GROUPS must be a power of two");
+static inline uint32_t gt_group(void)
+{
+    return __atomic_load_n(&gt_proc.slot->group, __ATOMIC_RELAXED) & (GT_MAX_GROUPS - 1);
+}
 uint64_t gt_now_ns(void);
 int gt_gpu_of_device(CUdevice device); /* -1 when the device is not one the agent schedules */
 int gt_current_gpu(void);              /* the current context's GPU, -1 when none or unknown */

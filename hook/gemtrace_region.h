@@ -7,9 +7,20 @@
  * every field and compares, so the two cannot drift. Change a field: bump GT_REGION_VERSION.
  *
  * Ownership (nothing here is protected by a lock, so a process killed at any instruction blocks nobody):
- *   - header, gpus[], groups[], control[][]: written by the agent only.
+ *   - header, gpus[], groups[], control[][]: written by the agent only. The file is mode 0666, so any
+ *     user can forge them: the agent never trusts what it reads back, adopts an existing file only
+ *     if it is sound, and re-asserts what it means: the heartbeat every tick, groups[] every second,
+ *     each GPU's control words on every look of its scheduler. A forgery lasts that long at most.
  *   - slots[i]: written only by the process that claimed it (CAS of `pid` from 0), except that the
- *     agent frees the slot of a process that has died (it zeroes the slot, then stores pid = 0).
+ *     agent frees the slot of a process that has died (it zeroes the slot, then stores pid = 0), and
+ *     moves a live process whose group is no longer defined to "default" (it stores slots[i].group).
+ *
+ * Groups: a gate attaches only to a defined group, found by name. It reads its group index from its
+ * own slot on every launch and allocation (masked to GT_MAX_GROUPS), never from a cached copy, so
+ * that when the resource file drops or renames a group its running processes are moved to "default"
+ * within a second (the agent's table pass) and are scheduled and limited there. An undefined entry is
+ * freed (name emptied, then the rest zeroed) once no live slot refers to it; an index is never
+ * reused while a slot still points at it.
  *
  * Time: every *_ns field is CLOCK_MONOTONIC nanoseconds (Python: time.monotonic_ns()).
  *
@@ -89,12 +100,12 @@ struct gt_gpu {                  /* agent-owned; index = gpu index used everywhe
     uint64_t reserved[1];
 };
 
-struct gt_group {                /* agent-owned; a name keeps its index for the region's life */
+struct gt_group {                /* agent-owned; a name keeps its index while a slot refers to it */
     char name[GT_NAME_LEN];      /* empty = unused entry */
     uint64_t memory_limit;       /* bytes per GPU, GT_NO_LIMIT for none */
     uint32_t min_util_ppm;       /* 0..GT_UTIL_ONE */
     uint32_t max_util_ppm;       /* 0..GT_UTIL_ONE */
-    uint32_t defined;            /* 1 while the resource file defines the group */
+    uint32_t defined;            /* 1 while the resource file defines the group (gates attach only then) */
     uint32_t reserved0;
     uint64_t reserved[4];
 };
@@ -108,7 +119,7 @@ struct gt_control {              /* agent-owned, one cache line per GPU and grou
 
 struct gt_slot {                 /* written only by its process (see the top of this file) */
     int32_t pid;                 /* 0 = free; claimed by CAS 0 -> getpid() */
-    uint32_t group;              /* index into groups[] */
+    uint32_t group;              /* index into groups[]; the agent may move it to "default" */
     uint32_t flags;              /* enum gt_slot_flags */
     uint32_t gpu_mask;           /* bit g set once the process used gpus[g] */
     uint64_t start_time;         /* /proc/PID/stat field 22 (clock ticks), tells a reused pid apart */

@@ -7,9 +7,11 @@
  * nothing is allocated and no interleaving of processes or threads overshoots. Every byte added is
  * remembered here with its pointer or handle; a release subtracts only what we added, so frees of
  * pointers we never saw, double frees or frees after a crash cannot drive a counter below zero
- * (LESSONS.md: HAMi #1181, 17 TB in use). The device comes from the call's own arguments where they
- * name one (cuMemCreate's location: HAMi-core #169; a pool's device; a stream's device for the
- * stream-ordered allocators), else from the current context.
+ * (HAMi's counter underflowed and showed 17 TB in use, with false OOMs: HAMi #1181,
+ * https://github.com/Project-HAMi/HAMi/issues/1181). The device comes from the call's own arguments
+ * where they name one (cuMemCreate's location: NCCL calls it from threads without a current context,
+ * HAMi-core #169, https://github.com/Project-HAMi/HAMi-core/issues/169; a pool's device; a stream's
+ * device for the stream-ordered allocators), else from the current context.
  */
 #define _GNU_SOURCE
 #include "gate.h"
@@ -164,12 +166,13 @@ static bool owner_gone(int32_t pid)
 static uint64_t group_usage(int gpu)
 {
     struct gt_region *r = gt_proc.region;
+    uint32_t group = gt_group();
     bool agent_away = !gt_agent_alive();
     uint64_t sum = 0;
     for (int i = 0; i < GT_MAX_SLOTS; i++) {
         struct gt_slot *s = &r->slots[i];
         int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
-        if (pid == 0 || __atomic_load_n(&s->group, __ATOMIC_RELAXED) != gt_proc.group)
+        if (pid == 0 || __atomic_load_n(&s->group, __ATOMIC_RELAXED) != group)
             continue;
         uint64_t bytes = __atomic_load_n(&s->memory[gpu], __ATOMIC_SEQ_CST);
         if (bytes && agent_away && owner_gone(pid))
@@ -181,7 +184,7 @@ static uint64_t group_usage(int gpu)
 
 static uint64_t group_limit(void)
 {
-    return __atomic_load_n(&gt_proc.region->groups[gt_proc.group].memory_limit, __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&gt_proc.region->groups[gt_group()].memory_limit, __ATOMIC_ACQUIRE);
 }
 
 static void unreserve(int gpu, uint64_t bytes)

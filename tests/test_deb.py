@@ -6,7 +6,8 @@ purges it at the end, so it refuses to run where gemtrace is already installed (
 operator's installation). Everything after the install runs the INSTALLED code (/usr/bin/gemtrace
 with /usr/bin/python3, from / with a clean environment), never the checkout's.
 
-Root and apt (CI: .ci/run). The steps share one installation and run in file order.
+Needs root and apt, and dpkg-dev and lintian to build and check the package (apt-get install dpkg-dev
+lintian). The steps share one installation and run in file order.
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def test_unit_verifies(installed: Path) -> None:
         "CAP_KILL",
         "CAP_SYS_PTRACE",
         "CAP_DAC_READ_SEARCH",
+        "CAP_SYS_NICE",
     }
 
 

@@ -6,6 +6,13 @@ symbol) and the lifetime of each attachment. Each file is attached through an op
 with them its mount namespace, is gone; the descriptor is closed on detach so a container's overlay
 can be unmounted (Datadog #13803). Never kills, never decides: gemtrace.accounting does.
 
+Where the kernel has them (Linux 6.6+), the probes of one program on one file are one uprobe_multi
+link (BPF_LINK_CREATE, BPF_TRACE_UPROBE_MULTI) rather than a perf event each: closing a perf event
+waits for an RCU tasks-trace grace period under a global mutex, one probe after another (37 probes
+took 4 to 10 s, so a stop outlived systemd's TimeoutStopSec), while a link waits once for all its
+probes and links close in parallel (bench/results/agent_stop.md). Older kernels get bcc's per-probe
+attachment.
+
 The probing modes and their cost are in docs/accounting.md:
   "memory"   (default) allocation, release and context entry points: calls that are rare.
   "launches" adds a uprobe on every kernel launch entry point (about a microsecond per launch).
@@ -14,8 +21,10 @@ The probing modes and their cost are in docs/accounting.md:
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -87,6 +96,53 @@ class _Attached:
     fd: int
     name: str  # /proc/self/fd/N
     probes: list[tuple[str, bool]] = field(default_factory=list)  # (symbol, is_return)
+    links: list[int] = field(default_factory=list)  # uprobe_multi link fds (none with per-probe attachment)
+    each: list[tuple[str, bool]] = field(default_factory=list)  # beside links: attached one by one by bcc
+
+
+# The kernel's uapi (include/uapi/linux/bpf.h, Linux 6.6+); Debian 12's headers predate it.
+_NR_BPF = 321  # x86-64, as the rest of gemtrace
+_BPF_LINK_CREATE = 28
+_BPF_TRACE_UPROBE_MULTI = 48  # enum bpf_attach_type
+_BPF_F_UPROBE_MULTI_RETURN = 1
+_u32, _u64 = ctypes.c_uint32, ctypes.c_uint64
+
+
+class _UprobeMultiAttr(ctypes.Structure):
+    """union bpf_attr's link_create member with its uprobe_multi arm."""
+
+    _fields_ = [
+        ("prog_fd", _u32), ("target_fd", _u32), ("attach_type", _u32), ("flags", _u32),
+        ("path", _u64), ("offsets", _u64), ("ref_ctr_offsets", _u64), ("cookies", _u64),
+        ("cnt", _u32), ("multi_flags", _u32), ("pid", _u32), ("pad", _u32),
+    ]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _link_uprobe_multi(prog_fd: int, path: bytes, offsets: list[int], is_return: bool) -> int:
+    """One link running `prog_fd` at every offset of the file; its fd, or OSError."""
+    path_buf = ctypes.create_string_buffer(path)
+    offsets_buf = (_u64 * len(offsets))(*offsets)
+    attr = _UprobeMultiAttr(prog_fd=prog_fd, attach_type=_BPF_TRACE_UPROBE_MULTI,
+                            path=ctypes.addressof(path_buf), offsets=ctypes.addressof(offsets_buf),
+                            cnt=len(offsets), multi_flags=_BPF_F_UPROBE_MULTI_RETURN if is_return else 0)
+    fd = _libc.syscall(_NR_BPF, _BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return int(fd)
+
+
+def _close_all(fds: list[int]) -> None:
+    """Close link fds side by side: each close waits for a grace period, and these waits overlap."""
+    if len(fds) <= 1:
+        for fd in fds:
+            os.close(fd)
+        return
+    with ThreadPoolExecutor(max_workers=min(len(fds), 32), thread_name_prefix="gemtrace-detach") as pool:
+        list(pool.map(os.close, fds))
 
 
 _CAP_SYS_ADMIN, _CAP_PERFMON, _CAP_BPF = 21, 38, 39
@@ -197,6 +253,9 @@ class BpfProbes:
         self.probes = MEMORY_PROBES + (LAUNCH_PROBES if mode == "launches" else ())
         self._files: dict[FileId, _Attached] = {}
         self._on_event: Callable[[Event], None] | None = None
+        self._bcc = bcc
+        self.multi: bool | None = None  # uprobe_multi links: None until the first file says
+        self._multi_fds: dict[str, int] = {}  # program -> fd of its copy loaded for uprobe_multi
 
     # -- attachments -------------------------------------------------------------------------
 
@@ -219,6 +278,88 @@ class BpfProbes:
             return 0
         name = f"/proc/self/fd/{fd}"
         attached = _Attached(fd, name)
+        if self.multi is not False:
+            self._attach_multi(attached)
+        if self.multi is False:
+            self._attach_each(attached)
+        if not attached.probes:
+            os.close(fd)
+            return 0
+        self._files[file_id] = attached
+        return len(attached.probes)
+
+    def _attach_multi(self, attached: _Attached) -> None:
+        """One uprobe_multi link per (program, entry or return). An entry point the kernel will not
+        take in a link (seen: a function that is a lone 2-byte tail jump) gets bcc's per-probe
+        attachment; a kernel without links at all sets self.multi False for every later file."""
+        offsets: dict[tuple[str, bool], dict[int, str]] = {}
+        for symbol, enter, ret in self.probes:
+            try:
+                # bcc's own resolution, the one attach_uprobe uses: the symbol's offset in the file.
+                _, offset = self._bcc.BPF._check_path_symbol(attached.name.encode(), symbol.encode(), None, -1)
+            except Exception:
+                continue  # this libcuda does not export the symbol (older driver)
+            offsets.setdefault((enter, False), {}).setdefault(offset, symbol)  # aliases: one probe
+            if ret is not None:
+                offsets.setdefault((ret, True), {}).setdefault(offset, symbol)
+        path = attached.name.encode()
+        refused: list[tuple[str, str, bool]] = []
+        for (program, is_return), at in offsets.items():
+            prog_fd = self._multi_program(program)
+            if prog_fd is None:
+                break
+            try:
+                attached.links.append(_link_uprobe_multi(prog_fd, path, list(at), is_return))
+                attached.probes.extend((symbol, is_return) for symbol in at.values())
+                continue
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+            good = []
+            for offset, symbol in at.items():  # which ones? one link each to find out, then one for all
+                try:
+                    os.close(_link_uprobe_multi(prog_fd, path, [offset], is_return))
+                    good.append(offset)
+                except OSError:
+                    refused.append((symbol, program, is_return))
+            if good:
+                attached.links.append(_link_uprobe_multi(prog_fd, path, good, is_return))
+                attached.probes.extend((at[offset], is_return) for offset in good)
+        if not attached.links and self.multi is None:
+            # Nothing linked on the first file: the kernel has no uprobe_multi (before 6.6).
+            self._forget_multi_programs()
+            attached.probes.clear()
+            self.multi = False
+            return
+        self.multi = True
+        for symbol, program, is_return in refused:
+            attach = self._bpf.attach_uretprobe if is_return else self._bpf.attach_uprobe
+            try:
+                attach(name=path, sym=symbol.encode(), fn_name=program.encode())
+            except Exception:
+                continue
+            attached.probes.append((symbol, is_return))
+            attached.each.append((symbol, is_return))
+
+    def _multi_program(self, program: str) -> int | None:
+        """The program loaded for uprobe_multi links (kept apart from bcc's cache, where the copy for
+        per-probe attachment lives), or None where the kernel cannot load one."""
+        if program not in self._multi_fds:
+            try:
+                fn = self._bpf.load_func(program.encode(), self._bcc.BPF.KPROBE, attach_type=_BPF_TRACE_UPROBE_MULTI)
+            except Exception:
+                return None
+            del self._bpf.funcs[program.encode()]
+            self._multi_fds[program] = fn.fd
+        return self._multi_fds[program]
+
+    def _forget_multi_programs(self) -> None:
+        for fd in self._multi_fds.values():
+            os.close(fd)
+        self._multi_fds.clear()
+
+    def _attach_each(self, attached: _Attached) -> None:
+        name = attached.name
         for symbol, enter, ret in self.probes:
             try:
                 self._bpf.attach_uprobe(name=name.encode(), sym=symbol.encode(), fn_name=enter.encode())
@@ -228,17 +369,14 @@ class BpfProbes:
             if ret is not None:
                 self._bpf.attach_uretprobe(name=name.encode(), sym=symbol.encode(), fn_name=ret.encode())
                 attached.probes.append((symbol, True))
-        if not attached.probes:
-            os.close(fd)
-            return 0
-        self._files[file_id] = attached
-        return len(attached.probes)
+        attached.each = list(attached.probes)
 
     def detach(self, file_id: FileId) -> None:
         attached = self._files.pop(file_id, None)
         if attached is None:
             return
-        for symbol, is_return in attached.probes:
+        _close_all(attached.links)
+        for symbol, is_return in attached.each:
             detach = self._bpf.detach_uretprobe if is_return else self._bpf.detach_uprobe
             try:
                 detach(name=attached.name.encode(), sym=symbol.encode())
@@ -297,6 +435,12 @@ class BpfProbes:
         self._bpf.ring_buffer_poll(timeout_ms)
 
     def close(self) -> None:
-        for file_id in list(self._files):
-            self.detach(file_id)
+        """Detach everything: every file's links at once (their grace periods overlap), then bcc's
+        cleanup() for per-probe attachments (one grace period each, in turn: the kernel's
+        perf_uprobe_destroy holds a global mutex) and the programs."""
+        _close_all([fd for attached in self._files.values() for fd in attached.links])
         self._bpf.cleanup()
+        self._forget_multi_programs()
+        for attached in self._files.values():
+            os.close(attached.fd)
+        self._files.clear()

@@ -87,4 +87,7 @@ class AllocationSource(Source, Protocol):
     def memory(self, devices: Devices) -> SourceReading:
         """Memory and last allocation times only, processes seen exiting left out."""
 
+    def stop_watching(self) -> None:
+        """Stop delivering events (the agent's stop: the gates are free first, the probes go after)."""
+
     def close(self) -> None: ...

@@ -259,9 +259,12 @@ class EbpfSource:
         figures = usage_figures(usage, contexts, launches, devices)
         return self._reading(figures, alive=frozenset(contexts))
 
-    def close(self) -> None:
+    def stop_watching(self) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+
+    def close(self) -> None:
+        self.stop_watching()
         with self._lock:
             self.probes.close()

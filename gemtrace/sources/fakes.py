@@ -115,7 +115,11 @@ class FakeEbpf:
         launches = self.launches if self.mode == "launches" else {}
         return self._reading(usage_figures(self._usage(), self.contexts, launches, devices), self.contexts)
 
+    def stop_watching(self) -> None:
+        self._started = False
+
     def close(self) -> None:
+        self.stop_watching()
         self._listeners.clear()
 
 
