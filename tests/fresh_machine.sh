@@ -11,8 +11,9 @@
 # each run unpacks it afresh under $GEMTRACE_FRESH_WORK (default /var/tmp/gemtrace-fresh/<suite>)
 # and leaves it there with the logs (demo.log, test.log) for a look afterwards.
 #
-# The root is a chroot, not a container: it shares this machine's kernel (the eBPF tests load
-# their probes into it) and network, and has no CUDA toolkit. Everything it mounts (/proc, /sys,
+# The root is not a container: it shares this machine's kernel (the eBPF tests load their probes
+# into it), process ids (bcc reports them as this machine sees them) and network; it has its own
+# mount namespace and no CUDA toolkit. Everything it mounts (/proc, /sys,
 # /dev, and tracefs/debugfs, which tests/prereqs.sh mounts inside as it would on a new machine)
 # lives in a private mount namespace and goes away with this script.
 set -euo pipefail
@@ -99,7 +100,11 @@ rm -rf "$work/$suite"
 mkdir -p "$root"
 tar -C "$root" -xf "$tarball"
 cp /etc/resolv.conf "$root/etc/resolv.conf"
-# A chroot has no init to own daemons: packages must not start theirs (prometheus would listen
+# The root trusts the certificates this machine trusts: where a TLS-inspecting proxy stands between
+# this machine and PyPI, its authority is in this machine's bundle and nowhere else.
+install -D -m 644 /etc/ssl/certs/ca-certificates.crt "$root/usr/local/share/ca-certificates/this-machine.crt"
+chroot "$root" update-ca-certificates >/dev/null 2>&1
+# The root has no init to own daemons: packages must not start theirs (prometheus would listen
 # on this machine's network). On a real machine systemd would start them.
 printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
 chmod 755 "$root/usr/sbin/policy-rc.d"
@@ -109,8 +114,10 @@ chmod 755 "$root/usr/sbin/policy-rc.d"
 git clone --quiet --no-hardlinks "$top" "$root/root/gemtrace"
 if [ -d "$top/../shared" ]; then cp -rL "$top/../shared" "$root/root/shared"; fi
 
-# /sys without its submounts: tracefs and debugfs are for tests/prereqs.sh to mount, as it would
-# on a new machine. /dev/shm private: the simulated GPU keeps its state there.
+# The root a mount of its own, to become the namespace's root below. /sys without its submounts:
+# tracefs and debugfs are for tests/prereqs.sh to mount, as it would on a new machine. /dev/shm
+# private: the simulated GPU keeps its state there.
+mount --bind "$root" "$root"
 mount -t proc proc "$root/proc"
 mount --bind /sys "$root/sys"
 mount --bind /dev "$root/dev"
@@ -119,19 +126,29 @@ mount -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"
 mount -t tmpfs -o mode=755 tmpfs "$root/run"
 printf 'fresh_machine.sh: %s root ready in %ss: %s\n' "$suite" "$(($(date +%s) - t0))" "$root"
 
-# Inside: a clean environment (nothing from this machine's shell, pip or CUDA settings), root,
-# no terminal: DEBIAN_FRONTEND as CI sets it.
+# Inside: the root made the mount namespace's root with pivot_root, not chroot: a process that
+# enters a mount namespace of its own (a container, as test_bpf_accounting starts one) must see
+# the root as its /, else /proc/PID/maps names its files by this machine's paths. A clean
+# environment (nothing from this machine's shell, pip or CUDA settings), root, no terminal:
+# DEBIAN_FRONTEND as CI sets it.
 inside() {
-    env -i HOME=/root LANG=C.UTF-8 TERM=dumb DEBIAN_FRONTEND=noninteractive \
-        PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        chroot "$root" /bin/bash -c "cd /root/gemtrace && $1"
+    unshare --mount --propagation private /bin/sh -c '
+        cd "$1" && mkdir -p .host && pivot_root . .host && umount -l /.host && rmdir /.host &&
+        exec env -i HOME=/root LANG=C.UTF-8 TERM=dumb DEBIAN_FRONTEND=noninteractive \
+            PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+            /bin/bash -c "cd /root/gemtrace && $2"' sh "$root" "$1"
 }
 
 rc=0
 t=$(date +%s)
 inside 'make demo' >"$work/$suite/demo.log" 2>&1 || rc=$?
-echo "=== make demo: exit $rc, $(($(date +%s) - t)) s; its first lines:"
-head -n 25 "$work/$suite/demo.log"
+echo "=== make demo: exit $rc, $(($(date +%s) - t)) s; what prereqs.sh said, and the demo's first lines:"
+grep '^prereqs.sh' "$work/$suite/demo.log" || true
+if grep -q '^agent up' "$work/$suite/demo.log"; then
+    sed -n '/^agent up/,$p' "$work/$suite/demo.log" | head -n 14
+else
+    tail -n 25 "$work/$suite/demo.log"
+fi
 echo "... (whole log: $work/$suite/demo.log)"
 
 t=$(date +%s)
