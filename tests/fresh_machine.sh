@@ -74,6 +74,7 @@ if [ ! -f "$tarball" ]; then
     [ -f "$keyring" ] || { echo "fresh_machine.sh: $keyring is missing (the $suite archive key); set GEMTRACE_UBUNTU_KEYRING to a copy" >&2; exit 1; }
     mkdir -p "$cache"
     stage=$(mktemp -d "$cache/$suite.XXXXXX")
+    chmod 755 "$stage" # the root's own mode: mktemp's 0700 would lock everyone but root out
     echo "fresh_machine.sh: debootstrap $suite from $mirror into $stage (once; cached as $tarball)"
     debootstrap --keyring="$keyring" --components="$components" --include=git,make,ca-certificates \
         "$suite" "$stage" "$mirror" "$script" >"$cache/$suite.debootstrap.log" 2>&1 ||

@@ -65,7 +65,7 @@ if [ "$(id -u)" != 0 ]; then
     if [ "$level" = demo ]; then
         echo "make demo needs $what: run 'sudo apt-get install ${missing[*]}'" >&2
     else
-        echo "make test needs $what: run 'sudo make prereqs' (then run make test as root: it loads eBPF probes and installs the .deb)" >&2
+        echo "make test needs $what: run 'sudo make prereqs' (or 'sudo make test': its tests need root anyway, for eBPF and the .deb)" >&2
     fi
     exit 1
 fi
@@ -105,6 +105,7 @@ if [ ${#missing[@]} -gt 0 ] || [ -n "$need_headers_package" ]; then
         apt-cache show "$p" >/dev/null 2>&1 || unknown+=("$p")
     done
     if [ ${#unknown[@]} -gt 0 ]; then
+        grep '^[WE]:' "$log" >&2 || true # what apt-get update could not fetch, if anything
         echo "prereqs.sh: the package archive has no ${unknown[*]}: on Ubuntu, enable universe ('sudo add-apt-repository universe')" >&2
         exit 1
     fi
