@@ -100,7 +100,8 @@ fi
 rm -rf "$work/$suite"
 mkdir -p "$root"
 tar -C "$root" -xf "$tarball"
-cp /etc/resolv.conf "$root/etc/resolv.conf"
+# Ubuntu's resolv.conf is a link into /run, which gets a tmpfs below: a file of its own instead.
+cp --remove-destination /etc/resolv.conf "$root/etc/resolv.conf"
 # The root trusts the certificates this machine trusts: where a TLS-inspecting proxy stands between
 # this machine and PyPI, its authority is in this machine's bundle and nowhere else.
 install -D -m 644 /etc/ssl/certs/ca-certificates.crt "$root/usr/local/share/ca-certificates/this-machine.crt"

@@ -105,8 +105,11 @@ if [ ${#missing[@]} -gt 0 ] || [ -n "$need_headers_package" ]; then
         apt-cache show "$p" >/dev/null 2>&1 || unknown+=("$p")
     done
     if [ ${#unknown[@]} -gt 0 ]; then
-        grep '^[WE]:' "$log" >&2 || true # what apt-get update could not fetch, if anything
-        echo "prereqs.sh: the package archive has no ${unknown[*]}: on Ubuntu, enable universe ('sudo add-apt-repository universe')" >&2
+        if grep '^[WE]:' "$log" >&2; then
+            echo "prereqs.sh: apt-get update could not fetch the package lists (above), so ${unknown[*]} are unknown" >&2
+        else
+            echo "prereqs.sh: the package archive has no ${unknown[*]}: on Ubuntu, enable universe ('sudo add-apt-repository universe')" >&2
+        fi
         exit 1
     fi
     echo "prereqs.sh: installing ${missing[*]}"
