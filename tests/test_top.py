@@ -182,7 +182,7 @@ def _tmux() -> str:
     path = shutil.which("tmux")
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail("tmux not found: .ci/run installs it")
+            pytest.fail("tmux not found: sudo make prereqs installs it")
         pytest.skip("tmux not installed")
     return path
 

@@ -137,8 +137,8 @@ class BpfProbes:
         headers = Path("/lib/modules") / os.uname().release / "build"
         if not headers.exists():
             raise BpfUnavailable(
-                f"bcc needs kernel headers at {headers}: install linux-headers-amd64 and link it there "
-                "(see .ci/run)"
+                f"bcc needs kernel headers at {headers}: install linux-headers-{os.uname().release}, or for a "
+                "kernel the distribution has none for, link its current headers there (tests/prereqs.sh does)"
             )
         try:
             self._bpf = bcc.BPF(
