@@ -13,9 +13,9 @@
 #
 # The root is not a container: it shares this machine's kernel (the eBPF tests load their probes
 # into it), process ids (bcc reports them as this machine sees them) and network; it has its own
-# mount namespace and no CUDA toolkit. Everything it mounts (/proc, /sys,
-# /dev, and tracefs/debugfs, which tests/prereqs.sh mounts inside as it would on a new machine)
-# lives in a private mount namespace and goes away with this script.
+# mount namespace and no CUDA toolkit. Everything mounted for it (/proc, /sys, /dev, and the
+# tracefs/debugfs that tests/prereqs.sh mounts inside, as on a new machine) lives in that private
+# namespace and goes away with this script.
 set -euo pipefail
 
 suite=${1:-bookworm}
