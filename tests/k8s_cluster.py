@@ -67,6 +67,52 @@ class K8sCluster:
         self.node = env["GEMTRACE_K8S_NODE"]
         self.test_image = env["GEMTRACE_K8S_TEST_IMAGE"]
         self.device_plugins = Path(env["GEMTRACE_K8S_DEVICE_PLUGINS"])
+        self.ca_cert = Path(env["GEMTRACE_K8S_CA_CERT"])
+        self.ca_key = Path(env["GEMTRACE_K8S_CA_KEY"])
+
+    def serving_cert(self, directory: Path, ip: str = "127.0.0.1") -> tuple[Path, Path]:
+        """A TLS certificate and key for a server at `ip` (a webhook's), signed by the cluster's CA:
+        the apiserver trusts it given `ca_cert` as the caBundle."""
+        cert, key, ext = directory / "serving.crt", directory / "serving.key", directory / "serving.ext"
+        ext.write_text(f"subjectAltName=IP:{ip}\nextendedKeyUsage=serverAuth\n")
+        for argv in (
+            [
+                "openssl",
+                "req",
+                "-new",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                key,
+                "-subj",
+                "/CN=" + ip,
+                "-out",
+                directory / "serving.csr",
+            ],
+            [
+                "openssl",
+                "x509",
+                "-req",
+                "-in",
+                directory / "serving.csr",
+                "-CA",
+                self.ca_cert,
+                "-CAkey",
+                self.ca_key,
+                "-CAcreateserial",
+                "-CAserial",
+                directory / "ca.srl",
+                "-days",
+                "1",
+                "-extfile",
+                ext,
+                "-out",
+                cert,
+            ],
+        ):
+            subprocess.run([str(a) for a in argv], check=True, capture_output=True)
+        return cert, key
 
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
         proc = subprocess.run(

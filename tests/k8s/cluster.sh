@@ -128,6 +128,9 @@ cmd_build() {
     find "$src/vendor/github.com/modern-go/reflect2" -type f \( -name '*.go' -o -name '*.s' \) -delete
     find "$reflect2" -maxdepth 1 -type f \( -name '*.go' -o -name '*.s' \) ! -name '*_test.go' \
         -exec cp {} "$src/vendor/github.com/modern-go/reflect2/" \;
+    # go_above_118.go is what 1.0.2 adds: without it the build would succeed and webhooks crash.
+    [ -f "$src/vendor/github.com/modern-go/reflect2/go_above_118.go" ] \
+        || die "$REFLECT2_PKG gave no go_above_118.go in $reflect2: its reflect2 is older than 1.0.2"
 
     log "building ${K8S_COMPONENTS[*]} (several minutes)"
     local start=$SECONDS
@@ -548,6 +551,8 @@ GEMTRACE_K8S_NODE=$NODE
 GEMTRACE_K8S_TEST_IMAGE=$TEST_IMAGE
 GEMTRACE_K8S_CONTAINERD_SOCK=$CONTAINERD_SOCK
 GEMTRACE_K8S_DEVICE_PLUGINS=$KUBELET_ROOT/device-plugins
+GEMTRACE_K8S_CA_CERT=$PKI/ca.crt
+GEMTRACE_K8S_CA_KEY=$PKI/ca.key
 EOF
 }
 
