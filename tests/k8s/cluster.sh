@@ -303,7 +303,14 @@ start() {
     echo $! >"$RUN/pids/$name"
 }
 
-alive() { [ -f "$RUN/pids/$1" ] && kill -0 "$(cat "$RUN/pids/$1")" 2>/dev/null; }
+# A killed daemon stays a zombie until PID 1 reaps it, which a container's or sandbox's init may do late.
+pid_alive() {
+    local state
+    state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
+    [ -n "$state" ] && [ "$state" != Z ]
+}
+
+alive() { [ -f "$RUN/pids/$1" ] && pid_alive "$(cat "$RUN/pids/$1")"; }
 
 # wait_for WHAT SECONDS NAME COMMAND...: until COMMAND succeeds, while NAME's process lives.
 wait_for() {
@@ -484,7 +491,7 @@ stop() {
     for _ in $(seq 50); do
         left=0
         for pid in "${pids[@]}"; do
-            if kill -0 "$pid" 2>/dev/null; then left=1; fi
+            if pid_alive "$pid"; then left=1; fi
         done
         [ $left = 1 ] || break
         sleep 0.2
@@ -543,9 +550,12 @@ teardown() {
 cmd_down() { need_root; teardown; }
 
 cmd_env() {
+    local kubectl
+    # Also when the build is missing or broken: the logs' place is what a failed `up` needs.
+    kubectl=$(bin_dir 2>/dev/null)/kubectl || kubectl="(not built: run $0 build)"
     cat <<EOF
 KUBECONFIG=$KUBECTL_CONFIG
-KUBECTL=$(bin_dir)/kubectl
+KUBECTL=$kubectl
 GEMTRACE_K8S_LOGS=$LOGS
 GEMTRACE_K8S_NODE=$NODE
 GEMTRACE_K8S_TEST_IMAGE=$TEST_IMAGE
