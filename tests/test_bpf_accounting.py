@@ -1,8 +1,8 @@
 """eBPF accounting for real: bcc's uprobes on the simulated libcuda, driven by ungated processes.
 
-Needs root and bcc (apt-get install python3-bpfcc and the running kernel's headers): a missing
-prerequisite FAILS here, it does not skip. The client (tests/cuda_driver_client.py) calls libcuda's
-exported entry points through ctypes, as the CUDA runtime does, with no gate loaded.
+Needs root and bcc (python3-bpfcc + kernel headers; sudo make prereqs installs them): a missing prerequisite
+FAILS here, it does not skip. The client (tests/cuda_driver_client.py) calls libcuda's exported
+entry points through ctypes, as the CUDA runtime does, with no gate loaded.
 """
 
 from __future__ import annotations
@@ -106,8 +106,7 @@ def require_bcc() -> None:
     try:
         import bcc  # noqa: F401
     except ImportError:
-        pytest.fail("bcc is missing: apt-get install python3-bpfcc and the running kernel's headers "
-                    "(linux-headers-$(uname -r))", pytrace=False)
+        pytest.fail("bcc is missing: sudo make prereqs installs it and the kernel headers", pytrace=False)
 
 
 @pytest.fixture

@@ -6,8 +6,7 @@ purges it at the end, so it refuses to run where gemtrace is already installed (
 operator's installation). Everything after the install runs the INSTALLED code (/usr/bin/gemtrace
 with /usr/bin/python3, from / with a clean environment), never the checkout's.
 
-Needs root and apt, and dpkg-dev and lintian to build and check the package (apt-get install dpkg-dev
-lintian). The steps share one installation and run in file order.
+Root and apt (make test as root). The steps share one installation and run in file order.
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ class Prometheus:
     @classmethod
     def start(cls, workdir: Path, target: str) -> Prometheus:
         binary = shutil.which("prometheus")
-        assert binary, "prometheus not found: apt-get install prometheus"
+        assert binary, "prometheus not found: install Debian's prometheus package (sudo make prereqs does)"
         port = free_port()
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},

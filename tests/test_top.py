@@ -182,7 +182,8 @@ def _tmux() -> str:
     """A missing prerequisite fails, everywhere: a skip would pass a run that tested nothing."""
     path = shutil.which("tmux")
     if path is None:
-        pytest.fail("tmux not found: apt-get install tmux (the terminal mode is tested inside it)", pytrace=False)
+        pytest.fail("tmux not found: apt-get install tmux (sudo make prereqs does); the terminal mode is tested "
+                    "inside it", pytrace=False)
     return path
 
 
