@@ -80,14 +80,18 @@ static void drain(int gpu, CUstream stream)
         gt_close_burst(gpu);
 }
 
-static __attribute__((noinline)) void hold(int gpu, uint32_t *held, CUstream stream)
+/* `group` is the group whose word `held` is: the wait also ends when the agent moves the process to
+ * another group (its group was dropped, and the entry may already serve a new name whose word stays
+ * held while nobody of it has work: waiting on there would be waiting for ever). The next launch
+ * then reads its new group's word. */
+static __attribute__((noinline)) void hold(int gpu, uint32_t *held, CUstream stream, uint32_t group)
 {
     if (!gt_agent_alive())
         return; /* no agent, or a stale one: never hang (the last limits written still apply to memory) */
     drain(gpu, stream);
     struct gt_slot *slot = gt_proc.slot;
     __atomic_fetch_add(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
-    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive())
+    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group)
         futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
     __atomic_store_n(&slot->last_launch_ns[gpu], gt_now_ns(), __ATOMIC_RELAXED);
@@ -185,7 +189,8 @@ static void gate_launch(CUstream stream)
     int gpu = gt_proc.single_gpu;
     if (GT_UNLIKELY(gpu < 0) && (gpu = gt_stream_gpu(stream)) < 0)
         return;
-    uint32_t *held = &gt_proc.region->control[gpu][gt_group()].held;
+    uint32_t group = gt_group();
+    uint32_t *held = &gt_proc.region->control[gpu][group].held;
     uint32_t state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
     if (GT_UNLIKELY(state != GT_RELEASED)) {
         /* After a wait the group may have been held meanwhile: look again, or this launch would
@@ -193,7 +198,7 @@ static void gate_launch(CUstream stream)
         if (state == GT_RELEASED_SHORT_QUEUE && keep_queue_short(gpu, stream))
             state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
         if (state == GT_HELD)
-            hold(gpu, held, stream);
+            hold(gpu, held, stream, group);
     }
     if (GT_UNLIKELY(!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_RELAXED)))
         open_burst(gpu);
