@@ -228,7 +228,8 @@ def parser() -> argparse.ArgumentParser:
                             description="One view of each GPU's groups from the agent's /metrics: the share "
                             "used against MinUtil/MaxUtil, memory against the limit, and the processes.")
     status.add_argument("--listen", default=defaults.LISTEN, metavar="HOST:PORT",
-                        help=f"the agent's address (its `agent --listen`) or /metrics URL (default {defaults.LISTEN})")
+                        help="the agent's address (its `agent --listen`: HOST:PORT or unix:PATH) or /metrics URL "
+                        f"(default {defaults.LISTEN})")
     # `top` once took --url for the same address: accepted here too, so either name works for both.
     status.add_argument("--url", dest="listen", help=argparse.SUPPRESS)
     status.add_argument("--json", action="store_true", help="print the figures as JSON")

@@ -22,6 +22,7 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import MetricsHandler
 
@@ -45,7 +46,8 @@ class UnixListen:
 
 
 def parse_listen(listen: str) -> tuple[str, int] | Path:
-    """"127.0.0.1:9843", "[::1]:9843" or ":9843" (all addresses) -> (host, port); "unix:/PATH" -> the path."""
+    """"127.0.0.1:9843", "[::1]:9843" or ":9843" (all addresses) -> (host, port); "unix:/PATH" -> the path.
+    Port 0 asks the kernel for a free one (tests use it; the agent logs the port it got)."""
     if listen.startswith(UNIX_PREFIX):
         path = Path(listen[len(UNIX_PREFIX):])
         if not path.is_absolute():
@@ -53,7 +55,7 @@ def parse_listen(listen: str) -> tuple[str, int] | Path:
                               "e.g. unix:/run/gemtrace/metrics.sock")
         return path
     host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ListenError(f"--listen {listen!r}: expected HOST:PORT (e.g. 127.0.0.1:9843) or unix:/PATH")
     return host.strip("[]"), int(port)
 
@@ -197,6 +199,11 @@ class Exporter:
             self.server = _TcpServer((host, port), handler, ipv6=":" in host)
             self.address = f"{host}:{self.server.server_address[1]}"
         self.server.tls = web.tls if web is not None else None
+        # Who may read it, for the log: the web config's checks, the socket's mode and group.
+        self._access: dict[str, str] = {"web_config": f"{web.path} ({web.describe()})"} if web is not None else {}
+        if isinstance(where, UnixListen):
+            self._access.update(socket_mode=f"{where.mode:04o}", socket_gid=str(os.getgid() if where.gid is None
+                                                                                 else where.gid))
         self.scheme = "https" if self.server.tls is not None else "http"
         # serve_forever looks for shutdown() this often: the default 0.5 s would add as much to every stop.
         self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="gemtrace-exporter",
@@ -204,6 +211,8 @@ class Exporter:
 
     def start(self) -> None:
         self._thread.start()
+        structlog.get_logger("gemtrace.exporter").info("metrics_serving", address=self.address, scheme=self.scheme,
+                                                       **self._access)
 
     def stop(self) -> None:
         self.server.shutdown()

@@ -23,10 +23,9 @@ from pathlib import Path
 
 import bcrypt
 import pytest
-from agent_host import free_port
 from prometheus_client import CollectorRegistry, Gauge
 
-from gemtrace import web_config
+from gemtrace import top, web_config
 from gemtrace.exporter import Exporter, ListenError, listen_target, parse_mode
 from gemtrace.web_config import WebConfigError
 
@@ -69,7 +68,7 @@ def serve(tmp_path: Path) -> Iterator[object]:
     def start(web_text: str | None = None, listen: str | None = None, mode: int | None = None,
               gid: int | None = None) -> Exporter:
         web = None if web_text is None else web_config.load(write_config(tmp_path, web_text))
-        exporter = Exporter(registry(), listen or f"127.0.0.1:{free_port()}", web, mode, gid)
+        exporter = Exporter(registry(), listen or "127.0.0.1:0", web, mode, gid)
         exporter.start()
         started.append(exporter)
         return exporter
@@ -205,6 +204,8 @@ def test_unix_socket_serves_metrics_with_the_mode_and_group_asked_for(tmp_path: 
     assert st.st_gid == group
     status, body = get_unix(path)
     assert status == 200 and f"{SERIES} 42.0" in body
+    # `gemtrace status` and `gemtrace top` read it there too (--listen unix:PATH).
+    assert f"{SERIES} 42.0" in top.fetch(top.metrics_url(f"unix:{path}"))
     exporter.stop()
     assert not path.exists(), "the agent removes its socket when it stops"
 
