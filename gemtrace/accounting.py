@@ -372,7 +372,10 @@ class Accounting:
             # A process eBPF saw allocate nothing since the start: its own start is the latest its
             # allocations can be known to be, so the newest such process goes first.
             when = last_alloc.get((pid, uuid)) or _monotonic_of_ticks(info.start_time)
-            holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated))
+            # The uid says whose process it is: a victim is chosen among the users who took the group
+            # over (gemtrace.enforcement). Read at each check, not kept with the group: a process may
+            # change its uid (setuid) after it started.
+            holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated, uid=self.proc.uid(pid)))
         if any(limits.get(h.group) is not None for h in holdings):
             self.enforcer.check(holdings, limits, event_ns=self._last_alloc_ns)
 
