@@ -1,6 +1,7 @@
 """Who can read /metrics: TLS and basic auth from a web config file (node_exporter's format), a unix
 socket whose mode and group say who may connect, and every mistake in the file refused at start with
-one line naming the file and the key. The exporter serves a registry of its own here; certificates
+one line naming the file and the key. The exporter serves a registry of its own here (the agent
+behind these options: tests/test_exporter.py); certificates
 are made by the test with the `openssl` command, passwords hashed with the `bcrypt` package."""
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def test_tls_with_client_certificates_refuses_a_client_without_one(tmp_path: Pat
 
 # -- basic auth -------------------------------------------------------------------------------------
 
-def _users(**passwords: bytes) -> str:
+def basic_auth_yaml(**passwords: bytes) -> str:
     lines = ["basic_auth_users:"]
     for user, password in passwords.items():
         lines.append(f"  {user}: {bcrypt.hashpw(password, bcrypt.gensalt(rounds=4)).decode()}")
@@ -140,7 +141,7 @@ def _users(**passwords: bytes) -> str:
 
 
 def test_basic_auth_lets_the_right_password_in_and_answers_401_otherwise(serve) -> None:
-    exporter = serve(_users(prometheus=PASSWORD, grafana=b"other"))
+    exporter = serve(basic_auth_yaml(prometheus=PASSWORD, grafana=b"other"))
     url = f"http://127.0.0.1:{exporter.server.server_address[1]}/metrics"
     status, body, _ = get(url, auth=("prometheus", PASSWORD))
     assert status == 200 and f"{SERIES} 42.0" in body
@@ -154,7 +155,7 @@ def test_basic_auth_lets_the_right_password_in_and_answers_401_otherwise(serve) 
 
 
 def test_basic_auth_refuses_headers_that_are_not_basic_credentials(serve) -> None:
-    exporter = serve(_users(prometheus=PASSWORD))
+    exporter = serve(basic_auth_yaml(prometheus=PASSWORD))
     port = exporter.server.server_address[1]
     for header in ("Bearer abc", "Basic !!!notbase64", "Basic " + base64.b64encode(b"no-colon").decode(), "Basic"):
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
@@ -167,7 +168,8 @@ def test_basic_auth_refuses_headers_that_are_not_basic_credentials(serve) -> Non
 
 def test_tls_and_basic_auth_together(tmp_path: Path, serve) -> None:
     cert, key = make_cert(tmp_path, "localhost")
-    exporter = serve(f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n" + _users(prometheus=PASSWORD))
+    exporter = serve(f"tls_server_config:\n  cert_file: {cert}\n  key_file: {key}\n"
+                     + basic_auth_yaml(prometheus=PASSWORD))
     url = f"https://localhost:{exporter.server.server_address[1]}/metrics"
     trusting = ssl.create_default_context(cafile=str(cert))
     assert get(url, trusting, ("prometheus", PASSWORD))[0] == 200
@@ -339,3 +341,4 @@ def test_the_agent_stops_at_once_on_a_bad_web_config_before_touching_a_gpu(tmp_p
                          timeout=60)
     assert out.returncode == 1 and "unix: --listen only" in out.stderr
     assert not (tmp_path / "state").exists()
+
