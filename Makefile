@@ -1,7 +1,8 @@
 # What a person does with gemtrace. Each part builds with its own Makefile; this one ties them.
 #   make        build the gate, the simulated GPU and .venv
-#   make test   run every test tier but `gpu` (the README's test command)
+#   make test   run every test tier but `gpu` (the README's test command; as root)
 #   make demo   the agent on the simulated GPU with three groups at work
+#   make prereqs  install what `make test` needs from the distribution (as root; make test does it too)
 #   make deb    build/gemtrace_<version>_amd64.deb
 #   make bench  benchmarks on the simulated GPU (results recorded under bench/results/)
 #   make lock   re-resolve the Python dependencies and rewrite constraints.txt (then read the diff)
@@ -13,8 +14,10 @@ BUILD := build
 # Every Python package .venv holds, at the exact version it holds: what pip would pick today must not
 # change what CI runs. `make lock` writes it.
 LOCK := constraints.txt
+# What the distribution must provide, and the set-up bcc needs: checked first by demo and test.
+PREREQS := tests/prereqs.sh
 
-.PHONY: all gate simgpu venv lock test test-unit lint demo deb bench clean
+.PHONY: all gate simgpu venv lock prereqs test test-unit lint demo deb bench clean
 
 all: gate simgpu venv
 
@@ -59,17 +62,28 @@ lint: venv
 	$(VENV)/bin/ruff check gemtrace tests bench packaging
 	$(VENV)/bin/mypy gemtrace packaging/deb/manpage.py
 
-test: all
-	$(MAKE) lint
+prereqs:
+	@$(PREREQS) test
+
+# The prerequisites first, in the recipe: as a prerequisite of the target, `make -j` could build
+# alongside them.
+test:
+	@$(PREREQS) test
+	@$(MAKE) --no-print-directory all
+	@$(MAKE) --no-print-directory lint
 	$(PY) -m pytest -m 'not gpu' tests
 
 test-unit: all
 	$(PY) -m pytest -m unit tests
 
-demo: all
+demo:
+	@$(PREREQS) demo
+	@$(MAKE) --no-print-directory all
 	$(PY) -m gemtrace.demo
 
-deb: all
+deb:
+	@$(PREREQS) deb
+	@$(MAKE) --no-print-directory all
 	packaging/deb/build.sh $(BUILD)
 
 bench: all

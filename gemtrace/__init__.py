@@ -1,15 +1,38 @@
 """gemtrace: share NVIDIA GPUs between groups of processes with quotas, and show who uses what.
 
-The stack, top to bottom:
-    cli.py        command line (agent, run, check-config, status, top)
-    agent.py      the agent's main loop: wires config, region, scheduler, probes, exporter
-    config.py     the resource file (parse, validate, reload)
-    scheduler.py  per-GPU time-share policy (pure) driving region control words
-    region.py     ctypes mirror of hook/gemtrace_region.h (the gates' shared memory)
-    probes/       eBPF uprobes on libcuda (bpf/*.c) and NVML readers
-    accounting.py per-process / per-group figures merged from eBPF, gates and NVML
-    enforcement.py memory-quota OOM killer
-    exporter.py   Prometheus collectors; metrics.py is the one catalogue of metric names
+The package, one module per concern (the gate itself is C, in hook/; BPF programs are in bpf/):
+    cli.py           the `gemtrace` command: argument parsing, errors as one line and an exit status
+    agent.py         the agent's lifecycle and loop: heartbeat, reaping dead slots, reloads, shutdown
+    config.py        the resource file: reading, parsing (pure), validating, watching for changes
+    defaults.py      paths, ports and intervals that more than one part uses
+    region.py        ctypes mirror of hook/gemtrace_region.h (the gates' shared memory) and its care
+    policy.py        the time-share policy of one GPU: pure, driven by a clock it is given
+    scheduler.py     one GPU's adapter between the region's slots and the policy (futex words)
+    accounting.py    per-process figures merged from eBPF, the gates and NVML; the enforcement thread
+    enforcement.py   memory enforcement: which process dies when a group is over its MemoryLimit
+    groups_of.py     the group of a process and the GPUs it sees, from /proc (pure parsers)
+    gpus.py          the host's GPUs from NVML (index, UUID, name, memory), read at agent start
+    probes/          where the agent learns what processes do with libcuda:
+      libcuda.py       which libcuda files processes map, from /proc/PID/maps
+      bpf_loader.py    bcc: compiles bpf/gemtrace_cuda.bpf.c, attaches, reads its maps
+      nvml.py          NVML's per-process memory and device utilisation (ctypes)
+    metrics.py       the one catalogue of metric names, types, units, labels and help texts
+    collectors/      the Prometheus collectors, one module each, registered in collectors/__init__.py:
+      agent.py         the agent itself: version, reloads, the GPUs it schedules
+      groups.py        groups' quotas and what the scheduler gave them, their memory
+      processes.py     per-process series from the accounting's snapshot
+      enforcement.py   OOM kills, quota breaches and slot tampering, per group
+    exporter.py      the /metrics HTTP endpoint over the collectors' registry
+    eventlog.py      structlog configured once: JSON lines, or key-values on a terminal
+    launcher.py      `gemtrace run`: CMD's environment with the gate preloaded, then exec
+    allotment.py     what a `gemtrace run` is allotted besides its group: GPUs, memory share
+    placement.py     which GPUs a `run --gpus N` gets: topology as data, the policies (pure)
+    topology.py      the NVML adapter behind placement.py: PCIe and NVLink between GPUs
+    framework_env.py the memory share frameworks are told, from the group's MemoryLimit (pure)
+    top.py           `gemtrace top`: the live terminal view, from the agent's /metrics
+    status.py        `gemtrace status`: one frame of top's view, or JSON
+    dashboards.py    the Grafana dashboards, generated from the metric catalogue
+    demo.py          `make demo`: the agent and three groups on the simulated GPU
 """
 
 __version__ = "0.1.0"

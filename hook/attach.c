@@ -3,10 +3,11 @@
  *
  * Attaching happens lazily on the first gated call, never in a constructor, so a program that never
  * uses CUDA sees no difference. It is O(1) in the number of live processes: the slot search starts
- * at a hash of the pid and claims with one CAS (LESSONS.md: HAMi's start-up took a minute with 300
- * processes). Without a region, with an unknown group or a region of another layout version, the
- * gate says so once on stderr and passes everything through, retrying at most once a second (the
- * agent may start after the program).
+ * at a hash of the pid and claims with one CAS (HAMi's start-up took about a minute with hundreds of
+ * processes on a node: HAMi #1662, https://github.com/Project-HAMi/HAMi/issues/1662). Without a
+ * region, with an unknown group or a region of another layout version, the gate says so once on
+ * stderr and passes everything through, retrying at most once a second (the agent may start after
+ * the program).
  */
 #define _GNU_SOURCE
 #include "gate.h"
@@ -198,7 +199,8 @@ bool gt_attach_slow(bool wait)
     return ok;
 }
 
-/* --- devices: CUDA ordinal -> region GPU, by UUID (LESSONS.md: HAMi #1218, UUIDs in CUDA_VISIBLE_DEVICES) */
+/* --- devices: CUDA ordinal -> region GPU, by UUID, never by ordinal: with UUIDs in CUDA_VISIBLE_DEVICES
+ * HAMi took every card for card 0 (HAMi #1218, https://github.com/Project-HAMi/HAMi/issues/1218) */
 
 static void format_uuid(const CUuuid *u, char out[GT_UUID_LEN])
 {
@@ -326,7 +328,7 @@ static void release_slot(void)
 }
 
 /* After fork the child is a process of its own: it holds none of the parent's memory and claims its
- * own slot on its first gated call (LESSONS.md: HAMi-core uses pthread_atfork). */
+ * own slot on its first gated call (registered with pthread_atfork, as HAMi-core does). */
 static void after_fork_in_child(void)
 {
     pthread_mutex_init(&attach_lock, NULL);

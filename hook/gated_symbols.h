@@ -3,11 +3,14 @@
  *
  * From this list come the table of real entry points (gate.h), the answers of our dlsym and
  * cuGetProcAddress (intercept.c) and the check that every listed symbol has a wrapper (the linker:
- * the table takes each wrapper's address). Adding a symbol: list it here and write its wrapper in
- * launch.c or memory.c with the prototype that cuda_driver_api.h declares for it (copied from cuda.h).
+ * the table takes each wrapper's address). Adding a symbol: list it here and write its wrapper with
+ * the prototype that cuda_driver_api.h declares for it (copied from cuda.h): launches and
+ * synchronisation in launch.c, memory in memory.c, cuGetProcAddress(_v2) in intercept.c.
  *
- * Launch entry points include the _ptsz variants that cuGetProcAddress hands out for the per-thread
- * default stream (LESSONS.md: cuLaunchKernelEx went unthrottled in HAMi-core until added; cuBLAS uses it).
+ * Launch entry points include cuLaunchKernelEx, which cuBLAS uses for its matmuls (a small PyTorch
+ * 2.11 script on the H100 made 50 cuLaunchKernelEx calls to 5 cuLaunchKernel, counted with uprobes) and
+ * which went unthrottled in HAMi-core until PR #143 (https://github.com/Project-HAMi/HAMi-core/pull/143),
+ * and the _ptsz variants that cuGetProcAddress hands out for the per-thread default stream.
  */
 #ifndef GEMTRACE_GATED_SYMBOLS_H
 #define GEMTRACE_GATED_SYMBOLS_H

@@ -3,10 +3,14 @@
  *
  *  - linked with -lcuda: the wrappers carry the exported names, and LD_PRELOAD puts them first;
  *  - dlsym on a libcuda handle: our dlsym answers gated names with our wrappers;
- *  - cuGetProcAddress(_v2), which is how the CUDA runtime reaches every function (FACTS.md: it fetches
- *    cuGetProcAddress_v2 with dlsym, then everything through it): we ask the real one first, for the
- *    requested version and flags, then hand out our wrapper for whichever real entry point it chose
- *    (matched by address), so version answers stay the driver's own (LESSONS.md: HAMi-core #57).
+ *  - cuGetProcAddress(_v2), which is how the CUDA runtime reaches every function: it fetches
+ *    cuGetProcAddress_v2 with dlsym on its libcuda handle, then everything through it (seen on the
+ *    H100 with PyTorch 2.11, nvcc's static cudart and -cudart shared: a preload library defining only
+ *    cuGetProcAddress_v2 was never called, one overriding dlsym saw that look-up; tests/clients/rt.c
+ *    reaches the simulated driver the same way). We ask the real one first, for the requested version
+ *    and flags, then hand out our wrapper for whichever real entry point it chose (matched by
+ *    address), so version answers stay the driver's own: always answering the newest _vN broke vLLM
+ *    (HAMi-core #57, https://github.com/Project-HAMi/HAMi-core/issues/57).
  * Everything else, cuGetExportTable included, passes straight through untouched.
  */
 #define _GNU_SOURCE
@@ -22,9 +26,10 @@ typedef void *(*dlsym_fn)(void *, const char *);
 static dlsym_fn real_dlsym_fn;
 static void *libcuda_handle; /* the handle a program looked a gated name up in */
 
-/* glibc 2.34 moved dlsym into libc under a new version; __libc_dlsym is gone (LESSONS.md). Guarded: a
- * dlvsym that itself calls dlsym (seen with other interposers, HAMi-core PR #326 on WSL2) gets NULL
- * instead of recursing. */
+/* glibc 2.34 moved dlsym into libc under a new version and no longer exports __libc_dlsym, which
+ * Gemini's src/hook.cpp (https://github.com/NTHU-LSALAB/Gemini) relies on. Guarded: a dlvsym that
+ * itself calls dlsym (as another interposer's may) gets NULL instead of recursing: a dlsym hook that
+ * recursed crashed HAMi-core on WSL2 (HAMi-core PR #326, https://github.com/Project-HAMi/HAMi-core/pull/326). */
 static GT_TLS int finding_dlsym;
 
 static dlsym_fn real_dlsym(void)

@@ -7,9 +7,11 @@
  * nothing is allocated and no interleaving of processes or threads overshoots. Every byte added is
  * remembered here with its pointer or handle; a release subtracts only what we added, so frees of
  * pointers we never saw, double frees or frees after a crash cannot drive a counter below zero
- * (LESSONS.md: HAMi #1181, 17 TB in use). The device comes from the call's own arguments where they
- * name one (cuMemCreate's location: HAMi-core #169; a pool's device; a stream's device for the
- * stream-ordered allocators), else from the current context.
+ * (HAMi's counter underflowed and showed 17 TB in use, with false OOMs: HAMi #1181,
+ * https://github.com/Project-HAMi/HAMi/issues/1181). The device comes from the call's own arguments
+ * where they name one (cuMemCreate's location: NCCL calls it from threads without a current context,
+ * HAMi-core #169, https://github.com/Project-HAMi/HAMi-core/issues/169; a pool's device; a stream's
+ * device for the stream-ordered allocators), else from the current context.
  */
 #define _GNU_SOURCE
 #include "gate.h"

@@ -32,14 +32,17 @@ def free_port() -> int:
         return port
 
 
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 20) -> Any:
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 20, step: float = 0.01) -> Any:
+    """Wait for `check()` to be true and return it; fail naming `what` after `timeout` seconds. Tests
+    wait on a condition this way, never on a fixed sleep: a sleep is either too short on a loaded
+    machine or longer than needed everywhere else."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def gemtrace(*args: str) -> list[str]:

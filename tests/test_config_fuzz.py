@@ -171,7 +171,7 @@ def expected_settings(path: Path, last_good: dict[str, tuple[int, int, int]]
 def test_hot_reloads_of_generated_files_never_crash_or_stall_the_agent(host: Host) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.fail("promtool is missing: apt-get install prometheus (.ci/run does)", pytrace=False)
+        pytest.fail("promtool is missing: apt-get install prometheus (Debian's package has promtool)", pytrace=False)
     agent = host.start_agent("--config-poll", "3600")  # reloads on SIGHUP only: one per file
     region = host.region()
     heartbeat = HeartbeatWatch(region)

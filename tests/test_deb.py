@@ -6,7 +6,7 @@ purges it at the end, so it refuses to run where gemtrace is already installed (
 operator's installation). Everything after the install runs the INSTALLED code (/usr/bin/gemtrace
 with /usr/bin/python3, from / with a clean environment), never the checkout's.
 
-Root and apt (CI: .ci/run). The steps share one installation and run in file order.
+Root and apt (make test as root). The steps share one installation and run in file order.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ T = TypeVar("T")
 def test_metrics_match_the_golden_copy_and_pass_promtool(host: Host) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
-        pytest.fail("promtool is missing: apt-get install prometheus (.ci/run does)", pytrace=False)
+        pytest.fail("promtool is missing: apt-get install prometheus (sudo make prereqs does)", pytrace=False)
     agent = host.start_agent()
     try:
         text = agent.metrics()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from agent_host import wait_until
 from simgpu_env import LINKED_CLIENT, REPO, RT_CLIENT, SimGpu
 
 from gemtrace import region as rg
@@ -303,11 +304,16 @@ def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent:
         assert slot.drained_ns[0] == 0 and slot.busy_ns[0] == 0  # one burst, never drained
 
         agent.region.release(0, group, short_queue=True)
-        time.sleep(3.0)  # the first drain takes the 2 s queued before (and measures a launch: 2 ms)
-        # Kept short by waiting for part of the queue, never all of it: the GPU stays busy (500
-        # kernels of 2 ms a second).
+        # The first launch after the release drains the 2 s queued before (and so measures a launch:
+        # 2 ms); its end is the slot's drained_ns.
+        wait_until("the first drain after the release (the 2 s queued before it)",
+                   lambda: slot.drained_ns[0] != 0, timeout=10)
+        # From then on the queue is kept short by waiting for part of it, never all of it: the GPU
+        # stays busy (500 kernels of 2 ms a second). The rate is measured over a one-second window
+        # that starts at the drain's end; refilling the short queue adds at most
+        # QUEUE_BOUND_NS / 2 ms = 5 launches to it.
         before, started = _launches(agent, loop.pid), time.monotonic()
-        time.sleep(1.0)
+        time.sleep(1.0)  # the measured window, not a wait for something
         rate = (_launches(agent, loop.pid) - before) / (time.monotonic() - started)
         assert rate > 0.95 * 500, f"{rate:.0f} launches/s of 500"
 

@@ -110,7 +110,7 @@ def test_every_query_uses_catalogue_metrics_and_labels(name: str) -> None:
 def test_every_query_is_valid_promql_for_promtool(tmp_path: Path) -> None:
     """promtool checks the syntax: each query (variables filled in) as a recording rule."""
     promtool = shutil.which("promtool")
-    assert promtool, "promtool not found: install Debian's prometheus package (.ci/run does)"
+    assert promtool, "promtool not found: install Debian's prometheus package (sudo make prereqs does)"
     values = {"host": ".+", "gpu": ".+", "group": ".+", "datasource": "x"}
     exprs: list[str] = []
     for name in sorted(dashboards.DASHBOARDS):

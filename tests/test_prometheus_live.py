@@ -103,7 +103,7 @@ class Prometheus:
     @classmethod
     def start(cls, workdir: Path, target: str) -> Prometheus:
         binary = shutil.which("prometheus")
-        assert binary, "prometheus not found: install Debian's prometheus package (.ci/run does)"
+        assert binary, "prometheus not found: install Debian's prometheus package (sudo make prereqs does)"
         port = free_port()
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
@@ -229,10 +229,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         run(BREACHING_GROUP, "alloc", "--hold", "300", "2GiB", gated=False)
         breaches = f'gemtrace_quota_breaches_total{{group="{BREACHING_GROUP}",resource="memory"}} > 0'
         wait_until("the breach in Prometheus", lambda: server.query(breaches), 90)
-        # Enough samples for rates over GRAFANA_INTERVALS and for every group's processes to show.
         wait_until("processes of every group",
                    lambda: len(server.query("count by (group) (gemtrace_process_memory_bytes)")) >= 2, 60)
-        time.sleep(6)
+        # The panels' rates need two scrapes within $__rate_interval of every series they read; all
+        # families are scraped together, so GPU time per group and per process stands for the rest.
+        window = GRAFANA_INTERVALS["$__rate_interval"]
+
+        def groups_with(expr: str) -> set[str]:
+            return {series["metric"].get("group", "") for series in server.query(expr)}
+
+        wait_until(f"a rate over {window} of every group's GPU time and of two groups' processes'",
+                   lambda: {"train", "infer", BREACHING_GROUP}
+                   <= groups_with(f"rate(gemtrace_group_gpu_seconds_total[{window}])")
+                   and len(groups_with(f"rate(gemtrace_process_gpu_seconds_total[{window}])")) >= 2, 60)
         yield s
     finally:
         if prom is not None:

@@ -31,7 +31,7 @@ def _alerts() -> list[dict[str, Any]]:
 
 def _promtool() -> str:
     path = shutil.which("promtool")
-    assert path, "promtool not found: install Debian's prometheus package (.ci/run does)"
+    assert path, "promtool not found: install Debian's prometheus package (sudo make prereqs does)"
     return path
 
 

@@ -1,7 +1,8 @@
 """eBPF accounting on a real GPU (issue 4, "On the H100"): what each probe mode costs, and whether the
 figures agree with NVML and with kernels of known duration. Run by the integrator on the GPU machine:
 
-    . ../shared/device/bcc-on-device.sh      # bcc, its LLVM and kernel headers (FACTS.md)
+    # first make bcc importable by python3 (python3-bpfcc and the kernel's headers; the lent GPU
+    # machine has neither, so the integrator sources a carried bundle of Debian 12's bcc)
     PYTHONPATH=. python3 bench/gpu/ebpf_overhead.py [--rounds 5] [--launches 200000] [--steps 300]
 
 Self-contained: PyTorch workers run as child processes without the gate; the accounting
@@ -38,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 try:
     import structlog  # noqa: F401
-except ImportError:  # the GPU machine has no structlog (FACTS.md): a JSON-lines stand-in
+except ImportError:  # the lent GPU machine's python3 has no structlog: a JSON-lines stand-in
     class _Log:
         def _emit(self, level: str, event: str, **kw: object) -> None:
             print(json.dumps({"level": level, "event": event, **kw}, default=str), file=sys.stderr)

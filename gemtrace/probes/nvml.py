@@ -1,9 +1,11 @@
 """NVML reader: per-process device memory and device utilisation, for what eBPF and the gates miss.
 
 Bound with ctypes to the library named at construction (default libnvidia-ml.so.1), so a test can
-point it at the simulated NVML. NVML's figures are coarse (FACTS.md: per-process utilisation is often
-missing and blurs processes together; the device figure is a busy fraction over about a second) and
-memory includes the context overhead: gemtrace uses them only where nothing better exists and says so.
+point it at the simulated NVML. NVML's figures are coarse (per-process utilisation often answers
+Not Found and blurs processes together: on the H100 two processes at 100% and 30% duty both read about
+27% smUtil, docs/scheduler.md; the device figure is a busy fraction over about a second) and memory
+includes the context overhead (518-588 MiB a PyTorch process on the H100: bench/results/gpu_ebpf.md):
+gemtrace uses them only where nothing better exists and says so.
 Never raises on a missing or broken NVML: `available` is False and the readers return nothing.
 """
 

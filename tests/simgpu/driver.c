@@ -1678,7 +1678,8 @@ SIM_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
 /* ---- virtual memory management (cuMemCreate and friends) --------------------------------- */
 
 /* The device comes from the allocation's own properties, never from the current context: NCCL and
- * PyTorch call these from threads without one (see LESSONS.md, HAMi-core #169). */
+ * PyTorch call these from threads without one (HAMi-core #169:
+ * https://github.com/Project-HAMi/HAMi-core/issues/169). */
 SIM_API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                              unsigned long long flags)
 {

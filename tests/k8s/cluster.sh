@@ -1,0 +1,582 @@
+#!/usr/bin/env bash
+# A one-node Kubernetes cluster on 127.0.0.1 for gemtrace's Kubernetes tests (device plugin,
+# mutating webhook, per-pod metrics): a real kube-apiserver, controller-manager, scheduler and kubelet
+# over a private etcd and containerd. Everything comes from Debian (bookworm): Kubernetes 1.20 is
+# built from Debian's source package, etcd/containerd/runc are Debian's binaries, and the test image
+# is made from the host's own Debian packages; nothing is pulled from an image registry.
+#
+#   tests/k8s/cluster.sh build     build the binaries once into the cache (idempotent)
+#   tests/k8s/cluster.sh up        start the cluster (builds first when needed), import the images
+#   tests/k8s/cluster.sh kubectl … kubectl against it
+#   tests/k8s/cluster.sh env       print the paths (KUBECONFIG, LOGS, ...) as shell assignments
+#   tests/k8s/cluster.sh down      stop everything, unmount, remove the run dir (keeps cache and logs)
+#
+# Owns: the cache of built binaries ($GEMTRACE_K8S_CACHE), the run dir ($GEMTRACE_K8S_RUN), the logs
+# ($GEMTRACE_K8S_LOGS) and the kubelet root (/var/lib/kubelet, where device plugins register), which it
+# removes on `down` only when `up` made it. It never touches a system containerd, etcd or kubelet: its
+# own run on their own sockets, ports and data dirs. No CNI: the node stays NotReady, so test pods use
+# hostNetwork and tolerate the not-ready/unschedulable taints (tests/k8s_cluster.py's pod_manifest).
+set -euo pipefail
+
+CACHE=${GEMTRACE_K8S_CACHE:-/var/cache/gemtrace-k8s}
+RUN=${GEMTRACE_K8S_RUN:-/run/gemtrace-k8s}
+LOGS=${GEMTRACE_K8S_LOGS:-/var/log/gemtrace-k8s}
+KUBELET_ROOT=/var/lib/kubelet   # device plugins find the kubelet at $KUBELET_ROOT/device-plugins/kubelet.sock
+NODE=${GEMTRACE_K8S_NODE:-gemtrace-node}
+TEST_IMAGE=gemtrace.local/test:1
+PAUSE_IMAGE=gemtrace.local/pause:1
+# The node's InternalIP, where the apiserver reaches the kubelet (logs, exec) and the only address not
+# on loopback that the cluster listens on: the kubelet refuses a loopback node IP ("nodeIP can't be
+# loopback address") and then reports no address at all. The host's own source address for its
+# default route; the kubelet asks every client for a certificate from the cluster's CA.
+node_ip() {
+    local ip=${GEMTRACE_K8S_NODE_IP:-}
+    [ -n "$ip" ] || ip=$(ip -4 route get 1.1.1.1 2>/dev/null | sed -n 's/.* src \([0-9.]*\).*/\1/p')
+    [ -n "$ip" ] || ip=$(ip -4 -o addr show scope global | awk '{sub("/.*", "", $4); print $4; exit}')
+    [ -n "$ip" ] || die "no IPv4 address outside loopback on this host, and the kubelet refuses 127.0.0.1 as its node IP: set GEMTRACE_K8S_NODE_IP to a local address"
+    echo "$ip"
+}
+# Ports off the usual ones (2379, 6443, 10250, 10257, 10259) so that a real cluster on the same host
+# does not clash with this one.
+ETCD_PORT=${GEMTRACE_K8S_ETCD_PORT:-23790}
+ETCD_PEER_PORT=$((ETCD_PORT + 1))
+APISERVER_PORT=${GEMTRACE_K8S_APISERVER_PORT:-16443}
+KUBELET_PORT=${GEMTRACE_K8S_KUBELET_PORT:-20250}
+KUBELET_HEALTHZ_PORT=$((KUBELET_PORT - 2))
+CONTROLLER_MANAGER_PORT=${GEMTRACE_K8S_CONTROLLER_MANAGER_PORT:-20257}
+SCHEDULER_PORT=${GEMTRACE_K8S_SCHEDULER_PORT:-20259}
+SERVICE_CIDR=10.96.0.0/16
+# Debian's kubernetes 1.20 vendors reflect2 1.0.1, whose map iteration relies on Go runtime internals
+# that changed in Go 1.18: built with bookworm's Go 1.19, the apiserver crashes when it applies a
+# mutating webhook's JSON patch. reflect2 1.0.2 (Debian's package) follows the change; it is copied
+# over the vendored one.
+REFLECT2_PKG=golang-github-modern-go-reflect2-dev
+K8S_COMPONENTS=(kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl)
+
+log() { printf 'cluster.sh: %s\n' "$*" >&2; }
+die() { log "$*"; exit 1; }
+
+need_root() { [ "$(id -u)" = 0 ] || die "must run as root (it starts a kubelet and containerd)"; }
+
+# --- build ---------------------------------------------------------------------------------------
+
+# The Debian mirror the host already uses, for the deb-src line when there is none.
+debian_mirror() {
+    local uri
+    uri=$(grep -hsE '^(URIs:|deb )' /etc/apt/sources.list /etc/apt/sources.list.d/*.sources \
+            /etc/apt/sources.list.d/*.list 2>/dev/null \
+        | grep -v security | grep -m1 -oE 'https?://[^ ]*/debian/?' || true)
+    echo "${uri:-http://deb.debian.org/debian}"
+}
+
+k8s_source_version() {
+    apt-cache showsrc --only-source kubernetes 2>/dev/null | sed -n 's/^Version: //p' | sort -V | tail -n 1
+}
+
+ensure_deb_src() {
+    [ -n "$(k8s_source_version)" ] && return
+    local list=/etc/apt/sources.list.d/gemtrace-k8s-src.sources
+    log "no deb-src line offers the kubernetes source package: adding $list"
+    cat >"$list" <<EOF
+Types: deb-src
+URIs: $(debian_mirror)
+Suites: bookworm bookworm-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+EOF
+    apt-get update -qq
+    [ -n "$(k8s_source_version)" ] || die "apt-get source kubernetes is not possible: no deb-src for bookworm"
+}
+
+# The cache dir of one build: keyed by what goes into the binaries.
+bin_dir() {
+    local kver rver
+    kver=$(k8s_source_version)
+    rver=$(dpkg-query -W -f '${Version}' "$REFLECT2_PKG" 2>/dev/null) \
+        || die "$REFLECT2_PKG is not installed: apt-get install -y $REFLECT2_PKG"
+    echo "$CACHE/kubernetes_${kver}+reflect2_${rver}+$(go env GOVERSION)/bin"
+}
+
+built() {
+    local bin=$1 c
+    for c in "${K8S_COMPONENTS[@]}" pause; do [ -x "$bin/$c" ] || return 1; done
+}
+
+cmd_build() {
+    need_root
+    command -v go >/dev/null || die "go is missing: apt-get install -y golang-go"
+    ensure_deb_src
+    local bin
+    bin=$(bin_dir)
+    if built "$bin"; then
+        log "binaries cached in $bin"
+        return
+    fi
+    local work=$CACHE/build.tmp
+    rm -rf "$work"
+    mkdir -p "$work"
+    log "fetching Debian's kubernetes $(k8s_source_version) source into $work"
+    # As root, apt warns that it downloads unsandboxed: true, and no news.
+    (cd "$work" && apt-get source -qq kubernetes) 2>&1 | { grep -v '^W: Download is performed unsandboxed' || true; } >&2
+    local src
+    src=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -n 1)
+    if [ -z "$src" ] || [ ! -d "$src/vendor" ]; then
+        die "apt-get source kubernetes gave no source tree with vendor/ in $work"
+    fi
+
+    local reflect2=/usr/share/gocode/src/github.com/modern-go/reflect2
+    find "$src/vendor/github.com/modern-go/reflect2" -type f \( -name '*.go' -o -name '*.s' \) -delete
+    find "$reflect2" -maxdepth 1 -type f \( -name '*.go' -o -name '*.s' \) ! -name '*_test.go' \
+        -exec cp {} "$src/vendor/github.com/modern-go/reflect2/" \;
+    # go_above_118.go is what 1.0.2 adds: without it the build would succeed and webhooks crash.
+    [ -f "$src/vendor/github.com/modern-go/reflect2/go_above_118.go" ] \
+        || die "$REFLECT2_PKG gave no go_above_118.go in $reflect2: its reflect2 is older than 1.0.2"
+
+    log "building ${K8S_COMPONENTS[*]} (several minutes)"
+    local start=$SECONDS
+    # As debian/rules builds it: its own GOPATH, no cgo. GOCACHE in the work dir so it goes with it.
+    (
+        cd "$src"
+        export GOPATH=$src/.go GOCACHE=$work/gocache CGO_ENABLED=0 HOME=$work
+        mkdir -p .go/src/k8s.io
+        ln -sfn ../../.. .go/src/k8s.io/kubernetes
+        make WHAT="${K8S_COMPONENTS[*]/#/cmd/}" >"$work/make.log" 2>&1 \
+            || { tail -n 40 "$work/make.log" >&2; exit 1; }
+    ) || die "the kubernetes build failed; its log: $work/make.log"
+    # The sandbox ("pause") container's program, from the same source; static, so the image needs
+    # nothing else.
+    gcc -Os -static -Wall -o "$src/_output/bin/pause" "$src/build/pause/linux/pause.c" \
+        -DVERSION="$(k8s_source_version)" \
+        || die "compiling pause.c failed: apt-get install -y build-essential"
+    mkdir -p "$bin.tmp"
+    for c in "${K8S_COMPONENTS[@]}" pause; do cp "$src/_output/bin/$c" "$bin.tmp/"; done
+    rm -rf "$bin"
+    mv "$bin.tmp" "$bin"
+    rm -rf "$work"
+    log "built in $((SECONDS - start)) s into $bin"
+}
+
+# --- images --------------------------------------------------------------------------------------
+
+# Copy a host path into the rootfs $1 at its canonical place (bookworm is usrmerged: /bin is a link
+# to usr/bin, which the rootfs has too), following a chain of symlinks link by link.
+copy_path() {
+    local root=$1 path=$2 dir dest target
+    dir=$(realpath "$(dirname "$path")")
+    dest=$root$dir/$(basename "$path")
+    if [ -e "$dest" ] || [ -L "$dest" ]; then return; fi
+    mkdir -p "$root$dir"
+    if [ -L "$path" ]; then
+        target=$(readlink "$path")
+        ln -s "$target" "$dest"
+        case "$target" in /*) copy_path "$root" "$target" ;; *) copy_path "$root" "$dir/$target" ;; esac
+    elif [ -f "$path" ]; then
+        cp --preserve=mode "$path" "$dest"
+    fi
+}
+
+# A rootfs with the files of the given installed Debian packages and the shared libraries their
+# programs load (found with ldd), so that the test image runs what the host runs, glibc included.
+make_rootfs() {
+    local root=$1 f
+    shift
+    mkdir -p "$root"/{usr/bin,usr/sbin,usr/lib,usr/lib64,etc,tmp,proc,sys,dev,root}
+    chmod 1777 "$root/tmp"
+    ln -s usr/bin "$root/bin"; ln -s usr/sbin "$root/sbin"
+    ln -s usr/lib "$root/lib"; ln -s usr/lib64 "$root/lib64"
+    # dpkg -L also prints lines such as "diverted by ...": only paths are files.
+    dpkg -L "$@" | grep '^/' | while read -r f; do
+        case "$f" in /usr/share/doc/*|/usr/share/man/*|/usr/share/info/*|/usr/share/locale/*) continue ;; esac
+        if [ -d "$f" ] && [ ! -L "$f" ]; then continue; fi
+        copy_path "$root" "$f"
+    done
+    # ldd fails on scripts (and so exits non-zero): the libraries of the others still count.
+    { find "$root/usr/bin" "$root/usr/sbin" -type f -perm -u+x -exec ldd {} + 2>/dev/null || true; } \
+        | grep -oE '(^|\s)/[^ ]+' | sort -u | while read -r f; do copy_path "$root" "$f"; done
+    echo 'root:x:0:0:root:/root:/bin/sh' >"$root/etc/passwd"
+    echo 'root:x:0:' >"$root/etc/group"
+}
+
+# A one-layer image in `docker save` form, which `ctr images import` reads.
+make_image() {
+    local root=$1 ref=$2 config=$3 out=$4 dir diff_id cfg_id
+    dir=$(mktemp -d)
+    tar --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -C "$root" -cf "$dir/layer.tar" .
+    diff_id=$(sha256sum "$dir/layer.tar" | cut -d' ' -f1)
+    printf '{"architecture":"amd64","os":"linux","config":%s,"rootfs":{"type":"layers","diff_ids":["sha256:%s"]}}' \
+        "$config" "$diff_id" >"$dir/config.json"
+    cfg_id=$(sha256sum "$dir/config.json" | cut -d' ' -f1)
+    mv "$dir/config.json" "$dir/$cfg_id.json"
+    printf '[{"Config":"%s.json","RepoTags":["%s"],"Layers":["layer.tar"]}]' "$cfg_id" "$ref" >"$dir/manifest.json"
+    tar -C "$dir" -cf "$out" manifest.json "$cfg_id.json" layer.tar
+    rm -rf "$dir"
+}
+
+# The test image: a shell and coreutils from the host's own packages. The sandbox (pause) image:
+# Kubernetes' pause program, built with the binaries.
+TEST_IMAGE_PACKAGES=(dash bash coreutils)
+build_images() {
+    local bin=$1 out=$2 work
+    work=$(mktemp -d)
+    make_rootfs "$work/test" "${TEST_IMAGE_PACKAGES[@]}"
+    make_image "$work/test" "$TEST_IMAGE" \
+        '{"Env":["PATH=/usr/local/bin:/usr/bin:/usr/sbin:/bin:/sbin"],"Cmd":["/bin/sh"],"WorkingDir":"/"}' \
+        "$out/test-image.tar"
+    mkdir -p "$work/pause"
+    cp "$bin/pause" "$work/pause/pause"
+    make_image "$work/pause" "$PAUSE_IMAGE" '{"Entrypoint":["/pause"],"User":"65535:65535"}' "$out/pause-image.tar"
+    rm -rf "$work"
+}
+
+# --- certificates and kubeconfigs -----------------------------------------------------------------
+
+PKI=$RUN/pki
+# cert NAME SUBJECT [SUBJECT_ALT_NAMES]: a key and a certificate signed by the cluster's CA.
+cert() {
+    local name=$1 subj=$2 san=${3:-} ext
+    openssl genrsa -out "$PKI/$name.key" 2048 2>/dev/null
+    openssl req -new -key "$PKI/$name.key" -subj "$subj" -out "$PKI/$name.csr" 2>/dev/null
+    ext=$PKI/$name.ext
+    {
+        echo "basicConstraints=CA:FALSE"
+        echo "keyUsage=critical,digitalSignature,keyEncipherment"
+        echo "extendedKeyUsage=serverAuth,clientAuth"
+        if [ -n "$san" ]; then echo "subjectAltName=$san"; fi
+    } >"$ext"
+    openssl x509 -req -in "$PKI/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial \
+        -days 30 -extfile "$ext" -out "$PKI/$name.crt" 2>/dev/null
+    rm -f "$PKI/$name.csr" "$ext"
+}
+
+make_pki() {
+    mkdir -p "$PKI"
+    openssl req -x509 -newkey rsa:2048 -nodes -keyout "$PKI/ca.key" -out "$PKI/ca.crt" -days 30 \
+        -subj "/CN=gemtrace-k8s-ca" 2>/dev/null
+    cert apiserver "/CN=kube-apiserver" \
+        "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+    # The apiserver's client certificate towards the kubelet (logs, exec): system:masters passes the
+    # kubelet's authorization webhook.
+    cert apiserver-kubelet-client "/O=system:masters/CN=kube-apiserver-kubelet-client"
+    cert admin "/O=system:masters/CN=gemtrace-admin"
+    cert controller-manager "/CN=system:kube-controller-manager"
+    cert scheduler "/CN=system:kube-scheduler"
+    # system:node:<name> in system:nodes: what the Node authorizer and NodeRestriction expect.
+    cert kubelet-client "/O=system:nodes/CN=system:node:$NODE"
+    cert kubelet "/CN=$NODE" "IP:$NODE_IP,IP:127.0.0.1,DNS:$NODE,DNS:localhost"
+    openssl genrsa -out "$PKI/sa.key" 2048 2>/dev/null
+    openssl rsa -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub" 2>/dev/null
+}
+
+# kubeconfig NAME CERT: a kubeconfig for the client certificate CERT.
+kubeconfig() {
+    cat >"$RUN/$1.kubeconfig" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: gemtrace
+  cluster:
+    server: https://127.0.0.1:$APISERVER_PORT
+    certificate-authority: $PKI/ca.crt
+users:
+- name: $2
+  user:
+    client-certificate: $PKI/$2.crt
+    client-key: $PKI/$2.key
+contexts:
+- name: gemtrace
+  context: {cluster: gemtrace, user: $2}
+current-context: gemtrace
+EOF
+}
+
+# --- processes -------------------------------------------------------------------------------------
+
+CONTAINERD_SOCK=$RUN/containerd/containerd.sock
+KUBECTL_CONFIG=$RUN/admin.kubeconfig
+
+# start NAME COMMAND...: in its own session, output to $LOGS/NAME.log, pid in $RUN/pids/NAME.
+start() {
+    local name=$1
+    shift
+    mkdir -p "$RUN/pids"
+    setsid "$@" </dev/null >>"$LOGS/$name.log" 2>&1 &
+    echo $! >"$RUN/pids/$name"
+}
+
+# A killed daemon stays a zombie until PID 1 reaps it, which a container's or sandbox's init may do late.
+pid_alive() {
+    local state
+    state=$(sed 's/.*) //' "/proc/$1/stat" 2>/dev/null | cut -d' ' -f1) || return 1
+    [ -n "$state" ] && [ "$state" != Z ]
+}
+
+alive() { [ -f "$RUN/pids/$1" ] && pid_alive "$(cat "$RUN/pids/$1")"; }
+
+# wait_for WHAT SECONDS NAME COMMAND...: until COMMAND succeeds, while NAME's process lives.
+wait_for() {
+    local what=$1 secs=$2 name=$3 deadline
+    shift 3
+    deadline=$((SECONDS + secs))
+    until "$@" >/dev/null 2>&1; do
+        alive "$name" || die "$name exited while waiting for $what; the end of $LOGS/$name.log:
+$(tail -n 15 "$LOGS/$name.log")"
+        [ $SECONDS -lt $deadline ] || die "no $what after ${secs}s; read $LOGS/$name.log"
+        sleep 0.5
+    done
+}
+
+kubectl_() { "$(bin_dir)/kubectl" --kubeconfig "$KUBECTL_CONFIG" "$@"; }
+
+write_containerd_config() {
+    mkdir -p "$RUN/containerd" "$RUN/cni/bin" "$RUN/cni/net.d"
+    cat >"$RUN/containerd/config.toml" <<EOF
+version = 2
+root = "$RUN/containerd/root"
+state = "$RUN/containerd/state"
+[grpc]
+  address = "$CONTAINERD_SOCK"
+[ttrpc]
+  address = "$CONTAINERD_SOCK.ttrpc"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$RUN/containerd/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$PAUSE_IMAGE"
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  # Without it the sandbox fails to start when the runtime itself runs with a raised oom_score_adj
+  # (as under a CI runner or this machine's process manager): runc may not lower it below its own.
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        # cgroupfs, as the kubelet's cgroupDriver: there is no systemd as PID 1 to ask.
+        SystemdCgroup = false
+        # runc's state, which would otherwise go to /run/containerd/runc, beside a system containerd's.
+        Root = "$RUN/containerd/runc"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "$RUN/cni/bin"
+    conf_dir = "$RUN/cni/net.d"
+EOF
+}
+
+write_kubelet_config() {
+    cat >"$RUN/kubelet-config.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: $NODE_IP
+port: $KUBELET_PORT
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: $KUBELET_HEALTHZ_PORT
+tlsCertFile: $PKI/kubelet.crt
+tlsPrivateKeyFile: $PKI/kubelet.key
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $PKI/ca.crt}
+authorization: {mode: Webhook}
+cgroupDriver: cgroupfs
+failSwapOn: false
+clusterDomain: cluster.local
+# A CI disk may be fuller than the defaults allow (10 % free): no evictions, and no image garbage
+# collection, which would delete the imported images (they cannot be pulled again).
+evictionHard: {memory.available: "1Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+# Tests wait on status changes: report them quickly.
+nodeStatusUpdateFrequency: 4s
+syncFrequency: 10s
+EOF
+}
+
+cgroup_mode() {
+    if [ "$(stat -fc %T /sys/fs/cgroup)" = cgroup2fs ]; then echo v2; else echo v1; fi
+}
+
+cmd_up() {
+    need_root
+    if alive kube-apiserver || alive kubelet || alive containerd || alive etcd; then
+        die "a cluster is already up (pids in $RUN/pids); run: $0 down"
+    fi
+    local start_s=$SECONDS bin
+    cmd_build
+    bin=$(bin_dir)
+    NODE_IP=$(node_ip)
+    teardown quiet
+    mkdir -p "$RUN" "$LOGS"
+    rm -f "$LOGS"/*.log
+    log "starting (logs in $LOGS, node IP $NODE_IP, cgroup $(cgroup_mode), cgroupfs driver)"
+
+    make_pki
+    kubeconfig admin admin
+    kubeconfig controller-manager controller-manager
+    kubeconfig scheduler scheduler
+    kubeconfig kubelet kubelet-client
+
+    start etcd etcd --name gemtrace --data-dir "$RUN/etcd" \
+        --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
+        --listen-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+        --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
+        --initial-cluster "gemtrace=http://127.0.0.1:$ETCD_PEER_PORT"
+    write_containerd_config
+    start containerd containerd --config "$RUN/containerd/config.toml"
+    wait_for "etcd health" 30 etcd curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
+
+    start kube-apiserver "$bin/kube-apiserver" \
+        --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
+        --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" --insecure-port 0 \
+        --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" \
+        --client-ca-file "$PKI/ca.crt" \
+        --kubelet-certificate-authority "$PKI/ca.crt" \
+        --kubelet-client-certificate "$PKI/apiserver-kubelet-client.crt" \
+        --kubelet-client-key "$PKI/apiserver-kubelet-client.key" \
+        --kubelet-preferred-address-types InternalIP \
+        --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
+        --service-account-issuer https://kubernetes.default.svc.cluster.local \
+        --service-cluster-ip-range "$SERVICE_CIDR" \
+        --authorization-mode Node,RBAC \
+        --enable-admission-plugins NodeRestriction,MutatingAdmissionWebhook,ValidatingAdmissionWebhook \
+        --allow-privileged=true
+    wait_for "containerd socket" 30 containerd ctr -a "$CONTAINERD_SOCK" version
+    local images=$RUN/images
+    mkdir -p "$images"
+    build_images "$bin" "$images"
+    ctr -a "$CONTAINERD_SOCK" -n k8s.io images import "$images/test-image.tar" >/dev/null
+    ctr -a "$CONTAINERD_SOCK" -n k8s.io images import "$images/pause-image.tar" >/dev/null
+
+    write_kubelet_config
+    mkdir -p "$KUBELET_ROOT/device-plugins"
+    touch "$KUBELET_ROOT/.gemtrace-k8s"
+    wait_for "apiserver readiness" 90 kube-apiserver kubectl_ get --raw /readyz
+    # Only once the apiserver is ready: before its RBAC roles exist, they are refused what they read at
+    # start (the extension-apiserver-authentication configmap) and exit.
+    start kube-controller-manager "$bin/kube-controller-manager" \
+        --kubeconfig "$RUN/controller-manager.kubeconfig" \
+        --authentication-kubeconfig "$RUN/controller-manager.kubeconfig" \
+        --authorization-kubeconfig "$RUN/controller-manager.kubeconfig" \
+        --bind-address 127.0.0.1 --secure-port "$CONTROLLER_MANAGER_PORT" --port 0 \
+        --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
+        --use-service-account-credentials=true --leader-elect=false
+    start kube-scheduler "$bin/kube-scheduler" \
+        --kubeconfig "$RUN/scheduler.kubeconfig" \
+        --authentication-kubeconfig "$RUN/scheduler.kubeconfig" \
+        --authorization-kubeconfig "$RUN/scheduler.kubeconfig" \
+        --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --port 0 --leader-elect=false
+
+    start kubelet "$bin/kubelet" --config "$RUN/kubelet-config.yaml" \
+        --kubeconfig "$RUN/kubelet.kubeconfig" --root-dir "$KUBELET_ROOT" \
+        --container-runtime remote --container-runtime-endpoint "unix://$CONTAINERD_SOCK" \
+        --pod-infra-container-image "$PAUSE_IMAGE" \
+        --hostname-override "$NODE" --node-ip "$NODE_IP" --v 2
+    wait_for "node $NODE" 90 kubelet kubectl_ get node "$NODE"
+    # Pods are refused until the token controller has made the namespace's service account.
+    wait_for "default service account" 60 kube-controller-manager kubectl_ get serviceaccount default
+    log "up in $((SECONDS - start_s)) s; KUBECONFIG=$KUBECTL_CONFIG"
+}
+
+# --- down ------------------------------------------------------------------------------------------
+
+# stop NAME...: SIGTERM to all at once (each takes a second or two to shut down), SIGKILL after 10 s.
+stop() {
+    local name pids=() pid left
+    for name in "$@"; do
+        if alive "$name"; then pids+=("$(cat "$RUN/pids/$name")"); fi
+        rm -f "$RUN/pids/$name"
+    done
+    [ ${#pids[@]} -gt 0 ] || return 0
+    kill "${pids[@]}" 2>/dev/null || true
+    for _ in $(seq 50); do
+        left=0
+        for pid in "${pids[@]}"; do
+            if pid_alive "$pid"; then left=1; fi
+        done
+        [ $left = 1 ] || break
+        sleep 0.2
+    done
+    for pid in "${pids[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+}
+
+# The runc shims of this containerd: they outlive it on purpose, so they are found by its socket.
+our_shims() {
+    local p
+    for p in /proc/[0-9]*; do
+        if { tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null \
+                | grep -q "^/usr/bin/containerd-shim-runc-v2 .*-address $CONTAINERD_SOCK "; then
+            basename "$p"
+        fi
+    done
+}
+
+unmount_under() {
+    local dir=$1 m
+    [ -d "$dir" ] || return 0
+    # Deepest first, the dir itself last (the kubelet bind-mounts its root on itself, to make it shared).
+    awk -v d="$dir" '$5 == d || index($5, d "/") == 1 {print $5}' /proc/self/mountinfo | sort -r | while read -r m; do
+        umount "$m" 2>/dev/null || umount -l "$m" || true
+    done
+}
+
+teardown() {
+    local quiet=${1:-} pid task cg
+    stop kubelet
+    if alive containerd; then
+        # Containers first, while containerd can still stop them cleanly.
+        for task in $(ctr -a "$CONTAINERD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+            ctr -a "$CONTAINERD_SOCK" -n k8s.io tasks kill -s SIGKILL "$task" >/dev/null 2>&1 || true
+        done
+        for task in $(ctr -a "$CONTAINERD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+            ctr -a "$CONTAINERD_SOCK" -n k8s.io tasks delete -f "$task" >/dev/null 2>&1 || true
+        done
+    fi
+    stop kube-scheduler kube-controller-manager kube-apiserver containerd
+    stop etcd
+    for pid in $(our_shims); do kill -9 "$pid" 2>/dev/null || true; done
+    unmount_under "$RUN"
+    if [ -f "$KUBELET_ROOT/.gemtrace-k8s" ]; then
+        unmount_under "$KUBELET_ROOT"
+        rm -rf "$KUBELET_ROOT"
+    fi
+    rm -rf "$RUN"
+    # The kubelet's cgroups (cgroupfs driver), deepest first.
+    for cg in /sys/fs/cgroup/*/kubepods /sys/fs/cgroup/kubepods; do
+        if [ -d "$cg" ]; then find "$cg" -depth -type d -exec rmdir {} \; 2>/dev/null || true; fi
+    done
+    [ -n "$quiet" ] || log "down (logs kept in $LOGS)"
+}
+
+cmd_down() { need_root; teardown; }
+
+cmd_env() {
+    local kubectl
+    # Also when the build is missing or broken: the logs' place is what a failed `up` needs.
+    kubectl=$(bin_dir 2>/dev/null)/kubectl || kubectl="(not built: run $0 build)"
+    cat <<EOF
+KUBECONFIG=$KUBECTL_CONFIG
+KUBECTL=$kubectl
+GEMTRACE_K8S_LOGS=$LOGS
+GEMTRACE_K8S_NODE=$NODE
+GEMTRACE_K8S_TEST_IMAGE=$TEST_IMAGE
+GEMTRACE_K8S_CONTAINERD_SOCK=$CONTAINERD_SOCK
+GEMTRACE_K8S_DEVICE_PLUGINS=$KUBELET_ROOT/device-plugins
+GEMTRACE_K8S_CA_CERT=$PKI/ca.crt
+GEMTRACE_K8S_CA_KEY=$PKI/ca.key
+EOF
+}
+
+main() {
+    local cmd=${1:-}
+    shift || true
+    case "$cmd" in
+        build) cmd_build "$@" ;;
+        up) cmd_up "$@" ;;
+        down) cmd_down "$@" ;;
+        kubectl) kubectl_ "$@" ;;
+        env) cmd_env "$@" ;;
+        *) die "usage: $0 build|up|down|kubectl ARGS|env" ;;
+    esac
+}
+
+main "$@"

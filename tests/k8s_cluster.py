@@ -1,0 +1,197 @@
+"""The one-node Kubernetes cluster of the e2e tests, and what a test does with it.
+
+`tests/k8s/cluster.sh` owns the cluster (build, up, down; a person runs it by hand too); this module
+only drives it: the session fixture `k8s_cluster` brings it up once and down at the end, and
+`K8sCluster` runs kubectl against it, waits on pods, and puts the daemons' logs into every failure
+message, since a pod that never starts is explained by the kubelet's or containerd's log, not by the
+test's. It never starts a daemon itself.
+
+The node has no CNI and so stays NotReady: `pod_manifest` makes pods that run anyway (hostNetwork,
+tolerating the not-ready and unschedulable taints) from the locally built test image.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CLUSTER_SH = Path(__file__).parent / "k8s" / "cluster.sh"
+# Building Kubernetes the first time takes minutes on two cores; `up` itself well under one.
+UP_TIMEOUT_S = 1800
+POD_TIMEOUT_S = 120
+
+Manifest = dict[str, Any]
+
+
+def pod_manifest(
+    name: str,
+    command: list[str],
+    image: str = "gemtrace.local/test:1",
+    limits: dict[str, str] | None = None,
+) -> Manifest:
+    """A pod that runs `command` once on the test node, from an image containerd already holds."""
+    container: Manifest = {"name": "main", "image": image, "imagePullPolicy": "Never", "command": command}
+    if limits:
+        container["resources"] = {"limits": limits}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "restartPolicy": "Never",
+            "hostNetwork": True,
+            "terminationGracePeriodSeconds": 1,
+            # No CNI: the node is NotReady for good. No tolerationSeconds: never evicted for it.
+            "tolerations": [
+                {"key": "node.kubernetes.io/not-ready", "operator": "Exists"},
+                {"key": "node.kubernetes.io/unschedulable", "operator": "Exists"},
+            ],
+            "containers": [container],
+        },
+    }
+
+
+class K8sCluster:
+    """kubectl against the cluster that `cluster.sh up` started; `env` is what `cluster.sh env` prints."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.kubectl_bin = env["KUBECTL"]
+        self.kubeconfig = env["KUBECONFIG"]
+        self.logs = Path(env["GEMTRACE_K8S_LOGS"])
+        self.node = env["GEMTRACE_K8S_NODE"]
+        self.test_image = env["GEMTRACE_K8S_TEST_IMAGE"]
+        self.device_plugins = Path(env["GEMTRACE_K8S_DEVICE_PLUGINS"])
+        self.ca_cert = Path(env["GEMTRACE_K8S_CA_CERT"])
+        self.ca_key = Path(env["GEMTRACE_K8S_CA_KEY"])
+
+    def serving_cert(self, directory: Path, ip: str = "127.0.0.1") -> tuple[Path, Path]:
+        """A TLS certificate and key for a server at `ip` (a webhook's), signed by the cluster's CA:
+        the apiserver trusts it given `ca_cert` as the caBundle."""
+        cert, key, ext = directory / "serving.crt", directory / "serving.key", directory / "serving.ext"
+        ext.write_text(f"subjectAltName=IP:{ip}\nextendedKeyUsage=serverAuth\n")
+        for argv in (
+            [
+                "openssl",
+                "req",
+                "-new",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-keyout",
+                key,
+                "-subj",
+                "/CN=" + ip,
+                "-out",
+                directory / "serving.csr",
+            ],
+            [
+                "openssl",
+                "x509",
+                "-req",
+                "-in",
+                directory / "serving.csr",
+                "-CA",
+                self.ca_cert,
+                "-CAkey",
+                self.ca_key,
+                "-CAcreateserial",
+                "-CAserial",
+                directory / "ca.srl",
+                "-days",
+                "1",
+                "-extfile",
+                ext,
+                "-out",
+                cert,
+            ],
+        ):
+            subprocess.run([str(a) for a in argv], check=True, capture_output=True)
+        return cert, key
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        proc = subprocess.run(
+            [self.kubectl_bin, "--kubeconfig", self.kubeconfig, *args],
+            input=stdin,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if proc.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")
+        return proc.stdout
+
+    def get(self, kind: str, name: str) -> Manifest:
+        result: Manifest = json.loads(self.kubectl("get", kind, name, "-o", "json"))
+        return result
+
+    def create(self, manifest: Manifest) -> None:
+        self.kubectl("create", "-f", "-", stdin=json.dumps(manifest))
+
+    def delete_pod(self, name: str) -> None:
+        self.kubectl("delete", "pod", name, "--ignore-not-found", "--wait=false")
+
+    def events(self, name: str, reason: str) -> list[Manifest]:
+        out = self.kubectl(
+            "get", "events", "-o", "json", "--field-selector", f"involvedObject.name={name},reason={reason}"
+        )
+        items: list[Manifest] = json.loads(out)["items"]
+        return items
+
+    def wait_pod(self, name: str, until: Callable[[Manifest], bool], what: str) -> Manifest:
+        """The pod once `until(pod)` holds; fails with the pod's description and the logs after POD_TIMEOUT_S."""
+        deadline = time.monotonic() + POD_TIMEOUT_S
+        while True:
+            pod = self.get("pod", name)
+            if until(pod):
+                return pod
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pod {name}: no {what} after {POD_TIMEOUT_S}s\n{self.diagnosis(name)}")
+            time.sleep(0.5)
+
+    def wait_events(self, name: str, reason: str) -> list[Manifest]:
+        deadline = time.monotonic() + POD_TIMEOUT_S
+        while not (events := self.events(name, reason)):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"pod {name}: no {reason} event after {POD_TIMEOUT_S}s\n{self.diagnosis(name)}")
+            time.sleep(0.5)
+        return events
+
+    def diagnosis(self, pod: str) -> str:
+        try:
+            described = self.kubectl("describe", "pod", pod)
+        except AssertionError as err:
+            described = str(err)
+        return f"{described}\n{log_tails(self.logs)}"
+
+
+def log_tails(logs: Path, lines: int = 25) -> str:
+    """The last lines of every daemon's log, headed by its path."""
+    parts = []
+    for log in sorted(logs.glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log} (last {len(tail)} lines)\n" + "\n".join(tail))
+    return "\n".join(parts) or f"(no logs in {logs})"
+
+
+def _cluster_sh(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(CLUSTER_SH), *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster() -> Iterator[K8sCluster]:
+    """The cluster, up for the whole session (building Kubernetes first if the cache has no build)."""
+    up = _cluster_sh("up", timeout=UP_TIMEOUT_S)
+    env = dict(line.split("=", 1) for line in _cluster_sh("env", timeout=60).stdout.splitlines() if "=" in line)
+    try:
+        if up.returncode != 0:
+            pytest.fail(f"tests/k8s/cluster.sh up failed:\n{up.stderr}\n{log_tails(Path(env['GEMTRACE_K8S_LOGS']))}")
+        yield K8sCluster(env)
+    finally:
+        down = _cluster_sh("down", timeout=300)
+        assert down.returncode == 0, f"tests/k8s/cluster.sh down failed:\n{down.stderr}"
