@@ -328,7 +328,10 @@ class Accounting:
             # allocations can be known to be, so the newest such process goes first.
             f = ebpf.figures.get((pid, uuid))
             when = (f.last_alloc_ns if f is not None else 0) or _monotonic_of_ticks(info.start_time, suspended_ns)
-            holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated))
+            # The uid says whose process it is: a victim is chosen among the users who took the group
+            # over (gemtrace.enforcement). Read at each check, not kept with the group: a process may
+            # change its uid (setuid) after it started.
+            holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated, uid=self.proc.uid(pid)))
         return holdings
 
     # -- after a restart: memory eBPF never saw ----------------------------------------------------

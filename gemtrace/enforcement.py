@@ -1,14 +1,25 @@
 """Memory enforcement: a group over its MemoryLimit on a GPU is brought back under it by SIGKILL.
 
 Owns the decision (which process dies) and its bookkeeping (counters, log events). The victim is
-the group's process that allocated last on that GPU, then the next-latest, until what the group
-would hold without the processes already killed is within the limit; a process outside the group
-is never a candidate. A process whose last allocation is not known (it allocated before the agent
-started: its memory was rebuilt from its slot or NVML) counts as the oldest; among equals an ungated
-process goes first (the gate held the gated one to the limit, nothing held the other). A killed
-process keeps its memory until it has exited, so it stays `pending` and is not counted twice. The
-figures come from eBPF (gemtrace.accounting), so a process without the gate is held to the limit
-too. Pure apart from the injected `kill`; called on every allocation event.
+chosen among the processes of the users (uids) who made the group go over, never a process of
+another user while one of theirs is alive (docs/accounting.md, "Who is killed"):
+
+- If the group's gated processes together are within the limit, the gate held them to it, and what
+  took the group over is the memory of its ungated processes: their uids made it go over.
+- Otherwise (the gates' own sum is over: a reload lowered the limit, a slot was tampered with,
+  memory was rebuilt after an agent restart), the uids whose processes allocated since the group was
+  last seen within its limit on that GPU did; if none did, every uid.
+
+Among those uids' processes the one that allocated last on that GPU dies first, then the next-latest,
+until what the group would hold without the processes already killed is within the limit; only then
+the other uids' processes, in the same order. In a group of one user this is the order it always
+was. A process whose last allocation is not known (it allocated before the agent started: its memory
+was rebuilt from its slot or NVML) counts as the oldest; among equals an ungated process goes first
+(the gate held the gated one to the limit, nothing held the other), then the bigger (fewer die).
+A process outside the group is never a candidate. A killed process keeps its memory until it has
+exited, so it stays `pending` and is not counted twice. The figures come from eBPF
+(gemtrace.accounting), so a process without the gate is held to the limit too. Pure apart from the
+injected `kill`; called on every allocation event.
 
 Enforcement is how it is wired: a subscriber of the accounting, woken by eBPF's allocation events
 (the OOM killer's path: it reads eBPF's memory alone, through `holdings`) and handed every merged
@@ -47,6 +58,7 @@ class Holding:
     bytes: int
     last_alloc_ns: int
     gated: bool = False
+    uid: int | None = None  # the process's real uid (None: not known, counted as one more user)
 
 
 @dataclass(frozen=True)
@@ -58,10 +70,32 @@ class Kill:
     limit: int
     process_bytes: int
     reaction_ns: int | None = None  # from the allocation that crossed the limit to the signal
+    uid: int | None = None
 
 
 def _default_kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def culprit_uids(holdings: Iterable[Holding], limit: int, within_mark: int) -> frozenset[int | None]:
+    """The uids that made one group go over `limit` on one GPU (`holdings`: its processes there).
+    `within_mark`: the latest allocation the group held when it was last seen within the limit."""
+    holding = [h for h in holdings if h.bytes > 0]
+    if sum(h.bytes for h in holding if h.gated) <= limit:
+        return frozenset(h.uid for h in holding if not h.gated)
+    recent = frozenset(h.uid for h in holding if h.last_alloc_ns > within_mark)
+    return recent or frozenset(h.uid for h in holding)
+
+
+def victims_in_order(holdings: Iterable[Holding], culprits: frozenset[int | None],
+                     pending: Mapping[int, str] | frozenset[int] = frozenset()) -> list[Holding]:
+    """The order in which the group's processes on one GPU die: the culprits' processes first, each
+    set newest allocation first; on a tie ungated first, then the bigger, then the higher pid."""
+    return sorted(
+        (h for h in holdings if h.pid not in pending and h.bytes > 0),
+        key=lambda h: (h.uid in culprits, h.last_alloc_ns, not h.gated, h.bytes, h.pid),
+        reverse=True,
+    )
 
 
 class MemoryEnforcer:
@@ -73,6 +107,9 @@ class MemoryEnforcer:
         self._lock = threading.Lock()
         self._pending: dict[int, str] = {}  # pid killed -> group, until it no longer holds anything
         self._over: set[tuple[str, str]] = set()  # (gpu, group) found over its limit, until back under
+        # (gpu, group) -> the latest allocation it held when last seen within its limit: allocations
+        # after it are the ones that took it over.
+        self._within_mark: dict[tuple[str, str], int] = {}
         self.oom_kills: Counter[str] = Counter()
         self.breaches: Counter[tuple[str, str]] = Counter()  # (group, resource)
         self.tampering: Counter[str] = Counter()
@@ -95,6 +132,7 @@ class MemoryEnforcer:
                 total = sum(h.bytes for h in hs)
                 if limit is None or total <= limit:
                     self._over.discard((gpu, group))
+                    self._within_mark[(gpu, group)] = max(h.last_alloc_ns for h in hs)
                     continue
                 if (gpu, group) not in self._over:
                     self._over.add((gpu, group))
@@ -102,19 +140,18 @@ class MemoryEnforcer:
                     self._log.warning("quota_breach", group=group, gpu=gpu, resource=RESOURCE_MEMORY,
                                       bytes=total, limit=limit)
                 remaining = total - sum(h.bytes for h in hs if h.pid in self._pending)
-                candidates = sorted(
-                    (h for h in hs if h.pid not in self._pending and h.bytes > 0),
-                    key=lambda h: (h.last_alloc_ns, not h.gated),
-                    reverse=True,
-                )
-                for victim in candidates:
+                if remaining <= limit:
+                    continue  # what is pending brings it back: nobody else dies for that memory
+                culprits = culprit_uids(hs, limit, self._within_mark.get((gpu, group), 0))
+                for victim in victims_in_order(hs, culprits, self._pending):
                     if remaining <= limit:
                         break
-                    kills.append(self._kill_one(victim, total, limit, event_ns))
+                    kills.append(self._kill_one(victim, total, limit, event_ns, culprits))
                     remaining -= victim.bytes
         return kills
 
-    def _kill_one(self, victim: Holding, group_bytes: int, limit: int, event_ns: int | None) -> Kill:
+    def _kill_one(self, victim: Holding, group_bytes: int, limit: int, event_ns: int | None,
+                  culprits: frozenset[int | None]) -> Kill:
         try:
             self._kill(victim.pid)
         except ProcessLookupError:
@@ -123,9 +160,10 @@ class MemoryEnforcer:
         self._pending[victim.pid] = victim.group
         self.oom_kills[victim.group] += 1
         self._log.warning("oom_kill", pid=victim.pid, group=victim.group, gpu=victim.gpu, bytes=group_bytes,
-                          limit=limit, process_bytes=victim.bytes,
+                          limit=limit, process_bytes=victim.bytes, uid=victim.uid,
+                          culprit_uids=sorted(culprits, key=lambda u: -1 if u is None else u),
                           reaction_ms=None if reaction is None else round(reaction / 1e6, 3))
-        kill = Kill(victim.pid, victim.group, victim.gpu, group_bytes, limit, victim.bytes, reaction)
+        kill = Kill(victim.pid, victim.group, victim.gpu, group_bytes, limit, victim.bytes, reaction, victim.uid)
         self.last_kills.append(kill)
         del self.last_kills[:-16]
         return kill
