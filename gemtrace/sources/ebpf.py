@@ -53,26 +53,18 @@ def usage_figures(usage: Iterable[Usage], contexts: Mapping[int, int], launches:
     """eBPF's maps as figures (pure): `usage`, a process's bytes per device ordinal; `contexts`, pid ->
     the ordinal of its current context (a context and no memory yet is a GPU user too); `launches`,
     pid -> launches (the "launches" mode), counted on the device it works on last."""
-    memory: dict[Key, int] = {}
-    last_alloc: dict[Key, int] = {}
+    figures = memory_figures(usage, devices)
     launch_gpu: dict[int, str] = {}
-    for u in usage:
-        uuid = devices.of(u.pid, u.dev)
-        if uuid is None:
-            continue
-        key = (u.pid, uuid)
-        memory[key] = memory.get(key, 0) + u.bytes
-        last_alloc[key] = max(last_alloc.get(key, 0), u.last_alloc_ns)
-        launch_gpu.setdefault(u.pid, uuid)
+    for pid, uuid in figures:  # in `usage`'s order: a process's first device until a context says
+        launch_gpu.setdefault(pid, uuid)
     for pid, dev in contexts.items():
         uuid = devices.of(pid, dev)
         if uuid is not None:
-            memory.setdefault((pid, uuid), 0)
+            figures.setdefault((pid, uuid), Figures(memory=0, last_alloc_ns=0))
             launch_gpu[pid] = uuid
     return {
-        (pid, uuid): Figures(memory=used, last_alloc_ns=last_alloc.get((pid, uuid), 0),
-                             launches=launches[pid] if pid in launches and launch_gpu.get(pid) == uuid else None)
-        for (pid, uuid), used in memory.items()
+        (pid, uuid): f._replace(launches=launches[pid] if pid in launches and launch_gpu.get(pid) == uuid else None)
+        for (pid, uuid), f in figures.items()
     }
 
 
