@@ -58,10 +58,10 @@ def usage_figures(usage: Iterable[Usage], contexts: Mapping[int, int], launches:
     for pid, uuid in figures:  # in `usage`'s order: a process's first device until a context says
         launch_gpu.setdefault(pid, uuid)
     for pid, dev in contexts.items():
-        uuid = devices.of(pid, dev)
-        if uuid is not None:
-            figures.setdefault((pid, uuid), Figures(memory=0, last_alloc_ns=0))
-            launch_gpu[pid] = uuid
+        current = devices.of(pid, dev)
+        if current is not None:
+            figures.setdefault((pid, current), Figures(memory=0, last_alloc_ns=0))
+            launch_gpu[pid] = current
     return {
         (pid, uuid): f._replace(launches=launches[pid] if pid in launches and launch_gpu.get(pid) == uuid else None)
         for (pid, uuid), f in figures.items()
