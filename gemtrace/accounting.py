@@ -33,7 +33,8 @@ import structlog
 
 from gemtrace import defaults, merge
 from gemtrace.enforcement import Enforcement, Holding, MemoryEnforcer
-from gemtrace.groups_of import ENV_VISIBLE_DEVICES, ProcReader, group_for, visible_devices
+from gemtrace.groups_of import ENV_VISIBLE_DEVICES, ProcReader, visible_devices
+from gemtrace.membership import group_of
 from gemtrace.merge import Merged
 from gemtrace.probes.bpf_loader import BpfProbes, BpfUnavailable
 from gemtrace.probes.nvml import NvmlReader
@@ -393,17 +394,18 @@ class Accounting:
         env = self.proc.environ(pid)
         if env is None:
             return None
-        rules: dict[str, Sequence[str]] = {}
-        if config is not None:
-            rules = {name: tuple(getattr(g, "cgroups", ())) for name, g in config.groups.items()}
+        # The agent's one decision (gemtrace/membership.py): a gated process's assignment, else the
+        # same admission for an ungated one.
+        group, final = group_of(pid, env, self.proc, self.region, config.groups if config is not None else {})
         info = _Info(
             start_time=start,
             comm=self.proc.comm(pid) or "?",
-            group=group_for(env, self.proc.cgroups(pid) or [], rules),
+            group=group,
             uuids=visible_devices(env.get(ENV_VISIBLE_DEVICES), self._gpu_list()),
             rules_id=rules_id,
         )
-        self._info[pid] = info
+        if final:
+            self._info[pid] = info
         return info
 
     # -- the snapshot ------------------------------------------------------------------------------

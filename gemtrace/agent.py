@@ -1,13 +1,15 @@
 """The agent: wires the resource file, the region, one scheduler per GPU, the accounting and /metrics.
 
 Owns the agent's lifecycle: the state dir's lock (one agent per region), the keeper thread (the
-heartbeat every tick, since gates ignore a silent agent so a dead agent never hangs a program; and
-every second the group table re-asserted, processes of dropped groups moved to default, unused
-entries freed), the config thread (reloading the resource file when it changes or on SIGHUP, so that
-no file can stall anything else), and the main loop: reaping the slots of processes that died
+heartbeat every tick, since gates ignore a silent agent so a dead agent never hangs a program; the
+group of every new gated process decided within the tick, gemtrace/membership.py; and every second
+the group table re-asserted, processes of dropped groups moved to default, unused entries freed),
+the config thread (reloading the resource file when it changes or on SIGHUP, so that no file can
+stall anything else), and the main loop: reaping the slots of processes that died
 (pidfds: a dead process is seen within a tick) and polling the accounting at the scrape cadence. The
-heartbeat has its thread so that no amount of reaping or accounting delays it. It
-decides nothing itself: the schedulers decide who runs, the enforcer whom to kill. On SIGTERM or
+heartbeat has its thread so that no amount of reaping or accounting delays it. It decides nothing
+itself: the schedulers decide who runs, membership which group a process is in, the enforcer whom
+to kill. On SIGTERM or
 SIGINT it stops cleanly and fast: every word released and heartbeat 0 first, so no gate is left
 waiting, then the probes detached.
 """
@@ -36,6 +38,7 @@ from gemtrace.collectors.groups import GroupQuota, GroupsView
 from gemtrace.config import ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
+from gemtrace.membership import Membership
 from gemtrace.region import Region, RegionError
 from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
 
@@ -160,7 +163,7 @@ class Reaper:
                 self._out_of_fds(e)
                 return None
             return True  # not ours to judge (e.g. no pidfd support): leave the slot alone
-        recorded = self.region.layout.slots[index].start_time
+        recorded = self.region.slots[index].start_time
         try:
             actual = self.proc.start_time_strict(pid)
         except OSError as e:
@@ -228,6 +231,7 @@ class Agent:
         self._groups: dict[int, GroupConfig] = {}  # group index -> what the region must say there
         self.schedulers = [GpuScheduler(self.region, g.index) for g in self.gpus]
         self._apply(self.config)
+        self.membership = Membership(self.region, lambda: self.config.groups)
         self.region.heartbeat(time.monotonic_ns())
         if libcuda_paths is None and os.environ.get(ENV_PROBE_LIBCUDA):
             libcuda_paths = [Path(p) for p in os.environ[ENV_PROBE_LIBCUDA].split(":") if p]
@@ -268,15 +272,16 @@ class Agent:
 
     def _sync_table(self, groups: Mapping[int, GroupConfig]) -> None:
         """Make the region's group table say `groups` and nothing else, storing only what differs: a
-        process whose group is not among them is moved to default (gates read their group from their
-        slot), and an entry no live slot refers to is freed, so renames never exhaust the table."""
+        process whose group is not among them is moved to default (its assignment is rewritten: gates
+        read their group there), and an entry no assignment refers to is freed, so renames never
+        exhaust the table."""
         region = self.region
         default = next((index for index, g in groups.items() if g.name == DEFAULT_GROUP), None)
         slot_groups = region.slot_groups()
         if default is not None:
             for slot, group in slot_groups.items():
                 if group not in groups:
-                    pid = region.layout.slots[slot].pid
+                    pid = region.slots[slot].pid
                     if region.move_slot(slot, pid, group, default):
                         log.info("process_moved_to_default", pid=pid, slot=slot, group=group)
             slot_groups = region.slot_groups()
@@ -311,6 +316,10 @@ class Agent:
         next_table = time.monotonic() + TABLE_SECONDS
         while not self._stop.wait(defaults.TICK_SECONDS):
             self.region.heartbeat(time.monotonic_ns())
+            try:
+                self.membership.tick()  # new gates wait for it (GT_ASSIGN_WAIT_NS): every tick
+            except Exception:
+                log.exception("membership_pass_failed")
             now = time.monotonic()
             if now >= next_table:
                 next_table = now + TABLE_SECONDS
@@ -360,7 +369,8 @@ class Agent:
     # -- what /metrics reads (collect apart from expose: gemtrace/collectors/) ------------------------
 
     def agent_view(self) -> AgentView:
-        return AgentView(self.reloads["success"], self.reloads["failure"], self.last_reload_ok, tuple(self.gpus))
+        return AgentView(self.reloads["success"], self.reloads["failure"], self.last_reload_ok, tuple(self.gpus),
+                         tuple(sorted(dict(self.membership.refusals).items())))
 
     def groups_view(self) -> GroupsView:
         config = self.config

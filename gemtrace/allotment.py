@@ -29,22 +29,22 @@ def _warn(message: str) -> None:
     print(f"gemtrace: warning: {message}", file=sys.stderr)
 
 
-def group_uses(layout: rg.RegionLayout, index_of_uuid: Mapping[str, int]) -> list[GroupUse]:
+def group_uses(layout: rg.RegionLayout, table: rg.SlotTableLayout, index_of_uuid: Mapping[str, int]) -> list[GroupUse]:
     """Each named group's limit and, per GPU (by topology index, found through the GPU's UUID), its
-    live processes and the memory they hold there."""
+    live processes (in the group the agent assigned them) and the memory they hold there."""
     gpu_index = {g: index_of_uuid.get(layout.gpus[g].uuid.decode()) for g in range(layout.header.n_gpus)}
     present: dict[int, set[int]] = {}
     memory: dict[int, dict[int, int]] = {}
-    for slot in layout.slots:
-        if not slot.pid:
+    for slot, group in zip(table.slots, rg.SlotColumns(layout, table).groups(), strict=True):
+        if not slot.pid or group == rg.GROUP_UNASSIGNED:
             continue
         for g, index in gpu_index.items():
             if index is None:
                 continue
             if slot.gpu_mask & (1 << g):
-                present.setdefault(slot.group, set()).add(index)
+                present.setdefault(group, set()).add(index)
             if slot.memory[g]:
-                held = memory.setdefault(slot.group, {})
+                held = memory.setdefault(group, {})
                 held[index] = held.get(index, 0) + slot.memory[g]
     return [
         GroupUse(
@@ -121,10 +121,12 @@ def environment(
     layout: rg.RegionLayout | None,
     config: Path | None,
     environ: Mapping[str, str],
+    table: rg.SlotTableLayout | None = None,
 ) -> dict[str, str]:
     """The variables to add to the command's environment: CUDA_VISIBLE_DEVICES for --gpus, and the
-    frameworks' memory variables for the group's limit. `layout` is the running agent's region (the
-    launcher has read it and warned when there is none: then every GPU counts as free)."""
+    frameworks' memory variables for the group's limit. `layout` and `table` are the running agent's
+    region and slots (the launcher has read them and warned when there are none: then every GPU
+    counts as free)."""
     limit = group_limit(group, layout, config)
     added: dict[str, str] = {}
     gpu_memory: int | None = None
@@ -133,7 +135,7 @@ def environment(
             nodes = topology.read()
         except GpuDiscoveryError as e:
             raise LaunchError(f"--gpus needs this host's GPUs: {e}") from None
-        uses = [] if layout is None else group_uses(layout, {n.uuid: n.index for n in nodes})
+        uses = [] if layout is None or table is None else group_uses(layout, table, {n.uuid: n.index for n in nodes})
         chosen = choose(group, gpus, policy, limit, nodes, uses, environ.get(ENV_VISIBLE_DEVICES))
         added[ENV_VISIBLE_DEVICES] = ",".join(n.uuid for n in chosen)
         gpu_memory = min(n.memory_total for n in chosen)

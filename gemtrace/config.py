@@ -5,6 +5,8 @@
     MaxUtil = 0.6        # share it may never exceed, also alone on the GPU (0..1, default 1)
     MemoryLimit = 8GiB   # device memory per GPU; k M G T powers of 10, Ki Mi Gi Ti powers of 2
     Cgroup = /kubepods/pod1234   # processes in this cgroup (prefix) belong to the group
+    Users = alice; 1001  # who may ask for the group (GEMTRACE_GROUP, gemtrace run --group); names or uids
+    UnixGroups = ml      # ... or be in one of these Unix groups (names or gids); neither: everyone
 
 Owns reading (`read_file`: a bounded regular file), parsing (pure, over text: `parse_text`), and
 watching for changes (`ConfigWatcher`). Every bound a value must meet to fit the region is checked
@@ -16,12 +18,14 @@ anything: the agent writes accepted settings into the region and the schedulers.
 from __future__ import annotations
 
 import errno
+import grp
 import math
 import os
+import pwd
 import re
 import stat
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +48,17 @@ class GroupConfig:
     max_util: float = 1.0
     memory_limit: int | None = None  # bytes per GPU; None: the whole GPU
     cgroups: tuple[str, ...] = ()
+    # Who may ask for the group (docs/security.md): uids, and gids any of a process's groups may be;
+    # both None: everyone (root always). Names are resolved when the file is read.
+    users: frozenset[int] | None = None
+    unix_groups: frozenset[int] | None = None
+
+    def admits(self, uid: int, gids: Iterable[int]) -> bool:
+        """Whether a process of `uid` with the groups `gids` (its real gid and supplementary groups)
+        may join this group at its own request."""
+        if uid == 0 or (self.users is None and self.unix_groups is None):
+            return True
+        return uid in (self.users or ()) or not (self.unix_groups or frozenset()).isdisjoint(gids)
 
 
 @dataclass
@@ -57,6 +72,9 @@ class _Draft:
     max_util_line: int = 0
     memory_limit: int | None = None
     cgroups: list[str] = field(default_factory=list)
+    users: frozenset[int] | None = None
+    unix_groups: frozenset[int] | None = None
+    admission_line: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +104,8 @@ _RATIO = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _SECTION = re.compile(r"\[([^\[\]]+)\]")
 _KEY = re.compile(r"([A-Za-z][A-Za-z0-9-]*)\s*=\s*(.*)", re.ASCII)
 _GROUP_NAME = re.compile(rf"[A-Za-z0-9_.:@+-]{{1,{MAX_NAME_BYTES}}}", re.ASCII)
-KEYS = ("MinUtil", "MaxUtil", "MemoryLimit", "Cgroup")
+KEYS = ("MinUtil", "MaxUtil", "MemoryLimit", "Cgroup", "Users", "UnixGroups")
+MAX_ID = 2**32 - 2  # uid_t/gid_t; 2**32-1 is (uid_t)-1, "no id"
 # A size's decimals past this many cannot change its byte count: n / 2**40 has at most 40 decimals.
 _SIZE_DECIMALS = 40
 
@@ -157,6 +176,35 @@ def _cgroups(text: str) -> list[str]:
     return paths
 
 
+def _ids(key: str, text: str, lookup: Callable[[str], int], kind: str) -> frozenset[int]:
+    """`Users`/`UnixGroups`: names or numeric ids separated by ;, names resolved now (the agent
+    resolves them again at every reload)."""
+    items = [item.strip() for item in text.split(";") if item.strip()]
+    if not items:
+        raise ValueError(f"{key} is empty; give one or more {kind} names or ids separated by ;, or leave it out")
+    ids = set()
+    for item in items:
+        if item.isascii() and item.isdigit():
+            if int(item) > MAX_ID:
+                raise ValueError(f"{key} {_quote(item)} is not a valid {kind} id (0 to {MAX_ID})")
+            ids.add(int(item))
+            continue
+        try:
+            ids.add(lookup(item))
+        except (KeyError, ValueError):
+            raise ValueError(f"{key}: no {kind} named {_quote(item)} on this host; create it, or give its "
+                             "numeric id") from None
+    return frozenset(ids)
+
+
+def _uid(name: str) -> int:
+    return pwd.getpwnam(name).pw_uid
+
+
+def _gid(name: str) -> int:
+    return grp.getgrnam(name).gr_gid
+
+
 def parse_text(text: str, filename: str = "resource.conf") -> ResourceConfig:
     """Parse a resource file's text. The group `default` (no quota) exists unless the file defines it.
 
@@ -219,6 +267,12 @@ def parse_text(text: str, filename: str = "resource.conf") -> ResourceConfig:
                 if size <= 0:
                     raise ValueError(f"MemoryLimit {_shown(value)} must be above 0; leave it out for no limit")
                 group.memory_limit = size
+            elif key == "Users":
+                group.users = _ids(key, value, _uid, "user")
+                group.admission_line = group.admission_line or lineno
+            elif key == "UnixGroups":
+                group.unix_groups = _ids(key, value, _gid, "Unix group")
+                group.admission_line = group.admission_line or lineno
             else:
                 group.cgroups.extend(_cgroups(value))
         except ValueError as e:
@@ -230,7 +284,11 @@ def parse_text(text: str, filename: str = "resource.conf") -> ResourceConfig:
             raise fail(g.min_util_line or g.line,
                        f"MinUtil {g.min_util:g} of [{name}] is above its MaxUtil {g.max_util:g}"
                        + (f" (line {g.max_util_line})" if g.max_util_line else ""))
-        result[name] = GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups))
+        if name == defaults.DEFAULT_GROUP and g.admission_line:
+            raise fail(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
+                                         "group runs there; remove Users/UnixGroups from it")
+        result[name] = GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users,
+                                   g.unix_groups)
     total = math.fsum(g.min_util for g in result.values())
     if total > 1.0 + 1e-9:
         reserving = ", ".join(f"{g.name} {g.min_util:g}" for g in result.values() if g.min_util > 0)

@@ -1,16 +1,17 @@
 """The group of a process, and the GPUs it sees: read from /proc, decided by pure functions.
 
-A process belongs to the group named by GEMTRACE_GROUP in its environment; else to the group whose
-`Cgroup` rule in the resource file is the longest prefix (at a path boundary) of one of its cgroup
-paths (e.g. /kubepods/pod1234); else to `default`. Its device ordinals map to physical GPUs through
+A process belongs to the group it asks for (GEMTRACE_GROUP) if its owner is admitted there (the
+caller says who is: gemtrace/membership.py decides for gated processes, once); else to the group
+whose `Cgroup` rule in the resource file is the longest prefix (at a path boundary) of one of its
+cgroup paths (e.g. /kubepods/pod1234); else to `default`. Its device ordinals map to physical GPUs through
 CUDA_VISIBLE_DEVICES (ordinals or UUIDs or unique UUID prefixes, as CUDA reads them), never by
-ordinal alone (HAMi #1218). It also reads a process's uid, for enforcement's choice of victim.
+ordinal alone (HAMi #1218). It also reads a process's uid and groups, for admission and enforcement's choice of victim.
 Parsers take text; ProcReader takes its /proc root. Never writes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from gemtrace.defaults import DEFAULT_GROUP, ENV_GROUP
@@ -46,12 +47,19 @@ def _under(path: str, prefix: str) -> bool:
     return prefix == "/" or path == prefix or path.startswith(prefix + "/")
 
 
-def group_for(environ: Mapping[str, str], cgroups: Sequence[str], rules: Mapping[str, Sequence[str]]) -> str:
-    """The group of a process. `rules`: group name -> its Cgroup prefixes from the resource file."""
+def group_for(environ: Mapping[str, str], cgroups: Sequence[str], rules: Mapping[str, Sequence[str]],
+              admitted: Callable[[str], bool] | None = None) -> str:
+    """The group of a process. `rules`: group name -> its Cgroup prefixes from the resource file;
+    `admitted(name)`: whether the process may join the group it asks for (None: it may)."""
     named = environ.get(ENV_GROUP, "").strip()
-    if named:
+    if named and (admitted is None or admitted(named)):
         return named
-    best, best_len = DEFAULT_GROUP, -1
+    return cgroup_group(cgroups, rules) or DEFAULT_GROUP
+
+
+def cgroup_group(cgroups: Sequence[str], rules: Mapping[str, Sequence[str]]) -> str | None:
+    """The group whose Cgroup rule is the longest prefix of one of the process's cgroup paths."""
+    best, best_len = None, -1
     for group, prefixes in rules.items():
         for prefix in prefixes:
             if len(prefix) > best_len and any(_under(path, prefix) for path in cgroups):
@@ -100,6 +108,21 @@ def parse_uid(status: bytes) -> int | None:
     return None
 
 
+def parse_gids(status: bytes) -> list[int] | None:
+    """/proc/PID/status's real gid (`Gid:`) and supplementary groups (`Groups:`): the Unix groups a
+    process is in, as the kernel checks them."""
+    gids: list[int] = []
+    for line in status.splitlines():
+        if line.startswith(b"Gid:"):
+            fields = line.split()
+            if len(fields) < 2 or not fields[1].isdigit():
+                return None
+            gids.insert(0, int(fields[1]))
+        elif line.startswith(b"Groups:"):
+            gids += [int(f) for f in line.split()[1:] if f.isdigit()]
+    return gids or None
+
+
 class ProcReader:
     """Reads one process's facts from a /proc tree; every reader returns None when the process is gone."""
 
@@ -128,6 +151,14 @@ class ProcReader:
         """The real uid (/proc/PID/status): whose process it is, for enforcement's choice of victim."""
         raw = self._read(pid, "status")
         return None if raw is None else parse_uid(raw)
+
+    def credentials(self, pid: int) -> tuple[int, list[int]] | None:
+        """(real uid, [real gid, supplementary gids...]) from one read of /proc/PID/status."""
+        raw = self._read(pid, "status")
+        if raw is None:
+            return None
+        uid, gids = parse_uid(raw), parse_gids(raw)
+        return None if uid is None or gids is None else (uid, gids)
 
     def start_time(self, pid: int) -> int | None:
         """Field 22 of /proc/PID/stat (clock ticks since boot): tells a reused pid apart."""

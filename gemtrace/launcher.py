@@ -4,11 +4,19 @@ Owns finding the gate and building CMD's environment; it then execs CMD, so the 
 CMD's own and no gemtrace process stays around. It never talks to the agent: the gate does. It only
 reads a snapshot of the agent's region, for the groups in force and to tell an operator when no agent
 is there (the gate then lets CMD run without its group's quotas, which a first run should not hide).
+
+It refuses at once a group the caller is not admitted to (Users=/UnixGroups=), reading the resource
+file itself: the agent would run CMD in another group (gemtrace/membership.py decides, and that is
+what counts), and a person should hear so before CMD runs, not find it in the agent's log. The file,
+not the region: admission lists are as long as an operator makes them and the gates have no use for
+them, so they stay out of the file every gate maps; the agent reloads the file within a second of a
+change, so the two agree but for that second and a file the agent refused (then both refuse it).
 """
 
 from __future__ import annotations
 
 import os
+import pwd
 import shlex
 import sys
 import time
@@ -16,9 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gemtrace import defaults
-from gemtrace.config import ConfigError, load
+from gemtrace.config import ConfigError, GroupConfig, load
 from gemtrace.placement import DEFAULT_POLICY
-from gemtrace.region import HEARTBEAT_STALE_NS, REGION_FILE, Region, RegionError, RegionLayout
+from gemtrace.region import HEARTBEAT_STALE_NS, REGION_FILE, Region, RegionError, RegionLayout, SlotTableLayout
 
 START_AGENT = "sudo systemctl start gemtrace"
 
@@ -57,16 +65,16 @@ def child_environment(group: str, state_dir: Path, gate: Path, environ: Mapping[
     return env
 
 
-def read_region(state_dir: Path) -> tuple[RegionLayout | None, str]:
-    """A snapshot of the agent's region in `state_dir` (readable by any user), or None and why not."""
+def read_region(state_dir: Path) -> tuple[RegionLayout | None, SlotTableLayout | None, str]:
+    """Snapshots of the agent's region and slots in `state_dir` (readable by any user), or None and why not."""
     try:
         region = Region.open(state_dir, writable=False)
     except FileNotFoundError:
-        return None, f"no region in {state_dir}"
+        return None, None, f"no region in {state_dir}"
     except (OSError, RegionError) as e:
-        return None, str(e)
+        return None, None, str(e)
     try:
-        return region.layout, ""
+        return region.layout, region.slots_layout, ""
     finally:
         region.close()
 
@@ -104,6 +112,26 @@ def check_group(group: str, known: set[str], source: str) -> None:
                           f"add a [{group}] section or pick one of those")
 
 
+def check_admission(group: str, config: Path | None, uid: int, gids: list[int]) -> None:
+    """Refuse (status 1) a group whose Users=/UnixGroups= leave the caller out. `config` None: the
+    default file, if there is one to read (an agent started with another file decides alone)."""
+    try:
+        settings: GroupConfig | None = load(config or defaults.CONFIG_PATH).groups.get(group)
+    except ConfigError:
+        if config is not None:
+            raise
+        return
+    if settings is None or settings.admits(uid, gids):
+        return
+    try:
+        who = f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        who = f"uid {uid}"
+    raise LaunchError(f"{who} is not admitted to group {group!r} (its Users=/UnixGroups= in "
+                      f"{config or defaults.CONFIG_PATH}); ask the host's administrator to admit you, or pick "
+                      "another group", 1)
+
+
 def run(group: str, command: list[str], config: Path | None, state_dir: Path, require_agent: bool = False,
         gpus: int | None = None, policy: str = DEFAULT_POLICY) -> None:
     """Replace this process with `command` in `group` (returns only by raising). Without a running
@@ -111,8 +139,12 @@ def run(group: str, command: list[str], config: Path | None, state_dir: Path, re
     With `gpus` it picks that many GPUs by `policy` (gemtrace/allotment.py)."""
     if not command:
         raise LaunchError("no command given: gemtrace run --group NAME -- CMD [ARGS]")
-    layout, why_none = read_region(state_dir)
+    layout, table, why_none = read_region(state_dir)
     check_group(group, *defined_groups(layout, state_dir, config))
+    try:
+        check_admission(group, config, os.getuid(), [os.getgid(), *os.getgroups()])
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
     absent = agent_absence(layout, why_none, state_dir / REGION_FILE, time.monotonic_ns())
     if absent is not None:
         if require_agent:
@@ -124,7 +156,9 @@ def run(group: str, command: list[str], config: Path | None, state_dir: Path, re
               flush=True)
     env = child_environment(group, state_dir, find_gate(), os.environ)
     from gemtrace import allotment  # it imports LaunchError from here
-    env.update(allotment.environment(group, gpus, policy, layout if absent is None else None, config, env))
+    running = absent is None
+    env.update(allotment.environment(group, gpus, policy, layout if running else None, config, env,
+                                     table if running else None))
     try:
         os.execvpe(command[0], command, env)
     except FileNotFoundError:

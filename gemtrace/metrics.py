@@ -45,6 +45,9 @@ _SPECS = [
                "Resource file loads by result (success, failure)."),
     MetricSpec("gemtrace_config_last_reload_success", "gauge", "", (),
                "1 if the last load of the resource file succeeded, else 0."),
+    MetricSpec("gemtrace_admission_refusals_total", "counter", "", ("group",),
+               "Gated processes that asked for a group their user is not admitted to (Users=, UnixGroups=); "
+               "each ran in the group the agent assigned instead."),
     MetricSpec("gemtrace_probes_attached", "gauge", "", (),
                "eBPF uprobes currently attached to libcuda files (0 when eBPF is unavailable)."),
     MetricSpec("gemtrace_probe_libcuda_files", "gauge", "", (),

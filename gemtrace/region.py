@@ -1,13 +1,16 @@
-"""The shared region between the agent and the gates: a ctypes mirror of hook/gemtrace_region.h.
+"""The memory shared between the agent and the gates: a ctypes mirror of hook/gemtrace_region.h.
 
-This module owns the mapping of the region file and the few operations on it that need care
-(creating it so a gate never maps a half-written file, releasing a futex word, freeing a dead
-process's slot). It never decides anything: the scheduler decides what to hold, the agent when to
-reap. The file is mode 0666 (every gated program writes its own slot), so nothing read back from it
-is trusted: names are decoded defensively, and a region whose header or group table is not sound is
-replaced rather than adopted (`unsound`). The layout is defined once, in the C header;
-tests/test_region_layout.py compiles a program that prints sizeof/offsetof of every field and
-compares them with the classes below.
+This module owns the mapping of the two files and the few operations on them that need care
+(creating them so a gate never maps a half-written file, releasing a futex word, storing an
+assignment in one word, freeing a dead process's slot). It never decides anything: the scheduler
+decides what to hold, gemtrace/membership.py which group a process is in, the agent when to reap.
+
+`region` (the agent's word: header, GPUs, groups, control words, assignments) is root's, mode 0644:
+gates map it read-only. `slots` (each gated process's own figures) is mode 0666: every gated
+program writes its slot there, so nothing read back from it is trusted (names are decoded
+defensively; docs/security.md). A region whose header or tables are not sound is replaced rather
+than adopted (`unsound`). The layout is defined once, in the C header; tests/test_region_layout.py
+compiles a program that prints sizeof/offsetof of every field and compares them with the classes below.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from pathlib import Path
 # The header is the source of truth; these literals are the installed package's copy of it, and
 # tests/test_region_layout.py fails if they ever differ from the header.
 MAGIC = 0x45434152544D4547
-VERSION = 2
+SLOTS_MAGIC = 0x53544F4C534D4547
+VERSION = 3
 MAX_GPUS = 8
 MAX_GROUPS = 64
 MAX_SLOTS = 1024
@@ -36,12 +40,17 @@ UTIL_ONE = 1_000_000
 HEARTBEAT_STALE_NS = 2_000_000_000
 HOLD_RECHECK_NS = 100_000_000
 QUEUE_BOUND_NS = 10_000_000
+ASSIGN_WAIT_NS = 50_000_000
+GROUP_UNASSIGNED = 2**32 - 1
 # enum gt_held: the values of a control word
 RELEASED = 0
 HELD = 1
 RELEASED_SHORT_QUEUE = 2
 REGION_FILE = "region"
+SLOTS_FILE = "slots"
 SLOT_GATED = 1
+REGION_MODE = 0o644  # the agent's (root's) word: every user reads it, none writes it
+SLOTS_MODE = 0o666  # every gated program writes its own slot
 
 u32, i32, u64 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64
 
@@ -79,14 +88,19 @@ class Control(ctypes.Structure):
     _fields_ = [("held", u32), ("reserved0", u32), ("grant_seq", u64), ("reserved", u64 * 6)]
 
 
+class Assignment(ctypes.Structure):
+    _fields_ = [("pid", i32), ("group", u32)]
+
+
 class Slot(ctypes.Structure):
     _fields_ = [
         ("pid", i32),
-        ("group", u32),
         ("flags", u32),
         ("gpu_mask", u32),
+        ("reserved0", u32),
         ("start_time", u64),
         ("comm", ctypes.c_char * COMM_LEN),
+        ("requested", ctypes.c_char * NAME_LEN),
         ("memory", u64 * MAX_GPUS),
         ("launches", u64 * MAX_GPUS),
         ("busy_ns", u64 * MAX_GPUS),
@@ -103,11 +117,25 @@ class RegionLayout(ctypes.Structure):
         ("gpus", Gpu * MAX_GPUS),
         ("groups", Group * MAX_GROUPS),
         ("control", (Control * MAX_GROUPS) * MAX_GPUS),
-        ("slots", Slot * MAX_SLOTS),
+        ("assigned", Assignment * MAX_SLOTS),
     ]
 
 
+class SlotsHeader(ctypes.Structure):
+    _fields_ = [("magic", u64), ("version", u32), ("size", u32), ("reserved", u64 * 6)]
+
+
+class SlotTableLayout(ctypes.Structure):
+    _fields_ = [("header", SlotsHeader), ("slots", Slot * MAX_SLOTS)]
+
+
 REGION_SIZE = ctypes.sizeof(RegionLayout)
+SLOTS_SIZE = ctypes.sizeof(SlotTableLayout)
+
+
+def assignment_word(pid: int, group: int) -> int:
+    """struct gt_assignment as the one little-endian 8-byte word the agent stores (pid low, group high)."""
+    return (pid & 0xFFFF_FFFF) | (group << 32)
 
 
 class RegionError(Exception):
@@ -148,13 +176,18 @@ def unsound(layout: RegionLayout) -> str | None:
         for group_index in range(MAX_GROUPS):
             if layout.control[gpu][group_index].held not in (RELEASED, HELD, RELEASED_SHORT_QUEUE):
                 return f"control word of GPU {gpu}, group {group_index} is {layout.control[gpu][group_index].held}"
+    groups = memoryview(layout.assigned).cast("B").cast("I")[1::2].tolist()
+    for slot, group in enumerate(groups):
+        if group >= MAX_GROUPS and group != GROUP_UNASSIGNED:
+            return f"slot {slot} is assigned group {group}, outside the table"
     return None
 
 
 def os_error(path: Path, e: OSError) -> RegionError:
     """One line a person can act on for the errors a host can give while the region is created."""
     if e.errno == errno.ENOSPC:
-        return RegionError(f"{path.parent}: no space left for the {REGION_SIZE}-byte region; free space on that "
+        return RegionError(f"{path.parent}: no space left for the {REGION_SIZE + SLOTS_SIZE}-byte region and slots; "
+                           "free space on that "
                            "filesystem (or point --state-dir elsewhere) and start the agent again")
     if e.errno == errno.EROFS:
         return RegionError(f"{path.parent} is on a read-only filesystem; the agent needs a writable --state-dir "
@@ -171,26 +204,82 @@ _FUTEX_WAKE = 1
 _INT_MAX = 2**31 - 1
 
 
-class Region:
-    """A mapped region file. `layout` is the live ctypes view of the shared memory."""
+def _check_header(path: Path, fd: int, magic: int, size: int) -> None:
+    """Refuse a file that is not of this layout before mapping it (a short one would be SIGBUS)."""
+    head = SlotsHeader.from_buffer_copy(os.pread(fd, ctypes.sizeof(SlotsHeader), 0).ljust(ctypes.sizeof(SlotsHeader),
+                                                                                           b"\0"))
+    if head.magic != magic:
+        raise RegionError(f"{path}: not a gemtrace {path.name} file (bad magic); remove it or restart the agent")
+    if head.version != VERSION:
+        raise RegionVersionError(
+            f"{path}: layout version {head.version}, this gemtrace reads version {VERSION}; "
+            "restart the agent of this version to replace it"
+        )
+    actual = os.fstat(fd).st_size
+    if head.size != size or actual < size:
+        raise RegionError(f"{path}: {actual} bytes, expected {size}")
 
-    def __init__(self, path: Path, fd: int, mapping: mmap.mmap) -> None:
+
+def _map_file(path: Path, magic: int, size: int, writable: bool) -> tuple[int, mmap.mmap]:
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+    try:
+        _check_header(path, fd, magic, size)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return fd, mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _new_file(state_dir: Path, name: str, size: int, mode: int) -> tuple[Path, int, mmap.mmap]:
+    """A zeroed, preallocated file under a temporary name (renamed into place by the caller once its
+    header is written): a sparse file would kill the agent and every gated program with SIGBUS on a
+    full filesystem."""
+    tmp = state_dir / f".{name}.{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        os.fchmod(fd, mode)  # whatever the umask
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            # No fallocate here (some filesystems): write the zeros, which allocates as surely.
+            os.pwrite(fd, bytes(size), 0)
+        return tmp, fd, mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class Region:
+    """The two mapped files. `layout` is the live ctypes view of the region, `slots_layout` of the slots
+    file (a read-only opener gets copies of both)."""
+
+    def __init__(self, path: Path, fd: int, mapping: mmap.mmap, slots_fd: int, slots_mapping: mmap.mmap) -> None:
         self.path = path
-        self._fd = fd
-        self._map = mapping
+        self.slots_path = path.with_name(SLOTS_FILE)
+        self._fd, self._map = fd, mapping
+        self._slots_fd, self._slots_map = slots_fd, slots_mapping
         self.layout = RegionLayout.from_buffer(mapping)
+        self.slots_layout = SlotTableLayout.from_buffer(slots_mapping)
+        self._assigned_words = memoryview(self.layout.assigned).cast("B").cast("Q")
+
+    @property
+    def slots(self) -> ctypes.Array[Slot]:
+        return self.slots_layout.slots
 
     # -- opening ---------------------------------------------------------------------------------
 
     @classmethod
     def create(cls, state_dir: Path, on_replace: Callable[[str], None] | None = None) -> Region:
-        """The agent's view: adopt a sound region of this version (groups and live slots survive an
-        agent restart, so running programs keep going), or replace a missing, foreign, torn or
-        unsound one; `on_replace(reason)` hears why an existing file was replaced.
+        """The agent's view: adopt sound files of this version (groups, assignments and live slots
+        survive an agent restart, so running programs keep going), or replace missing, foreign, torn
+        or unsound ones (both together); `on_replace(reason)` hears why existing files were replaced.
 
-        A new file is written under a temporary name, its blocks allocated (a sparse file would kill
-        the agent and every gated program with SIGBUS on a full filesystem), and renamed into place
-        with the magic already set, so a gate never maps a half-initialised region.
+        New files are written under temporary names, their blocks allocated, and renamed into place
+        with their magic already set, the slots file first: a gate that finds a region finds slots.
         """
         path = state_dir / REGION_FILE
         try:
@@ -202,6 +291,8 @@ class Region:
             region = cls.open(state_dir)
         except FileNotFoundError:
             region = None
+            if path.exists() or (state_dir / SLOTS_FILE).exists():
+                reason = f"{state_dir}: the region or the slots file is missing"
         except RegionError as e:
             region, reason = None, str(e)
         except OSError as e:
@@ -209,6 +300,10 @@ class Region:
         if region is not None:
             reason = unsound(region.layout)
             if reason is None:
+                # The region is the agent's alone, whoever left it: root's, read-only for the rest.
+                os.fchown(region._fd, os.geteuid(), os.getegid())
+                os.fchmod(region._fd, REGION_MODE)
+                os.fchmod(region._slots_fd, SLOTS_MODE)
                 region.layout.header.agent_pid = os.getpid()
                 return region
             region.close()
@@ -222,18 +317,19 @@ class Region:
 
     @classmethod
     def _create_new(cls, state_dir: Path, path: Path) -> Region:
-        tmp = state_dir / f".{REGION_FILE}.{os.getpid()}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o666)
+        slots_tmp, slots_fd, slots_map = _new_file(state_dir, SLOTS_FILE, SLOTS_SIZE, SLOTS_MODE)
         try:
-            os.fchmod(fd, 0o666)  # gated programs of any user map it read-write (their own slot)
-            try:
-                os.posix_fallocate(fd, 0, REGION_SIZE)
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise
-                # No fallocate here (some filesystems): write the zeros, which allocates as surely.
-                os.pwrite(fd, bytes(REGION_SIZE), 0)
-            mapping = mmap.mmap(fd, REGION_SIZE, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            tmp, fd, mapping = _new_file(state_dir, REGION_FILE, REGION_SIZE, REGION_MODE)
+        except BaseException:
+            slots_map.close()
+            os.close(slots_fd)
+            slots_tmp.unlink(missing_ok=True)
+            raise
+        try:
+            table = SlotTableLayout.from_buffer(slots_map)
+            table.header.version, table.header.size = VERSION, SLOTS_SIZE
+            table.header.magic = SLOTS_MAGIC
+            del table
             layout = RegionLayout.from_buffer(mapping)
             layout.header.version = VERSION
             layout.header.size = REGION_SIZE
@@ -241,54 +337,57 @@ class Region:
             for gpu in range(MAX_GPUS):
                 for group in range(MAX_GROUPS):
                     layout.control[gpu][group].held = RELEASED
+            words = memoryview(layout.assigned).cast("B").cast("Q")
+            for index in range(MAX_SLOTS):
+                words[index] = assignment_word(0, GROUP_UNASSIGNED)
+            words.release()
             layout.header.magic = MAGIC
             del layout
+            slots_map.flush()
             mapping.flush()
+            os.rename(slots_tmp, state_dir / SLOTS_FILE)
             os.rename(tmp, path)
         except BaseException:
-            os.close(fd)
-            tmp.unlink(missing_ok=True)
+            for m, f, name in ((mapping, fd, tmp), (slots_map, slots_fd, slots_tmp)):
+                m.close()
+                os.close(f)
+                name.unlink(missing_ok=True)
             raise
-        return cls(path, fd, mapping)
+        return cls(path, fd, mapping, slots_fd, slots_map)
 
     @classmethod
     def open(cls, state_dir: Path, writable: bool = True) -> Region:
-        """Map an existing region; refuse a file of another layout version with a clear message."""
+        """Map existing files; refuse files of another layout version with a clear message. Only the
+        region's owner (root) can open it writable; a read-only opener gets snapshots of both files."""
         path = state_dir / REGION_FILE
-        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+        fd, mapping = _map_file(path, MAGIC, REGION_SIZE, writable)
         try:
-            size = os.fstat(fd).st_size
-            header = Header.from_buffer_copy(os.pread(fd, ctypes.sizeof(Header), 0).ljust(ctypes.sizeof(Header), b"\0"))
-            if header.magic != MAGIC:
-                raise RegionError(f"{path}: not a gemtrace region (bad magic); remove it or restart the agent")
-            if header.version != VERSION:
-                raise RegionVersionError(
-                    f"{path}: region layout version {header.version}, this gemtrace reads version {VERSION}; "
-                    "restart the agent of this version to replace it"
-                )
-            if header.size != REGION_SIZE or size < REGION_SIZE:
-                raise RegionError(f"{path}: region of {size} bytes, expected {REGION_SIZE}")
-            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-            mapping = mmap.mmap(fd, REGION_SIZE, mmap.MAP_SHARED, prot)
+            slots_fd, slots_map = _map_file(state_dir / SLOTS_FILE, SLOTS_MAGIC, SLOTS_SIZE, writable)
         except BaseException:
+            mapping.close()
             os.close(fd)
             raise
         if not writable:
             # ctypes.from_buffer needs a writable buffer; a read-only reader takes snapshots instead.
             region = cls.__new__(cls)
-            region.path, region._fd, region._map = path, fd, mapping
+            region.path, region.slots_path = path, state_dir / SLOTS_FILE
+            region._fd, region._map, region._slots_fd, region._slots_map = fd, mapping, slots_fd, slots_map
             region.layout = RegionLayout.from_buffer_copy(mapping)
+            region.slots_layout = SlotTableLayout.from_buffer_copy(slots_map)
+            region._assigned_words = memoryview(region.layout.assigned).cast("B").cast("Q")
             return region
-        return cls(path, fd, mapping)
+        return cls(path, fd, mapping, slots_fd, slots_map)
 
     def close(self) -> None:
-        self.__dict__.pop("slot_columns", None)  # its views point into the mapping about to go
-        del self.layout
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a caller still holds a view into the mapping; the OS unmaps at exit
-        os.close(self._fd)
+        self.__dict__.pop("slot_columns", None)  # its views point into the mappings about to go
+        self._assigned_words.release()
+        del self.layout, self.slots_layout
+        for mapping, fd in ((self._map, self._fd), (self._slots_map, self._slots_fd)):
+            try:
+                mapping.close()
+            except BufferError:
+                pass  # a caller still holds a view into the mapping; the OS unmaps at exit
+            os.close(fd)
 
     # -- agent-owned parts -----------------------------------------------------------------------
 
@@ -321,12 +420,16 @@ class Region:
                 return index
         return None
 
+    def defined_groups(self) -> dict[str, int]:
+        """name -> index of every group the resource file defines now."""
+        return {decode_name(g.name): i for i, g in enumerate(self.layout.groups) if g.name and g.defined == 1}
+
     def group_names(self) -> dict[int, str]:
         return {i: decode_name(g.name) for i, g in enumerate(self.layout.groups) if g.name}
 
     def set_group(self, name: str, memory_limit: int | None, min_util: float, max_util: float) -> int:
-        """Define or update a group; a name keeps its index while any slot refers to it (gates read
-        it from their slot)."""
+        """Define or update a group; a name keeps its index while any assignment refers to it (gates
+        read it there)."""
         encoded = name.encode()
         if not encoded or len(encoded) >= NAME_LEN:
             raise RegionError(f"group name {name!r} must be 1 to {NAME_LEN - 1} bytes")
@@ -344,7 +447,7 @@ class Region:
 
     def put_group(self, index: int, name: str, memory_limit: int | None, min_util: float, max_util: float) -> None:
         """Make entry `index` say exactly this group, storing only what differs (the agent re-asserts
-        its table every second; a value forged in the region is put back)."""
+        its table every second)."""
         encoded = name.encode()
         group = self.layout.groups[index]
         limit = NO_LIMIT if memory_limit is None else memory_limit
@@ -361,30 +464,46 @@ class Region:
             group.name = encoded  # last: a gate looking the name up sees complete limits
 
     def undefine_group(self, index: int) -> None:
-        """The resource file dropped the group: keep its entry while slots refer to it (the agent
-        moves their processes to the default group, see the header), lift its hold."""
+        """The resource file dropped the group: keep its entry while assignments refer to it (the
+        agent moves their processes to the default group, see the header), lift its hold."""
         if self.layout.groups[index].defined != 0:
             self.layout.groups[index].defined = 0
 
     def free_group(self, index: int) -> None:
-        """Forget an undefined group no slot refers to, so that its entry can serve a new name."""
+        """Forget an undefined group no assignment refers to, so that its entry can serve a new name."""
         group = self.layout.groups[index]
         group.name = b""  # first: no gate finds it from now on
         ctypes.memset(ctypes.addressof(group) + NAME_LEN, 0, ctypes.sizeof(Group) - NAME_LEN)
 
+    # -- assignments (the agent's decision of each process's group) --------------------------------
+
+    def assign(self, index: int, pid: int, group: int) -> None:
+        """Store slot `index`'s process's group as one 8-byte word, so that a gate reading it never
+        sees the pid of one decision with the group of another."""
+        word = assignment_word(pid, group)
+        if self._assigned_words[index] != word:
+            self._assigned_words[index] = word
+
+    def unassign(self, index: int) -> None:
+        self.assign(index, 0, GROUP_UNASSIGNED)
+
+    def assigned_group(self, index: int, pid: int) -> int | None:
+        """The group the agent decided for `pid` in slot `index`, or None (not decided for it)."""
+        word = self._assigned_words[index]
+        group = word >> 32
+        return group if (word & 0xFFFF_FFFF) == (pid & 0xFFFF_FFFF) and group != GROUP_UNASSIGNED else None
+
     def slot_groups(self) -> dict[int, int]:
-        """slot index -> group index of every claimed slot, in one strided pass."""
+        """slot index -> assigned group of every claimed slot whose assignment names its process."""
         columns = self.slot_columns
-        pids, groups = columns.pids(), columns.group.tolist()
-        return {i: g for i, (p, g) in enumerate(zip(pids, groups, strict=True)) if p}
+        return {i: g for i, g in enumerate(columns.groups()) if g != GROUP_UNASSIGNED}
 
     def move_slot(self, index: int, pid: int, old: int, new: int) -> bool:
-        """Move a live process from group `old` (no longer defined) to `new`; False if the slot
-        changed owner or group meanwhile (a process claiming a slot only ever names a defined group)."""
-        slot = self.layout.slots[index]
-        if slot.pid != pid or slot.group != old:
+        """Move a live process from group `old` (no longer defined) to `new`; False if its assignment
+        changed meanwhile."""
+        if self.assigned_group(index, pid) != old:
             return False
-        slot.group = new
+        self.assign(index, pid, new)
         return True
 
     def bump_generation(self) -> None:
@@ -432,11 +551,11 @@ class Region:
     @cached_property
     def slot_columns(self) -> SlotColumns:
         """The one reader of the slots' counters (the scheduler, the reaper and the accounting use it)."""
-        return SlotColumns(self.layout)
+        return SlotColumns(self.layout, self.slots_layout)
 
     def live_slots(self) -> Iterator[tuple[int, Slot]]:
         """(index, slot) for every claimed slot; the slot is the live view, copy what must not move."""
-        slots = self.layout.slots
+        slots = self.slots
         for index in self.slot_columns.live():
             yield index, slots[index]
 
@@ -446,17 +565,20 @@ class Region:
 
     def free_slot(self, index: int, pid: int) -> bool:
         """Free the slot of a process that has died; False if the slot changed owner meanwhile."""
-        slot = self.layout.slots[index]
+        slot = self.slots[index]
         if slot.pid != pid:
             return False
-        ctypes.memset(ctypes.addressof(slot) + Slot.group.offset, 0, ctypes.sizeof(Slot) - Slot.group.offset)
+        if self.assigned_group(index, pid) is not None:
+            self.unassign(index)
+        ctypes.memset(ctypes.addressof(slot) + Slot.flags.offset, 0, ctypes.sizeof(Slot) - Slot.flags.offset)
         slot.pid = 0  # last: a gate claiming it with CAS finds a zeroed slot
         return True
 
 
 class SlotColumns:
     """Strided views of the slots' fields, the one way the slots' counters are read: element i of
-    `pid` is slots[i].pid, element i of `memory(g)` is slots[i].memory[g], and so on.
+    `pid` is slots[i].pid, element i of `memory(g)` is slots[i].memory[g], and so on; element i of
+    `group` and `assigned_pid` is the agent's assignment of slot i (the region's assigned[i]).
 
     Reading a column with tolist() runs at C speed; indexing one element is one memory load, so a
     reader pays a few microseconds plus a little per live slot, and copies nothing it does not read.
@@ -464,17 +586,28 @@ class SlotColumns:
     not read them after Region.close), a copy for a read-only reader. Never writes.
     """
 
-    def __init__(self, layout: RegionLayout) -> None:
-        slots = layout.slots
-        table = (ctypes.c_char * ctypes.sizeof(slots)).from_address(ctypes.addressof(slots))
-        raw = memoryview(table).cast("B")
+    def __init__(self, layout: RegionLayout, table: SlotTableLayout) -> None:
+        slots = table.slots
+        raw = memoryview((ctypes.c_char * ctypes.sizeof(slots)).from_address(ctypes.addressof(slots))).cast("B")
         self._stride = ctypes.sizeof(Slot)
         self._words32, self._words64 = raw.cast("I"), raw.cast("Q")
-        self._raw = raw  # keeps the views' base alive
+        assigned = layout.assigned
+        raw_assigned = memoryview((ctypes.c_char * ctypes.sizeof(assigned)).from_address(ctypes.addressof(assigned)))
+        words = raw_assigned.cast("B").cast("i")
+        self._raw = (raw, raw_assigned)  # keeps the views' bases alive
         self.pid = raw.cast("i")[Slot.pid.offset // 4 :: self._stride // 4]
-        self.group = self._col32(Slot.group.offset)
         self.gpu_mask = self._col32(Slot.gpu_mask.offset)
         self.start_time = self._col64(Slot.start_time.offset)
+        self.flags = self._col32(Slot.flags.offset)
+        # The agent's decisions: element i is assigned[i].pid / assigned[i].group (region file).
+        self.assigned_pid = words[0::2]
+        self.group = words.cast("B").cast("I")[1::2]
+
+    def groups(self) -> list[int]:
+        """Each slot's group: its assignment where that names the slot's process, else GROUP_UNASSIGNED
+        (a free slot, a process the agent has not decided yet, a former occupant's entry)."""
+        return [g if p and p == a else GROUP_UNASSIGNED
+                for p, a, g in zip(self.pid.tolist(), self.assigned_pid.tolist(), self.group.tolist(), strict=True)]
 
     def _col32(self, offset: int) -> memoryview:
         return self._words32[offset // 4 :: self._stride // 4]

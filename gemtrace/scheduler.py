@@ -42,12 +42,14 @@ RESCAN_NS = 50_000_000
 
 class SlotTable:
     """One GPU's columns of the region's SlotColumns (region.py: the one reader of the slots'
-    counters): element i of `pid` is slots[i].pid, of `launches` slots[i].launches[gpu], and so on."""
+    counters): element i of `pid` is slots[i].pid, of `launches` slots[i].launches[gpu], and so on;
+    `group` is the agent's assignment, which counts only where `assigned_pid` is the slot's pid."""
 
     def __init__(self, region: rg.Region, gpu: int) -> None:
         columns = region.slot_columns
         self.pid = columns.pid
         self.group = columns.group
+        self.assigned_pid = columns.assigned_pid
         self.waiting = columns.waiting(gpu)
         self.launches = columns.launches(gpu)
         self.drained_ns = columns.drained_ns(gpu)
@@ -199,7 +201,7 @@ class GpuScheduler:
             pid = slots.pid[index]
             if not pid:
                 continue  # freed since the last scan
-            group = slots.group[index]
+            group = slots.group[index] if slots.assigned_pid[index] == pid else rg.GROUP_UNASSIGNED
             if group not in self._scheduled:
                 continue
             launches = slots.launches[index]

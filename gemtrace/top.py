@@ -205,19 +205,20 @@ def with_rates(previous: Frame | None, current: Frame) -> Frame:
     return replace(current, gpus=gpus)
 
 
-def from_region(layout: region.RegionLayout, taken_at: float) -> Frame:
-    """A snapshot of the region (a copied RegionLayout) as a Frame (pure)."""
+def from_region(layout: region.RegionLayout, table: region.SlotTableLayout, taken_at: float) -> Frame:
+    """A snapshot of the region and the slots (copies) as a Frame (pure). A process is shown in the
+    group the agent assigned it; one not assigned yet is not shown."""
     uuids = [layout.gpus[i].uuid.decode() for i in range(min(layout.header.n_gpus, region.MAX_GPUS))]
     names = {i: g.name.decode() for i, g in enumerate(layout.groups) if g.name and g.defined}
     procs: dict[tuple[int, int], list[Process]] = {}
-    for slot in layout.slots:
-        if not slot.pid or slot.group not in names:
+    for slot, group in zip(table.slots, region.SlotColumns(layout, table).groups(), strict=True):
+        if not slot.pid or group not in names:
             continue
         for gpu in range(len(uuids)):
             if not slot.gpu_mask & (1 << gpu):
                 continue
-            procs.setdefault((gpu, slot.group), []).append(Process(
-                pid=slot.pid, comm=slot.comm.decode(errors="replace"), group=names[slot.group],
+            procs.setdefault((gpu, group), []).append(Process(
+                pid=slot.pid, comm=slot.comm.decode(errors="replace"), group=names[group],
                 gpu=uuids[gpu], memory_bytes=float(slot.memory[gpu]),
                 gpu_seconds_total=slot.busy_ns[gpu] / 1e9, launches_total=float(slot.launches[gpu])))
     gpus = []
@@ -344,7 +345,7 @@ def snapshot(source: str, previous: Frame | None) -> Frame:
         except (OSError, region.RegionError) as exc:
             return Frame(taken_at=now, error=f"cannot read the region in {source}: {exc}")
         try:
-            return with_rates(previous, from_region(r.layout, now))
+            return with_rates(previous, from_region(r.layout, r.slots_layout, now))
         finally:
             r.close()
     try:

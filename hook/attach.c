@@ -4,10 +4,11 @@
  * Attaching happens lazily on the first gated call, never in a constructor, so a program that never
  * uses CUDA sees no difference. It is O(1) in the number of live processes: the slot search starts
  * at a hash of the pid and claims with one CAS (HAMi's start-up took about a minute with hundreds of
- * processes on a node: HAMi #1662, https://github.com/Project-HAMi/HAMi/issues/1662). Without a
- * region, with an unknown group or a region of another layout version, the gate says so once on
- * stderr and passes everything through, retrying at most once a second (the agent may start after
- * the program).
+ * processes on a node: HAMi #1662, https://github.com/Project-HAMi/HAMi/issues/1662). The region is
+ * mapped read-only, the slots file read-write; the gate asks for a group (GEMTRACE_GROUP, written in
+ * its slot) and the agent decides (gemtrace_region.h). Without the two files, or with files of
+ * another layout version, the gate says so once on stderr and passes everything through, retrying at
+ * most once a second (the agent may start after the program).
  */
 #define _GNU_SOURCE
 #include "gate.h"
@@ -32,7 +33,7 @@ static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t last_attempt_ns;
 static unsigned said; /* bit per message kind already printed */
 
-enum { SAID_NO_REGION = 1, SAID_VERSION = 2, SAID_GROUP = 4, SAID_FULL = 8, SAID_FOREIGN = 16 };
+enum { SAID_NO_REGION = 1, SAID_VERSION = 2, SAID_GROUP = 4, SAID_FULL = 8, SAID_FOREIGN = 16, SAID_UNASSIGNED = 32 };
 
 uint64_t gt_now_ns(void)
 {
@@ -56,7 +57,7 @@ static void say_once(unsigned kind, const char *fmt, ...)
 
 bool gt_agent_alive(void)
 {
-    struct gt_region *r = gt_proc.region;
+    const struct gt_region *r = gt_proc.region;
     uint64_t beat = __atomic_load_n(&r->header.heartbeat_ns, __ATOMIC_ACQUIRE);
     return beat != 0 && gt_now_ns() - beat < GT_HEARTBEAT_STALE_NS;
 }
@@ -86,44 +87,46 @@ static uint64_t read_start_time(void)
     return p ? strtoull(p, NULL, 10) : 0;
 }
 
-static struct gt_region *map_region(const char *dir)
+/* Open one of the agent's files and check its header before mapping it: a file of another layout,
+ * or one shorter than its layout (a mapping past the end of a file is SIGBUS on first touch), is
+ * refused. Returns the mapping or NULL. */
+static void *map_file(const char *dir, const char *name, uint64_t magic, size_t size, bool writable)
 {
     char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, GT_REGION_FILE);
-    int fd = open(path, O_RDWR | O_CLOEXEC);
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
     if (fd < 0) {
-        say_once(SAID_NO_REGION, "no region at %s (%s): is the gemtrace agent running? Running ungated for now.",
+        say_once(SAID_NO_REGION, "cannot open %s (%s): is the gemtrace agent running? Running ungated for now.",
                  path, strerror(errno));
         return NULL;
     }
-    struct gt_header header;
+    struct { uint64_t magic; uint32_t version; uint32_t size; } header; /* the head of both files' headers */
     struct stat st;
     if (fstat(fd, &st) != 0 || pread(fd, &header, sizeof header, 0) != (ssize_t)sizeof header) {
         close(fd);
         return NULL;
     }
-    if (header.magic != GT_REGION_MAGIC) {
-        say_once(SAID_FOREIGN, "%s is not a gemtrace region; running ungated.", path);
+    if (header.magic != magic) {
+        say_once(SAID_FOREIGN, "%s is not a gemtrace file of its kind; running ungated.", path);
         close(fd);
         return NULL;
     }
-    if (header.version != GT_REGION_VERSION || header.size != sizeof(struct gt_region) ||
-        (size_t)st.st_size < sizeof(struct gt_region)) {
+    if (header.version != GT_REGION_VERSION || header.size != size || (size_t)st.st_size < size) {
         say_once(SAID_VERSION,
-                 "%s has region layout version %u, this gate speaks version %u; running ungated "
+                 "%s has layout version %u, this gate speaks version %u; running ungated "
                  "(restart the program under the agent's gate of the same version).",
                  path, header.version, GT_REGION_VERSION);
         close(fd);
         return NULL;
     }
-    void *map = mmap(NULL, sizeof(struct gt_region), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    void *map = mmap(NULL, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     return map == MAP_FAILED ? NULL : map;
 }
 
 /* Only a defined group: an entry the resource file dropped is kept only while processes still in
  * it are moved to "default", and may then serve another name. */
-static int find_group(struct gt_region *r, const char *name)
+static int find_group(const struct gt_region *r, const char *name)
 {
     for (int g = 0; g < GT_MAX_GROUPS; g++)
         if (__atomic_load_n(&r->groups[g].defined, __ATOMIC_ACQUIRE) == 1 &&
@@ -132,29 +135,51 @@ static int find_group(struct gt_region *r, const char *name)
     return -1;
 }
 
-static struct gt_slot *claim_slot(struct gt_region *r, int32_t pid)
+static int claim_slot(struct gt_slot_table *table, int32_t pid)
 {
     uint32_t start = ((uint32_t)pid * 2654435761u) % GT_MAX_SLOTS; /* Knuth's multiplicative hash */
     for (uint32_t k = 0; k < GT_MAX_SLOTS; k++) {
-        struct gt_slot *slot = &r->slots[(start + k) % GT_MAX_SLOTS];
+        uint32_t index = (start + k) % GT_MAX_SLOTS;
+        struct gt_slot *slot = &table->slots[index];
         int32_t free_pid = 0;
         if (__atomic_load_n(&slot->pid, __ATOMIC_RELAXED) == 0 &&
             __atomic_compare_exchange_n(&slot->pid, &free_pid, pid, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
-            return slot;
+            return (int)index;
     }
-    return NULL;
+    return -1;
 }
 
-static void fill_slot(struct gt_slot *slot, uint32_t group)
+static void fill_slot(struct gt_slot *slot, const char *requested)
 {
     /* Everything but pid is ours now; a freed slot is zeroed by whoever freed it, but be sure. */
-    memset((char *)slot + offsetof(struct gt_slot, group), 0, sizeof *slot - offsetof(struct gt_slot, group));
+    memset((char *)slot + offsetof(struct gt_slot, flags), 0, sizeof *slot - offsetof(struct gt_slot, flags));
     char comm[GT_COMM_LEN] = {0};
     prctl(PR_GET_NAME, comm, 0, 0, 0);
     memcpy(slot->comm, comm, GT_COMM_LEN);
+    strncpy(slot->requested, requested, GT_NAME_LEN - 1);
     slot->start_time = read_start_time();
-    slot->flags = GT_SLOT_GATED;
-    __atomic_store_n(&slot->group, group, __ATOMIC_RELEASE);
+    /* Last, with release: the agent reads the rest once it sees the flag. */
+    __atomic_store_n(&slot->flags, GT_SLOT_GATED, __ATOMIC_RELEASE);
+}
+
+/* The agent decides within a tick of seeing the slot; wait for that (briefly) so that the first
+ * allocation is counted in the right group. A silent agent decides nothing: no wait then. */
+static void await_assignment(const struct gt_region *r, uint32_t index, int32_t pid)
+{
+    uint64_t deadline = gt_now_ns() + GT_ASSIGN_WAIT_NS;
+    struct timespec pause = {.tv_sec = 0, .tv_nsec = 1000000}; /* 1 ms */
+    while (gt_agent_alive()) {
+        struct gt_assignment a;
+        __atomic_load(&r->assigned[index], &a, __ATOMIC_ACQUIRE);
+        if (a.pid == pid && a.group < GT_MAX_GROUPS)
+            return;
+        if (gt_now_ns() >= deadline) {
+            say_once(SAID_UNASSIGNED, "the agent has not placed this process in a group yet; it counts as "
+                     "\"default\" until it does.");
+            return;
+        }
+        nanosleep(&pause, NULL);
+    }
 }
 
 bool gt_attach_slow(bool wait)
@@ -172,27 +197,37 @@ bool gt_attach_slow(bool wait)
     if (!ok && (last_attempt_ns == 0 || now - last_attempt_ns >= 1000000000ull)) {
         last_attempt_ns = now;
         const char *dir = getenv("GEMTRACE_STATE_DIR");
-        const char *group_name = getenv("GEMTRACE_GROUP");
+        const char *requested = getenv("GEMTRACE_GROUP");
         if (!dir || !*dir)
             dir = GT_DEFAULT_STATE_DIR;
-        if (!group_name || !*group_name)
-            group_name = "default";
-        struct gt_region *r = map_region(dir);
-        int group = r ? find_group(r, group_name) : -1;
-        if (r && group < 0)
-            say_once(SAID_GROUP, "group '%s' is not defined by the agent's resource file; running ungated.",
-                     group_name);
-        struct gt_slot *slot = group >= 0 ? claim_slot(r, (int32_t)getpid()) : NULL;
-        if (group >= 0 && !slot)
-            say_once(SAID_FULL, "all %d process slots of the region are taken; running ungated.", GT_MAX_SLOTS);
-        if (slot) {
-            fill_slot(slot, (uint32_t)group);
+        if (!requested || !*requested)
+            requested = "default";
+        const struct gt_region *r = map_file(dir, GT_REGION_FILE, GT_REGION_MAGIC, sizeof *r, false);
+        struct gt_slot_table *table = r ? map_file(dir, GT_SLOTS_FILE, GT_SLOTS_MAGIC, sizeof *table, true) : NULL;
+        int fallback = table ? find_group(r, "default") : -1;
+        if (table && fallback < 0)
+            say_once(SAID_GROUP, "the agent's region defines no \"default\" group; running ungated.");
+        int32_t pid = (int32_t)getpid();
+        int index = fallback >= 0 ? claim_slot(table, pid) : -1;
+        if (fallback >= 0 && index < 0)
+            say_once(SAID_FULL, "all %d process slots are taken; running ungated.", GT_MAX_SLOTS);
+        if (index >= 0) {
+            struct gt_slot *slot = &table->slots[index];
+            fill_slot(slot, requested);
             gt_proc.region = r;
+            gt_proc.slots = table;
             gt_proc.slot = slot;
+            gt_proc.slot_index = (uint32_t)index;
+            gt_proc.pid = pid;
+            gt_proc.fallback_group = (uint32_t)fallback;
+            await_assignment(r, (uint32_t)index, pid);
             __atomic_store_n(&gt_proc.attached, 1, __ATOMIC_RELEASE);
             ok = true;
-        } else if (r) {
-            munmap(r, sizeof *r);
+        } else {
+            if (table)
+                munmap(table, sizeof *table);
+            if (r)
+                munmap((void *)r, sizeof *r);
         }
     }
     pthread_mutex_unlock(&attach_lock);
@@ -211,7 +246,7 @@ static void format_uuid(const CUuuid *u, char out[GT_UUID_LEN])
 
 static int region_gpu_of_uuid(const char *uuid)
 {
-    struct gt_region *r = gt_proc.region;
+    const struct gt_region *r = gt_proc.region;
     uint32_t n = __atomic_load_n(&r->header.n_gpus, __ATOMIC_ACQUIRE);
     for (uint32_t i = 0; i < n && i < GT_MAX_GPUS; i++)
         if (strncmp(r->gpus[i].uuid, uuid, GT_UUID_LEN) == 0)
@@ -323,7 +358,7 @@ static void release_slot(void)
     struct gt_slot *slot = gt_proc.slot;
     if (!gt_attached() || !slot || __atomic_load_n(&slot->pid, __ATOMIC_RELAXED) != (int32_t)getpid())
         return;
-    memset((char *)slot + offsetof(struct gt_slot, group), 0, sizeof *slot - offsetof(struct gt_slot, group));
+    memset((char *)slot + offsetof(struct gt_slot, flags), 0, sizeof *slot - offsetof(struct gt_slot, flags));
     __atomic_store_n(&slot->pid, 0, __ATOMIC_RELEASE);
 }
 
@@ -332,11 +367,14 @@ static void release_slot(void)
 static void after_fork_in_child(void)
 {
     pthread_mutex_init(&attach_lock, NULL);
-    struct gt_region *r = gt_proc.region;
+    const struct gt_region *r = gt_proc.region;
+    struct gt_slot_table *table = gt_proc.slots;
     memset(&gt_proc, 0, sizeof gt_proc);
     gt_proc.single_gpu = -1;
     if (r)
-        munmap(r, sizeof *r);
+        munmap((void *)r, sizeof *r);
+    if (table)
+        munmap(table, sizeof *table);
     last_attempt_ns = 0;
     cached_ctx = NULL;
     cached_gpu = -1;

@@ -1,8 +1,8 @@
 /*
  * gate.h - what the gate's files share: the process's view of the region, the real entry points.
  *
- * Nothing here may block on another process: the region is read with atomics, written only in our
- * own slot (hook/gemtrace_region.h says who owns what).
+ * Nothing here may block on another process: the region is mapped read-only and read with atomics;
+ * the gate writes only its own slot in the slots file (hook/gemtrace_region.h says who owns what).
  */
 #ifndef GEMTRACE_GATE_H
 #define GEMTRACE_GATE_H
@@ -36,8 +36,12 @@ void gt_resolve_real(void);
 /* The process's attachment to the region. `attached` is the one flag the fast path reads first. */
 struct gt_process {
     int attached;                 /* 1 once region, group and slot are ours (atomic) */
-    struct gt_region *region;
+    const struct gt_region *region; /* mapped PROT_READ: the gate never writes it */
+    struct gt_slot_table *slots;    /* the slots file, mapped read-write */
     struct gt_slot *slot;
+    uint32_t slot_index;
+    int32_t pid;
+    uint32_t fallback_group;        /* "default": the group while the agent has not decided */
     int single_gpu;               /* region gpu index when the process sees one CUDA device, else -1 */
     int devices_known;            /* 1 once device_gpu[] is filled (atomic) */
     int device_count;
@@ -60,14 +64,20 @@ bool gt_attach_slow(bool wait);   /* try to attach (rate-limited); true when att
 static inline bool gt_attached(void) { return GT_LIKELY(__atomic_load_n(&gt_proc.attached, __ATOMIC_ACQUIRE)); }
 bool gt_agent_alive(void);
 
-/* The process's group, read from its slot on every use rather than cached: the agent moves a process
- * whose group the resource file dropped to "default" by rewriting slot->group (gemtrace_region.h).
- * Masked, because the slot lies in a file any user can write: a forged index stays in bounds. */
+/* The group of slot i's process: the agent's decision when it names that process, else "default"
+ * (the agent has not decided yet, or the entry is a former occupant's). Read on every use rather than
+ * cached: the agent moves a process whose group the resource file dropped to "default" by rewriting
+ * assigned[i] (gemtrace_region.h). Bounds-checked: the index addresses the region. */
 _Static_assert((GT_MAX_GROUPS & (GT_MAX_GROUPS - 1)) == 0, "GT_MAX_GROUPS must be a power of two");
-static inline uint32_t gt_group(void)
+static inline uint32_t gt_group_of(uint32_t index, int32_t pid)
 {
-    return __atomic_load_n(&gt_proc.slot->group, __ATOMIC_RELAXED) & (GT_MAX_GROUPS - 1);
+    struct gt_assignment a;
+    __atomic_load(&gt_proc.region->assigned[index], &a, __ATOMIC_ACQUIRE);
+    if (GT_UNLIKELY(a.pid != pid || a.group >= GT_MAX_GROUPS))
+        return gt_proc.fallback_group;
+    return a.group;
 }
+static inline uint32_t gt_group(void) { return gt_group_of(gt_proc.slot_index, gt_proc.pid); }
 uint64_t gt_now_ns(void);
 int gt_gpu_of_device(CUdevice device); /* -1 when the device is not one the agent schedules */
 int gt_current_gpu(void);              /* the current context's GPU, -1 when none or unknown */

@@ -1,26 +1,36 @@
 /*
- * gemtrace_region.h - the one definition of the shared-memory region between the agent and the gates.
+ * gemtrace_region.h - the one definition of the shared memory between the agent and the gates: two files.
  *
- * The agent creates $GEMTRACE_STATE_DIR/region (default /run/gemtrace/region), a file of exactly
- * sizeof(struct gt_region) bytes, and every gate maps it MAP_SHARED. gemtrace/region.py mirrors this
- * header with ctypes; tests/test_region_layout.py compiles a program printing sizeof/offsetof of
- * every field and compares, so the two cannot drift. Change a field: bump GT_REGION_VERSION.
+ * The agent creates, in $GEMTRACE_STATE_DIR (default /run/gemtrace), two preallocated files:
+ *   - `region` (struct gt_region), owned by root, mode 0644: what the gates obey. Gates map it
+ *     PROT_READ (a futex wait works on a read-only mapping), so no user can lift a hold, raise a
+ *     limit, forge the heartbeat or the group table, or truncate the file under everyone.
+ *   - `slots` (struct gt_slot_table), mode 0666: one slot per gated process, written by that process
+ *     (its own figures). Any gated user can write any slot here: docs/security.md says what that
+ *     still allows and the planned fix (per-process pages handed over a unix socket).
+ * gemtrace/region.py mirrors this header with ctypes; tests/test_region_layout.py compiles a program
+ * printing sizeof/offsetof of every field and compares, so the two cannot drift. Change a field of
+ * either file: bump GT_REGION_VERSION (both files carry it).
  *
  * Ownership (nothing here is protected by a lock, so a process killed at any instruction blocks nobody):
- *   - header, gpus[], groups[], control[][]: written by the agent only. The file is mode 0666, so any
- *     user can forge them: the agent never trusts what it reads back, adopts an existing file only
- *     if it is sound, and re-asserts what it means: the heartbeat every tick, groups[] every second,
- *     each GPU's control words on every look of its scheduler. A forgery lasts that long at most.
+ *   - region: written by the agent only. It adopts an existing file only if it is sound, and still
+ *     re-asserts what it means (the heartbeat every tick, groups[] every second, each GPU's control
+ *     words on every look of its scheduler), for what root itself might have scribbled.
  *   - slots[i]: written only by the process that claimed it (CAS of `pid` from 0), except that the
- *     agent frees the slot of a process that has died (it zeroes the slot, then stores pid = 0), and
- *     moves a live process whose group is no longer defined to "default" (it stores slots[i].group).
+ *     agent frees the slot of a process that has died (it zeroes the slot, then stores pid = 0).
  *
- * Groups: a gate attaches only to a defined group, found by name. It reads its group index from its
- * own slot on every launch and allocation (masked to GT_MAX_GROUPS), never from a cached copy, so
- * that when the resource file drops or renames a group its running processes are moved to "default"
- * within a second (the agent's table pass) and are scheduled and limited there. An undefined entry is
- * freed (name emptied, then the rest zeroed) once no live slot refers to it; an index is never
- * reused while a slot still points at it.
+ * Groups: membership is decided once, by the agent (docs/security.md). A gate claims a slot and
+ * writes there the group it asks for (`requested`, from GEMTRACE_GROUP). The agent, within a tick of
+ * seeing the slot, stores assigned[i] = {pid, group}: the requested group if the process's owner is
+ * admitted to it (Users=/UnixGroups= in the resource file), else the group of a matching Cgroup rule,
+ * else "default". The pid is part of the entry because a gate frees its own slot at exit and cannot
+ * clear an entry it may not write: an entry counts only for the process whose pid it names, and the
+ * agent clears entries whose slot changed owner every tick. Until its entry names it, a gate takes
+ * itself for "default" (it waits for the agent at most GT_ASSIGN_WAIT_NS at attach). It reads its
+ * group from assigned[] on every launch and allocation, never from a cached copy, so that when the
+ * resource file drops a group the agent's rewrite of assigned[] to "default" moves its processes
+ * within a second. An undefined group entry is freed (name emptied, then the rest zeroed) once no
+ * assignment refers to it; an index is never reused while one does.
  *
  * Time: every *_ns field is CLOCK_MONOTONIC nanoseconds (Python: time.monotonic_ns()).
  *
@@ -37,7 +47,7 @@
  *   1. drains: if its process launched on that GPU since it last drained, it synchronises the
  *      launch's stream (or the context) and stores slots[i].drained_ns[gpu] = now (the burst's end);
  *   2. adds 1 to slots[i].waiting[gpu], futex-waits on `held` (timeout GT_HOLD_RECHECK_NS so it can
- *      re-check the heartbeat), and leaves when held != GT_HELD, when its slot names another group
+ *      re-check the heartbeat), and leaves when held != GT_HELD, when assigned[i] names another group
  *      (the agent moved it: the old entry may already serve a new name), or when the heartbeat is
  *      older than GT_HEARTBEAT_STALE_NS (no agent: never hang); then subtracts 1 from waiting[gpu].
  * The agent stores a released value then FUTEX_WAKEs all waiters on the word; on a clean stop it
@@ -45,7 +55,7 @@
  *
  * Memory (per GPU, per group, the limit is groups[g].memory_limit): a gate reserves optimistically:
  * it adds the size to its own slots[i].memory[gpu] (seq_cst), then sums memory[gpu] over every
- * slot with pid != 0 and the same group; above the limit it subtracts the size again and returns
+ * slot with pid != 0 whose group (assigned[], "default" while unassigned) is its own; above the limit it subtracts the size again and returns
  * CUDA_ERROR_OUT_OF_MEMORY without calling the driver. Two racing reservations may both fail near
  * the limit; neither can overshoot. A slot's counters only ever subtract what that process added.
  * While the heartbeat is stale, that sum leaves out the slots whose process no longer exists
@@ -57,8 +67,10 @@
 #include <stdint.h>
 
 #define GT_REGION_MAGIC 0x45434152544d4547ULL /* "GEMTRACE" read as a little-endian uint64 */
-#define GT_REGION_VERSION 2u
+#define GT_SLOTS_MAGIC 0x53544f4c534d4547ULL  /* "GEMSLOTS" read as a little-endian uint64 */
+#define GT_REGION_VERSION 3u
 #define GT_REGION_FILE "region"
+#define GT_SLOTS_FILE "slots"
 #define GT_DEFAULT_STATE_DIR "/run/gemtrace"
 
 #define GT_MAX_GPUS 8
@@ -73,6 +85,8 @@
 #define GT_HEARTBEAT_STALE_NS 2000000000ull        /* gates ignore `held` when the agent is silent this long */
 #define GT_HOLD_RECHECK_NS 100000000ull            /* a held launch re-checks the heartbeat this often */
 #define GT_QUEUE_BOUND_NS 10000000ull              /* GT_RELEASED_SHORT_QUEUE: the most work left queued */
+#define GT_ASSIGN_WAIT_NS 50000000ull              /* a gate waits this long at attach for its assignment */
+#define GT_GROUP_UNASSIGNED UINT32_MAX             /* assigned[i].group before the agent decides */
 
 enum gt_held {
     GT_RELEASED = 0,
@@ -118,13 +132,19 @@ struct gt_control {              /* agent-owned, one cache line per GPU and grou
     uint64_t reserved[6];
 };
 
-struct gt_slot {                 /* written only by its process (see the top of this file) */
+struct gt_assignment {           /* agent-owned: the group the agent decided for the process in slot i */
+    _Alignas(8) int32_t pid;                /* the process it was decided for; any other occupant is unassigned */
+    uint32_t group;              /* index into groups[], or GT_GROUP_UNASSIGNED */
+};                               /* stored as one 8-byte word, so a reader never sees half of it */
+
+struct gt_slot {                 /* in `slots`, written only by its process (see the top of this file) */
     int32_t pid;                 /* 0 = free; claimed by CAS 0 -> getpid() */
-    uint32_t group;              /* index into groups[]; the agent may move it to "default" */
     uint32_t flags;              /* enum gt_slot_flags */
     uint32_t gpu_mask;           /* bit g set once the process used gpus[g] */
+    uint32_t reserved0;
     uint64_t start_time;         /* /proc/PID/stat field 22 (clock ticks), tells a reused pid apart */
     char comm[GT_COMM_LEN];
+    char requested[GT_NAME_LEN]; /* GEMTRACE_GROUP, NUL-terminated: a wish; the agent decides */
     uint64_t memory[GT_MAX_GPUS];         /* bytes held through the gate */
     uint64_t launches[GT_MAX_GPUS];       /* kernel launches admitted */
     uint64_t busy_ns[GT_MAX_GPUS];        /* GPU time of this process's finished bursts */
@@ -139,6 +159,18 @@ struct gt_region {
     struct gt_gpu gpus[GT_MAX_GPUS];
     struct gt_group groups[GT_MAX_GROUPS];
     struct gt_control control[GT_MAX_GPUS][GT_MAX_GROUPS];
+    struct gt_assignment assigned[GT_MAX_SLOTS];
+};
+
+struct gt_slots_header {         /* agent-written when it creates `slots`; gates check it before mapping */
+    uint64_t magic;              /* GT_SLOTS_MAGIC, stored last */
+    uint32_t version;            /* GT_REGION_VERSION */
+    uint32_t size;               /* sizeof(struct gt_slot_table) */
+    uint64_t reserved[6];
+};
+
+struct gt_slot_table {           /* the whole `slots` file */
+    struct gt_slots_header header;
     struct gt_slot slots[GT_MAX_SLOTS];
 };
 

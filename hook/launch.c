@@ -25,7 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static void futex_wait(uint32_t *word, uint32_t expected, uint64_t timeout_ns)
+static void futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns)
 {
     struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull), .tv_nsec = (long)(timeout_ns % 1000000000ull)};
     /* Not FUTEX_PRIVATE: the agent wakes us from another process through the shared mapping. */
@@ -84,7 +84,7 @@ static void drain(int gpu, CUstream stream)
  * another group (its group was dropped, and the entry may already serve a new name whose word stays
  * held while nobody of it has work: waiting on there would be waiting for ever). The next launch
  * then reads its new group's word. */
-static __attribute__((noinline)) void hold(int gpu, uint32_t *held, CUstream stream, uint32_t group)
+static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstream stream, uint32_t group)
 {
     if (!gt_agent_alive())
         return; /* no agent, or a stale one: never hang (the last limits written still apply to memory) */
@@ -190,7 +190,7 @@ static void gate_launch(CUstream stream)
     if (GT_UNLIKELY(gpu < 0) && (gpu = gt_stream_gpu(stream)) < 0)
         return;
     uint32_t group = gt_group();
-    uint32_t *held = &gt_proc.region->control[gpu][group].held;
+    const uint32_t *held = &gt_proc.region->control[gpu][group].held;
     uint32_t state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
     if (GT_UNLIKELY(state != GT_RELEASED)) {
         /* After a wait the group may have been held meanwhile: look again, or this launch would

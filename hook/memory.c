@@ -165,14 +165,14 @@ static bool owner_gone(int32_t pid)
 
 static uint64_t group_usage(int gpu)
 {
-    struct gt_region *r = gt_proc.region;
+    struct gt_slot *slots = gt_proc.slots->slots;
     uint32_t group = gt_group();
     bool agent_away = !gt_agent_alive();
     uint64_t sum = 0;
-    for (int i = 0; i < GT_MAX_SLOTS; i++) {
-        struct gt_slot *s = &r->slots[i];
+    for (uint32_t i = 0; i < GT_MAX_SLOTS; i++) {
+        struct gt_slot *s = &slots[i];
         int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
-        if (pid == 0 || __atomic_load_n(&s->group, __ATOMIC_RELAXED) != group)
+        if (pid == 0 || gt_group_of(i, pid) != group)
             continue;
         uint64_t bytes = __atomic_load_n(&s->memory[gpu], __ATOMIC_SEQ_CST);
         if (bytes && agent_away && owner_gone(pid))

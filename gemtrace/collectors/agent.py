@@ -1,4 +1,4 @@
-"""The agent itself: version, resource-file reloads, the GPUs it schedules.
+"""The agent itself: version, resource-file reloads, refused group requests, the GPUs it schedules.
 
 Reads an AgentView (built by the agent at scrape time: Agent.agent_view) and nothing else.
 """
@@ -22,6 +22,7 @@ class AgentView:
     reload_failures: int
     last_reload_ok: bool
     gpus: tuple[Gpu, ...]
+    admission_refusals: tuple[tuple[str, int], ...] = ()  # (requested group, refusals)
 
 
 class AgentCollector(Collector):
@@ -41,6 +42,11 @@ class AgentCollector(Collector):
         ok = family(spec("gemtrace_config_last_reload_success"))
         ok.add_metric([], 1.0 if view.last_reload_ok else 0.0)
         yield ok
+
+        refusals = family(spec("gemtrace_admission_refusals_total"))
+        for group, count in view.admission_refusals:
+            refusals.add_metric([group], float(count))
+        yield refusals
 
         gpu_info = info_family(spec("gemtrace_gpu_info"))
         total = family(spec("gemtrace_gpu_memory_total_bytes"))

@@ -1,0 +1,136 @@
+"""Which group each gated process is in: decided once, by the agent, and written in the region.
+
+A gate asks (the `requested` name in its slot, from GEMTRACE_GROUP); this module decides, on the
+agent's keeper tick, for every slot whose assignment does not name its process: the requested group
+if the process's owner is admitted to it (Users=/UnixGroups=, gemtrace/config.py), else the group of
+a matching Cgroup rule (gemtrace/groups_of.py), else `default`. A request refused is logged
+(`group_refused`) and counted per group (gemtrace_admission_refusals_total). The owner is the real
+uid and the groups of /proc/PID/status, read by the agent: nothing the slot says about itself but
+the name it asks for is believed. It also clears the assignment of a slot that changed owner, since
+a gate frees its slot at exit but cannot write the region (hook/gemtrace_region.h).
+
+`decide` is pure; `Membership` is the thin adapter over the region and /proc. It never writes a slot
+and never decides anything else (dropped groups' processes are moved by the agent's table pass).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Container, Iterable, Mapping
+from dataclasses import dataclass
+
+import structlog
+
+from gemtrace import region as rg
+from gemtrace.config import GroupConfig
+from gemtrace.defaults import DEFAULT_GROUP, ENV_GROUP
+from gemtrace.groups_of import ProcReader, group_for
+
+log = structlog.get_logger("gemtrace.membership")
+
+# A tick decides at most this many new processes (two /proc reads each), so that a thousand programs
+# starting at once cannot delay the heartbeat that shares the keeper's thread; the rest wait a tick
+# (their gates count as `default` meanwhile).
+DECISIONS_PER_TICK = 128
+
+
+@dataclass(frozen=True)
+class Decision:
+    group: str
+    refused: bool  # the process asked for a defined group its owner is not admitted to
+
+
+def admitted_to(name: str, uid: int, gids: Iterable[int], groups: Mapping[str, GroupConfig],
+                defined: Container[str]) -> bool:
+    """Whether a process of `uid`/`gids` may join group `name` at its own request: the group must be
+    defined; a group the resource file does not restrict (or one defined without it, by a test
+    standing in for the agent) admits everyone."""
+    if name not in defined:
+        return False
+    config = groups.get(name)
+    return config is None or config.admits(uid, gids)
+
+
+def decide(requested: str, uid: int, gids: Iterable[int], cgroups: Iterable[str],
+           groups: Mapping[str, GroupConfig], defined: Container[str]) -> Decision:
+    """The group of a process that asked for `requested` ("" or "default": no wish)."""
+    gids = list(gids)
+    rules = {name: g.cgroups for name, g in groups.items() if g.cgroups}
+    group = group_for({ENV_GROUP: requested}, list(cgroups), rules,
+                      lambda name: admitted_to(name, uid, gids, groups, defined))
+    refused = bool(requested) and requested != group and requested in defined and requested != DEFAULT_GROUP
+    return Decision(group, refused)
+
+
+class Membership:
+    """The agent's side: `tick()` decides for the slots that need it and clears stale assignments.
+    `groups()` gives the resource file's groups in force (for admission and Cgroup rules)."""
+
+    def __init__(self, region: rg.Region, groups: Callable[[], Mapping[str, GroupConfig]],
+                 proc: ProcReader | None = None, per_tick: int = DECISIONS_PER_TICK) -> None:
+        self.region = region
+        self.groups = groups
+        self.proc = proc or ProcReader()
+        self.per_tick = per_tick
+        self.refusals: Counter[str] = Counter()  # requested group -> refusals, for /metrics
+
+    def tick(self) -> int:
+        """Decide for new processes; returns how many were decided."""
+        region = self.region
+        columns = region.slot_columns
+        pids, assigned = columns.pid.tolist(), columns.assigned_pid.tolist()
+        stale = [i for i, (p, a) in enumerate(zip(pids, assigned, strict=True)) if p != a]
+        if not stale:
+            return 0
+        defined = region.defined_groups()
+        groups = self.groups()
+        decided = 0
+        for index in stale:
+            pid = pids[index]
+            if not pid:
+                region.unassign(index)  # the gate freed its slot at exit
+                continue
+            if not columns.flags[index] & rg.SLOT_GATED or decided >= self.per_tick:
+                continue  # the gate is still filling its slot; or enough for this tick
+            decision = self._decide(index, pid, groups, defined)
+            if decision is None:
+                continue  # gone: the reaper frees the slot
+            group = defined.get(decision.group)
+            if group is None:
+                continue  # no default group defined (a test standing in for the agent): stays unassigned
+            region.assign(index, pid, group)
+            decided += 1
+        return decided
+
+    def _decide(self, index: int, pid: int, groups: Mapping[str, GroupConfig],
+                defined: Mapping[str, int]) -> Decision | None:
+        credentials = self.proc.credentials(pid)
+        if credentials is None:
+            return None
+        uid, gids = credentials
+        requested = rg.decode_name(self.region.slots[index].requested).strip()
+        decision = decide(requested, uid, gids, self.proc.cgroups(pid) or [], groups, defined)
+        if decision.refused:
+            self.refusals[requested] += 1
+            log.warning("group_refused", pid=pid, uid=uid, requested=requested, assigned=decision.group,
+                        consequence="the process is scheduled and limited in the assigned group; "
+                        "admit its user with Users= or UnixGroups= in the resource file")
+        return decision
+
+
+def group_of(pid: int, environ: Mapping[str, str], proc: ProcReader, region: rg.Region | None,
+             groups: Mapping[str, GroupConfig]) -> tuple[str, bool]:
+    """The group the agent counts process `pid` in (the accounting, eBPF's figures, /metrics): its
+    assignment when it has a slot, else the same decision for an ungated process from the group its
+    environment asks for. The flag is False while a gated process awaits its assignment (it counts
+    as `default` meanwhile, as its gate does): ask again later."""
+    if region is not None:
+        pids = region.slot_columns.pid.tolist()
+        if pid in pids:
+            index = pids.index(pid)
+            assigned = region.assigned_group(index, pid)
+            name = region.group_names().get(assigned) if assigned is not None else None
+            return (DEFAULT_GROUP, False) if name is None else (name, True)
+    uid, gids = proc.credentials(pid) or (-1, [])  # gone: admitted nowhere restricted
+    requested = environ.get(ENV_GROUP, "").strip()
+    return decide(requested, uid, gids, proc.cgroups(pid) or [], groups, groups).group, True
