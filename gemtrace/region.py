@@ -483,6 +483,8 @@ class Region:
         word = assignment_word(pid, group)
         if self._assigned_words[index] != word:
             self._assigned_words[index] = word
+            if pid:  # a gate may be waiting for it at attach (GT_ASSIGN_WAIT_NS) on the group half
+                self._wake(ctypes.addressof(self.layout.assigned[index]) + Assignment.group.offset)
 
     def unassign(self, index: int) -> None:
         self.assign(index, 0, GROUP_UNASSIGNED)

@@ -33,7 +33,8 @@ static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t last_attempt_ns;
 static unsigned said; /* bit per message kind already printed */
 
-enum { SAID_NO_REGION = 1, SAID_VERSION = 2, SAID_GROUP = 4, SAID_FULL = 8, SAID_FOREIGN = 16, SAID_UNASSIGNED = 32 };
+enum { SAID_NO_REGION = 1, SAID_VERSION = 2, SAID_GROUP = 4, SAID_FULL = 8, SAID_FOREIGN = 16, SAID_UNASSIGNED = 32,
+       SAID_NO_DEFAULT = 64 };
 
 uint64_t gt_now_ns(void)
 {
@@ -162,23 +163,27 @@ static void fill_slot(struct gt_slot *slot, const char *requested)
     __atomic_store_n(&slot->flags, GT_SLOT_GATED, __ATOMIC_RELEASE);
 }
 
-/* The agent decides within a tick of seeing the slot; wait for that (briefly) so that the first
- * allocation is counted in the right group. A silent agent decides nothing: no wait then. */
+/* The agent decides within a tick of seeing the slot and wakes the group word's waiters; wait for
+ * that (briefly) so that the first allocation is counted in the right group. A silent agent decides
+ * nothing: no wait then. */
 static void await_assignment(const struct gt_region *r, uint32_t index, int32_t pid)
 {
     uint64_t deadline = gt_now_ns() + GT_ASSIGN_WAIT_NS;
-    struct timespec pause = {.tv_sec = 0, .tv_nsec = 1000000}; /* 1 ms */
+    const struct gt_assignment *entry = &r->assigned[index];
     while (gt_agent_alive()) {
         struct gt_assignment a;
-        __atomic_load(&r->assigned[index], &a, __ATOMIC_ACQUIRE);
+        __atomic_load(entry, &a, __ATOMIC_ACQUIRE);
         if (a.pid == pid && a.group < GT_MAX_GROUPS)
             return;
-        if (gt_now_ns() >= deadline) {
+        uint64_t now = gt_now_ns();
+        if (now >= deadline) {
             say_once(SAID_UNASSIGNED, "the agent has not placed this process in a group yet; it counts as "
                      "\"default\" until it does.");
             return;
         }
-        nanosleep(&pause, NULL);
+        /* The group word changes with every decision (the pid alone could repeat a stale entry's). */
+        uint64_t left = deadline - now;
+        gt_futex_wait(&entry->group, a.group, left < 1000000ull ? left : 1000000ull);
     }
 }
 
@@ -206,7 +211,10 @@ bool gt_attach_slow(bool wait)
         struct gt_slot_table *table = r ? map_file(dir, GT_SLOTS_FILE, GT_SLOTS_MAGIC, sizeof *table, true) : NULL;
         int fallback = table ? find_group(r, "default") : -1;
         if (table && fallback < 0)
-            say_once(SAID_GROUP, "the agent's region defines no \"default\" group; running ungated.");
+            say_once(SAID_NO_DEFAULT, "the agent's region defines no \"default\" group; running ungated.");
+        if (fallback >= 0 && find_group(r, requested) < 0)
+            say_once(SAID_GROUP, "group '%s' is not defined by the agent's resource file; the agent places this "
+                     "process in its cgroup's group or \"default\".", requested);
         int32_t pid = (int32_t)getpid();
         int index = fallback >= 0 ? claim_slot(table, pid) : -1;
         if (fallback >= 0 && index < 0)

@@ -85,6 +85,7 @@ int gt_stream_gpu(CUstream stream);    /* the GPU a stream's work runs on (multi
 void gt_note_gpu(int gpu);             /* set the slot's gpu_mask bit */
 
 /* launch.c */
+void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns); /* shared futex, may wake early */
 void gt_close_burst(int gpu);     /* our queued work on gpu has drained (after a sync) */
 void gt_launch_after_fork(void);  /* the child of a fork starts with launch.c's lock free */
 

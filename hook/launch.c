@@ -25,7 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static void futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns)
+void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns)
 {
     struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull), .tv_nsec = (long)(timeout_ns % 1000000000ull)};
     /* Not FUTEX_PRIVATE: the agent wakes us from another process through the shared mapping. */
@@ -92,7 +92,7 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
     struct gt_slot *slot = gt_proc.slot;
     __atomic_fetch_add(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
     while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group)
-        futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
+        gt_futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
     __atomic_store_n(&slot->last_launch_ns[gpu], gt_now_ns(), __ATOMIC_RELAXED);
 }

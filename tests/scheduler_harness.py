@@ -2,8 +2,9 @@
 bench/bench_scheduler_accuracy.py.
 
 It runs what the agent would, minus the agent: a Region in a private state dir with the simulated
-GPUs' NVML UUIDs, one GpuScheduler thread per GPU, a heartbeat thread (gates ignore a silent agent),
-and gated launch loops (build/libgemgate.so preloaded, GEMTRACE_GROUP set) as each group's processes.
+GPUs' NVML UUIDs, one GpuScheduler thread per GPU, a heartbeat thread (gates ignore a silent agent)
+that also decides new processes' groups as the agent does (gemtrace/membership.py, every group open
+to all), and gated launch loops (build/libgemgate.so preloaded, GEMTRACE_GROUP set) as each group's processes.
 A group's device share is the kernel time its processes completed over a window in the middle of
 the run (read from the clients' once-a-second progress lines) divided by the window's length; its
 share, as on the H100 (throughput shared / solo), is that divided by the device share the same work
@@ -25,6 +26,7 @@ import psutil
 from simgpu_env import REPO, RT_CLIENT, Client, SimGpu
 
 from gemtrace import defaults
+from gemtrace.membership import Membership
 from gemtrace.policy import MS
 from gemtrace.region import Region
 from gemtrace.scheduler import GpuScheduler, Quota
@@ -158,6 +160,8 @@ def rig(sim: SimGpu, state_dir: Path, gate: Path | None = None, client: Path | N
     )[0]["gpus"]
     region = Region.create(state_dir)
     region.set_gpus([(str(uuid), int(total)) for uuid, total in found])
+    region.set_group(defaults.DEFAULT_GROUP, None, 0, 1)  # the agent always defines it
+    membership = Membership(region, lambda: {})
     stop = threading.Event()
     schedulers = [GpuScheduler(region, gpu) for gpu in range(len(found))]
     threads = [threading.Thread(target=s.run, args=(stop,), name=f"scheduler-gpu{s.gpu}") for s in schedulers]
@@ -165,7 +169,8 @@ def rig(sim: SimGpu, state_dir: Path, gate: Path | None = None, client: Path | N
     def beat() -> None:
         while not stop.is_set():
             region.heartbeat(time.monotonic_ns())
-            stop.wait(0.05)
+            membership.tick()
+            stop.wait(defaults.TICK_SECONDS)
 
     region.heartbeat(time.monotonic_ns())
     threads.append(threading.Thread(target=beat, name="heartbeat"))

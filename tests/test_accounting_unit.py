@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gemtrace.accounting import Accounting, GpuTimeShare, ProcessAccount, Snapshot
 from gemtrace.collectors.processes import ProcessCollector
+from gemtrace.config import GroupConfig
 from gemtrace.enforcement import MemoryEnforcer
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
 from gemtrace.probes import libcuda
@@ -137,15 +138,14 @@ class FakeNvml:
         return {}
 
 
-@dataclass
-class Group:
-    memory_limit: int | None = None
-    cgroups: tuple[str, ...] = ()
+def group(memory_limit: int | None = None, cgroups: tuple[str, ...] = ()) -> GroupConfig:
+    """A resource file's group as the accounting reads it (open to every user)."""
+    return GroupConfig("", memory_limit=memory_limit, cgroups=cgroups)
 
 
 @dataclass
 class Config:
-    groups: dict[str, Group]
+    groups: dict[str, GroupConfig]
 
 
 class Clock:
@@ -158,10 +158,11 @@ class Clock:
 
 def _claim_slot(region: Region, index: int, pid: int, group: int, gpu: int, memory: int, launches: int,
                 busy_ns: int) -> None:
-    slot = region.layout.slots[index]
-    slot.group, slot.flags, slot.gpu_mask = group, 1, 1 << gpu
+    slot = region.slots[index]
+    slot.flags, slot.gpu_mask = 1, 1 << gpu
     slot.memory[gpu], slot.launches[gpu], slot.busy_ns[gpu] = memory, launches, busy_ns
     slot.pid = pid
+    region.assign(index, pid, group)
 
 
 def test_gated_processes_from_slots_and_series_vanish_after_grace(tmp_path: Path) -> None:
@@ -172,7 +173,7 @@ def test_gated_processes_from_slots_and_series_vanish_after_grace(tmp_path: Path
     g = region.set_group("train", 1 << 30, 0.0, 1.0)
     _claim_slot(region, 3, 301, g, 1, memory=123 << 20, launches=4567, busy_ns=2_500_000_000)
     clock = Clock()
-    acc = Accounting(region, lambda: Config({"train": Group(1 << 30)}), proc_root=proc, use_ebpf=False,
+    acc = Accounting(region, lambda: Config({"train": group(1 << 30)}), proc_root=proc, use_ebpf=False,
                      nvml=FakeNvml(), grace_seconds=60, clock=clock)  # type: ignore[arg-type]
     assert "disabled" in acc.ebpf_status
     snap = acc.poll(clock.now)
@@ -241,7 +242,7 @@ def _fake_accounting(tmp_path: Path, ebpf: FakeEbpf, gate: FakeGate | None = Non
                      limit: int | None = 100 * MiB, **kw: object) -> tuple[Accounting, MemoryEnforcer, list[int]]:
     killed: list[int] = []
     enforcer = MemoryEnforcer(kill=killed.append, clock=lambda: 1_000_000_500)
-    acc = Accounting(None, lambda: Config({"train": Group(limit)}), proc_root=tmp_path, ebpf=ebpf,
+    acc = Accounting(None, lambda: Config({"train": group(limit)}), proc_root=tmp_path, ebpf=ebpf,
                      gate=gate or FakeGate(), nvml=nvml or FakeNvmlReader(gpus=UUIDS), enforcer=enforcer,
                      **kw)  # type: ignore[arg-type]
     return acc, enforcer, killed

@@ -114,18 +114,18 @@ def test_a_renamed_groups_process_moves_to_default_and_is_scheduled(host: Host) 
         infer, default = r.group_index("infer"), r.group_index("default")
         assert infer is not None and default is not None
         slot = wait_until("the worker's slot", lambda: next(
-            (i for i, g in r.slot_groups().items() if r.layout.slots[i].pid == worker.pid), None))
-        assert r.layout.slots[slot].group == infer
+            (i for i, g in r.slot_groups().items() if r.slots[i].pid == worker.pid), None))
+        assert r.assigned_group(slot, worker.pid) == infer
         host.config.write_text(CONFIG.replace("[infer]", "[serve]"))
-        wait_until("the move to default", lambda: r.layout.slots[slot].group == default, timeout=5)
+        wait_until("the move to default", lambda: r.assigned_group(slot, worker.pid) == default, timeout=5)
         wait_until("infer's entry to be freed", lambda: r.group_index("infer") is None, timeout=5)
         # Scheduled in default: with a train worker beside it the two take turns, so default's word is
         # held and released again and again (an unscheduled word would stay released), and it launches.
         rival = host.run("train", "launch-loop", "--kernel-ns", "200000", "--seconds", "30")
         grants = r.layout.control[0][default].grant_seq
-        launches = r.layout.slots[slot].launches[0]
+        launches = r.slots[slot].launches[0]
         wait_until("turns for default", lambda: r.layout.control[0][default].grant_seq >= grants + 3, timeout=10)
-        assert r.layout.slots[slot].launches[0] > launches
+        assert r.slots[slot].launches[0] > launches
         rival.kill()
         rival.wait()
         r.close()

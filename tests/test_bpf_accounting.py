@@ -24,6 +24,7 @@ from simgpu_env import LIBCUDA, REPO, SimGpu
 from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.collectors.enforcement import EnforcementCollector
 from gemtrace.collectors.processes import ProcessCollector
+from gemtrace.config import GroupConfig
 from gemtrace.enforcement import MemoryEnforcer
 from gemtrace.probes.libcuda import file_id_of
 from gemtrace.region import Region
@@ -34,15 +35,14 @@ CLIENT = REPO / "tests" / "cuda_driver_client.py"
 MiB = 1 << 20
 
 
-@dataclass
-class Group:
-    memory_limit: int | None = None
-    cgroups: tuple[str, ...] = ()
+def group(memory_limit: int | None = None, cgroups: tuple[str, ...] = ()) -> GroupConfig:
+    """A resource file's group as the accounting reads it (open to every user)."""
+    return GroupConfig("", memory_limit=memory_limit, cgroups=cgroups)
 
 
 @dataclass
 class Config:
-    groups: dict[str, Group]
+    groups: dict[str, GroupConfig]
 
 
 class StaticGpus:
@@ -207,8 +207,8 @@ def test_an_ungated_process_over_its_group_limit_is_killed_and_no_other(sim: Sim
     proved that the enforcement thread (one thread, events in order) is past what could have killed
     them; MemoryEnforcer.counters() takes the lock its check holds while it kills, so it sees every
     kill of the check that is under way."""
-    config = Config({"capped": Group(memory_limit=100 * MiB), "other": Group(memory_limit=None),
-                     "sentinel": Group(memory_limit=1 * MiB)})
+    config = Config({"capped": group(memory_limit=100 * MiB), "other": group(memory_limit=None),
+                     "sentinel": group(memory_limit=1 * MiB)})
     enforcer = MemoryEnforcer()
     acc = make_accounting(config, enforcer=enforcer)
     first = DriverClient(sim.env(), group="capped")
@@ -307,10 +307,11 @@ def test_a_slot_that_hides_memory_is_tampering_and_ebpf_wins(sim: SimGpu, make_a
     try:
         c.call("init")
         c.call(f"alloc {64 * MiB}")
-        slot = region.layout.slots[0]
-        slot.group, slot.flags, slot.gpu_mask = g, 1, 1
+        slot = region.slots[0]
+        slot.flags, slot.gpu_mask = 1, 1
         slot.memory[0] = MiB  # claims 1 MiB where it holds 64
         slot.pid = c.pid
+        region.assign(0, c.pid, g)
         assert wait_for(lambda: by_pid(acc.poll()).get(c.pid) == 64 * MiB)
         acc.poll()
         assert enforcer.tampering == {"sneaky": 1}

@@ -1,5 +1,6 @@
 """The gate (build/libgemgate.so) on the simulated GPU, with the test standing in for the agent:
-it creates the region, publishes the simulated GPUs and groups, beats the heartbeat, holds and
+it creates the region, publishes the simulated GPUs and groups, beats the heartbeat, decides the
+processes' groups (the agent's own gemtrace/membership.py, every group open to all), holds and
 releases. Every figure the gate must produce is asserted."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from agent_host import wait_until
 from simgpu_env import LINKED_CLIENT, REPO, RT_CLIENT, SimGpu
 
 from gemtrace import region as rg
+from gemtrace.membership import Membership
 from gemtrace.region import Region
 
 pytestmark = pytest.mark.e2e
@@ -47,14 +49,17 @@ class Agent:
         )
         self.uuids = [g["uuid"] for g in gpus]
         self.region.set_gpus([(g["uuid"], g["total"]) for g in gpus])
+        self.region.set_group("default", None, 0, 1)  # the agent always defines it
+        self.membership = Membership(self.region, lambda: {})
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._beat_loop, daemon=True)
         self.region.heartbeat(time.monotonic_ns())
         self._beat.start()
 
     def _beat_loop(self) -> None:
-        while not self._stop.wait(0.02):
+        while not self._stop.wait(0.002):
             self.region.heartbeat(time.monotonic_ns())
+            self.membership.tick()
 
     def silence(self) -> None:
         """The agent stops beating without a clean stop (killed)."""
@@ -433,18 +438,17 @@ def test_launch_counts_and_busy_time_reach_the_slot(agent: Agent) -> None:
 # --- attaching ------------------------------------------------------------------------------------
 
 
-def test_no_region_or_unknown_group_or_other_version_says_so_once_and_passes_through(
-    agent: Agent, tmp_path: Path
-) -> None:
-    env = agent.env("nosuchgroup")
+def test_no_region_or_unknown_group_or_other_version_says_so_once(agent: Agent, tmp_path: Path) -> None:
+    agent.region.set_group("default", GiB, 0, 1)
+    env = agent.env("nosuchgroup")  # the agent places it in default, with default's limit
     lines, err = run(["alloc", "--api", "v2", str(GiB), str(GiB)], env)
-    assert [line["name"] for line in lines if "size" in line] == ["CUDA_SUCCESS", "CUDA_SUCCESS"]
+    assert [line["name"] for line in lines if "size" in line] == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]
     assert err.count("group 'nosuchgroup' is not defined") == 1
 
     env = agent.env("train", GEMTRACE_STATE_DIR=str(tmp_path / "nowhere"))
     lines, err = run(["launch-loop", "--kernel-ns", "1000", "--iters", "5"], env)
     assert lines[-1]["launches"] == 5
-    assert err.count("no region at") == 1
+    assert err.count("cannot open") == 1 and "Running ungated" in err
 
     agent.region.set_group("train", 1, 0, 1)
     agent.region.layout.header.version = rg.VERSION + 1
@@ -473,7 +477,7 @@ def test_registration_is_fast_with_a_thousand_live_slots(agent: Agent) -> None:
     agent.region.set_group("train", None, 0, 1)
     # Fill 1000 slots as if 1000 processes were registered (pids that are not ours).
     for index in range(1000):
-        agent.region.layout.slots[index].pid = 10_000_000 + index
+        agent.region.slots[index].pid = 10_000_000 + index
     lines, _ = run(["launch-loop", "--kernel-ns", "0", "--iters", "1"], agent.env("train"))
     assert lines[-1]["launches"] == 1
     times = []
@@ -487,7 +491,7 @@ def test_registration_is_fast_with_a_thousand_live_slots(agent: Agent) -> None:
     # A whole process start is milliseconds; registering among 1000 slots must not show in it.
     assert min(times) < 0.01, times
     for index in range(1000):
-        agent.region.layout.slots[index].pid = 0
+        agent.region.slots[index].pid = 0
 
 
 PROC_ADDRESS_CHECK = r"""

@@ -1,10 +1,13 @@
-"""The region layout is defined once, in hook/gemtrace_region.h: the ctypes mirror must match it
-field by field (compiled and printed by a C program) and constant by constant."""
+"""The layout of both shared files (region and slots) is defined once, in hook/gemtrace_region.h: the
+ctypes mirror must match it field by field (compiled and printed by a C program) and constant by
+constant."""
 
 from __future__ import annotations
 
 import ctypes
+import os
 import re
+import stat
 import subprocess
 from pathlib import Path
 
@@ -22,8 +25,11 @@ STRUCTS = {
     "gt_gpu": region.Gpu,
     "gt_group": region.Group,
     "gt_control": region.Control,
-    "gt_slot": region.Slot,
+    "gt_assignment": region.Assignment,
     "gt_region": region.RegionLayout,
+    "gt_slot": region.Slot,
+    "gt_slots_header": region.SlotsHeader,
+    "gt_slot_table": region.SlotTableLayout,
 }
 
 
@@ -62,7 +68,7 @@ def test_the_mirror_names_every_field_of_the_header() -> None:
     for c_name, py_struct in STRUCTS.items():
         body = re.search(rf"struct {c_name} \{{(.*?)\n\}};", text, re.S)
         assert body, c_name
-        c_fields = re.findall(r"^\s+(?:struct )?\w+ (\w+)(?:\[[^\]]*\])*;", body.group(1), re.M)
+        c_fields = re.findall(r"^\s+(?:_Alignas\(\d+\) )?(?:struct )?\w+ (\w+)(?:\[[^\]]*\])*;", body.group(1), re.M)
         assert c_fields == [f for f, *_ in py_struct._fields_], c_name
 
 
@@ -72,7 +78,9 @@ def test_constants_match_the_header() -> None:
         for name, value in re.findall(r"^#define (GT_\w+) (0x[0-9a-fA-F]+|\d+)[uUlL]*", HEADER.read_text(), re.M)
     }
     assert defines["GT_REGION_MAGIC"] == region.MAGIC
-    assert defines["GT_REGION_VERSION"] == region.VERSION
+    assert defines["GT_SLOTS_MAGIC"] == region.SLOTS_MAGIC
+    assert defines["GT_REGION_VERSION"] == region.VERSION == 3
+    assert defines["GT_ASSIGN_WAIT_NS"] == region.ASSIGN_WAIT_NS
     assert defines["GT_MAX_GPUS"] == region.MAX_GPUS
     assert defines["GT_MAX_GROUPS"] == region.MAX_GROUPS
     assert defines["GT_MAX_SLOTS"] == region.MAX_SLOTS
@@ -89,13 +97,28 @@ def test_constants_match_the_header() -> None:
     assert {k: int(v) for k, v in held.items()} == {
         "GT_RELEASED": region.RELEASED, "GT_HELD": region.HELD, "GT_RELEASED_SHORT_QUEUE": region.RELEASED_SHORT_QUEUE}
     assert b"GEMTRACE" == region.MAGIC.to_bytes(8, "little")
+    assert b"GEMSLOTS" == region.SLOTS_MAGIC.to_bytes(8, "little")
+    files = dict(re.findall(r'^#define (GT_\w+_FILE) "(\w+)"', HEADER.read_text(), re.M))
+    assert files == {"GT_REGION_FILE": region.REGION_FILE, "GT_SLOTS_FILE": region.SLOTS_FILE}
+    assert re.search(r"^#define GT_GROUP_UNASSIGNED UINT32_MAX\b", HEADER.read_text(), re.M)
+    assert region.GROUP_UNASSIGNED == 2**32 - 1
+
+
+def test_an_assignment_is_one_aligned_word() -> None:
+    """The gate loads assigned[i] with one 8-byte atomic load and the agent stores it with one: the
+    entries must sit on 8-byte boundaries, pid in the low half."""
+    assert region.RegionLayout.assigned.offset % 8 == 0 and ctypes.sizeof(region.Assignment) == 8
+    layout = region.RegionLayout()
+    layout.assigned[3].pid, layout.assigned[3].group = 4242, 7
+    word = memoryview(layout.assigned).cast("B").cast("Q")[3]
+    assert word == region.assignment_word(4242, 7) == 4242 | 7 << 32
 
 
 def test_a_region_of_another_version_is_refused(tmp_path: Path) -> None:
     r = region.Region.create(tmp_path)
     r.layout.header.version = region.VERSION + 1
     r.close()
-    with pytest.raises(region.RegionVersionError, match="version 2"):
+    with pytest.raises(region.RegionVersionError, match=f"reads version {region.VERSION}"):
         region.Region.open(tmp_path)
     # The agent replaces a foreign region instead of adopting it.
     fresh = region.Region.create(tmp_path)
@@ -106,12 +129,43 @@ def test_a_region_of_another_version_is_refused(tmp_path: Path) -> None:
 def test_an_agent_restart_adopts_groups_and_slots(tmp_path: Path) -> None:
     first = region.Region.create(tmp_path)
     index = first.set_group("train", 4 << 30, 0.2, 0.6)
-    first.layout.slots[7].pid = 4242
+    first.slots[7].pid = 4242
+    first.assign(7, 4242, index)
     first.close()
     second = region.Region.create(tmp_path)
     assert second.group_index("train") == index
     assert second.layout.groups[index].max_util_ppm == 600_000
     assert [i for i, _ in second.live_slots()] == [7]
+    assert second.slot_groups() == {7: index}
     assert second.free_slot(7, 4242)
     assert list(second.live_slots()) == []
+    assert second.assigned_group(7, 4242) is None  # freed first, so no later occupant inherits it
     second.close()
+
+
+def test_the_region_is_roots_read_only_file_and_the_slots_everyones(tmp_path: Path) -> None:
+    r = region.Region.create(tmp_path)
+    r.close()
+    modes = {name: os.stat(tmp_path / name) for name in (region.REGION_FILE, region.SLOTS_FILE)}
+    assert stat.S_IMODE(modes["region"].st_mode) == 0o644 and modes["region"].st_uid == os.geteuid()
+    assert stat.S_IMODE(modes["slots"].st_mode) == 0o666
+    assert modes["region"].st_size == region.REGION_SIZE and modes["slots"].st_size == region.SLOTS_SIZE
+    # An adopted region is put back to 0644, whatever was done to its mode.
+    os.chmod(tmp_path / region.REGION_FILE, 0o666)
+    region.Region.create(tmp_path).close()
+    assert stat.S_IMODE(os.stat(tmp_path / region.REGION_FILE).st_mode) == 0o644
+
+
+def test_an_assignment_counts_only_for_the_process_it_names(tmp_path: Path) -> None:
+    r = region.Region.create(tmp_path)
+    try:
+        train = r.set_group("train", None, 0, 1)
+        r.slots[2].pid = 500
+        assert r.slot_groups() == {}  # not decided yet
+        r.assign(2, 500, train)
+        assert r.slot_groups() == {2: train} and r.assigned_group(2, 500) == train
+        r.slots[2].pid = 501  # the slot changed owner (the gate freed it at exit, another claimed it)
+        assert r.slot_groups() == {} and r.assigned_group(2, 501) is None
+        assert r.slot_columns.groups()[2] == region.GROUP_UNASSIGNED
+    finally:
+        r.close()

@@ -99,10 +99,11 @@ def test_group_uses_reads_limits_and_live_slots_by_uuid(tmp_path: Path) -> None:
         region.set_gpus([("GPU-b", 16 * GiB), ("GPU-a", 16 * GiB)])
         train = region.set_group("train", GiB, 0.0, 1.0)
         region.set_group("infer", None, 0.0, 1.0)
-        slot = region.layout.slots[3]
-        slot.pid, slot.group, slot.gpu_mask = 4242, train, 0b01
+        slot = region.slots[3]
+        slot.pid, slot.gpu_mask = 4242, 0b01
+        region.assign(3, 4242, train)
         slot.memory[0], slot.memory[1] = 100, 7  # on GPU-a without a context: held, not present
-        uses = group_uses(region.layout, {"GPU-a": 0, "GPU-b": 1})  # the topology's order differs
+        uses = group_uses(region.layout, region.slots_layout, {"GPU-a": 0, "GPU-b": 1})  # the topology's order differs
     finally:
         region.close()
     assert uses == [

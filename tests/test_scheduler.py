@@ -39,11 +39,11 @@ def region(tmp_path: Path) -> Iterator[rg.Region]:
 
 
 def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
-    slot = region.layout.slots[index]
-    slot.group = group
+    slot = region.slots[index]
     slot.flags = rg.SLOT_GATED
     slot.gpu_mask = 1 << GPU
     slot.pid = pid
+    region.assign(index, pid, group)  # the agent's decision (gemtrace/membership.py)
     return slot
 
 

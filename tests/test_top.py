@@ -220,8 +220,8 @@ def test_terminal_mode_in_tmux_refreshes_and_quits_on_q(agent_url: str, tmp_path
         subprocess.run([*base, "kill-server"], capture_output=True)
 
 
-def _layout_with(busy_s: float, launches: int) -> region.RegionLayout:
-    layout = region.RegionLayout()
+def _layout_with(busy_s: float, launches: int) -> tuple[region.RegionLayout, region.SlotTableLayout]:
+    layout, table = region.RegionLayout(), region.SlotTableLayout()
     layout.header.n_gpus = 1
     layout.gpus[0].uuid = GPU.encode()
     layout.gpus[0].memory_total = 16 * GIB
@@ -232,15 +232,17 @@ def _layout_with(busy_s: float, launches: int) -> region.RegionLayout:
         g.memory_limit = region.NO_LIMIT if limit is None else limit
     layout.groups[5].name = b"dropped"  # undefined: no longer in the resource file
     for slot_index, (pid, busy) in enumerate([(4242, busy_s), (4243, 0.0)]):
-        slot = layout.slots[slot_index + 3]
-        slot.pid, slot.group, slot.gpu_mask, slot.comm = pid, 0, 1, b"python"
+        slot = table.slots[slot_index + 3]
+        slot.pid, slot.gpu_mask, slot.comm = pid, 1, b"python"
+        layout.assigned[slot_index + 3].pid, layout.assigned[slot_index + 3].group = pid, 0
         slot.memory[0], slot.busy_ns[0], slot.launches[0] = GIB, int(busy * 1e9), launches
-    return layout
+    table.slots[9].pid = 4244  # not assigned yet: not shown
+    return layout, table
 
 
 @pytest.mark.unit
 def test_region_snapshot_gives_groups_processes_and_shares_from_rates() -> None:
-    first = top.from_region(_layout_with(1.0, 100), taken_at=10.0)
+    first = top.from_region(*_layout_with(1.0, 100), taken_at=10.0)
     (gpu,) = first.gpus
     assert (gpu.uuid, gpu.memory_total_bytes) == (GPU, 16 * GIB)
     assert [g.name for g in gpu.groups] == ["idle", "train"]
@@ -248,7 +250,7 @@ def test_region_snapshot_gives_groups_processes_and_shares_from_rates() -> None:
     assert idle.memory_limit_bytes is None and idle.processes == ()
     assert (train.min_util, train.max_util, train.memory_limit_bytes) == (0.2, 0.7, 4 * GIB)
     assert [p.pid for p in train.processes] == [4242, 4243] and train.memory_bytes == 2 * GIB
-    second = top.with_rates(first, top.from_region(_layout_with(2.0, 400), taken_at=12.0))
+    second = top.with_rates(first, top.from_region(*_layout_with(2.0, 400), taken_at=12.0))
     train = second.gpus[0].groups[1]
     assert train.processes[0].kernel_share == pytest.approx(0.5)
     assert train.processes[0].launches_per_second == pytest.approx(150)
@@ -261,9 +263,10 @@ def test_once_reads_a_region_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     try:
         r.set_gpus([(GPU, 16 * GIB)])
         r.set_group("train", 4 * GIB, 0.2, 0.7)
-        slot = r.layout.slots[0]
-        slot.group, slot.gpu_mask, slot.comm, slot.memory[0] = 0, 1, b"trainer", 3 * GIB
+        slot = r.slots[0]
+        slot.gpu_mask, slot.comm, slot.memory[0] = 1, b"trainer", 3 * GIB
         slot.pid = 777
+        r.assign(0, 777, 0)
     finally:
         r.close()
     assert top.main(["--once", "--state-dir", str(tmp_path)]) == 0
