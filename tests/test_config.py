@@ -279,3 +279,36 @@ def test_values_that_once_took_seconds_to_match_are_refused_at_once() -> None:
 def test_messages_quote_a_long_value_short() -> None:
     message = error_of("[a]\nfoo bar" + "x" * 100_000 + "\n")
     assert message.startswith("r.conf:2: cannot read 'foo bar") and len(message) < 200
+
+
+# -- admission: Users= and UnixGroups= (docs/security.md) -------------------------------------------
+
+
+def test_users_and_unix_groups_take_names_and_ids_and_admit_root_always() -> None:
+    config = parse_text("[ml]\nUsers = root; 1001\nUnixGroups = root; 2000\n[open]\n")
+    ml = config.groups["ml"]
+    assert (ml.users, ml.unix_groups) == (frozenset({0, 1001}), frozenset({0, 2000}))
+    assert ml.admits(1001, [50]) and ml.admits(7, [2000]) and ml.admits(0, [])
+    assert not ml.admits(7, [50, 51])
+    assert config.groups["open"].admits(7, [50])  # neither key: everyone, as before
+    only_users = parse_text("[ml]\nUsers = 1001\n").groups["ml"]
+    assert only_users.unix_groups is None and not only_users.admits(7, [1001])  # a gid is not a uid
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("[ml]\nMinUtil = 0.1\nUsers = no-such-user-here\n",
+     "resource.conf:3: Users: no user named 'no-such-user-here' on this host; create it, or give its numeric id"),
+    ("[ml]\nUnixGroups = no-such-group-here\n",
+     "resource.conf:2: UnixGroups: no Unix group named 'no-such-group-here' on this host; create it, or give its "
+     "numeric id"),
+    ("[ml]\nUsers = ; ;\n",
+     "resource.conf:2: Users is empty; give one or more user names or ids separated by ;, or leave it out"),
+    ("[ml]\nUsers = 4294967295\n", "resource.conf:2: Users '4294967295' is not a valid user id (0 to 4294967294)"),
+    ("[ml]\nUsers = 1\nUsers = 2\n", "resource.conf:3: Users is set twice in [ml] (first at line 2); keep one"),
+    ("[default]\nUnixGroups = 0\n", "resource.conf:2: [default] cannot restrict who joins it: a process admitted "
+     "to no other group runs there; remove Users/UnixGroups from it"),
+])
+def test_admission_mistakes_name_their_line(text: str, error: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_text(text)
+    assert str(e.value) == error

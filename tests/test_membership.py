@@ -1,0 +1,115 @@
+"""The agent's one decision of a gated process's group (gemtrace/membership.py): the pure rule, then
+the pass over a real region file with processes described by a /proc tree."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gemtrace import region as rg
+from gemtrace.config import parse_text
+from gemtrace.groups_of import ProcReader, parse_gids
+from gemtrace.membership import Membership, decide, group_of
+
+pytestmark = pytest.mark.unit
+
+ALICE, BOB, ML = 1001, 1002, 3000
+CONFIG = parse_text(f"[ml]\nUsers = {ALICE}\nUnixGroups = {ML}\n[pods]\nCgroup = /kubepods\n[open]\n")
+DEFINED = set(CONFIG.groups)
+
+
+@pytest.mark.parametrize(("requested", "uid", "gids", "cgroups", "expected"), [
+    ("ml", ALICE, [ALICE], ["/user.slice"], ("ml", False)),  # named in Users
+    ("ml", BOB, [BOB, ML], ["/user.slice"], ("ml", False)),  # in a Unix group of UnixGroups
+    ("ml", 0, [0], ["/"], ("ml", False)),  # root, always
+    ("ml", BOB, [BOB], ["/user.slice"], ("default", True)),  # refused: default
+    ("ml", BOB, [BOB], ["/kubepods/pod1"], ("pods", True)),  # refused: its cgroup's group
+    ("open", BOB, [BOB], ["/"], ("open", False)),  # a group without Users/UnixGroups admits everyone
+    ("", BOB, [BOB], ["/kubepods/pod1"], ("pods", False)),  # no wish: the Cgroup rule
+    ("nosuch", BOB, [BOB], ["/"], ("default", False)),  # undefined: not a refusal, the gate says so
+    ("default", BOB, [BOB], ["/kubepods/x"], ("default", False)),  # asked for default: stays there
+])
+def test_decide(requested: str, uid: int, gids: list[int], cgroups: list[str], expected: tuple[str, bool]) -> None:
+    decision = decide(requested, uid, gids, cgroups, CONFIG.groups, DEFINED)
+    assert (decision.group, decision.refused) == expected
+
+
+def test_parse_gids_reads_the_real_gid_and_the_supplementary_groups() -> None:
+    status = b"Name:\tx\nUid:\t1002\t1002\t1002\t1002\nGid:\t1002\t0\t0\t0\nGroups:\t27 3000 \n"
+    assert parse_gids(status) == [1002, 27, 3000]
+    assert parse_gids(b"Name:\tx\n") is None
+
+
+def _process(proc: Path, pid: int, uid: int, gids: list[int], cgroup: str = "0::/user.slice\n") -> None:
+    d = proc / str(pid)
+    d.mkdir(parents=True)
+    d.joinpath("status").write_text(f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t{gids[0]}\t{gids[0]}\t0\t0\n"
+                                    f"Groups:\t{' '.join(map(str, gids[1:]))}\n")
+    d.joinpath("cgroup").write_text(cgroup)
+
+
+def _claim(region: rg.Region, index: int, pid: int, requested: str) -> None:
+    slot = region.slots[index]
+    slot.requested = requested.encode()
+    slot.pid = pid
+    slot.flags = rg.SLOT_GATED
+
+
+@pytest.fixture
+def region(tmp_path: Path):  # type: ignore[no-untyped-def]
+    r = rg.Region.create(tmp_path / "state")
+    for name in ("default", *CONFIG.groups):
+        r.set_group(name, None, 0, 1)
+    yield r
+    r.close()
+
+
+def test_the_pass_assigns_new_slots_counts_refusals_and_clears_freed_ones(region: rg.Region, tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    _process(proc, 501, ALICE, [ALICE])
+    _process(proc, 502, BOB, [BOB])
+    _process(proc, 503, BOB, [BOB], cgroup="0::/kubepods/pod9\n")
+    membership = Membership(region, lambda: CONFIG.groups, ProcReader(proc))
+    _claim(region, 1, 501, "ml")
+    _claim(region, 2, 502, "ml")
+    _claim(region, 3, 503, "ml")
+    region.slots[4].pid = 504  # claimed, not filled yet: no decision until its gate sets the flag
+    assert membership.tick() == 3
+    index = region.defined_groups()
+    assert region.slot_groups() == {1: index["ml"], 2: index["default"], 3: index["pods"]}
+    assert membership.refusals == {"ml": 2}
+    assert membership.tick() == 0  # decided once: nothing new
+    assert membership.refusals == {"ml": 2}
+    # A gate frees its own slot at exit and cannot clear the region's entry: the pass does.
+    region.slots[1].pid = 0
+    membership.tick()
+    assert region.layout.assigned[1].pid == 0 and region.layout.assigned[1].group == rg.GROUP_UNASSIGNED
+    # A slot whose process has gone before the agent looked stays unassigned (the reaper frees it).
+    _claim(region, 5, 999, "ml")
+    assert membership.tick() == 0 and region.assigned_group(5, 999) is None
+
+
+def test_a_forged_pid_in_a_slot_gains_its_writer_nothing(region: rg.Region, tmp_path: Path) -> None:
+    """Bob's gate writes root's pid into its slot, hoping for root's admission: the agent decides
+    for that pid (root's process), and Bob's gate only ever reads an entry naming its own pid."""
+    proc = tmp_path / "proc"
+    _process(proc, 1, 0, [0])
+    membership = Membership(region, lambda: CONFIG.groups, ProcReader(proc))
+    _claim(region, 7, 1, "ml")
+    membership.tick()
+    assert region.assigned_group(7, 1) == region.defined_groups()["ml"]
+    assert region.assigned_group(7, 4242) is None  # Bob's process (pid 4242) is not in ml
+
+
+def test_the_accounting_counts_a_gated_process_where_it_was_assigned(region: rg.Region, tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    _process(proc, 502, BOB, [BOB])
+    _process(proc, 600, BOB, [BOB])  # ungated, asks through its environment
+    reader = ProcReader(proc)
+    _claim(region, 2, 502, "ml")
+    assert group_of(502, {"GEMTRACE_GROUP": "ml"}, reader, region, CONFIG.groups) == ("default", False)  # undecided
+    Membership(region, lambda: CONFIG.groups, reader).tick()
+    assert group_of(502, {"GEMTRACE_GROUP": "ml"}, reader, region, CONFIG.groups) == ("default", True)
+    assert group_of(600, {"GEMTRACE_GROUP": "ml"}, reader, region, CONFIG.groups) == ("default", True)
+    assert group_of(600, {"GEMTRACE_GROUP": "open"}, reader, region, CONFIG.groups) == ("open", True)

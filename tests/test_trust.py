@@ -1,0 +1,224 @@
+"""Issue 11 with a real unprivileged user: what another local user can and cannot do to the agent's
+files and to the groups (docs/security.md). The agent runs as root on a private simulated GPU; the
+user `gemtrace-adv` (created if missing) runs its commands through setpriv with its own uid, gid and
+groups. Everything lives in a world-traversable directory, so that a refusal is the files' doing and
+not a directory's the user could not enter."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from agent_host import Host, Running, stop, wait_until
+from simgpu_env import REPO, RT_CLIENT, SimGpu, require_build
+
+from gemtrace import region as rg
+
+pytestmark = pytest.mark.e2e
+
+USER = "gemtrace-adv"
+GATE = REPO / "build" / "libgemgate.so"
+SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
+MiB = 1 << 20
+
+
+@dataclass
+class Adversary:
+    name: str
+    uid: int
+    gid: int
+
+    def command(self, *argv: str) -> list[str]:
+        return [SETPRIV, f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", *argv]
+
+
+@pytest.fixture(scope="session")
+def adversary() -> Adversary:
+    try:
+        entry = pwd.getpwnam(USER)
+    except KeyError:
+        subprocess.run(["useradd", "--system", "--no-create-home", USER], check=True)
+        entry = pwd.getpwnam(USER)
+    return Adversary(USER, entry.pw_uid, entry.pw_gid)
+
+
+def config_text(adversary: Adversary) -> str:
+    return ("[train]\nMaxUtil = 0.8\nMemoryLimit = 1GiB\n\n[infer]\nMaxUtil = 0.5\n\n"
+            "[admins]\nUsers = root\nMemoryLimit = 256MiB\n\n"
+            f"[team]\nUnixGroups = {adversary.gid}\nMemoryLimit = 2GiB\n")
+
+
+@pytest.fixture
+def host(adversary: Adversary) -> Iterator[Host]:
+    require_build()
+    base = Path(tempfile.mkdtemp(prefix="gemtrace-trust-"))
+    try:
+        base.chmod(0o755)
+        sim_dir = base / "simgpu"
+        sim_dir.mkdir()
+        os.chown(sim_dir, adversary.uid, adversary.gid)  # the simulation's files are made 0600 by their creator
+        sim = SimGpu(sim_dir)
+        # The user starts the simulation, so its files are the user's (root reads them anyway).
+        first = subprocess.run(adversary.command(str(RT_CLIENT), "meminfo"), env=sim.env(), capture_output=True,
+                               text=True, timeout=60)
+        assert first.returncode == 0, first.stderr
+        config = base / "resource.conf"
+        config.write_text(config_text(adversary))
+        config.chmod(0o644)
+        yield Host(sim, config, base / "state", base)
+        sim.close()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def agent(host: Host) -> Iterator[Running]:
+    running = host.start_agent()
+    yield running
+    assert stop(running) == 0
+
+
+def as_user(adversary: Adversary, host: Host, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(adversary.command(*argv), env=host.env(**env), capture_output=True, text=True, timeout=60)
+
+
+# What a user tries against the agent's files, each attempt reported as "done" or its errno's name.
+ATTEMPTS = r"""
+import ctypes, errno, json, mmap, os, sys
+from gemtrace import region as rg
+state, train, infer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+region, slots = os.path.join(state, rg.REGION_FILE), os.path.join(state, rg.SLOTS_FILE)
+out = {}
+def attempt(name, action):
+    try:
+        action()
+        out[name] = "done"
+    except OSError as e:
+        out[name] = errno.errorcode[e.errno]
+attempt("open_region_for_writing", lambda: os.close(os.open(region, os.O_RDWR)))
+attempt("truncate_region", lambda: os.truncate(region, 0))
+attempt("replace_region", lambda: os.rename(slots, region))
+attempt("remove_region", lambda: os.unlink(region))
+fd = os.open(region, os.O_RDONLY)
+attempt("map_region_shared_writable", lambda: mmap.mmap(fd, rg.REGION_SIZE, mmap.MAP_SHARED,
+                                                        mmap.PROT_READ | mmap.PROT_WRITE))
+# A private writable copy is allowed, and is only that: what is written there reaches nobody.
+private = mmap.mmap(fd, rg.REGION_SIZE, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)
+layout = rg.RegionLayout.from_buffer(private)
+layout.control[0][infer].held = rg.RELEASED
+layout.groups[train].memory_limit = rg.NO_LIMIT
+layout.header.heartbeat_ns = 0
+out["read_region"] = rg.RegionLayout.from_buffer_copy(os.pread(fd, rg.REGION_SIZE, 0)).header.magic == rg.MAGIC
+attempt("open_slots_for_writing", lambda: os.close(os.open(slots, os.O_RDWR)))
+print(json.dumps(out))
+"""
+
+
+def test_another_user_cannot_write_truncate_or_replace_the_region(adversary: Adversary, host: Host,
+                                                                  agent: Running) -> None:
+    r = host.region()
+    try:
+        train, infer = r.group_index("train"), r.group_index("infer")
+        assert train is not None and infer is not None
+        wait_until("infer held (nobody wants the GPU)", lambda: r.is_held(0, infer), timeout=5)
+        out = as_user(adversary, host, sys.executable, "-c", ATTEMPTS, str(host.state_dir), str(train), str(infer),
+                      PYTHONPATH=str(REPO))
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout) == {
+            "open_region_for_writing": "EACCES",
+            "truncate_region": "EACCES",
+            "replace_region": "EACCES",  # the state dir is root's
+            "remove_region": "EACCES",
+            "map_region_shared_writable": "EACCES",
+            "read_region": True,
+            "open_slots_for_writing": "done",  # open: docs/security.md, the slots file
+        }
+        # Nothing changed for anyone: the hold, the limit, the heartbeat, the file's size.
+        assert r.is_held(0, infer)
+        assert r.layout.groups[train].memory_limit == 1 << 30
+        assert r.layout.header.heartbeat_ns != 0
+        assert (host.state_dir / rg.REGION_FILE).stat().st_size == rg.REGION_SIZE
+    finally:
+        r.close()
+
+
+def test_a_client_cannot_raise_its_groups_limit(adversary: Adversary, host: Host, agent: Running) -> None:
+    as_user(adversary, host, sys.executable, "-c", ATTEMPTS, str(host.state_dir), "1", "2", PYTHONPATH=str(REPO))
+    out = as_user(adversary, host, str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB),
+                  GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train", LD_PRELOAD=str(GATE))
+    assert out.returncode == 0, out.stderr
+    names = [json.loads(line)["name"] for line in out.stdout.splitlines() if line.startswith('{"size"')]
+    assert names == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]  # train's 1 GiB holds
+
+
+def test_a_request_for_a_group_that_admits_only_root_runs_in_default(adversary: Adversary, host: Host,
+                                                                      agent: Running) -> None:
+    proc = subprocess.Popen(
+        adversary.command(str(RT_CLIENT), "alloc", "--api", "v2", str(512 * MiB), "--hold", "60"),
+        env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="admins", LD_PRELOAD=str(GATE)),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    r = host.region()
+    try:
+        assert proc.stdout is not None
+        first = json.loads(proc.stdout.readline())
+        # admins' 256 MiB would refuse 512 MiB: the process is in default, which has no limit.
+        assert first["name"] == "CUDA_SUCCESS", first
+        default, admins = r.group_index("default"), r.group_index("admins")
+        slot = next(i for i, s in r.live_slots() if s.pid == proc.pid)
+        assert r.assigned_group(slot, proc.pid) == default != admins
+        assert r.slots[slot].requested == b"admins"  # what it asked for stays its own word
+        event = wait_until("the refusal in the agent's log", lambda: next(
+            (json.loads(line) for line in agent.log.read_text().splitlines() if '"group_refused"' in line), None),
+            timeout=5)
+        assert (event["pid"], event["uid"], event["requested"], event["assigned"]) == (
+            proc.pid, adversary.uid, "admins", "default")
+
+        def figures() -> tuple[str | None, str | None]:
+            text = agent.metrics()
+            refused = re.search(r'^gemtrace_admission_refusals_total\{group="admins"\} (\S+)$', text, re.M)
+            memory = re.search(r'^gemtrace_group_memory_bytes\{gpu="[^"]+",group="default"\} (\S+)$', text, re.M)
+            return (refused and refused[1], memory and memory[1])
+
+        wait_until("the refusal and the memory on /metrics", lambda: figures()[1] not in (None, "0.0"), timeout=10)
+        refused, memory = figures()
+        assert refused is not None and float(refused) == 1
+        assert memory is not None and float(memory) >= 512 * MiB
+        assert not re.search(r'^gemtrace_group_memory_bytes\{gpu="[^"]+",group="admins"\} [1-9]', agent.metrics(),
+                             re.M)
+    finally:
+        proc.kill()
+        proc.wait()
+        r.close()
+
+
+def test_a_unix_group_admits_its_members(adversary: Adversary, host: Host, agent: Running) -> None:
+    out = as_user(adversary, host, str(RT_CLIENT), "alloc", "--api", "v2", str(1536 * MiB), str(768 * MiB),
+                  GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="team", LD_PRELOAD=str(GATE))
+    assert out.returncode == 0, out.stderr
+    names = [json.loads(line)["name"] for line in out.stdout.splitlines() if line.startswith('{"size"')]
+    assert names == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]  # team's 2 GiB: it is in team
+    assert '"group_refused"' not in agent.log.read_text()
+
+
+def test_gemtrace_run_refuses_a_group_the_user_is_not_admitted_to(adversary: Adversary, host: Host,
+                                                                   agent: Running) -> None:
+    run = ("run", "--group", "admins", "--config", str(host.config), "--state-dir", str(host.state_dir), "--",
+           "echo", "ran")
+    out = as_user(adversary, host, sys.executable, "-m", "gemtrace.cli", *run)
+    assert (out.returncode, out.stdout) == (1, "")
+    assert out.stderr == (f"gemtrace: user {USER} (uid {adversary.uid}) is not admitted to group 'admins' (its "
+                          f"Users=/UnixGroups= in {host.config}); ask the host's administrator to admit you, or pick "
+                          "another group\n")
+    root = subprocess.run([sys.executable, "-m", "gemtrace.cli", *run], env=host.env(), capture_output=True,
+                          text=True, timeout=60)
+    assert (root.returncode, root.stdout) == (0, "ran\n"), root.stderr
