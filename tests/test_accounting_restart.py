@@ -9,15 +9,20 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
 from agent_host import Host, MiB, Running, stop, wait_until
 from prometheus_client.parser import text_string_to_metric_families
-from simgpu_env import RT_CLIENT
+from simgpu_env import REPO, RT_CLIENT
 from test_bpf_accounting import require_bcc
 
 from gemtrace.region import HEARTBEAT_STALE_NS
+
+GATE = REPO / "build" / "libgemgate.so"
+DRIVER_CLIENT = REPO / "tests" / "cuda_driver_client.py"
+CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 def series(running: Running, name: str) -> dict[frozenset[tuple[str, str]], float]:
@@ -96,14 +101,45 @@ def test_a_group_over_its_limit_while_the_agent_was_down_is_acted_on_after_the_r
             stop(agent)
 
 
+class Waiting:
+    """A gated driver client (tests/cuda_driver_client.py) that allocates when told: attached, and so
+    placed in its group by the agent, while the agent runs; allocating later, when it is gone (a gate
+    that attaches with no agent counts as "default": only the agent decides groups)."""
+
+    def __init__(self, host: Host, group: str) -> None:
+        env = host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP=group, LD_PRELOAD=str(GATE))
+        self.proc = subprocess.Popen([sys.executable, str(DRIVER_CLIENT)], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        self.pid = json.loads(self._line())["pid"]
+
+    def _line(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+    def call(self, command: str) -> int:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return int(json.loads(self._line())["result"])
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 @pytest.mark.e2e
 def test_while_the_agent_is_down_a_dead_process_slot_does_not_refuse_an_allocation_that_fits(host: Host) -> None:
     agent = host.start_agent()
     holders: list[subprocess.Popen] = []
+    waiting: list[Waiting] = []
     try:
         dead = host.run("train", "alloc", "--api", "v2", str(700 * MiB), "--hold", "60")
         holders.append(dead)
         assert "CUDA_SUCCESS" in first_line(dead)
+        fits, over = Waiting(host, "train"), Waiting(host, "train")
+        waiting += [fits, over]
+        for client in waiting:
+            assert client.call("init") == 0 and client.call(f"alloc {MiB}") == 0  # attached, placed in train
         sigkill(agent)
         wait_stale_heartbeat()
         os.kill(dead.pid, signal.SIGKILL)
@@ -111,18 +147,17 @@ def test_while_the_agent_is_down_a_dead_process_slot_does_not_refuse_an_allocati
         region = host.region()
         assert dead.pid in region.slot_pids()
 
-        fits = host.run("train", "alloc", "--api", "v2", str(700 * MiB), "--hold", "60")
-        holders.append(fits)
-        assert "CUDA_SUCCESS" in first_line(fits)  # 700 MiB of a 1 GiB limit: the dead slot is not charged
+        assert fits.call(f"alloc {600 * MiB}") == 0  # 602 MiB of a 1 GiB limit: the dead slot is not charged
         assert dead.pid in region.slot_pids()  # skipped, not freed
         # A live slot still counts: no overshoot.
-        over = host.run("train", "alloc", "--api", "v2", str(700 * MiB))
-        assert b"CUDA_ERROR_OUT_OF_MEMORY" in over.communicate(timeout=30)[0]
+        assert over.call(f"alloc {500 * MiB}") == CUDA_ERROR_OUT_OF_MEMORY
         region.close()
     finally:
         for h in holders:
             h.kill()
             h.wait()
+        for w in waiting:
+            w.kill()
 
 
 @pytest.mark.e2e
