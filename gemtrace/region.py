@@ -572,6 +572,7 @@ class Region:
             return False
         if self.assigned_group(index, pid) is not None:
             self.unassign(index)
+        slot.flags = 0  # first: a reader that still sees the flag after reading the counters read them whole
         ctypes.memset(ctypes.addressof(slot) + Slot.flags.offset, 0, ctypes.sizeof(Slot) - Slot.flags.offset)
         slot.pid = 0  # last: a gate claiming it with CAS finds a zeroed slot
         return True

@@ -366,6 +366,8 @@ static void release_slot(void)
     struct gt_slot *slot = gt_proc.slot;
     if (!gt_attached() || !slot || __atomic_load_n(&slot->pid, __ATOMIC_RELAXED) != (int32_t)getpid())
         return;
+    /* The flag first: a reader that still sees it after reading the counters read them whole. */
+    __atomic_store_n(&slot->flags, 0, __ATOMIC_RELEASE);
     memset((char *)slot + offsetof(struct gt_slot, flags), 0, sizeof *slot - offsetof(struct gt_slot, flags));
     __atomic_store_n(&slot->pid, 0, __ATOMIC_RELEASE);
 }

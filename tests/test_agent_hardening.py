@@ -56,8 +56,8 @@ def test_a_full_filesystem_and_a_read_only_one_each_give_one_line(host: Host, sm
     out = subprocess.run(agent_command(host, small_fs / "state"), env=host.env(), capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 1
-    assert out.stderr == (f"gemtrace: {small_fs / 'state'}: no space left for the {rg.REGION_SIZE + rg.SLOTS_SIZE}-byte region and "
-                          "slots; "
+    size = rg.REGION_SIZE + rg.SLOTS_SIZE
+    assert out.stderr == (f"gemtrace: {small_fs / 'state'}: no space left for the {size}-byte region and slots; "
                           "free space on that filesystem (or point --state-dir elsewhere) and start the agent "
                           "again\n")
     assert not (small_fs / "state" / rg.REGION_FILE).exists() and not (small_fs / "state" / rg.SLOTS_FILE).exists()

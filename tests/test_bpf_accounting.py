@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from gemtrace.collectors.enforcement import EnforcementCollector
 from gemtrace.collectors.processes import ProcessCollector
 from gemtrace.config import GroupConfig
 from gemtrace.enforcement import MemoryEnforcer
+from gemtrace.membership import Membership
 from gemtrace.probes.libcuda import file_id_of
 from gemtrace.region import Region
 
@@ -359,8 +361,19 @@ def test_gated_processes_use_the_slot_for_time_and_launches_and_agree_with_ebpf_
     state = tmp_path / "state"
     region = Region.create(state)
     region.set_gpus([(uuid, 4 << 30)])
+    region.set_group("default", None, 0.0, 1.0)
     region.set_group("train", None, 0.0, 1.0)
     region.heartbeat(time.monotonic_ns())
+    # The agent's keeper, as far as the gates can tell: the heartbeat, and each new process's group.
+    membership, stopped = Membership(region, lambda: {}), threading.Event()
+
+    def keep() -> None:
+        while not stopped.wait(0.005):
+            region.heartbeat(time.monotonic_ns())
+            membership.tick()
+
+    keeper = threading.Thread(target=keep)
+    keeper.start()
     enforcer = MemoryEnforcer()
     acc = make_accounting(enforcer=enforcer, region=region)
     env = sim.env(GEMTRACE_STATE_DIR=str(state), GEMTRACE_GROUP="train", LD_PRELOAD=str(gate))
@@ -371,7 +384,6 @@ def test_gated_processes_use_the_slot_for_time_and_launches_and_agree_with_ebpf_
     try:
         last = None
         while loop.poll() is None:
-            region.heartbeat(time.monotonic_ns())
             snap = acc.poll()
             mine = [p for p in snap.processes if p.pid == loop.pid and p.exited_ns is None]
             last = mine[0] if mine else last
@@ -393,4 +405,6 @@ def test_gated_processes_use_the_slot_for_time_and_launches_and_agree_with_ebpf_
         holder.wait()
         loop.kill()
         loop.wait()
+        stopped.set()
+        keeper.join()
         region.close()

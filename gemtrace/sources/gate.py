@@ -8,7 +8,7 @@ them), never merges: a slot is the process's own word and may lie (docs/accounti
 
 from __future__ import annotations
 
-from gemtrace.region import Region
+from gemtrace.region import SLOT_GATED, Region
 from gemtrace.sources import Devices, Figures, Key, SourceReading
 
 
@@ -31,8 +31,13 @@ class GateSource:
             if not pid:
                 continue  # freed since the pids were read
             mask = columns.gpu_mask[index]
+            read = {uuid: Figures(memory=memory[index], launches=launches[index], busy_ns=busy_ns[index],
+                                  placed=bool(mask >> g & 1)) for g, uuid, memory, launches, busy_ns in per_gpu}
+            # A slot being freed loses its flag before its counters are zeroed (hook/attach.c): read
+            # after the counters, the flag says they were read whole.
+            if not columns.flags[index] & SLOT_GATED or columns.pid[index] != pid:
+                continue
             start_times[pid] = columns.start_time[index]
-            for g, uuid, memory, launches, busy_ns in per_gpu:
-                figures[(pid, uuid)] = Figures(memory=memory[index], launches=launches[index],
-                                               busy_ns=busy_ns[index], placed=bool(mask >> g & 1))
+            for uuid, figure in read.items():
+                figures[(pid, uuid)] = figure
         return SourceReading(figures, start_times=start_times)
