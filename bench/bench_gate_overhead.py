@@ -20,12 +20,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
 SIM = REPO / "build" / "simgpu"
@@ -71,16 +73,35 @@ def measure(tmp: str, devices: int) -> tuple[float, float]:
     state = f"{tmp}/state{devices}"
     region = Region.create(Path(state))
     region.set_gpus([(d["uuid"], d["total"]) for d in listed])
+    region.set_group("default", None, 0.0, 1.0)  # the agent always defines it
     region.set_group("bench", None, 0.0, 1.0)
     region.heartbeat(time.monotonic_ns() + 3600 * 10**9)  # fresh for the whole run
+    stop = threading.Event()
+    keeper = decide_groups(region, stop)
     gated = dict(base, LD_PRELOAD=str(GATE), GEMTRACE_STATE_DIR=state, GEMTRACE_GROUP="bench")
     plain, with_gate = [], []
     for _ in range(ROUNDS):  # interleaved, so drifts of the machine hit both alike
         plain.append(one_run(base))
         with_gate.append(one_run(gated))
+    stop.set()
+    keeper.join()
     region.stop()
     region.close()
     return statistics.median(plain), statistics.median(with_gate)
+
+
+def decide_groups(region: Region, stop: threading.Event) -> threading.Thread:
+    """The agent's decision of each new process's group (gemtrace/membership.py), as its keeper
+    thread makes it, every group open to all: gates count as "default" until it is made."""
+    membership = Membership(region, lambda: {})
+
+    def keep() -> None:
+        while not stop.wait(0.005):
+            membership.tick()
+
+    thread = threading.Thread(target=keep, daemon=True)
+    thread.start()
+    return thread
 
 
 HEADER = (

@@ -5,7 +5,8 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
     agent.py         the agent's lifecycle and loop: heartbeat, reaping dead slots, reloads, shutdown
     config.py        the resource file: reading, parsing (pure), validating, watching for changes
     defaults.py      paths, ports and intervals that more than one part uses
-    region.py        ctypes mirror of hook/gemtrace_region.h (the gates' shared memory) and its care
+    region.py        ctypes mirror of hook/gemtrace_region.h (the region and the slots) and their care
+    membership.py    each gated process's group, decided once by the agent (admission, Cgroup rules)
     policy.py        the time-share policy of one GPU: pure, driven by a clock it is given
     scheduler.py     one GPU's adapter between the region's slots and the policy (futex words)
     accounting.py    per-process figures kept across polls: rebuilt memory, GPU time within a group
@@ -24,7 +25,7 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
       nvml.py          NVML's per-process memory and device utilisation (ctypes)
     metrics.py       the one catalogue of metric names, types, units, labels and help texts; family()
     collectors/      the Prometheus collectors, one module each, registered in collectors/__init__.py:
-      agent.py         the agent itself: version, reloads, the GPUs it schedules (an AgentView)
+      agent.py         the agent itself: version, reloads, refused requests, its GPUs (an AgentView)
       groups.py        groups' quotas and what the scheduler gave them, their memory (a GroupsView)
       processes.py     per-process series from the accounting's snapshot
       enforcement.py   OOM kills, quota breaches and slot tampering, per group

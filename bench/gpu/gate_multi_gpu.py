@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
 GATE = REPO / "build" / "libgemgate.so"
@@ -141,12 +142,15 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         region = Region.create(Path(tmp))
         region.set_gpus(gpus)
+        region.set_group("default", None, 0.0, 1.0)  # the agent always defines it
         group = region.set_group("bench", 4 * GiB, 0.0, 1.0)
         stop = threading.Event()
+        membership = Membership(region, lambda: {})  # the agent's decision of each process's group
 
         def beat() -> None:
-            while not stop.wait(0.05):
+            while not stop.wait(0.01):
                 region.heartbeat(time.monotonic_ns())
+                membership.tick()
 
         region.heartbeat(time.monotonic_ns())
         threading.Thread(target=beat, daemon=True).start()

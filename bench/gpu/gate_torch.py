@@ -23,12 +23,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
 GATE = REPO / "build" / "libgemgate.so"
@@ -61,6 +63,20 @@ def nvml_gpus() -> list[tuple[str, int]]:
     return gpus
 
 
+def decide_groups(region: Region, stop: threading.Event) -> threading.Thread:
+    """The agent's decision of each new process's group (gemtrace/membership.py), as its keeper
+    thread makes it, every group open to all: gates count as "default" until it is made."""
+    membership = Membership(region, lambda: {})
+
+    def keep() -> None:
+        while not stop.wait(0.005):
+            membership.tick()
+
+    thread = threading.Thread(target=keep, daemon=True)
+    thread.start()
+    return thread
+
+
 def main() -> int:
     out_dir = os.environ.get("OUT")
     rows: list[tuple[str, str, str]] = []
@@ -68,9 +84,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         region = Region.create(Path(tmp))
         region.set_gpus(nvml_gpus())
+        region.set_group("default", None, 0.0, 1.0)  # the agent always defines it
         region.set_group("bench", 4 * GiB, 0.0, 1.0)
         region.set_group("free", None, 0.0, 1.0)
         region.heartbeat(time.monotonic_ns() + 3600 * 10**9)
+        decide_groups(region, threading.Event())
         gated = dict(os.environ, LD_PRELOAD=str(GATE), GEMTRACE_STATE_DIR=tmp, GEMTRACE_GROUP="bench")
 
         for conf in ("", "expandable_segments:True", "backend:cudaMallocAsync"):

@@ -67,6 +67,7 @@ except ImportError:  # the GPU machine has no structlog: gemtrace.scheduler only
     sys.modules["structlog"] = _shim
 
 from gemtrace import defaults  # noqa: E402
+from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.policy import PolicyParams  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 from gemtrace.scheduler import GpuScheduler, Quota  # noqa: E402
@@ -300,6 +301,8 @@ class Rig:
         self.state_dir = state_dir
         self.region = Region.create(state_dir)
         self.region.set_gpus(gpus)
+        self.region.set_group("default", None, 0.0, 1.0)  # the agent always defines it
+        self.membership = Membership(self.region, lambda: {})  # the agent's decision of each group
         self.stop = threading.Event()
         self.schedulers = [GpuScheduler(self.region, i, params=params) for i in range(len(gpus))]
         self.threads = [threading.Thread(target=s.run, args=(self.stop,)) for s in self.schedulers]
@@ -311,7 +314,8 @@ class Rig:
     def _beat(self) -> None:
         while not self.stop.is_set():
             self.region.heartbeat(time.monotonic_ns())
-            self.stop.wait(0.05)
+            self.membership.tick()
+            self.stop.wait(0.01)
 
     def define(self, loads: tuple[Load, ...]) -> dict[str, int]:
         quotas, index = {}, {}
