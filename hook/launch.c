@@ -2,14 +2,15 @@
  * launch.c - kernel launches and synchronisation: the gate's fast path.
  *
  * Within quota a launch costs: one load of `attached`, one load of the group's held word, one load of
- * the burst flag and a relaxed add to our slot's launch counter; no lock, no system call, no clock.
+ * the burst flag and a relaxed atomic add to our slot's launch counter (atomic: the process's threads
+ * launch at once; docs/gate.md has the figures); no mutex, no system call, no clock.
  * Held: the launching thread first drains what the process has queued on that GPU (so the next group's
  * slice is not eaten by our backlog; Gemini's hook likewise records an event at quota expiry and waits
  * for it: docs/scheduler.md), then sleeps on the held word (a shared futex; the agent wakes it),
  * re-checking the agent's heartbeat so it never hangs without one.
  * Released with a short queue (a hold is coming): a launch that would leave more than about
  * GT_QUEUE_BOUND_NS of work queued first waits for part of it (keep_queue_short), so that the hold's
- * drain is short whatever the process queues.
+ * drain is short whatever the process queues; the launches before the next look cost a compare.
  *
  * A burst is the time from the first launch after the process was idle to the sync that drains it;
  * its length is added to the slot's busy_ns (on a time-sliced GPU it includes other contexts' kernels
