@@ -317,7 +317,10 @@ class Agent:
         while not self._stop.wait(defaults.TICK_SECONDS):
             self.region.heartbeat(time.monotonic_ns())
             try:
-                self.membership.tick()  # new gates wait for it (GT_ASSIGN_WAIT_NS): every tick
+                # Every tick: new gates wait for it (GT_ASSIGN_WAIT_NS). Under the table's lock, so that
+                # no decision names an entry a reload is freeing at that moment.
+                with self._table_lock:
+                    self.membership.tick()
             except Exception:
                 log.exception("membership_pass_failed")
             now = time.monotonic()
