@@ -168,11 +168,38 @@ class Reaper:
             return None
         if actual is None or (recorded and actual != recorded):
             os.close(fd)
-            return False
+            host_pid = self.host_pid(pid, recorded)
+            if host_pid is None:
+                return False
+            # A gate in a container's PID namespace (a pod) stored its pid there: watch the process
+            # it is on the host instead, found by that pid and its start time.
+            try:
+                fd = os.pidfd_open(host_pid)
+            except OSError:
+                return False
         self._watched[index] = (pid, fd)
         self._index_of_fd[fd] = index
         self._poll.register(fd, select.POLLIN)
         return True
+
+    def host_pid(self, pid: int, start_time: int) -> int | None:
+        """The pid in this namespace of the process that is `pid` in its own (innermost) namespace
+        and started at `start_time` (the same in every namespace), or None. Reads every process's
+        status: done once per slot, and only for a slot whose pid is not a process of ours."""
+        if not start_time:
+            return None
+        root = self.proc.proc_root
+        for entry in os.scandir(root):
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = (root / entry.name / "status").read_bytes()
+            except OSError:
+                continue
+            nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith(b"NSpid:")), [])
+            if len(nspid) > 1 and int(nspid[-1]) == pid and self.proc.start_time(int(entry.name)) == start_time:
+                return int(entry.name)
+        return None
 
     def _out_of_fds(self, e: OSError) -> None:
         if not self.fd_limit_hits:
