@@ -1,0 +1,162 @@
+"""gemtrace on the real one-node cluster (tests/k8s/cluster.sh), with the simulated GPU on the node:
+the agent and `gemtrace kube-plugin` run on the host, as the .deb and the DaemonSet put them; pods
+ask for shares and are gated with nothing set by their user. The simulated GPU's libraries reach
+the pods through a hostPath, as a real driver's would through NVIDIA's container toolkit."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_host import Host, Running, free_port, gemtrace, stop, wait_until
+from k8s_cluster import K8sCluster, pod_manifest
+from simgpu_env import REPO, SIMGPU_DIR
+
+from gemtrace.kube import shares
+
+pytestmark = [pytest.mark.e2e, pytest.mark.k8s]
+
+GiB = 1 << 30
+GATE = REPO / "build" / "libgemgate.so"
+
+
+class Node:
+    def __init__(self, cluster: K8sCluster, host: Host, agent: Running) -> None:
+        self.cluster, self.host, self.agent = cluster, host, agent
+
+    def pod(self, name: str, script: str, limits: dict[str, str] | None = None,
+            labels: dict[str, str] | None = None) -> dict[str, Any]:
+        """A pod running `script` with the simulated GPU's driver (only the driver: nothing of gemtrace)."""
+        manifest = pod_manifest(name, ["sh", "-c", script], limits=limits)
+        if labels:
+            manifest["metadata"]["labels"] = labels
+        container = manifest["spec"]["containers"][0]
+        container["env"] = [{"name": "LD_LIBRARY_PATH", "value": "/simgpu"},
+                            {"name": "SIMGPU_STATE_DIR", "value": "/simgpu-state"}]
+        container["volumeMounts"] = [{"name": "simgpu", "mountPath": "/simgpu", "readOnly": True},
+                                     {"name": "simgpu-state", "mountPath": "/simgpu-state"}]
+        manifest["spec"]["volumes"] = [
+            {"name": "simgpu", "hostPath": {"path": str(SIMGPU_DIR)}},
+            {"name": "simgpu-state", "hostPath": {"path": self.host.sim.env()["SIMGPU_STATE_DIR"]}},
+        ]
+        return manifest
+
+    def run(self, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+        """Create the pod, wait for its end, and return its JSON lines (it must succeed)."""
+        name = manifest["metadata"]["name"]
+        self.cluster.create(manifest)
+        pod = self.cluster.wait_pod(name, lambda p: p["status"].get("phase") in ("Succeeded", "Failed"), "end")
+        out = self.cluster.kubectl("logs", name)
+        assert pod["status"]["phase"] == "Succeeded", f"{out}\n{self.cluster.diagnosis(name)}"
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture
+def node(k8s_cluster: K8sCluster, host: Host) -> Iterator[Node]:
+    host.sim.env()  # the simulation's state dir exists before any pod mounts it
+    agent = host.start_agent("--config-poll", "0.2")
+    log = host.tmp / "kube-plugin.log"
+    plugin = subprocess.Popen(
+        gemtrace("kube-plugin", "--config", str(host.config), "--state-dir", str(host.state_dir),
+                 "--device-plugins", str(k8s_cluster.device_plugins), "--gate", str(GATE),
+                 "--preload-file", str(host.tmp / "ld.so.preload")),
+        env=host.env(), stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    try:
+        def advertised() -> bool:
+            assert plugin.poll() is None, log.read_text()
+            capacity = k8s_cluster.get("node", k8s_cluster.node)["status"]["allocatable"]
+            return capacity.get(shares.GPU_MEMORY) == "16" and capacity.get(shares.GPU_UTIL) == "100"
+
+        wait_until("the node advertising 16 GiB and 100%", advertised, timeout=60, step=0.5)
+        yield Node(k8s_cluster, host, agent)
+    finally:
+        plugin.terminate()
+        plugin.wait(timeout=20)
+        if agent.proc.poll() is None:
+            stop(agent)
+        print(log.read_text())
+
+
+def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: Node) -> None:
+    name = "share-2g-30"
+    manifest = node.pod(name, "/simgpu/simgpu-rt meminfo && /simgpu/simgpu-rt alloc 1GiB 1536MiB",
+                        limits={shares.GPU_MEMORY: "2", shares.GPU_UTIL: "30"})
+    try:
+        meminfo, first, second, *_ = node.run(manifest)
+        assert meminfo["total"] == 2 * GiB
+        assert first["name"] == "CUDA_SUCCESS"
+        assert second["name"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    finally:
+        node.cluster.delete_pod(name)
+
+
+def test_a_pod_asking_for_more_than_a_gpu_has_stays_pending_and_says_why(node: Node) -> None:
+    name = "share-too-big"
+    node.cluster.create(node.pod(name, "true", limits={shares.GPU_MEMORY: "17"}))
+    try:
+        events = node.cluster.wait_events(name, "FailedScheduling")
+        assert any(f"Insufficient {shares.GPU_MEMORY}" in e["message"] for e in events), events
+        assert node.cluster.get("pod", name)["status"]["phase"] == "Pending"
+    finally:
+        node.cluster.delete_pod(name)
+
+
+@pytest.fixture
+def webhook(node: Node) -> Iterator[None]:
+    cluster = node.cluster
+    cert, key = cluster.serving_cert(node.host.tmp)
+    port = free_port()
+    proc = subprocess.Popen(
+        gemtrace("kube-webhook", "--listen", f"127.0.0.1:{port}", "--cert", str(cert), "--key", str(key),
+                 "--state-dir", str(node.host.state_dir), "--gate", str(GATE),
+                 "--preload-file", str(node.host.tmp / "ld.so.preload")),
+        env=node.host.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # The configuration deploy/ installs, pointed at this test's server.
+    config = json.loads(subprocess.run(
+        ["python3", "-c", "import sys,yaml,json; json.dump(yaml.safe_load(open(sys.argv[1])), sys.stdout)",
+         str(REPO / "deploy" / "webhook-configuration.yaml")], capture_output=True, check=True).stdout)
+    hook = config["webhooks"][0]
+    hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/mutate",
+                            "caBundle": base64.b64encode(cluster.ca_cert.read_bytes()).decode()}
+    cluster.create(config)
+    try:
+        yield
+    finally:
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", config["metadata"]["name"], "--ignore-not-found")
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: None) -> None:
+    name = "labelled-train"
+    manifest = node.pod(name, "/simgpu/simgpu-rt meminfo", labels={shares.LABEL_GROUP: "train"})
+    deadline = time.monotonic() + 30  # the apiserver calls a new webhook once its informer has it
+    try:
+        while True:
+            node.cluster.create(manifest)
+            mutated = any(v["name"] == "gemtrace-gate" for v in node.cluster.get("pod", name)["spec"]["volumes"])
+            if mutated or time.monotonic() > deadline:
+                break
+            node.cluster.kubectl("delete", "pod", name, "--wait=true", "--grace-period=0", "--force")
+            time.sleep(0.5)
+        pod = node.cluster.wait_pod(name, lambda p: p["status"].get("phase") in ("Succeeded", "Failed"), "end")
+        out = node.cluster.kubectl("logs", name)
+        assert pod["status"]["phase"] == "Succeeded", out
+        meminfo = json.loads(out.splitlines()[-1])
+        assert meminfo["total"] == 1 * GiB  # [train]'s MemoryLimit in agent_host.CONFIG
+    finally:
+        node.cluster.delete_pod(name)
+    unlabelled = node.cluster.create  # an unlabelled pod is left as it is
+    name = "unlabelled"
+    unlabelled(node.pod(name, "true"))
+    try:
+        volumes = {v["name"] for v in node.cluster.get("pod", name)["spec"]["volumes"]}
+        assert "gemtrace-gate" not in volumes
+    finally:
+        node.cluster.delete_pod(name)
