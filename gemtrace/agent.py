@@ -34,6 +34,7 @@ from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.config import ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
+from gemtrace.kube.pods import NAMES_FILE, PodLabels
 from gemtrace.region import Region, RegionError
 from gemtrace.scheduler import GpuScheduler, Quota
 
@@ -171,12 +172,17 @@ class Reaper:
             host_pid = self.host_pid(pid, recorded)
             if host_pid is None:
                 return False
-            # A gate in a container's PID namespace (a pod) stored its pid there: watch the process
-            # it is on the host instead, found by that pid and its start time.
+            # A gate in a container's PID namespace (a pod) stored its pid there. The slot gets the
+            # pid the process has here, which the accounting, eBPF and /proc all speak; the gate
+            # then leaves the freeing at exit to this reaper (docs/kubernetes.md).
             try:
                 fd = os.pidfd_open(host_pid)
             except OSError:
                 return False
+            if not self.region.translate_slot(index, pid, host_pid):
+                os.close(fd)
+                return None  # the slot changed owner meanwhile: look again
+            pid = host_pid
         self._watched[index] = (pid, fd)
         self._index_of_fd[fd] = index
         self._poll.register(fd, select.POLLIN)
@@ -230,6 +236,7 @@ class Agent:
         gpus: list[Gpu] | None = None,
         libcuda_paths: list[Path] | None = None,
         config_poll_seconds: float = defaults.CONFIG_POLL_SECONDS,
+        pod_names: Path = NAMES_FILE,
     ) -> None:
         """`libcuda_paths`: probe only these libcuda files (None: ENV_PROBE_LIBCUDA's, or when it is
         unset every libcuda file on the host)."""
@@ -260,6 +267,7 @@ class Agent:
                                      libcuda_paths=libcuda_paths, scan_host=libcuda_paths is None,
                                      group_seconds=self.group_seconds)
         self.snapshot: Snapshot | None = None
+        self.pod_labels = PodLabels(pod_names)
         self.reaper = Reaper(self.region)
         self.watcher = ConfigWatcher(config_path, self.reload, config_poll_seconds)
         self._reload_lock = threading.Lock()  # one reload at a time: the thread's, or a caller's
@@ -392,6 +400,7 @@ class Agent:
         watcher.start()
         self._threads.append(watcher)
         self.snapshot = self.accounting.poll()
+        self.pod_labels.refresh([p.pid for p in self.snapshot.processes])
         log.info("agent_started", pid=os.getpid(), state_dir=str(self.state_dir), config=str(self.config_path),
                  gpus=[g.uuid for g in self.gpus], groups=sorted(self.config.groups),
                  ebpf=self.accounting.ebpf_status)
@@ -403,6 +412,7 @@ class Agent:
             now = time.monotonic()
             if now >= next_poll:
                 self.snapshot = self.accounting.poll()
+                self.pod_labels.refresh([p.pid for p in self.snapshot.processes])
                 next_poll = now + ACCOUNTING_POLL_SECONDS
             if on_tick is not None:
                 on_tick()

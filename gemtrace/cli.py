@@ -66,7 +66,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     eventlog.configure(args.log_level)
     try:
         agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode,
-                      config_poll_seconds=args.config_poll)
+                      config_poll_seconds=args.config_poll, pod_names=args.pod_names)
     except GpuDiscoveryError as e:
         return _fail(f"{e} The agent cannot run without it: install the NVIDIA driver (`nvidia-smi` lists the "
                      "GPUs once it works), then `systemctl restart gemtrace`. The service does not restart the "
@@ -149,9 +149,19 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
         injection.write_preload_file()
     except OSError as e:
         return _fail(f"cannot write the preload list {args.preload_file}: {e.strerror}")
+    from gemtrace.kube.apiserver import ApiError, Apiserver
+
+    pods = None
+    if args.node_name:
+        try:
+            api = Apiserver.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Apiserver.in_cluster()
+        except ApiError as e:
+            return _fail(str(e))
+        node = args.node_name
+        pods = lambda: api.pods_of_node(node)  # noqa: E731
     plugin = DevicePlugin(gpus, args.state_dir, Grants(dropin_dir(args.config)), injection,
                           device_plugins=args.device_plugins, pod_resources=args.pod_resources,
-                          gpus_present=lambda: {g.uuid for g in discover()})
+                          gpus_present=lambda: {g.uuid for g in discover()}, pods=pods, names_file=args.pod_names)
     signal.signal(signal.SIGTERM, lambda _s, _f: plugin.stop())
     signal.signal(signal.SIGINT, lambda _s, _f: plugin.stop())
     try:
@@ -194,6 +204,8 @@ def help_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def parser() -> argparse.ArgumentParser:
+    from gemtrace.kube.pods import NAMES_FILE as POD_NAMES
+
     ap = argparse.ArgumentParser(
         prog="gemtrace",
         description="Share NVIDIA GPUs between groups of processes with quotas, and see who uses what.",
@@ -218,6 +230,9 @@ def parser() -> argparse.ArgumentParser:
                        f"or {defaults.STATE_DIR})")
     agent.add_argument("--listen", default=defaults.LISTEN, metavar="HOST:PORT",
                        help=f"HOST:PORT to serve /metrics on (default {defaults.LISTEN})")
+    agent.add_argument("--pod-names", type=Path, default=POD_NAMES, metavar="FILE",
+                       help="the Kubernetes pods' names that `gemtrace kube-plugin` writes, for the namespace, pod "
+                       "and container labels (default %(default)s; absent: those labels are empty)")
     agent.add_argument("--no-ebpf", action="store_true",
                        help="do not attach eBPF probes (accounting then comes from the gates and NVML)")
     agent.add_argument("--probe-mode", choices=("memory", "launches"), default="memory",
@@ -292,6 +307,15 @@ def parser() -> argparse.ArgumentParser:
                              metavar="DIR", help="the kubelet's device-plugins directory (default %(default)s)")
     kube_plugin.add_argument("--pod-resources", type=Path, default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
                              metavar="SOCKET", help="the kubelet's PodResources socket (default %(default)s)")
+    kube_plugin.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="NODE",
+                             help="this node's name: the plugin then reads its pods from the apiserver for their "
+                             "cgroup (a Cgroup rule) and gemtrace.io/max-util annotation (default $NODE_NAME; "
+                             "unset: neither)")
+    kube_plugin.add_argument("--pod-names", type=Path, default=POD_NAMES, metavar="FILE",
+                             help="where to write the pods' names for the agent's metrics labels (default %(default)s; "
+                             "the agent's --pod-names)")
+    kube_plugin.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                             help="credentials for the apiserver (default: the pod's service account)")
     injection_options(kube_plugin)
     kube_plugin.set_defaults(func=cmd_kube_plugin)
 

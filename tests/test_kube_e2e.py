@@ -10,7 +10,6 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest

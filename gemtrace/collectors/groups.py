@@ -23,14 +23,15 @@ class GroupCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         agent = self._agent
         config = agent.config
+        pod = agent.pod_labels.group  # a pod's group: its namespace, pod, container
         min_util = family(spec("gemtrace_group_util_min_ratio"))
         max_util = family(spec("gemtrace_group_util_max_ratio"))
         limit = family(spec("gemtrace_group_memory_limit_bytes"))
         for name, settings in sorted(config.groups.items()):
-            min_util.add_metric([name], settings.min_util)
-            max_util.add_metric([name], settings.max_util)
+            min_util.add_metric([name, *pod(name)], settings.min_util)
+            max_util.add_metric([name, *pod(name)], settings.max_util)
             if settings.memory_limit is not None:
-                limit.add_metric([name], float(settings.memory_limit))
+                limit.add_metric([name, *pod(name)], float(settings.memory_limit))
         yield from (min_util, max_util, limit)
 
         seconds = family(spec("gemtrace_group_gpu_seconds_total"))
@@ -42,9 +43,9 @@ class GroupCollector(Collector):
                 group = names.get(index)
                 if group is None:
                     continue
-                seconds.add_metric([gpu.uuid, group], usage.gpu_seconds)
-                throttled.add_metric([gpu.uuid, group], usage.throttled_seconds)
-                util.add_metric([gpu.uuid, group], usage.util_ratio)
+                seconds.add_metric([gpu.uuid, group, *pod(group)], usage.gpu_seconds)
+                throttled.add_metric([gpu.uuid, group, *pod(group)], usage.throttled_seconds)
+                util.add_metric([gpu.uuid, group, *pod(group)], usage.util_ratio)
         yield from (seconds, throttled, util)
 
         memory = family(spec("gemtrace_group_memory_bytes"))
@@ -52,11 +53,11 @@ class GroupCollector(Collector):
         snapshot = agent.snapshot
         if snapshot is not None:
             for (gpu_uuid, group), used in sorted(snapshot.group_memory().items()):
-                memory.add_metric([gpu_uuid, group], float(used))
+                memory.add_metric([gpu_uuid, group, *pod(group)], float(used))
             counts: dict[tuple[str, str], int] = {}
             for p in snapshot.processes:
                 if p.exited_ns is None:
                     counts[(p.gpu, p.group)] = counts.get((p.gpu, p.group), 0) + 1
             for (gpu_uuid, group), n in sorted(counts.items()):
-                processes.add_metric([gpu_uuid, group], float(n))
+                processes.add_metric([gpu_uuid, group, *pod(group)], float(n))
         yield from (memory, processes)

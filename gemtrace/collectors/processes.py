@@ -27,10 +27,13 @@ class ProcessCollector(Collector):
         self,
         snapshot: Callable[[], Snapshot | None],
         probes: Callable[[], tuple[int, int]] | None = None,
+        pod: Callable[[int], tuple[str, str, str]] | None = None,
     ) -> None:
-        """`snapshot`: the latest Snapshot; `probes`: (uprobes attached, libcuda files) or None."""
+        """`snapshot`: the latest Snapshot; `probes`: (uprobes attached, libcuda files) or None; `pod`:
+        a pid's (namespace, pod, container), or None for empty ones."""
         self._snapshot = snapshot
         self._probes = probes
+        self._pod = pod or (lambda _pid: ("", "", ""))
 
     def collect(self) -> Iterator[Metric]:
         memory = family(spec("gemtrace_process_memory_bytes"))
@@ -38,7 +41,7 @@ class ProcessCollector(Collector):
         launches = family(spec("gemtrace_process_kernel_launches_total"))
         snap = self._snapshot()
         for p in snap.processes if snap is not None else ():
-            labels = [p.gpu, p.group, str(p.pid), p.comm]
+            labels = [p.gpu, p.group, str(p.pid), p.comm, *self._pod(p.pid)]
             memory.add_metric(labels, float(p.memory_bytes))
             seconds.add_metric(labels, p.gpu_seconds)
             if p.launches is not None:

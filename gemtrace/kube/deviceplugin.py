@@ -30,10 +30,11 @@ import structlog
 
 from gemtrace import region as rg
 from gemtrace.kube import kubelet, shares
-from gemtrace.kube.grants import Grants
+from gemtrace.kube.grants import Grants, Pods
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
+from gemtrace.kube.pods import Names, write_names
 
 log = structlog.get_logger("gemtrace.kube.plugin")
 
@@ -172,13 +173,19 @@ class DevicePlugin:
 
     def __init__(self, gpus: Sequence[tuple[str, int]], state_dir: Path, grants: Grants, injection: Injection,
                  device_plugins: Path = kubelet.DEVICE_PLUGINS, pod_resources: Path | None = kubelet.POD_RESOURCES,
-                 gpus_present: Callable[[], set[str]] | None = None) -> None:
+                 gpus_present: Callable[[], set[str]] | None = None,
+                 pods: Callable[[], Pods] | None = None, names_file: Path | None = None) -> None:
+        """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for the grants' Cgroup
+        rule and MaxUtil annotation; None: without them. `names_file`: where to write the pods' names
+        for the agent's metrics labels (gemtrace.kube.pods.NAMES_FILE)."""
         self.inventory = Inventory(gpus)
         self.state_dir = state_dir
         self.grants = grants
         self.injection = injection
         self.device_plugins = device_plugins
         self.pod_resources = pod_resources
+        self.pods = pods
+        self.names_file = names_file
         self.gpus_present = gpus_present or (lambda: {uuid for uuid, _ in gpus})
         self.kubelet_socket = kubelet.KubeletSocket(device_plugins)
         self._servers: list[grpc.Server] = []
@@ -229,7 +236,17 @@ class DevicePlugin:
         except grpc.RpcError as e:
             log.warning("pod_resources_unavailable", socket=str(self.pod_resources), error=str(e.code()))
             return
-        self.grants.reconcile(containers)
+        pods = None
+        if self.pods is not None and containers:
+            try:
+                pods = self.pods()
+            except Exception as e:  # ApiError; the grants are written without what it would add
+                log.warning("apiserver_unavailable", error=str(e), consequence="no Cgroup rule or MaxUtil annotation")
+        grants = self.grants.reconcile(containers, pods)
+        if self.names_file is not None:
+            write_names(self.names_file, Names(
+                {info.uid: (namespace, name, info.containers) for (namespace, name), info in (pods or {}).items()},
+                {group: (g.namespace, g.pod, g.container) for group, g in grants.items()}))
 
     def step(self) -> None:
         """One pass of the loop: health, registration after a kubelet (re)start, reconciliation."""

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import structlog
 
-from gemtrace.kube import pods
 from gemtrace.kube.kubelet import ContainerDevices
+from gemtrace.kube.pods import pod_cgroup
 from gemtrace.kube.shares import (
     ANNOTATION_MAX_UTIL,
     GPU_MEMORY,
@@ -45,16 +45,16 @@ class PodInfo:
 
     uid: str
     annotations: dict[str, str] = field(default_factory=dict)
+    containers: dict[str, str] = field(default_factory=dict)  # container ID -> name
 
 
-PodLookup = Callable[[str, str], PodInfo | None]  # (namespace, name) -> info
+Pods = dict[tuple[str, str], PodInfo]  # (namespace, name) -> info
 
 
 class Grants:
-    def __init__(self, dropin_dir: Path, pod_info: PodLookup | None = None,
-                 cgroup_root: Path = Path("/sys/fs/cgroup"), clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, dropin_dir: Path, cgroup_root: Path = Path("/sys/fs/cgroup"),
+                 clock: Callable[[], float] = time.time) -> None:
         self.dir = dropin_dir
-        self.pod_info = pod_info
         self.cgroup_root = cgroup_root
         self.clock = clock
 
@@ -87,22 +87,23 @@ class Grants:
         except FileNotFoundError:
             return {}
 
-    def grant_of(self, container: ContainerDevices) -> Grant:
+    def grant_of(self, container: ContainerDevices, pods: Pods | None = None) -> Grant:
         grant = Grant(memory=container.devices.get(GPU_MEMORY, ()), util=container.devices.get(GPU_UTIL, ()),
                       namespace=container.namespace, pod=container.pod, container=container.container)
-        info = self.pod_info(container.namespace, container.pod) if self.pod_info else None
+        info = (pods or {}).get((container.namespace, container.pod))
         if info is not None:
-            cgroup = pods.pod_cgroup(info.uid, self.cgroup_root) or ""
+            cgroup = pod_cgroup(info.uid, self.cgroup_root) or ""
             grant = replace(grant, max_util=parse_max_util(info.annotations.get(ANNOTATION_MAX_UTIL)), cgroup=cgroup)
         return grant
 
-    def reconcile(self, containers: list[ContainerDevices]) -> dict[str, Grant]:
-        """Make the files say exactly the grants of `containers` (PodResources'), keeping a file
-        Allocate wrote less than ALLOCATE_GRACE_S ago; returns the grants by group."""
+    def reconcile(self, containers: list[ContainerDevices], pods: Pods | None = None) -> dict[str, Grant]:
+        """Make the files say exactly the grants of `containers` (PodResources'), completed with
+        `pods` (the apiserver's) where given, keeping a file Allocate wrote less than
+        ALLOCATE_GRACE_S ago; returns the grants by group."""
         grants = {}
         for container in containers:
             if GPU_MEMORY in container.devices or GPU_UTIL in container.devices:
-                grant = self.grant_of(container)
+                grant = self.grant_of(container, pods)
                 grants[grant.group] = grant
         for grant in grants.values():
             self.write(grant)

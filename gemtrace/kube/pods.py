@@ -7,11 +7,13 @@ The kubelet puts every container in a cgroup under its pod's, both named after t
                           cri-containerd-<container id>.scope (or docker-, crio-)
 
 Pure parsers over the path, plus `pod_cgroup`, which looks for a pod's directory under a cgroup
-root (its only reads). Never talks to the kubelet: names for the UIDs come from the device plugin.
+root. Never talks to the kubelet: names for the UIDs come from the device plugin, which writes them
+(from the apiserver) to NAMES_FILE; the agent's `PodLabels` reads that file and /proc/PID/cgroup.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -67,3 +69,96 @@ def pod_cgroup(uid: str, root: Path = Path("/sys/fs/cgroup")) -> str | None:
         if any((h / path.lstrip("/")).is_dir() for h in hierarchies):
             return path
     return None
+
+
+# --- names: what the device plugin knows of the pods, for the agent's labels -----------------------
+
+NAMES_FILE = Path("/var/lib/gemtrace/kube/pods.json")  # host-only: containers cannot write it
+Labels = tuple[str, str, str]  # (namespace, pod, container); empty strings outside any pod
+NO_POD: Labels = ("", "", "")
+
+
+@dataclass(frozen=True)
+class Names:
+    """pod UID -> (namespace, pod, {container ID: container name}); group -> its pod's labels."""
+
+    pods: dict[str, tuple[str, str, dict[str, str]]]
+    groups: dict[str, Labels]
+
+    def to_json(self) -> str:
+        return json.dumps({"pods": {uid: {"namespace": ns, "pod": pod, "containers": containers}
+                                    for uid, (ns, pod, containers) in sorted(self.pods.items())},
+                           "groups": {g: list(labels) for g, labels in sorted(self.groups.items())}}, indent=1)
+
+    @classmethod
+    def parse(cls, text: str) -> Names:
+        data = json.loads(text)
+        pods = {uid: (p["namespace"], p["pod"], dict(p["containers"])) for uid, p in data.get("pods", {}).items()}
+        groups: dict[str, Labels] = {g: (v[0], v[1], v[2]) for g, v in data.get("groups", {}).items()}
+        return cls(pods, groups)
+
+    def of(self, ref: PodRef | None) -> Labels:
+        if ref is None or ref.pod_uid not in self.pods:
+            return NO_POD
+        namespace, pod, containers = self.pods[ref.pod_uid]
+        return (namespace, pod, containers.get(ref.container_id, ""))
+
+
+def write_names(path: Path, names: Names) -> bool:
+    """The names file, if its text changed (atomically); True when written."""
+    text = names.to_json()
+    try:
+        if path.read_text() == text:
+            return False
+    except (FileNotFoundError, UnicodeDecodeError):
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(text)
+    temporary.replace(path)
+    return True
+
+
+class PodLabels:
+    """The agent's side: namespace, pod and container of each process (by its cgroup) and group (by
+    the plugin's names file). `refresh` reads /proc for pids not seen before; the lookups only read
+    what refresh left. Without the file (no Kubernetes) every label is empty."""
+
+    def __init__(self, names_file: Path = NAMES_FILE, proc_root: Path = Path("/proc")) -> None:
+        self.names_file = names_file
+        self.proc_root = proc_root
+        self._refs: dict[int, PodRef | None] = {}
+        self._names = Names({}, {})
+        self._stamp: tuple[int, int] | None = None
+
+    def refresh(self, pids: Sequence[int]) -> None:
+        try:
+            st = self.names_file.stat()
+            stamp: tuple[int, int] | None = (st.st_ino, st.st_mtime_ns)
+        except OSError:
+            stamp = None
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._names = Names.parse(self.names_file.read_text()) if stamp else Names({}, {})
+            except (OSError, ValueError, KeyError, TypeError, IndexError):
+                self._names = Names({}, {})
+        refs = {}
+        for pid in pids:
+            if pid in self._refs:
+                refs[pid] = self._refs[pid]
+                continue
+            try:
+                text = (self.proc_root / str(pid) / "cgroup").read_text()
+            except OSError:
+                refs[pid] = None
+                continue
+            paths = [line.split(":", 2)[2] for line in text.splitlines() if line.count(":") >= 2]
+            refs[pid] = pod_of(paths)
+        self._refs = refs
+
+    def process(self, pid: int) -> Labels:
+        return self._names.of(self._refs.get(pid))
+
+    def group(self, group: str) -> Labels:
+        return self._names.groups.get(group, NO_POD)
