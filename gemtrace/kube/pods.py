@@ -157,8 +157,11 @@ class PodLabels:
             refs[pid] = pod_of(paths)
         self._refs = refs
 
-    def process(self, pid: int) -> Labels:
-        return self._names.of(self._refs.get(pid))
+    def process(self, pid: int, group: str) -> Labels:
+        """By the process's cgroup; else its group's pod (a process that a pod's group holds is that
+        pod's, wherever its cgroup is)."""
+        labels = self._names.of(self._refs.get(pid))
+        return labels if labels != NO_POD else self.group(group)
 
     def group(self, group: str) -> Labels:
         return self._names.groups.get(group, NO_POD)
