@@ -59,12 +59,14 @@ class Node:
 @pytest.fixture
 def node(k8s_cluster: K8sCluster, host: Host) -> Iterator[Node]:
     host.sim.env()  # the simulation's state dir exists before any pod mounts it
-    agent = host.start_agent("--config-poll", "0.2")
+    names = host.tmp / "pods.json"
+    agent = host.start_agent("--config-poll", "0.2", "--pod-names", str(names))
     log = host.tmp / "kube-plugin.log"
     plugin = subprocess.Popen(
         gemtrace("kube-plugin", "--config", str(host.config), "--state-dir", str(host.state_dir),
                  "--device-plugins", str(k8s_cluster.device_plugins), "--gate", str(GATE),
-                 "--preload-file", str(host.tmp / "ld.so.preload")),
+                 "--preload-file", str(host.tmp / "ld.so.preload"), "--pod-names", str(names),
+                 "--node-name", k8s_cluster.node, "--kubeconfig", k8s_cluster.kubeconfig),
         env=host.env(), stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     try:
         def advertised() -> bool:
@@ -84,15 +86,55 @@ def node(k8s_cluster: K8sCluster, host: Host) -> Iterator[Node]:
 
 def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: Node) -> None:
     name = "share-2g-30"
-    manifest = node.pod(name, "/simgpu/simgpu-rt meminfo && /simgpu/simgpu-rt alloc 1GiB 1536MiB",
+    manifest = node.pod(name, "/simgpu/simgpu-rt meminfo && /simgpu/simgpu-rt alloc --hold 60 1GiB 1536MiB",
                         limits={shares.GPU_MEMORY: "2", shares.GPU_UTIL: "30"})
+    manifest["metadata"]["annotations"] = {shares.ANNOTATION_MAX_UTIL: "0.5"}
+    cluster = node.cluster
     try:
-        meminfo, first, second, *_ = node.run(manifest)
+        cluster.create(manifest)
+        lines = wait_until("the pod holding its memory", lambda: _holding(cluster, name), timeout=120, step=0.5)
+        meminfo, first, second, *_ = lines
         assert meminfo["total"] == 2 * GiB
         assert first["name"] == "CUDA_SUCCESS"
         assert second["name"] == "CUDA_ERROR_OUT_OF_MEMORY"
+
+        # Its group: the requested GiB, 30% guaranteed, the annotation's MaxUtil, its pod's cgroup.
+        uid = cluster.get("pod", name)["metadata"]["uid"]
+        dropins = list((node.host.tmp / "resource.d").glob("k8s-*.conf"))
+        assert len(dropins) == 1, [(p.name, p.read_text()) for p in dropins]
+        (dropin,) = dropins
+        group = dropin.stem
+        text = wait_until("the Cgroup rule", lambda: "Cgroup" in dropin.read_text() and dropin.read_text())
+        assert f"default/{name} container main" in text
+        assert "MemoryLimit = 2GiB\nMinUtil = 0.3\nMaxUtil = 0.5\n" in text
+        assert f"/pod{uid}\n" in text
+
+        # Its series carry its namespace, pod and container.
+        labels = ('namespace="default"', f'pod="{name}"')
+
+        def series() -> list[str]:
+            return [line for line in node.agent.metrics().splitlines() if all(x in line for x in labels)]
+
+        try:
+            found = wait_until(f"series with {labels}", lambda: (
+                any(s.startswith("gemtrace_process_memory_bytes{") and 'container="main"' in s for s in series())
+                and series()), timeout=30, step=0.5)
+        except AssertionError as e:
+            processes = [s for s in node.agent.metrics().splitlines() if s.startswith("gemtrace_process_memory")]
+            raise AssertionError(f"{e}\n{processes}\n{(node.host.tmp / 'pods.json').read_text()}") from None
+        memory = next(s for s in found if s.startswith("gemtrace_process_memory_bytes{"))
+        assert f'group="{group}"' in memory and float(memory.rsplit(" ", 1)[1]) == GiB
+        limit = next(s for s in found if s.startswith("gemtrace_group_memory_limit_bytes{"))
+        assert float(limit.rsplit(" ", 1)[1]) == 2 * GiB
     finally:
-        node.cluster.delete_pod(name)
+        cluster.delete_pod(name)
+
+
+def _holding(cluster: K8sCluster, name: str) -> list[dict[str, Any]] | None:
+    if cluster.get("pod", name)["status"].get("phase") != "Running":
+        return None
+    lines = [json.loads(line) for line in cluster.kubectl("logs", name).splitlines() if line.startswith("{")]
+    return lines if any("holding" in line for line in lines) else None
 
 
 def test_a_pod_asking_for_more_than_a_gpu_has_stays_pending_and_says_why(node: Node) -> None:
