@@ -85,6 +85,20 @@ class AgentLock:
             self._fd = None
 
 
+# The kernel gives its initial PID namespace this inode number (PROC_PID_INIT_INO, include/linux/proc_ns.h).
+INIT_PID_NAMESPACE_INO = 0xEFFFFFFC
+
+
+def nested_pid_namespace(proc_root: Path = Path("/proc")) -> bool:
+    """True when this process is not in the host's (the initial) PID namespace. An agent there sees
+    other pids than eBPF and the gates report (a container without hostPID: docs/kubernetes.md).
+    /proc/self/status's NSpid would not tell: a container's own /proc shows only its own level."""
+    try:
+        return os.stat(proc_root / "self" / "ns" / "pid").st_ino != INIT_PID_NAMESPACE_INO
+    except OSError:
+        return False
+
+
 def raise_fd_limit() -> tuple[int, int]:
     """Raise RLIMIT_NOFILE's soft limit to the hard one: the reaper holds a pidfd per gated process
     (1000 processes with the default 1024 ran out). Returns (soft, hard) after."""
@@ -389,6 +403,10 @@ class Agent:
     # -- running -----------------------------------------------------------------------------------
 
     def start(self) -> None:
+        if nested_pid_namespace():
+            log.warning("pid_namespace_not_host", consequence="eBPF reports host pids this agent cannot see: "
+                        "processes are misattributed and over-limit ones are not killed; run the agent on the "
+                        "host or in a pod with hostPID: true")
         self._keeper = threading.Thread(target=self._keep_region, name="gemtrace-keeper", daemon=True)
         self._keeper.start()
         for scheduler in self.schedulers:

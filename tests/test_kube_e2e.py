@@ -26,8 +26,35 @@ GATE = REPO / "build" / "libgemgate.so"
 
 
 class Node:
-    def __init__(self, cluster: K8sCluster, host: Host, agent: Running) -> None:
-        self.cluster, self.host, self.agent = cluster, host, agent
+    """The node's host side: the agent and `gemtrace kube-plugin`, each restartable."""
+
+    def __init__(self, cluster: K8sCluster, host: Host) -> None:
+        self.cluster, self.host = cluster, host
+        self.names = host.tmp / "pods.json"
+        self.plugin_log = host.tmp / "kube-plugin.log"
+        self.agent = self.start_agent()
+        self.plugin = self.start_plugin()
+
+    def start_agent(self) -> Running:
+        return self.host.start_agent("--config-poll", "0.2", "--pod-names", str(self.names))
+
+    def start_plugin(self) -> subprocess.Popen[bytes]:
+        host, cluster = self.host, self.cluster
+        return subprocess.Popen(
+            gemtrace("kube-plugin", "--config", str(host.config), "--state-dir", str(host.state_dir),
+                     "--device-plugins", str(cluster.device_plugins), "--gate", str(GATE),
+                     "--preload-file", str(host.tmp / "ld.so.preload"), "--pod-names", str(self.names),
+                     "--node-name", cluster.node, "--kubeconfig", cluster.kubeconfig),
+            env=host.env(), stdout=subprocess.DEVNULL, stderr=self.plugin_log.open("ab"))
+
+    def stop_plugin(self) -> None:
+        self.plugin.terminate()
+        self.plugin.wait(timeout=20)
+
+    def close(self) -> None:
+        self.stop_plugin()
+        if self.agent.proc.poll() is None:
+            stop(self.agent)
 
     def pod(self, name: str, script: str, limits: dict[str, str] | None = None,
             labels: dict[str, str] | None = None) -> dict[str, Any]:
@@ -59,29 +86,18 @@ class Node:
 @pytest.fixture
 def node(k8s_cluster: K8sCluster, host: Host) -> Iterator[Node]:
     host.sim.env()  # the simulation's state dir exists before any pod mounts it
-    names = host.tmp / "pods.json"
-    agent = host.start_agent("--config-poll", "0.2", "--pod-names", str(names))
-    log = host.tmp / "kube-plugin.log"
-    plugin = subprocess.Popen(
-        gemtrace("kube-plugin", "--config", str(host.config), "--state-dir", str(host.state_dir),
-                 "--device-plugins", str(k8s_cluster.device_plugins), "--gate", str(GATE),
-                 "--preload-file", str(host.tmp / "ld.so.preload"), "--pod-names", str(names),
-                 "--node-name", k8s_cluster.node, "--kubeconfig", k8s_cluster.kubeconfig),
-        env=host.env(), stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    n = Node(k8s_cluster, host)
     try:
         def advertised() -> bool:
-            assert plugin.poll() is None, log.read_text()
+            assert n.plugin.poll() is None, n.plugin_log.read_text()
             capacity = k8s_cluster.get("node", k8s_cluster.node)["status"]["allocatable"]
             return capacity.get(shares.GPU_MEMORY) == "16" and capacity.get(shares.GPU_UTIL) == "100"
 
         wait_until("the node advertising 16 GiB and 100%", advertised, timeout=60, step=0.5)
-        yield Node(k8s_cluster, host, agent)
+        yield n
     finally:
-        plugin.terminate()
-        plugin.wait(timeout=20)
-        if agent.proc.poll() is None:
-            stop(agent)
-        print(log.read_text())
+        n.close()
+        print(n.plugin_log.read_text())
 
 
 def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: Node) -> None:
@@ -126,6 +142,39 @@ def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: N
         assert f'group="{group}"' in memory and float(memory.rsplit(" ", 1)[1]) == GiB
         limit = next(s for s in found if s.startswith("gemtrace_group_memory_limit_bytes{"))
         assert float(limit.rsplit(" ", 1)[1]) == 2 * GiB
+    finally:
+        cluster.delete_pod(name)
+
+
+def test_restarting_the_plugin_and_the_agent_keeps_a_running_pod_gated_and_grouped(node: Node) -> None:
+    name = "share-restarts"
+    manifest = node.pod(name, "/simgpu/simgpu-rt alloc --hold 90 1GiB", limits={shares.GPU_MEMORY: "2"})
+    cluster = node.cluster
+    dropins = node.host.tmp / "resource.d"
+
+    def our_series() -> list[str]:
+        return [s for s in node.agent.metrics().splitlines()
+                if s.startswith("gemtrace_process_memory_bytes{") and f'pod="{name}"' in s
+                and 'container="main"' in s]
+
+    try:
+        cluster.create(manifest)
+        wait_until("the pod holding its memory", lambda: _holding(cluster, name), timeout=120, step=0.5)
+        (before,) = wait_until("its series", our_series, timeout=30, step=0.5)
+        files = {p.name: p.read_text() for p in dropins.glob("k8s-*.conf")}
+
+        node.stop_plugin()
+        node.plugin = node.start_plugin()
+        stop(node.agent)
+        node.agent = node.start_agent()
+        time.sleep(3)  # some reconciliations of the new plugin, some polls of the new agent
+
+        # The same one file per grant: a restarted plugin rebuilt it from PodResources, counted nothing twice.
+        assert {p.name: p.read_text() for p in dropins.glob("k8s-*.conf")} == files
+        (after,) = wait_until("its series from the new agent", our_series, timeout=30, step=0.5)
+        assert after == before  # same pid, group, pod labels and 1 GiB
+        allocatable = cluster.get("node", cluster.node)["status"]["allocatable"]
+        assert allocatable[shares.GPU_MEMORY] == "16"
     finally:
         cluster.delete_pod(name)
 

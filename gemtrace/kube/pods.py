@@ -160,8 +160,12 @@ class PodLabels:
     def process(self, pid: int, group: str) -> Labels:
         """By the process's cgroup; else its group's pod (a process that a pod's group holds is that
         pod's, wherever its cgroup is)."""
-        labels = self._names.of(self._refs.get(pid))
-        return labels if labels != NO_POD else self.group(group)
+        labels, of_group = self._names.of(self._refs.get(pid)), self.group(group)
+        if labels == NO_POD:
+            return of_group
+        if not labels[2] and labels[:2] == of_group[:2]:  # the container not named yet: its group's
+            return of_group
+        return labels
 
     def group(self, group: str) -> Labels:
         return self._names.groups.get(group, NO_POD)
