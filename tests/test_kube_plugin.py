@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import queue
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -194,3 +196,12 @@ def test_preferred_allocation_keeps_a_grant_on_one_gpu() -> None:
     available = [f"GPU-a-m{i}" for i in range(2)] + [f"GPU-b-m{i}" for i in range(4)]
     assert shares.preferred(available, [], 3) == ["GPU-b-m0", "GPU-b-m1", "GPU-b-m2"]
     assert shares.preferred(available, ["GPU-a-m1"], 2) == ["GPU-a-m1", "GPU-a-m0"]
+
+
+def test_the_agent_tells_a_pid_namespace_of_its_own() -> None:
+    code = "from gemtrace.agent import nested_pid_namespace; print(nested_pid_namespace())"
+    here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert here.stdout == "False\n"
+    inside = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+                            capture_output=True, text=True)
+    assert inside.stdout == "True\n", inside.stderr
