@@ -57,6 +57,7 @@ class Grants:
         self.dir = dropin_dir
         self.cgroup_root = cgroup_root
         self.clock = clock
+        self.writes = 0  # files written or removed so far: the agent has something to reload
 
     def path(self, group: str) -> Path:
         return self.dir / f"{group}.conf"
@@ -75,6 +76,7 @@ class Grants:
         temporary = self.dir / f".{grant.group}.conf.tmp"  # a dot: gemtrace.config skips it
         temporary.write_text(text)
         temporary.replace(path)
+        self.writes += 1
         log.info("grant_written", group=grant.group, namespace=grant.namespace, pod=grant.pod,
                  container=grant.container, path=str(path))
         return True
@@ -117,5 +119,6 @@ class Grants:
                 continue
             if age >= ALLOCATE_GRACE_S:
                 path.unlink(missing_ok=True)
+                self.writes += 1
                 log.info("grant_removed", group=group, reason="its pod is gone")
         return grants
