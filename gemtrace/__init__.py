@@ -8,7 +8,13 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
     region.py        ctypes mirror of hook/gemtrace_region.h (the gates' shared memory) and its care
     policy.py        the time-share policy of one GPU: pure, driven by a clock it is given
     scheduler.py     one GPU's adapter between the region's slots and the policy (futex words)
-    accounting.py    per-process figures merged from eBPF, the gates and NVML; the enforcement thread
+    accounting.py    per-process figures kept across polls: rebuilt memory, GPU time within a group
+    sources/         what eBPF, the gates' slots and NVML know, behind one interface:
+      ebpf.py          the probes, the libcuda rescans, the ring-buffer thread
+      gate.py          the gates' slots, through region.SlotColumns
+      nvml.py          NVML's per-process memory and device utilisation
+      fakes.py         a fake of each, which tests pass to Accounting
+    merge.py         the best figure of each process: docs/accounting.md's table, a function a row
     enforcement.py   memory enforcement: which process dies when a group is over its MemoryLimit
     groups_of.py     the group of a process and the GPUs it sees, from /proc (pure parsers)
     gpus.py          the host's GPUs from NVML (index, UUID, name, memory), read at agent start
@@ -16,10 +22,10 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
       libcuda.py       which libcuda files processes map, from /proc/PID/maps
       bpf_loader.py    bcc: compiles bpf/gemtrace_cuda.bpf.c, attaches, reads its maps
       nvml.py          NVML's per-process memory and device utilisation (ctypes)
-    metrics.py       the one catalogue of metric names, types, units, labels and help texts
+    metrics.py       the one catalogue of metric names, types, units, labels and help texts; family()
     collectors/      the Prometheus collectors, one module each, registered in collectors/__init__.py:
-      agent.py         the agent itself: version, reloads, the GPUs it schedules
-      groups.py        groups' quotas and what the scheduler gave them, their memory
+      agent.py         the agent itself: version, reloads, the GPUs it schedules (an AgentView)
+      groups.py        groups' quotas and what the scheduler gave them, their memory (a GroupsView)
       processes.py     per-process series from the accounting's snapshot
       enforcement.py   OOM kills, quota breaches and slot tampering, per group
     exporter.py      the /metrics HTTP endpoint over the collectors' registry

@@ -1,14 +1,14 @@
 """Accounting: what every process on the host does with the GPUs, from eBPF, the gates and NVML.
 
-Owns the per-process view (Snapshot) and the enforcement thread. Sources, best first:
-  memory       eBPF (every allocation matched to its release, gated or not) > the gate's slot > NVML
-               (NVML's figure includes the context's own memory: about 800 MB a process on an H100);
-  GPU time     the gate's slot (busy_ns of finished bursts) > NVML's device utilisation integrated over
-               time and shared among the ungated processes on that GPU (coarse: a one-second window);
-  launches     the gate's slot > eBPF in the opt-in "launches" probe mode > unknown (None).
-A watcher thread waits on the eBPF ring buffer: an allocation wakes it, and MemoryEnforcer kills
-within milliseconds; it also rescans /proc for libcuda files every LIBCUDA_RESCAN_SECONDS. If bcc
-cannot run, one log line says why (ebpf_status keeps it) and the gates and NVML still count.
+Owns the per-process view (Snapshot) and what it keeps across polls: the facts of each process
+(/proc: group, GPUs), the memory rebuilt after an agent restart, GPU time shared within a group, NVML's
+time integrated, an exited process's figures kept for PROCESS_SERIES_GRACE_SECONDS. It reads three
+sources behind one interface (gemtrace/sources/: eBPF, the gates' slots, NVML; each with a fake a
+test passes in) and merges them with gemtrace/merge.py, whose functions are docs/accounting.md's table
+"Sources, best first", row by row. Enforcement (gemtrace/enforcement.py) subscribes: to eBPF's
+allocation events (the source's thread wakes it within milliseconds) and to each snapshot (the audit
+of the slots). If bcc cannot run, one log line says why (ebpf_status keeps it) and the gates and NVML
+still count.
 
 eBPF cannot know what a process allocated before its libcuda was probed (an agent restart, a
 container's copy found late): for such an inherited process the memory is rebuilt from its gate's
@@ -16,13 +16,13 @@ slot or, ungated, NVML less the context overhead (memory = max(eBPF, rebuilt)), 
 whenever one is first seen, and the enforcer acts on it at once. A group's processes are never
 given more GPU time together than the scheduler gave the group (GpuTimeShare): a burst measured by
 the gate also holds the time it waited behind the group's other processes.
-Never writes to the region; never kills but through MemoryEnforcer.
+Never writes to the region; never kills but through MemoryEnforcer; never reads bcc, the slots or
+NVML but through a source.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -31,12 +31,17 @@ from typing import Any, Protocol
 
 import structlog
 
-from gemtrace import defaults
-from gemtrace.enforcement import Holding, MemoryEnforcer
+from gemtrace import defaults, merge
+from gemtrace.enforcement import Enforcement, Holding, MemoryEnforcer
 from gemtrace.groups_of import ENV_VISIBLE_DEVICES, ProcReader, group_for, visible_devices
-from gemtrace.probes import libcuda
-from gemtrace.probes.bpf_loader import EVENT_ALLOC, EVENT_EXIT, BpfProbes, BpfUnavailable, Event, Usage
-from gemtrace.probes.nvml import NvmlProcess, NvmlReader
+from gemtrace.merge import Merged
+from gemtrace.probes.bpf_loader import BpfProbes, BpfUnavailable
+from gemtrace.probes.nvml import NvmlReader
+from gemtrace.region import Region
+from gemtrace.sources import AllocationSource, Key, Source, SourceReading
+from gemtrace.sources.ebpf import EbpfSource, boot_ticks
+from gemtrace.sources.gate import GateSource
+from gemtrace.sources.nvml import NvmlLike, NvmlSource
 
 log = structlog.get_logger("gemtrace.accounting")
 
@@ -96,28 +101,19 @@ class _Seen:
     nvml_in_account: float = 0.0  # the part of nvml_seconds already in account.gpu_seconds
 
 
-@dataclass(frozen=True)
-class _SlotView:
-    pid: int
-    index: int
-    memory: tuple[int, ...]
-    launches: tuple[int, ...]
-    busy_ns: tuple[int, ...]
-    gpu_mask: int
-    start_time: int
+def _suspended_ns() -> int:
+    """CLOCK_BOOTTIME - CLOCK_MONOTONIC: the time the host spent suspended."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) - time.monotonic_ns()
 
 
-def boot_ticks() -> int:
-    """Now, in the unit of /proc/PID/stat's start time (clock ticks since boot)."""
-    return int(time.clock_gettime(time.CLOCK_BOOTTIME) * os.sysconf("SC_CLK_TCK"))
-
-
-def _monotonic_of_ticks(ticks: int | None) -> int:
-    """A /proc start time as CLOCK_MONOTONIC ns (eBPF's clock); 0 when not known."""
+def _monotonic_of_ticks(ticks: int | None, suspended_ns: int) -> int:
+    """A /proc start time as CLOCK_MONOTONIC ns (eBPF's clock); 0 when not known. `suspended_ns`
+    is read once per look, so that processes started in the same tick stay equal (then an ungated
+    one goes before a gated one, docs/accounting.md) rather than ordered by the clocks' jitter."""
     if ticks is None:
         return 0
     since_boot_ns = ticks * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
-    return max(0, since_boot_ns - (time.clock_gettime_ns(time.CLOCK_BOOTTIME) - time.monotonic_ns()))
+    return max(0, since_boot_ns - suspended_ns)
 
 
 @dataclass
@@ -177,15 +173,44 @@ class GpuTimeShare:
         return out
 
 
+class SnapshotListener(Protocol):
+    def on_snapshot(self, snapshot: Snapshot, merged: Mapping[Key, Merged]) -> None:
+        """A poll's live processes, with the figures they were merged from (called on the poller)."""
+
+
+class _Devices:
+    """The host's GPUs and each process's ordinals as UUIDs, for the sources of one reading."""
+
+    def __init__(self, accounting: Accounting, config: _Config | None) -> None:
+        self._accounting = accounting
+        self._config = config
+        self._physical: list[str] | None = None
+
+    def physical(self) -> list[str]:
+        if self._physical is None:
+            self._physical = self._accounting._gpu_list()
+        return self._physical
+
+    def of(self, pid: int, ordinal: int) -> str | None:
+        info = self._accounting._info_of(pid, self._config)
+        if info is None or ordinal >= len(info.uuids):
+            return None
+        return info.uuids[ordinal]
+
+    def forget(self, pids: Collection[int]) -> None:
+        for pid in pids:
+            self._accounting._info.pop(pid, None)
+
+
 class Accounting:
     def __init__(
         self,
-        region: Any,
+        region: Region | None,
         config_getter: Callable[[], _Config | None],
         proc_root: Path = Path("/proc"),
         use_ebpf: bool = True,
         probe_mode: str = "memory",
-        nvml: NvmlReader | None = None,
+        nvml: NvmlLike | None = None,
         enforcer: MemoryEnforcer | None = None,
         grace_seconds: float = defaults.PROCESS_SERIES_GRACE_SECONDS,
         rescan_seconds: float = defaults.LIBCUDA_RESCAN_SECONDS,
@@ -193,264 +218,159 @@ class Accounting:
         libcuda_paths: Sequence[Path] | None = None,
         scan_host: bool = True,
         group_seconds: Callable[[], Mapping[tuple[str, str], float]] | None = None,
+        ebpf: AllocationSource | None = None,
+        gate: Source | None = None,
     ) -> None:
-        """`libcuda_paths`: files probed from the start (None: the host's, from ldconfig). `scan_host`
-        False: probe only those, never the other libcuda files that processes map (the demo, which
-        must not account for, nor kill, the host's other programs). `group_seconds`: (GPU UUID,
-        group) -> the GPU seconds the scheduler charged the group; with it, a group's gated processes
-        together are never given more (None: the gates' figures as they are)."""
+        """The sources: `ebpf` (None: bcc's EbpfSource when `use_ebpf`, else none), `gate` (None: the
+        slots of `region`), `nvml` (an NVML reader; None: the host's libnvidia-ml); tests pass the
+        fakes of gemtrace/sources/fakes.py. `libcuda_paths`: files probed from the start (None: the
+        host's, from ldconfig). `scan_host` False: probe only those, never the other libcuda files
+        that processes map (the demo, which must not account for, nor kill, the host's other
+        programs). `group_seconds`: (GPU UUID, group) -> the GPU seconds the scheduler charged the
+        group; with it, a group's gated processes together are never given more (None: the gates'
+        figures as they are)."""
         self.region = region
         self.config_getter = config_getter
         self.proc = ProcReader(proc_root)
-        self.proc_root = proc_root
-        self._scanner = libcuda.Scanner(proc_root)
-        self.nvml = nvml if nvml is not None else NvmlReader()
+        self.nvml_reader = nvml if nvml is not None else NvmlReader()
+        self.nvml = NvmlSource(self.nvml_reader)
+        self.gate: Source = gate if gate is not None else GateSource(region)
         self.enforcer = enforcer or MemoryEnforcer()
         self.grace_ns = int(grace_seconds * 1e9)
-        self.rescan_ns = int(rescan_seconds * 1e9)
         self.clock = clock
-        # Probed from the start even before any process maps them, so that a process's first
-        # allocations are not missed while the next rescan is due (None: the host's, from ldconfig).
-        self.libcuda_paths = tuple(libcuda.system_paths() if libcuda_paths is None else libcuda_paths)
-        self.scan_host = scan_host
-        self._lock = threading.RLock()  # guards bcc and the caches below
         self._info: dict[int, _Info] = {}
         self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): last account, kept for the grace
-        self._exited: set[int] = set()
-        self._alloc_event = False
-        self._last_alloc_ns: int | None = None
         self._last_poll_ns: int | None = None
-        self._tamper_suspect: dict[tuple[int, str], tuple[int, int]] = {}
-        self._tampered: set[tuple[int, str]] = set()
         self.group_seconds = group_seconds
         self._time_share = GpuTimeShare()
-        # A process started by now may hold memory that eBPF never saw (probes attach below); so may
-        # one mapping a libcuda file that a later rescan is the first to probe (_late_pids).
+        # A gated process started by now ran bursts the group's figure (restarted with the agent) never
+        # counted: they are not paid (GpuTimeShare's `inherited`).
         self._since_ticks = boot_ticks()
-        self._late_pids: set[int] = set()
         self._inherited_holding: set[int] = set()  # inherited processes with rebuilt memory, last look
         self._rebuild_due = True
+        self._missed: frozenset[int] = frozenset()  # eBPF's late pids at the last look
         self._context_bytes: dict[str, int] = {}  # per GPU: NVML's per-process figure less the true one
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.probes: BpfProbes | None = None
+        self._listeners: list[SnapshotListener] = []
+        self.ebpf: AllocationSource | None = ebpf
         self.ebpf_reason = "eBPF disabled by configuration"
-        if use_ebpf:
+        if self.ebpf is None and use_ebpf:
             try:
-                self.probes = BpfProbes(probe_mode)
+                self.ebpf = EbpfSource(probe_mode, proc_root, libcuda_paths, scan_host, rescan_seconds, clock)
             except BpfUnavailable as e:
                 self.ebpf_reason = str(e)
                 log.warning("ebpf_unavailable", reason=self.ebpf_reason,
                             consequence="memory and launches come from the gates and NVML only")
-        if self.probes is not None:
-            self.probes.open_events(self._on_event)
-            self.rescan()
-            self._alloc_event = True  # the watcher's first look enforces on the rebuilt figures
-            self._thread = threading.Thread(target=self._watch, name="gemtrace-accounting", daemon=True)
-            self._thread.start()
+        self.enforcement = Enforcement(self.enforcer, self._limits, self.holdings)
+        self.subscribe(self.enforcement)
+        if self.ebpf is not None:
+            self.ebpf.subscribe(self.enforcement)
+            self.ebpf.start()  # its first look enforces on the figures rebuilt at start
+
+    def subscribe(self, listener: SnapshotListener) -> None:
+        self._listeners.append(listener)
+
+    def enforce_soon(self) -> None:
+        """Check every limit at the watcher's next wake-up (within 50 ms) rather than at the next
+        allocation: after a reload, a MemoryLimit lowered below a group's use acts at once."""
+        if self.ebpf is not None:
+            self.ebpf.nudge()
 
     # -- status ----------------------------------------------------------------------------------
 
     @property
     def ebpf_status(self) -> str:
-        if self.probes is None:
-            return self.ebpf_reason
-        with self._lock:
-            return f"attached {self.probes.probe_count} probes to {len(self.probes.files)} files"
+        return self.ebpf_reason if self.ebpf is None else self.ebpf.status
+
+    @property
+    def probes(self) -> BpfProbes | None:
+        """bcc's probes when the real eBPF source runs."""
+        return self.ebpf.probes if isinstance(self.ebpf, EbpfSource) else None
 
     @property
     def probes_attached(self) -> int:
-        return 0 if self.probes is None else self.probes.probe_count
+        return 0 if self.ebpf is None else self.ebpf.probes_attached
 
     @property
     def libcuda_files(self) -> int:
-        return 0 if self.probes is None else len(self.probes.files)
+        return 0 if self.ebpf is None else self.ebpf.libcuda_files
 
-    # -- the watcher: ring buffer, enforcement, rescans --------------------------------------------
+    # -- what enforcement reads --------------------------------------------------------------------
 
-    def _on_event(self, ev: Event) -> None:
-        if ev.type == EVENT_ALLOC:
-            self._alloc_event = True
-            self._last_alloc_ns = ev.ts_ns
-        elif ev.type == EVENT_EXIT:
-            with self._lock:  # _reap swaps the set from the polling thread
-                self._exited.add(ev.pid)
-            self._alloc_event = True  # memory went: a pending kill may be settled
-
-    def enforce_soon(self) -> None:
-        """Check every limit at the watcher's next wake-up (within 50 ms) rather than at the next
-        allocation: after a reload, a MemoryLimit lowered below a group's use acts at once."""
-        self._alloc_event = True
-
-    def _watch(self) -> None:
-        assert self.probes is not None
-        next_scan = self.clock() + self.rescan_ns
-        while not self._stop.is_set():
-            self.probes.poll_events(50)
-            if self._alloc_event:
-                self._alloc_event = False
-                try:
-                    self.enforce()
-                except Exception:
-                    log.exception("enforcement_failed")
-            if self.clock() >= next_scan:
-                next_scan = self.clock() + self.rescan_ns
-                try:
-                    self.rescan()
-                except Exception:
-                    log.exception("libcuda_rescan_failed")
-
-    def rescan(self) -> None:
-        """Attach to libcuda files newly mapped; detach from those no live process maps any more."""
-        assert self.probes is not None
-        files = self._scanner.scan(skip=os.getpid()) if self.scan_host else {}
-        pinned = {}
-        for path in self.libcuda_paths:
-            try:
-                file_id = libcuda.file_id_of(path)
-            except OSError:
-                continue
-            pinned[file_id] = path
-        with self._lock:
-            # A late pid that maps no libcuda any more has exited (or let go of the GPU): forget it.
-            self._late_pids &= {pid for entry in files.values() for pid in entry.pids}
-            for file_id, pinned_path in pinned.items():
-                if file_id not in self.probes.files and self.probes.attach(file_id, pinned_path):
-                    log.info("libcuda_attached", path=str(pinned_path), probes=self.probes.probe_count)
-                    self._note_late(files.get(file_id))
-            for file_id, entry in files.items():
-                if file_id in self.probes.files:
-                    continue
-                via = entry.reachable_path(self.proc_root)
-                if via is None:
-                    continue
-                try:
-                    n = self.probes.attach(file_id, via)
-                except OSError as e:
-                    log.warning("libcuda_attach_failed", path=entry.path, pids=sorted(entry.pids)[:5], error=str(e))
-                    continue
-                if n:
-                    log.info("libcuda_attached", path=entry.path, via=str(via), probes=n)
-                    self._note_late(entry)
-            for file_id in self.probes.files - set(files) - set(pinned):
-                self.probes.detach(file_id)
-                log.info("libcuda_detached", inode=file_id.inode, dev=file_id.dev)
-
-    def _note_late(self, entry: libcuda.LibcudaFile | None) -> None:
-        """Processes that mapped a libcuda file before it was probed: eBPF missed what they did."""
-        if entry is not None and entry.pids:
-            self._late_pids |= entry.pids
-            self._rebuild_due = True
-
-    def enforce(self) -> None:
-        """Check every group's memory on every GPU against its limit: eBPF's figures, rebuilt for the
-        processes whose earlier allocations eBPF cannot have seen."""
-        assert self.probes is not None
+    def _limits(self) -> dict[str, int | None]:
         config = self.config_getter()
-        limits: dict[str, int | None] = {}
-        if config is not None:
-            limits = {name: g.memory_limit for name, g in config.groups.items()}
-        with self._lock:
-            self._reap()
-            if not any(limit is not None for limit in limits.values()):
-                return  # no group has a limit: nothing to read
-            usage = self.probes.usage()
-        ebpf_mem, last_alloc = self._ebpf_memory(usage, config)
-        memory = dict(ebpf_mem)
-        gated: set[int] = set()
-        if self._rebuild_due or self._inherited_holding:  # slots and NVML read only while they matter
-            slots = self._slots()
-            gated = set(slots)
-            nvml_procs = self.nvml.processes() if self.nvml.available else []
-            for key, rebuilt in self._rebuilt(config, slots, nvml_procs, self._gpu_list(), ebpf_mem).items():
+        if config is None:
+            return {}
+        return {name: g.memory_limit for name, g in config.groups.items()}
+
+    def holdings(self) -> list[Holding]:
+        """What every process holds on every GPU now, for the enforcer: eBPF's figures, rebuilt for the
+        processes whose earlier allocations eBPF cannot have seen. Reads eBPF's memory alone (and the
+        slots and NVML only while a rebuilt figure matters): this is on the OOM killer's path."""
+        assert self.ebpf is not None
+        config = self.config_getter()
+        devices = _Devices(self, config)
+        ebpf = self.ebpf.memory(devices)
+        memory = {key: f.memory or 0 for key, f in ebpf.figures.items()}
+        gated: Collection[int] = ()
+        if self._rebuild_due or self._inherited_holding or ebpf.missed - self._missed:
+            gate = self.gate.read(self.clock(), devices)
+            gated = gate.start_times
+            nvml = self.nvml.read(self.clock(), devices, utilization=False)
+            for key, rebuilt in self._rebuild(config, ebpf, gate, nvml).items():
                 memory[key] = max(memory.get(key, 0), rebuilt)
         holdings = []
+        suspended_ns = _suspended_ns()
         for (pid, uuid), used in memory.items():
             info = self._info.get(pid)
-            if used <= 0 or info is None or pid in self._exited:
+            if used <= 0 or info is None:
                 continue
             # A process eBPF saw allocate nothing since the start: its own start is the latest its
             # allocations can be known to be, so the newest such process goes first.
-            when = last_alloc.get((pid, uuid)) or _monotonic_of_ticks(info.start_time)
-            holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated))
-        if any(limits.get(h.group) is not None for h in holdings):
-            self.enforcer.check(holdings, limits, event_ns=self._last_alloc_ns)
+            f = ebpf.figures.get((pid, uuid))
+            when = (f.last_alloc_ns if f is not None else 0) or _monotonic_of_ticks(info.start_time, suspended_ns)
+            # The uid says whose process it is: a victim is chosen among the users who took the group
+            # over (gemtrace.enforcement). Read at each check, not kept with the group: a process may
+            # change its uid (setuid) after it started.
+            holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated, uid=self.proc.uid(pid)))
+        return holdings
 
-    def _reap(self) -> None:
-        if self._exited and self.probes is not None:
-            gone, self._exited = self._exited, set()
-            self.probes.forget(gone)
-            for pid in gone:
-                self._info.pop(pid, None)
-            self._late_pids -= gone
+    # -- after a restart: memory eBPF never saw ----------------------------------------------------
 
-    def _ebpf_memory(self, usage: Sequence[Usage], config: _Config | None
-                     ) -> tuple[dict[tuple[int, str], int], dict[tuple[int, str], int]]:
-        """eBPF's bytes and last allocation time by (pid, GPU UUID); exited processes left out."""
-        memory: dict[tuple[int, str], int] = {}
-        last_alloc: dict[tuple[int, str], int] = {}
-        for u in usage:
-            if u.pid in self._exited:
-                continue
-            info = self._info_of(u.pid, config)
-            if info is None or u.dev >= len(info.uuids):
-                continue
-            key = (u.pid, info.uuids[u.dev])
-            memory[key] = memory.get(key, 0) + u.bytes
-            last_alloc[key] = max(last_alloc.get(key, 0), u.last_alloc_ns)
-        return memory, last_alloc
+    def _inherited(self, pid: int, info: _Info, missed: Collection[int], since_ticks: int | None) -> bool:
+        """Started by `since_ticks` (or mapped a libcuda file before it was probed: `missed`)."""
+        return pid in missed or (since_ticks is not None and info.start_time is not None
+                                 and info.start_time <= since_ticks)
 
-    def _inherited(self, pid: int, info: _Info) -> bool:
-        """Started before the probes (or mapped a libcuda file before it was probed)."""
-        return pid in self._late_pids or (info.start_time is not None and info.start_time <= self._since_ticks)
-
-    def _rebuilt(self, config: _Config | None, slots: Mapping[int, _SlotView], nvml_procs: Sequence[NvmlProcess],
-                 physical: Sequence[str], ebpf_mem: Mapping[tuple[int, str], int]) -> dict[tuple[int, str], int]:
-        """Memory of the live inherited processes by (pid, GPU UUID), from what survives eBPF's
-        blindness: a gated process's slot (the gate counted from the process's start), else NVML's
-        figure less the context overhead (learnt per GPU from processes whose true figure is known:
-        the smallest difference; none known yet: nothing taken off, an over-count that errs toward
-        holding the limit). The caller takes max(eBPF, rebuilt): eBPF only ever adds what it saw."""
-        nvml_mem = {(p.pid, p.gpu): p.used_bytes for p in nvml_procs}
-        out: dict[tuple[int, str], int] = {}
-        inherited: dict[int, bool] = {}
-
-        def is_inherited(pid: int) -> bool:
-            if pid not in inherited:
-                info = self._info_of(pid, config)
-                inherited[pid] = info is not None and self.proc.alive(pid) and self._inherited(pid, info)
-            return inherited[pid]
-
-        overhead: dict[str, int] = {}
-        for pid, sv in slots.items():
+    def _rebuild(self, config: _Config | None, ebpf: SourceReading, gate: SourceReading,
+                 nvml: SourceReading) -> dict[Key, int]:
+        """Memory of the live inherited processes by (pid, GPU UUID) (merge.rebuilt_memory); learns each
+        GPU's context overhead on the way (merge.context_overhead). Logs `memory_rebuilt` and wakes the
+        enforcer for a process first found holding rebuilt memory."""
+        reused = set()
+        for pid, start in gate.start_times.items():
             info = self._info_of(pid, config)
-            if info is not None and sv.start_time and info.start_time is not None and sv.start_time != info.start_time:
-                continue  # a reused pid: the slot is a dead process's, left for the agent to free
-            for g, uuid in enumerate(physical):
-                if not sv.gpu_mask >> g & 1:
-                    continue
-                if (pid, uuid) in nvml_mem:
-                    diff = max(0, nvml_mem[(pid, uuid)] - sv.memory[g])
-                    overhead[uuid] = min(overhead.get(uuid, diff), diff)
-                if sv.memory[g] and is_inherited(pid):
-                    out[(pid, uuid)] = sv.memory[g]
-        for (pid, uuid), used in nvml_mem.items():
-            if pid in slots or is_inherited(pid) or (pid, uuid) not in ebpf_mem:
-                continue
-            diff = max(0, used - ebpf_mem[(pid, uuid)])  # eBPF saw all of this one's allocations
-            overhead[uuid] = min(overhead.get(uuid, diff), diff)
-        self._context_bytes.update(overhead)
-        for (pid, uuid), used in nvml_mem.items():
-            if pid not in slots and is_inherited(pid):
-                out[(pid, uuid)] = max(0, used - self._context_bytes.get(uuid, 0))
+            if info is not None and start and info.start_time is not None and start != info.start_time:
+                reused.add(pid)  # a reused pid: the slot is a dead process's, left for the agent to free
+        candidates = {pid for (pid, _), s in gate.figures.items() if s.placed and s.memory and pid not in reused}
+        candidates |= {pid for pid, _ in nvml.figures if pid not in gate.start_times}
+        inherited = set()
+        for pid in candidates:
+            info = self._info_of(pid, config)
+            if info is not None and self.proc.alive(pid) and self._inherited(pid, info, ebpf.missed, ebpf.since_ticks):
+                inherited.add(pid)
+        self._context_bytes.update(merge.context_overhead(gate, nvml, ebpf, inherited, reused))
+        keys = {key for key, s in gate.figures.items() if s.placed} | nvml.figures.keys()
+        out = merge.rebuilt(keys, gate, nvml, inherited, reused, self._context_bytes)
         holding = {pid for (pid, _), used in out.items() if used > 0}
         new = holding - self._inherited_holding
         if new:
             log.info("memory_rebuilt", pids=sorted(new)[:20],
                      bytes={f"{pid}/{uuid}": used for (pid, uuid), used in sorted(out.items()) if pid in new})
-            self._alloc_event = True  # the watcher enforces on them at once
+            assert self.ebpf is not None
+            self.ebpf.nudge()  # the watcher enforces on them at once
         self._inherited_holding = holding
         self._rebuild_due = False
+        self._missed = ebpf.missed
         return out
 
     # -- per-process facts -------------------------------------------------------------------------
@@ -486,101 +406,42 @@ class Accounting:
         self._info[pid] = info
         return info
 
-    def _slots(self) -> dict[int, _SlotView]:
-        if self.region is None:
-            return {}
-        out: dict[int, _SlotView] = {}
-        for index, s in self.region.live_slots():
-            out[s.pid] = _SlotView(s.pid, index, tuple(s.memory), tuple(s.launches), tuple(s.busy_ns), s.gpu_mask,
-                                   s.start_time)
-        return out
-
     # -- the snapshot ------------------------------------------------------------------------------
 
     def poll(self, now_ns: int | None = None) -> Snapshot:
         now = self.clock() if now_ns is None else now_ns
         config = self.config_getter()
-        usage: list[Usage] = []
-        ebpf_launches: dict[int, int] = {}
-        ebpf_devices: dict[int, int] = {}
-        with self._lock:
-            if self.probes is not None:
-                self._reap()
-                usage = self.probes.usage()
-                ebpf_devices = self.probes.devices()
-                if self.probes.mode == "launches":
-                    ebpf_launches = self.probes.launches()
-        stale = [pid for pid in ebpf_launches if pid not in ebpf_devices and not self.proc.alive(pid)]
-        if stale:  # counted launches, but its context (and so its exit) was never seen
-            with self._lock:
-                if self.probes is not None:
-                    self.probes.forget(stale)
-        slots = self._slots()
-        nvml_procs = self.nvml.processes() if self.nvml.available else []
-        physical = self._gpu_list()
+        devices = _Devices(self, config)
+        ebpf = self.ebpf.read(now, devices) if self.ebpf is not None else None
+        gate = self.gate.read(now, devices)
+        nvml = self.nvml.read(now, devices, utilization=self._last_poll_ns is not None)
+        rebuilt = self._rebuild(config, ebpf, gate, nvml) if ebpf is not None else {}
+        alive = ebpf.alive if ebpf is not None else frozenset()
 
-        # (pid, gpu uuid) -> figures from each source
-        ebpf_mem: dict[tuple[int, str], int] = {}
-        ebpf_gpus: dict[int, list[str]] = {}
-        for u in usage:
-            info = self._info_of(u.pid, config)
-            if info is None or u.dev >= len(info.uuids):
-                continue
-            uuid = info.uuids[u.dev]
-            ebpf_mem[(u.pid, uuid)] = ebpf_mem.get((u.pid, uuid), 0) + u.bytes
-            ebpf_gpus.setdefault(u.pid, []).append(uuid)
-        launch_gpu = {pid: gpus[0] for pid, gpus in ebpf_gpus.items()}
-        for pid, dev in ebpf_devices.items():  # a context and no memory (yet) is a GPU user too
-            info = self._info_of(pid, config)
-            if info is not None and dev < len(info.uuids):
-                ebpf_mem.setdefault((pid, info.uuids[dev]), 0)
-                launch_gpu[pid] = info.uuids[dev]  # launches count on the device it works on last
-        nvml_mem = {(p.pid, p.gpu): p.used_bytes for p in nvml_procs}
-        rebuilt = self._rebuilt(config, slots, nvml_procs, physical, ebpf_mem) if self.probes is not None else {}
-
-        keys: set[tuple[int, str]] = set(ebpf_mem) | set(nvml_mem)
-        for pid, sv in slots.items():
-            for g, uuid in enumerate(physical):
-                if sv.gpu_mask >> g & 1:
-                    keys.add((pid, uuid))
-
-        live: dict[tuple[int, str], ProcessAccount] = {}
-        for pid, uuid in keys:
-            # eBPF removes a process's device at its exit: those need no /proc read to be known alive.
-            if pid not in ebpf_devices and not self.proc.alive(pid):
+        live: dict[Key, ProcessAccount] = {}
+        merged: dict[Key, Merged] = {}
+        for key in merge.places(ebpf, gate, nvml):
+            pid, uuid = key
+            # eBPF removes a process's context at its exit: those need no /proc read to be known alive.
+            if pid not in alive and not self.proc.alive(pid):
                 self._info.pop(pid, None)
                 continue
             info = self._info_of(pid, config)
             if info is None:
                 continue
-            slot = slots.get(pid)
-            g = physical.index(uuid) if uuid in physical else -1
-            gated = slot is not None
-            if (pid, uuid) in rebuilt:
-                memory = max(rebuilt[(pid, uuid)], ebpf_mem.get((pid, uuid), 0))
-            elif self.probes is not None and (pid, uuid) in ebpf_mem:
-                memory = ebpf_mem[(pid, uuid)]
-            elif slot is not None and g >= 0:
-                memory = slot.memory[g]
-            else:
-                memory = nvml_mem.get((pid, uuid), 0)
-            launches: int | None = None
-            busy = 0.0
-            if slot is not None and g >= 0:
-                launches = slot.launches[g]
-                busy = slot.busy_ns[g] / 1e9
-            elif pid in ebpf_launches and launch_gpu.get(pid) == uuid:
-                launches = ebpf_launches[pid]
-            live[(pid, uuid)] = ProcessAccount(pid, info.comm, info.group, uuid, memory, busy, launches, gated)
-            if slot is not None and g >= 0 and self.probes is not None and (pid, uuid) in ebpf_mem:
-                self._check_tampering(pid, info.group, uuid, slot.memory[g], ebpf_mem[(pid, uuid)])
+            m = merged[key] = merge.merge(key, ebpf, gate, nvml, rebuilt.get(key))
+            live[key] = ProcessAccount(pid, info.comm, info.group, uuid, m.memory, m.gate_seconds, m.launches, m.gated)
 
         if self.group_seconds is not None:
-            self._share_gpu_time(live, config)
-        self._integrate_nvml(now, live, slots, physical)
-        return self._with_exited(now, live)
+            self._share_gpu_time(live, config, ebpf.missed if ebpf is not None else frozenset())
+        self._integrate_nvml(now, live, nvml.utilization)
+        snapshot = self._with_exited(now, live)
+        for listener in self._listeners:
+            listener.on_snapshot(snapshot, merged)
+        return snapshot
 
-    def _share_gpu_time(self, live: dict[tuple[int, str], ProcessAccount], config: _Config | None) -> None:
+    def _share_gpu_time(self, live: dict[Key, ProcessAccount], config: _Config | None,
+                        missed: Collection[int]) -> None:
         """Gated processes' GPU time, apportioned within each group (GpuTimeShare)."""
         assert self.group_seconds is not None
         raw: dict[tuple[str, str], dict[int, float]] = {}
@@ -589,34 +450,16 @@ class Accounting:
             if acc.gated:
                 raw.setdefault((uuid, acc.group), {})[pid] = acc.gpu_seconds
                 info = self._info_of(pid, config)
-                if info is not None and self._inherited(pid, info):
+                if info is not None and self._inherited(pid, info, missed, self._since_ticks):
                     inherited.add(pid)
         shared = self._time_share.apportion(raw, self.group_seconds(), inherited)
         for key, seconds in shared.items():
             live[key] = replace(live[key], gpu_seconds=seconds)
 
-    def _check_tampering(self, pid: int, group: str, uuid: str, slot_bytes: int, ebpf_bytes: int) -> None:
-        """A slot that shows less than eBPF saw is hiding memory from the gates' quota. The gate
-        reserves before it calls the driver, so a slot may lead eBPF for a moment, never trail it
-        for two polls in a row with the same figures."""
-        key = (pid, uuid)
-        if slot_bytes >= ebpf_bytes:
-            self._tamper_suspect.pop(key, None)
-            self._tampered.discard(key)
-            return
-        if self._tamper_suspect.get(key) == (slot_bytes, ebpf_bytes) and key not in self._tampered:
-            self._tampered.add(key)
-            self.enforcer.note_tampering(pid, group, uuid, slot_bytes, ebpf_bytes)
-        self._tamper_suspect[key] = (slot_bytes, ebpf_bytes)
-
-    def _integrate_nvml(
-        self, now: int, live: dict[tuple[int, str], ProcessAccount], slots: Mapping[int, _SlotView],
-        physical: Sequence[str],
-    ) -> None:
+    def _integrate_nvml(self, now: int, live: dict[Key, ProcessAccount], util: Mapping[str, float]) -> None:
         """GPU time of ungated processes: NVML's busy fraction x elapsed time, less what the gates
         account on that GPU, shared equally among the ungated processes on it. Coarse by nature."""
         last, self._last_poll_ns = self._last_poll_ns, now
-        util = self.nvml.utilization() if self.nvml.available and last is not None else {}
         dt = 0.0 if last is None else (now - last) / 1e9
         for uuid, fraction in util.items():
             gated_busy = 0.0  # what the gates accounted on this GPU since the last poll
@@ -662,14 +505,12 @@ class Accounting:
         return Snapshot(now, tuple(sorted(out, key=lambda a: (a.gpu, a.pid))))
 
     def stop_watching(self) -> None:
-        """Stop the watcher thread (enforcement, rescans); close() detaches the probes after it."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=2)
+        """Stop the eBPF source's thread (enforcement, rescans); close() detaches the probes after it."""
+        if self.ebpf is not None:
+            self.ebpf.stop_watching()
 
     def close(self) -> None:
-        self.stop_watching()
-        if self.probes is not None:
-            with self._lock:
-                self.probes.close()
-            self.probes = None
+        """Stops the eBPF source's thread and detaches every uprobe."""
+        if self.ebpf is not None:
+            self.ebpf.close()
+            self.ebpf = None

@@ -31,12 +31,14 @@ import structlog
 from gemtrace import defaults
 from gemtrace import region as rg
 from gemtrace.accounting import Accounting, Snapshot
+from gemtrace.collectors.agent import AgentView
+from gemtrace.collectors.groups import GroupQuota, GroupsView
 from gemtrace.config import ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
 from gemtrace.kube.pods import NAMES_FILE, PodLabels
 from gemtrace.region import Region, RegionError
-from gemtrace.scheduler import GpuScheduler, Quota
+from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
 
 log = structlog.get_logger("gemtrace.agent")
 
@@ -393,12 +395,30 @@ class Agent:
         log.error("config_reload_failed", error=error, consequence="the last good settings stay in force")
         return False
 
+    def group_usage(self) -> dict[tuple[str, str], GroupUsage]:
+        """What the schedulers gave each group, by (GPU UUID, group name), GPU by GPU in index order."""
+        names = self.region.group_names()
+        return {(gpu.uuid, names[index]): usage
+                for gpu, scheduler in zip(self.gpus, self.schedulers, strict=True)
+                for index, usage in sorted(scheduler.usage().items()) if index in names}
+
     def group_seconds(self) -> dict[tuple[str, str], float]:
         """GPU seconds the schedulers charged each group, by (GPU UUID, group name)."""
-        names = self.region.group_names()
-        return {(gpu.uuid, names[index]): usage.gpu_seconds
-                for gpu, scheduler in zip(self.gpus, self.schedulers, strict=True)
-                for index, usage in scheduler.usage().items() if index in names}
+        return {key: usage.gpu_seconds for key, usage in self.group_usage().items()}
+
+    # -- what /metrics reads (collect apart from expose: gemtrace/collectors/) ------------------------
+
+    def agent_view(self) -> AgentView:
+        return AgentView(self.reloads["success"], self.reloads["failure"], self.last_reload_ok, tuple(self.gpus))
+
+    def groups_view(self) -> GroupsView:
+        config = self.config
+        return GroupsView(
+            quotas=tuple(GroupQuota(name, g.min_util, g.max_util, g.memory_limit) for name, g in config.groups.items()),
+            usage=tuple((gpu, group, usage) for (gpu, group), usage in self.group_usage().items()),
+            snapshot=self.snapshot,
+            pods={name: self.pod_labels.group(name) for name in config.groups},
+        )
 
     # -- running -----------------------------------------------------------------------------------
 

@@ -56,14 +56,23 @@ def _fail(message: str, status: int = 1) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from gemtrace import eventlog
+    from gemtrace import eventlog, web_config
     from gemtrace.agent import Agent, install_signal_handlers
     from gemtrace.config import ConfigError
-    from gemtrace.exporter import Exporter, ListenError
+    from gemtrace.exporter import Exporter, ListenError, listen_target, parse_group, parse_mode
     from gemtrace.gpus import GpuDiscoveryError
     from gemtrace.region import RegionError
 
     eventlog.configure(args.log_level)
+    # Who may read /metrics is checked before anything else starts: a mistake there stops the agent
+    # with one line, not after it has taken the GPUs over.
+    try:
+        socket_mode = None if args.listen_mode is None else parse_mode(args.listen_mode)
+        socket_gid = None if args.listen_group is None else parse_group(args.listen_group)
+        listen_target(args.listen, socket_mode, socket_gid)
+        web = None if args.web_config is None else web_config.load(args.web_config)
+    except (ListenError, web_config.WebConfigError) as e:
+        return _fail(str(e))
     try:
         agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode,
                       config_poll_seconds=args.config_poll, pod_names=args.pod_names)
@@ -78,7 +87,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         from gemtrace.collectors import registry_for
 
-        exporter = Exporter(registry_for(agent), args.listen)
+        exporter = Exporter(registry_for(agent), args.listen, web, socket_mode, socket_gid)
     except (ListenError, OSError) as e:
         agent.close()
         return _fail(f"cannot serve /metrics on {args.listen}: {e}")
@@ -229,7 +238,16 @@ def parser() -> argparse.ArgumentParser:
                        help=f"where the region shared with the gates lives (default ${defaults.ENV_STATE_DIR} "
                        f"or {defaults.STATE_DIR})")
     agent.add_argument("--listen", default=defaults.LISTEN, metavar="HOST:PORT",
-                       help=f"HOST:PORT to serve /metrics on (default {defaults.LISTEN})")
+                       help=f"HOST:PORT to serve /metrics on (default {defaults.LISTEN}: every local user can "
+                       "read it, processes and commands included), or unix:PATH for a unix socket whose mode "
+                       "and group say who can")
+    agent.add_argument("--listen-mode", metavar="MODE",
+                       help="with --listen unix:PATH, the socket's permission bits in octal (default 0660)")
+    agent.add_argument("--listen-group", metavar="GROUP",
+                       help="with --listen unix:PATH, the socket's group, e.g. prometheus (default root's)")
+    agent.add_argument("--web-config", type=Path, metavar="FILE",
+                       help="TLS and basic auth for /metrics, in node_exporter's web config format "
+                       "(tls_server_config, basic_auth_users with bcrypt hashes): docs/metrics.md")
     agent.add_argument("--pod-names", type=Path, default=POD_NAMES, metavar="FILE",
                        help="the Kubernetes pods' names that `gemtrace kube-plugin` writes, for the namespace, pod "
                        "and container labels (default %(default)s; absent: those labels are empty)")
@@ -275,7 +293,8 @@ def parser() -> argparse.ArgumentParser:
                             description="One view of each GPU's groups from the agent's /metrics: the share "
                             "used against MinUtil/MaxUtil, memory against the limit, and the processes.")
     status.add_argument("--listen", default=defaults.LISTEN, metavar="HOST:PORT",
-                        help=f"the agent's address (its `agent --listen`) or /metrics URL (default {defaults.LISTEN})")
+                        help="the agent's address (its `agent --listen`: HOST:PORT or unix:PATH) or /metrics URL "
+                        f"(default {defaults.LISTEN})")
     # `top` once took --url for the same address: accepted here too, so either name works for both.
     status.add_argument("--url", dest="listen", help=argparse.SUPPRESS)
     status.add_argument("--json", action="store_true", help="print the figures as JSON")

@@ -1,14 +1,29 @@
 """Memory enforcement: a group over its MemoryLimit on a GPU is brought back under it by SIGKILL.
 
 Owns the decision (which process dies) and its bookkeeping (counters, log events). The victim is
-the group's process that allocated last on that GPU, then the next-latest, until what the group
-would hold without the processes already killed is within the limit; a process outside the group
-is never a candidate. A process whose last allocation is not known (it allocated before the agent
-started: its memory was rebuilt from its slot or NVML) counts as the oldest; among equals an ungated
-process goes first (the gate held the gated one to the limit, nothing held the other). A killed
-process keeps its memory until it has exited, so it stays `pending` and is not counted twice. The
-figures come from eBPF (gemtrace.accounting), so a process without the gate is held to the limit
-too. Pure apart from the injected `kill`; called on every allocation event.
+chosen among the processes of the users (uids) who made the group go over, never a process of
+another user while one of theirs is alive (docs/accounting.md, "Who is killed"):
+
+- If the group's gated processes together are within the limit, the gate held them to it, and what
+  took the group over is the memory of its ungated processes: their uids made it go over.
+- Otherwise (the gates' own sum is over: a reload lowered the limit, a slot was tampered with,
+  memory was rebuilt after an agent restart), the uids whose processes allocated since the group was
+  last seen within its limit on that GPU did; if none did, every uid.
+
+Among those uids' processes the one that allocated last on that GPU dies first, then the next-latest,
+until what the group would hold without the processes already killed is within the limit; only then
+the other uids' processes, in the same order. In a group of one user this is the order it always
+was. A process whose last allocation is not known (it allocated before the agent started: its memory
+was rebuilt from its slot or NVML) counts as the oldest; among equals an ungated process goes first
+(the gate held the gated one to the limit, nothing held the other), then the bigger (fewer die).
+A process outside the group is never a candidate. A killed process keeps its memory until it has
+exited, so it stays `pending` and is not counted twice. The figures come from eBPF
+(gemtrace.accounting), so a process without the gate is held to the limit too. Pure apart from the
+injected `kill`; called on every allocation event.
+
+Enforcement is how it is wired: a subscriber of the accounting, woken by eBPF's allocation events
+(the OOM killer's path: it reads eBPF's memory alone, through `holdings`) and handed every merged
+snapshot (the audit of the slots: tampering). It reads no source itself and never merges.
 """
 
 from __future__ import annotations
@@ -20,9 +35,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
+
+if TYPE_CHECKING:
+    from gemtrace.accounting import Snapshot
+    from gemtrace.merge import Merged
+    from gemtrace.sources import Key
 
 RESOURCE_MEMORY = "memory"
 RESOURCES = (RESOURCE_MEMORY,)  # every `resource` a quota breach can name
@@ -38,6 +58,7 @@ class Holding:
     bytes: int
     last_alloc_ns: int
     gated: bool = False
+    uid: int | None = None  # the process's real uid (None: not known, counted as one more user)
 
 
 @dataclass(frozen=True)
@@ -49,10 +70,32 @@ class Kill:
     limit: int
     process_bytes: int
     reaction_ns: int | None = None  # from the allocation that crossed the limit to the signal
+    uid: int | None = None
 
 
 def _default_kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
+
+
+def culprit_uids(holdings: Iterable[Holding], limit: int, within_mark: int) -> frozenset[int | None]:
+    """The uids that made one group go over `limit` on one GPU (`holdings`: its processes there).
+    `within_mark`: the latest allocation the group held when it was last seen within the limit."""
+    holding = [h for h in holdings if h.bytes > 0]
+    if sum(h.bytes for h in holding if h.gated) <= limit:
+        return frozenset(h.uid for h in holding if not h.gated)
+    recent = frozenset(h.uid for h in holding if h.last_alloc_ns > within_mark)
+    return recent or frozenset(h.uid for h in holding)
+
+
+def victims_in_order(holdings: Iterable[Holding], culprits: frozenset[int | None],
+                     pending: Mapping[int, str] | frozenset[int] = frozenset()) -> list[Holding]:
+    """The order in which the group's processes on one GPU die: the culprits' processes first, each
+    set newest allocation first; on a tie ungated first, then the bigger, then the higher pid."""
+    return sorted(
+        (h for h in holdings if h.pid not in pending and h.bytes > 0),
+        key=lambda h: (h.uid in culprits, h.last_alloc_ns, not h.gated, h.bytes, h.pid),
+        reverse=True,
+    )
 
 
 class MemoryEnforcer:
@@ -64,6 +107,9 @@ class MemoryEnforcer:
         self._lock = threading.Lock()
         self._pending: dict[int, str] = {}  # pid killed -> group, until it no longer holds anything
         self._over: set[tuple[str, str]] = set()  # (gpu, group) found over its limit, until back under
+        # (gpu, group) -> the latest allocation it held when last seen within its limit: allocations
+        # after it are the ones that took it over.
+        self._within_mark: dict[tuple[str, str], int] = {}
         self.oom_kills: Counter[str] = Counter()
         self.breaches: Counter[tuple[str, str]] = Counter()  # (group, resource)
         self.tampering: Counter[str] = Counter()
@@ -86,6 +132,7 @@ class MemoryEnforcer:
                 total = sum(h.bytes for h in hs)
                 if limit is None or total <= limit:
                     self._over.discard((gpu, group))
+                    self._within_mark[(gpu, group)] = max(h.last_alloc_ns for h in hs)
                     continue
                 if (gpu, group) not in self._over:
                     self._over.add((gpu, group))
@@ -93,19 +140,18 @@ class MemoryEnforcer:
                     self._log.warning("quota_breach", group=group, gpu=gpu, resource=RESOURCE_MEMORY,
                                       bytes=total, limit=limit)
                 remaining = total - sum(h.bytes for h in hs if h.pid in self._pending)
-                candidates = sorted(
-                    (h for h in hs if h.pid not in self._pending and h.bytes > 0),
-                    key=lambda h: (h.last_alloc_ns, not h.gated),
-                    reverse=True,
-                )
-                for victim in candidates:
+                if remaining <= limit:
+                    continue  # what is pending brings it back: nobody else dies for that memory
+                culprits = culprit_uids(hs, limit, self._within_mark.get((gpu, group), 0))
+                for victim in victims_in_order(hs, culprits, self._pending):
                     if remaining <= limit:
                         break
-                    kills.append(self._kill_one(victim, total, limit, event_ns))
+                    kills.append(self._kill_one(victim, total, limit, event_ns, culprits))
                     remaining -= victim.bytes
         return kills
 
-    def _kill_one(self, victim: Holding, group_bytes: int, limit: int, event_ns: int | None) -> Kill:
+    def _kill_one(self, victim: Holding, group_bytes: int, limit: int, event_ns: int | None,
+                  culprits: frozenset[int | None]) -> Kill:
         try:
             self._kill(victim.pid)
         except ProcessLookupError:
@@ -114,9 +160,10 @@ class MemoryEnforcer:
         self._pending[victim.pid] = victim.group
         self.oom_kills[victim.group] += 1
         self._log.warning("oom_kill", pid=victim.pid, group=victim.group, gpu=victim.gpu, bytes=group_bytes,
-                          limit=limit, process_bytes=victim.bytes,
+                          limit=limit, process_bytes=victim.bytes, uid=victim.uid,
+                          culprit_uids=sorted(culprits, key=lambda u: -1 if u is None else u),
                           reaction_ms=None if reaction is None else round(reaction / 1e6, 3))
-        kill = Kill(victim.pid, victim.group, victim.gpu, group_bytes, limit, victim.bytes, reaction)
+        kill = Kill(victim.pid, victim.group, victim.gpu, group_bytes, limit, victim.bytes, reaction, victim.uid)
         self.last_kills.append(kill)
         del self.last_kills[:-16]
         return kill
@@ -131,3 +178,46 @@ class MemoryEnforcer:
             self.tampering[group] += 1
         self._log.warning("slot_tampering", pid=pid, group=group, gpu=gpu, slot_bytes=slot_bytes,
                           ebpf_bytes=ebpf_bytes)
+
+
+class Enforcement:
+    """The enforcer as the accounting's subscriber. `limits`: group -> MemoryLimit (None: none) of the
+    resource file in force; `holdings`: what every process holds now (Accounting.holdings)."""
+
+    def __init__(self, enforcer: MemoryEnforcer, limits: Callable[[], Mapping[str, int | None]],
+                 holdings: Callable[[], list[Holding]]) -> None:
+        self.enforcer = enforcer
+        self._limits = limits
+        self._holdings = holdings
+        self._tamper_suspect: dict[tuple[int, str], tuple[int, int]] = {}
+        self._tampered: set[tuple[int, str]] = set()
+
+    def on_allocation(self, event_ns: int | None) -> None:
+        """Memory may have grown: check every group on every GPU against its limit."""
+        limits = self._limits()
+        if not any(limit is not None for limit in limits.values()):
+            return  # no group has a limit: nothing to read
+        holdings = self._holdings()
+        if any(limits.get(h.group) is not None for h in holdings):
+            self.enforcer.check(holdings, limits, event_ns=event_ns)
+
+    def on_snapshot(self, snapshot: Snapshot, merged: Mapping[Key, Merged]) -> None:
+        """A slot that shows less than eBPF saw is hiding memory from the gates' quota. The gate
+        reserves before it calls the driver, so a slot may lead eBPF for a moment, never trail it
+        for two polls in a row with the same figures."""
+        for p in snapshot.processes:
+            m = merged.get((p.pid, p.gpu))
+            if m is None or m.slot_memory is None or m.ebpf_memory is None or p.exited_ns is not None:
+                continue
+            self._audit(p.pid, p.group, p.gpu, m.slot_memory, m.ebpf_memory)
+
+    def _audit(self, pid: int, group: str, uuid: str, slot_bytes: int, ebpf_bytes: int) -> None:
+        key = (pid, uuid)
+        if slot_bytes >= ebpf_bytes:
+            self._tamper_suspect.pop(key, None)
+            self._tampered.discard(key)
+            return
+        if self._tamper_suspect.get(key) == (slot_bytes, ebpf_bytes) and key not in self._tampered:
+            self._tampered.add(key)
+            self.enforcer.note_tampering(pid, group, uuid, slot_bytes, ebpf_bytes)
+        self._tamper_suspect[key] = (slot_bytes, ebpf_bytes)

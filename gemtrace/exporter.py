@@ -1,52 +1,218 @@
 """The /metrics endpoint: a small threaded HTTP server over a prometheus-client registry.
 
 Serves only what the collectors yield at scrape time; it keeps no state of its own. Uses
-prometheus-client's own handler (content negotiation, OpenMetrics) as shipped by Debian 12 (0.16).
+prometheus-client's own handler (content negotiation, OpenMetrics) as shipped by Debian 12 (0.16),
+which has no TLS, no authentication and no unix socket of its own: TLS wraps the listening socket
+with the web config's ssl context, basic auth answers 401 before prometheus-client's handler runs
+(gemtrace.web_config checks both), and `unix:PATH` listens on a socket whose mode and group say who
+may connect. /metrics names every user's processes (pid, comm, group): docs/metrics.md says who can
+see it, and how to narrow that.
 """
 
 from __future__ import annotations
 
+import grp
+import os
+import socket
+import socketserver
+import stat
 import threading
+from dataclasses import dataclass
 from http.server import ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 
+import structlog
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import MetricsHandler
+
+from gemtrace.web_config import WebConfig
+
+UNIX_PREFIX = "unix:"
+UNIX_SOCKET_MODE = 0o660  # the owner (root) and the socket's group; --listen-mode changes it
 
 
 class ListenError(ValueError):
     pass
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    """"127.0.0.1:9843", "[::1]:9843" or ":9843" (all addresses) -> (host, port)."""
+@dataclass(frozen=True)
+class UnixListen:
+    """Where and how to make the unix socket: its path, mode and group (None: the agent's own)."""
+
+    path: Path
+    mode: int = UNIX_SOCKET_MODE
+    gid: int | None = None
+
+
+def parse_listen(listen: str) -> tuple[str, int] | Path:
+    """"127.0.0.1:9843", "[::1]:9843" or ":9843" (all addresses) -> (host, port); "unix:/PATH" -> the path.
+    Port 0 asks the kernel for a free one (tests use it; the agent logs the port it got)."""
+    if listen.startswith(UNIX_PREFIX):
+        path = Path(listen[len(UNIX_PREFIX):])
+        if not path.is_absolute():
+            raise ListenError(f"--listen {listen!r}: a unix socket's path is absolute, "
+                              "e.g. unix:/run/gemtrace/metrics.sock")
+        return path
     host, sep, port = listen.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ListenError(f"--listen {listen!r}: expected HOST:PORT, e.g. 127.0.0.1:9843")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ListenError(f"--listen {listen!r}: expected HOST:PORT (e.g. 127.0.0.1:9843) or unix:/PATH")
     return host.strip("[]"), int(port)
 
 
-class _Server(ThreadingHTTPServer):
+def listen_target(listen: str, socket_mode: int | None = None, socket_gid: int | None = None
+                  ) -> tuple[str, int] | UnixListen:
+    """--listen with --listen-mode and --listen-group -> where to serve; ListenError for what does not fit."""
+    where = parse_listen(listen)
+    if isinstance(where, Path):
+        return UnixListen(where, UNIX_SOCKET_MODE if socket_mode is None else socket_mode, socket_gid)
+    if socket_mode is not None or socket_gid is not None:
+        raise ListenError("--listen-mode and --listen-group apply to a unix: --listen only; a TCP port "
+                          "has no file permissions (--web-config restricts it)")
+    return where
+
+
+def parse_mode(text: str) -> int:
+    """"0660" -> 0o660: permission bits in octal, as chmod takes them."""
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777:
+        raise ListenError(f"--listen-mode {text!r}: expected permission bits in octal, e.g. 0660")
+    return mode
+
+
+def parse_group(text: str) -> int:
+    """A group name or number -> its gid."""
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        if text.isdigit():
+            return int(text)
+        raise ListenError(f"--listen-group {text!r}: no such group (getent group {text})") from None
+
+
+def _guarded_handler(registry: CollectorRegistry, web: WebConfig | None) -> type:
+    """prometheus-client's handler for `registry`, behind the web config's basic auth if it has one."""
+    handler: type = MetricsHandler.factory(registry)
+    if web is None or web.basic_auth is None:
+        return handler
+    auth = web.basic_auth
+
+    class BasicAuthHandler(handler):  # type: ignore[valid-type,misc]
+        def do_GET(self) -> None:
+            if not auth.allows(self.headers.get("Authorization")):
+                body = b"Unauthorized\n"
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Basic realm="gemtrace"')
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            super().do_GET()
+
+    return BasicAuthHandler
+
+
+class _TlsMixin:
+    """Wraps each accepted connection in TLS. The handshake happens in the request's own thread (on
+    its first read), not in accept(): a client that stalls it cannot hold up the others."""
+
+    tls: Any = None
+
+    def get_request(self) -> tuple[Any, Any]:
+        conn, addr = super().get_request()  # type: ignore[misc]
+        if self.tls is not None:
+            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        return conn, addr
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a failed handshake or a client that hung up: nothing to tell anyone, nothing to clean up
+
+
+class _TcpServer(_TlsMixin, ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address: tuple[str, int], handler: type, ipv6: bool) -> None:
         if ipv6:
-            import socket
-
             self.address_family = socket.AF_INET6
         super().__init__(address, handler)
 
 
+class _UnixServer(_TlsMixin, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """http.server's HTTPServer assumes a (host, port) address; a unix socket needs none of it."""
+
+    daemon_threads = True
+
+    def __init__(self, where: UnixListen, handler: type) -> None:
+        self.path = where.path
+        super().__init__(str(where.path), handler, bind_and_activate=False)
+        self._bound = False  # server_close() removes the socket file only once this server made it
+        try:
+            _remove_stale_socket(where.path)
+            self.server_bind()
+            self._bound = True
+            # Mode and group before listen(): until then a connect() is refused, so no client gets
+            # in under the umask's looser bits.
+            if where.gid is not None:
+                os.chown(where.path, -1, where.gid)
+            os.chmod(where.path, where.mode)
+            self.server_activate()
+        except BaseException:
+            self.server_close()
+            raise
+
+    def server_close(self) -> None:
+        super().server_close()
+        if self._bound:
+            self._bound = False
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+
+
+def _remove_stale_socket(path: Path) -> None:
+    """A socket file left by an agent that died; anything else at the path is the operator's."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ListenError(f"{path} exists and is not a socket; remove it or choose another unix: path")
+    path.unlink()
+
+
 class Exporter:
-    def __init__(self, registry: CollectorRegistry, listen: str) -> None:
-        host, port = parse_listen(listen)
-        self.server = _Server((host, port), MetricsHandler.factory(registry), ipv6=":" in host)
-        self.address = f"{host}:{self.server.server_address[1]}"
+    def __init__(self, registry: CollectorRegistry, listen: str, web: WebConfig | None = None,
+                 socket_mode: int | None = None, socket_gid: int | None = None) -> None:
+        where = listen_target(listen, socket_mode, socket_gid)
+        handler = _guarded_handler(registry, web)
+        self.server: _TcpServer | _UnixServer
+        if isinstance(where, UnixListen):
+            self.server = _UnixServer(where, handler)
+            self.address = f"{UNIX_PREFIX}{where.path}"
+        else:
+            host, port = where
+            self.server = _TcpServer((host, port), handler, ipv6=":" in host)
+            self.address = f"{host}:{self.server.server_address[1]}"
+        self.server.tls = web.tls if web is not None else None
+        # Who may read it, for the log: the web config's checks, the socket's mode and group.
+        self._access: dict[str, str] = {"web_config": f"{web.path} ({web.describe()})"} if web is not None else {}
+        if isinstance(where, UnixListen):
+            self._access.update(socket_mode=f"{where.mode:04o}", socket_gid=str(os.getgid() if where.gid is None
+                                                                                 else where.gid))
+        self.scheme = "https" if self.server.tls is not None else "http"
         # serve_forever looks for shutdown() this often: the default 0.5 s would add as much to every stop.
         self._thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), name="gemtrace-exporter",
                                         daemon=True)
 
     def start(self) -> None:
         self._thread.start()
+        structlog.get_logger("gemtrace.exporter").info("metrics_serving", address=self.address, scheme=self.scheme,
+                                                       **self._access)
 
     def stop(self) -> None:
         self.server.shutdown()

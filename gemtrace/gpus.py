@@ -7,6 +7,7 @@ with what to check; the simulated GPU in tests/ provides an NVML that pynvml loa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 
 class GpuDiscoveryError(Exception):
@@ -25,7 +26,8 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def discover() -> list[Gpu]:
+def nvml() -> ModuleType:
+    """pynvml, initialised; GpuDiscoveryError (saying what to check) when NVML cannot be had."""
     try:
         import pynvml
 
@@ -35,6 +37,11 @@ def discover() -> list[Gpu]:
             f"NVML is not available ({e}); is the NVIDIA driver installed and libnvidia-ml.so.1 on the "
             "library path?"
         ) from None
+    return pynvml
+
+
+def discover() -> list[Gpu]:
+    pynvml = nvml()
     gpus = []
     for index in range(pynvml.nvmlDeviceGetCount()):
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)

@@ -4,7 +4,8 @@ A process belongs to the group named by GEMTRACE_GROUP in its environment; else 
 `Cgroup` rule in the resource file is the longest prefix (at a path boundary) of one of its cgroup
 paths (e.g. /kubepods/pod1234); else to `default`. Its device ordinals map to physical GPUs through
 CUDA_VISIBLE_DEVICES (ordinals or UUIDs or unique UUID prefixes, as CUDA reads them), never by
-ordinal alone (HAMi #1218). Parsers take text; ProcReader takes its /proc root. Never writes.
+ordinal alone (HAMi #1218). It also reads a process's uid, for enforcement's choice of victim.
+Parsers take text; ProcReader takes its /proc root. Never writes.
 """
 
 from __future__ import annotations
@@ -89,6 +90,16 @@ def parse_start_time(stat: bytes) -> int | None:
         return None
 
 
+def parse_uid(status: bytes) -> int | None:
+    """/proc/PID/status's `Uid:` line (real, effective, saved, filesystem): the real uid, the user who
+    started the process (a set-uid program keeps its caller's)."""
+    for line in status.splitlines():
+        if line.startswith(b"Uid:"):
+            fields = line.split()
+            return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    return None
+
+
 class ProcReader:
     """Reads one process's facts from a /proc tree; every reader returns None when the process is gone."""
 
@@ -112,6 +123,11 @@ class ProcReader:
     def comm(self, pid: int) -> str | None:
         raw = self._read(pid, "comm")
         return None if raw is None else raw.decode("utf-8", "replace").strip()
+
+    def uid(self, pid: int) -> int | None:
+        """The real uid (/proc/PID/status): whose process it is, for enforcement's choice of victim."""
+        raw = self._read(pid, "status")
+        return None if raw is None else parse_uid(raw)
 
     def start_time(self, pid: int) -> int | None:
         """Field 22 of /proc/PID/stat (clock ticks since boot): tells a reused pid apart."""

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import mmap
 import os
 from collections.abc import Callable, Iterator
+from functools import cached_property
 from pathlib import Path
 
 # The header is the source of truth; these literals are the installed package's copy of it, and
@@ -280,6 +282,7 @@ class Region:
         return cls(path, fd, mapping)
 
     def close(self) -> None:
+        self.__dict__.pop("slot_columns", None)  # its views point into the mapping about to go
         del self.layout
         try:
             self._map.close()
@@ -371,14 +374,8 @@ class Region:
 
     def slot_groups(self) -> dict[int, int]:
         """slot index -> group index of every claimed slot, in one strided pass."""
-        stride = ctypes.sizeof(Slot) // 4
-        base = RegionLayout.slots.offset // 4
-        words = memoryview(self._map).cast("I")
-        try:
-            pids = words[base + Slot.pid.offset // 4 : base + stride * MAX_SLOTS : stride].tolist()
-            groups = words[base + Slot.group.offset // 4 : base + stride * MAX_SLOTS : stride].tolist()
-        finally:
-            words.release()
+        columns = self.slot_columns
+        pids, groups = columns.pids(), columns.group.tolist()
         return {i: g for i, (p, g) in enumerate(zip(pids, groups, strict=True)) if p}
 
     def move_slot(self, index: int, pid: int, old: int, new: int) -> bool:
@@ -432,22 +429,20 @@ class Region:
 
     # -- slots -----------------------------------------------------------------------------------
 
+    @cached_property
+    def slot_columns(self) -> SlotColumns:
+        """The one reader of the slots' counters (the scheduler, the reaper and the accounting use it)."""
+        return SlotColumns(self.layout)
+
     def live_slots(self) -> Iterator[tuple[int, Slot]]:
         """(index, slot) for every claimed slot; the slot is the live view, copy what must not move."""
         slots = self.layout.slots
-        for index in range(MAX_SLOTS):
-            if slots[index].pid:
-                yield index, slots[index]
+        for index in self.slot_columns.live():
+            yield index, slots[index]
 
     def slot_pids(self) -> list[int]:
         """The pid of every slot (0 = free), read in one strided pass: cheap enough for every tick."""
-        stride = ctypes.sizeof(Slot) // 4
-        start = RegionLayout.slots.offset // 4 + Slot.pid.offset // 4
-        words = memoryview(self._map).cast("i")
-        try:
-            return words[start : start + stride * MAX_SLOTS : stride].tolist()
-        finally:
-            words.release()
+        return self.slot_columns.pids()
 
     def translate_slot(self, index: int, pid: int, host_pid: int) -> bool:
         """Give a slot claimed from another PID namespace (`pid` there) the pid its process has in the
@@ -468,3 +463,56 @@ class Region:
         ctypes.memset(ctypes.addressof(slot) + Slot.group.offset, 0, ctypes.sizeof(Slot) - Slot.group.offset)
         slot.pid = 0  # last: a gate claiming it with CAS finds a zeroed slot
         return True
+
+
+class SlotColumns:
+    """Strided views of the slots' fields, the one way the slots' counters are read: element i of
+    `pid` is slots[i].pid, element i of `memory(g)` is slots[i].memory[g], and so on.
+
+    Reading a column with tolist() runs at C speed; indexing one element is one memory load, so a
+    reader pays a few microseconds plus a little per live slot, and copies nothing it does not read.
+    The views point into the layout they were made from: the live mapping for the agent (which must
+    not read them after Region.close), a copy for a read-only reader. Never writes.
+    """
+
+    def __init__(self, layout: RegionLayout) -> None:
+        slots = layout.slots
+        table = (ctypes.c_char * ctypes.sizeof(slots)).from_address(ctypes.addressof(slots))
+        raw = memoryview(table).cast("B")
+        self._stride = ctypes.sizeof(Slot)
+        self._words32, self._words64 = raw.cast("I"), raw.cast("Q")
+        self._raw = raw  # keeps the views' base alive
+        self.pid = raw.cast("i")[Slot.pid.offset // 4 :: self._stride // 4]
+        self.group = self._col32(Slot.group.offset)
+        self.gpu_mask = self._col32(Slot.gpu_mask.offset)
+        self.start_time = self._col64(Slot.start_time.offset)
+
+    def _col32(self, offset: int) -> memoryview:
+        return self._words32[offset // 4 :: self._stride // 4]
+
+    def _col64(self, offset: int) -> memoryview:
+        return self._words64[offset // 8 :: self._stride // 8]
+
+    def pids(self) -> list[int]:
+        """The pid of every slot (0 = free)."""
+        return self.pid.tolist()
+
+    def live(self) -> list[int]:
+        """The indices of the claimed slots."""
+        return list(itertools.compress(range(MAX_SLOTS), self.pid.tolist()))
+
+    # Per GPU: element i is slots[i].<field>[gpu].
+    def memory(self, gpu: int) -> memoryview:
+        return self._col64(Slot.memory.offset + 8 * gpu)
+
+    def launches(self, gpu: int) -> memoryview:
+        return self._col64(Slot.launches.offset + 8 * gpu)
+
+    def busy_ns(self, gpu: int) -> memoryview:
+        return self._col64(Slot.busy_ns.offset + 8 * gpu)
+
+    def drained_ns(self, gpu: int) -> memoryview:
+        return self._col64(Slot.drained_ns.offset + 8 * gpu)
+
+    def waiting(self, gpu: int) -> memoryview:
+        return self._col32(Slot.waiting.offset + 4 * gpu)

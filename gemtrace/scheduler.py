@@ -20,7 +20,6 @@ while nothing changes.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -42,34 +41,17 @@ RESCAN_NS = 50_000_000
 
 
 class SlotTable:
-    """Strided views of the slots' fields for one GPU: element i of `pid` is slots[i].pid, and so on.
-
-    Reading a column with tolist() runs at C speed; indexing one element is one memory load, so a look
-    costs a few microseconds plus a little per live slot.
-    """
+    """One GPU's columns of the region's SlotColumns (region.py: the one reader of the slots'
+    counters): element i of `pid` is slots[i].pid, of `launches` slots[i].launches[gpu], and so on."""
 
     def __init__(self, region: rg.Region, gpu: int) -> None:
-        slots = region.layout.slots
-        table = (ctypes.c_char * ctypes.sizeof(slots)).from_address(ctypes.addressof(slots))
-        raw = memoryview(table).cast("B")
-        size = ctypes.sizeof(rg.Slot)
-        words32, words64 = raw.cast("I"), raw.cast("Q")
-
-        def col32(offset: int) -> memoryview:
-            return words32[offset // 4 :: size // 4]
-
-        def col64(offset: int) -> memoryview:
-            return words64[offset // 8 :: size // 8]
-
-        self._raw = raw  # keeps the views' base alive
-        self.pid = raw.cast("i")[rg.Slot.pid.offset // 4 :: size // 4]
-        self.group = col32(rg.Slot.group.offset)
-        self.waiting = col32(rg.Slot.waiting.offset + 4 * gpu)
-        self.launches = col64(rg.Slot.launches.offset + 8 * gpu)
-        self.drained_ns = col64(rg.Slot.drained_ns.offset + 8 * gpu)
-
-    def live(self) -> list[int]:
-        return list(itertools.compress(range(rg.MAX_SLOTS), self.pid.tolist()))
+        columns = region.slot_columns
+        self.pid = columns.pid
+        self.group = columns.group
+        self.waiting = columns.waiting(gpu)
+        self.launches = columns.launches(gpu)
+        self.drained_ns = columns.drained_ns(gpu)
+        self.live = columns.live
 
 
 @dataclass

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import curses
+import http.client
+import socket
 import sys
 import time
 import urllib.request
@@ -27,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gemtrace import defaults, region
 from gemtrace.config import format_size
+from gemtrace.exporter import UNIX_PREFIX
 from gemtrace.metrics import CATALOGUE
 
 REFRESH_SECONDS = 1.0
@@ -303,7 +306,30 @@ def render(frame: Frame, source: str, width: int = 100) -> list[str]:
     return [line[:width] for line in lines]
 
 
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP over the agent's unix socket: the socket's mode and group decide who may read /metrics."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.socket_path)
+
+
 def fetch(url: str, timeout: float = 2.0) -> str:
+    if url.startswith(UNIX_PREFIX):
+        conn = _UnixHTTPConnection(url[len(UNIX_PREFIX):], timeout)
+        try:
+            conn.request("GET", "/metrics")
+            reply = conn.getresponse()
+            if reply.status != 200:
+                raise OSError(f"HTTP {reply.status} {reply.reason}")
+            return reply.read().decode("utf-8")
+        finally:
+            conn.close()
     with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 (operator-given URL)
         body: bytes = response.read()
     return body.decode("utf-8")
@@ -312,7 +338,7 @@ def fetch(url: str, timeout: float = 2.0) -> str:
 def snapshot(source: str, previous: Frame | None) -> Frame:
     """The next frame from an agent URL, or from a state dir's region when `source` is a path."""
     now = time.time()
-    if not source.startswith(("http://", "https://")):
+    if not source.startswith(("http://", "https://", UNIX_PREFIX)):
         try:
             r = region.Region.open(Path(source), writable=False)
         except (OSError, region.RegionError) as exc:
@@ -365,8 +391,8 @@ def _curses(stdscr: curses.window, url: str, interval: float) -> int:
 
 
 def metrics_url(address: str) -> str:
-    """`host:port` or a full URL; the agent serves /metrics."""
-    if "://" in address:
+    """`host:port`, `unix:PATH` or a full URL; the agent serves /metrics."""
+    if "://" in address or address.startswith(UNIX_PREFIX):
         return address
     return f"http://{address}/metrics"
 
@@ -376,7 +402,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="gemtrace top",
                                  description="Live view of gemtrace's groups on this host.")
     ap.add_argument("--listen", default=defaults.LISTEN, metavar="HOST:PORT",
-                    help=f"the agent's address (its `agent --listen`) or /metrics URL (default {defaults.LISTEN})")
+                    help="the agent's address (its `agent --listen`: HOST:PORT or unix:PATH) or /metrics URL "
+                    f"(default {defaults.LISTEN})")
     # The first name of --listen, kept working for scripts; `gemtrace status` always said --listen.
     ap.add_argument("--url", dest="listen", help=argparse.SUPPRESS)
     ap.add_argument("--state-dir", type=Path, default=None, metavar="DIR",

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gemtrace.gpus import GpuDiscoveryError
+from gemtrace.gpus import nvml
 from gemtrace.placement import GpuNode, Links, PcieLevel
 
 
@@ -107,15 +107,7 @@ def _nvlinks(pynvml: Any, handle: Any) -> list[NvLink]:
 
 def read() -> list[GpuNode]:
     """This host's GPUs in NVML's (physical) order, with their links; GpuDiscoveryError without NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception as e:  # pynvml raises NVMLError_LibraryNotFound, _DriverNotLoaded, ...
-        raise GpuDiscoveryError(
-            f"NVML is not available ({e}); is the NVIDIA driver installed and libnvidia-ml.so.1 on the "
-            "library path?"
-        ) from None
+    pynvml = nvml()
     try:
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         readings = [

@@ -46,9 +46,12 @@ struct gt_process {
     uint64_t burst_start_ns[GT_MAX_GPUS];
     uint64_t burst_first_launch[GT_MAX_GPUS]; /* slot->launches[gpu] when the burst opened */
     uint64_t launch_ns[GT_MAX_GPUS];      /* a launch's share of a burst's time, decayed mean (0: none yet) */
+    uint64_t launch_ns_weight[GT_MAX_GPUS]; /* the launches behind launch_ns, decayed (gt_close_burst) */
     /* keep_queue_short (launch.c): launches up to queue_base[gpu] are known to have run; an event
-     * recorded after launch marker_launch[gpu] while marker_armed[gpu]. */
+     * recorded after launch marker_launch[gpu] while marker_armed[gpu]; the launch count at which the
+     * short queue next needs a look, queue_check_at[gpu] (0: the next launch). */
     uint64_t queue_base[GT_MAX_GPUS];
+    uint64_t queue_check_at[GT_MAX_GPUS];
     uint64_t marker_launch[GT_MAX_GPUS];
     uint32_t marker_armed[GT_MAX_GPUS];
     CUevent marker_event[GT_MAX_GPUS];

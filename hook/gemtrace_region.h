@@ -37,8 +37,9 @@
  *   1. drains: if its process launched on that GPU since it last drained, it synchronises the
  *      launch's stream (or the context) and stores slots[i].drained_ns[gpu] = now (the burst's end);
  *   2. adds 1 to slots[i].waiting[gpu], futex-waits on `held` (timeout GT_HOLD_RECHECK_NS so it can
- *      re-check the heartbeat), and leaves when held != GT_HELD or the heartbeat is older than
- *      GT_HEARTBEAT_STALE_NS (no agent: never hang); then subtracts 1 from waiting[gpu].
+ *      re-check the heartbeat), and leaves when held != GT_HELD, when its slot names another group
+ *      (the agent moved it: the old entry may already serve a new name), or when the heartbeat is
+ *      older than GT_HEARTBEAT_STALE_NS (no agent: never hang); then subtracts 1 from waiting[gpu].
  * The agent stores a released value then FUTEX_WAKEs all waiters on the word; on a clean stop it
  * releases every word and stores heartbeat_ns = 0.
  *

@@ -2,14 +2,15 @@
  * launch.c - kernel launches and synchronisation: the gate's fast path.
  *
  * Within quota a launch costs: one load of `attached`, one load of the group's held word, one load of
- * the burst flag and a relaxed add to our slot's launch counter; no lock, no system call, no clock.
+ * the burst flag and a relaxed atomic add to our slot's launch counter (atomic: the process's threads
+ * launch at once; docs/gate.md has the figures); no mutex, no system call, no clock.
  * Held: the launching thread first drains what the process has queued on that GPU (so the next group's
  * slice is not eaten by our backlog; Gemini's hook likewise records an event at quota expiry and waits
  * for it: docs/scheduler.md), then sleeps on the held word (a shared futex; the agent wakes it),
  * re-checking the agent's heartbeat so it never hangs without one.
  * Released with a short queue (a hold is coming): a launch that would leave more than about
  * GT_QUEUE_BOUND_NS of work queued first waits for part of it (keep_queue_short), so that the hold's
- * drain is short whatever the process queues.
+ * drain is short whatever the process queues; the launches before the next look cost a compare.
  *
  * A burst is the time from the first launch after the process was idle to the sync that drains it;
  * its length is added to the slot's busy_ns (on a time-sliced GPU it includes other contexts' kernels
@@ -40,9 +41,12 @@ static void open_burst(int gpu)
         gt_proc.burst_first_launch[gpu] = launches;
         __atomic_store_n(&gt_proc.queue_base[gpu], launches, __ATOMIC_RELAXED);
         __atomic_store_n(&gt_proc.marker_armed[gpu], 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&gt_proc.queue_check_at[gpu], 0, __ATOMIC_RELAXED); /* keep_queue_short recounts */
         gt_proc.burst_start_ns[gpu] = gt_now_ns();
     }
 }
+
+#define GT_LAUNCH_WEIGHT_MAX (1ull << 24) /* launches: keeps mean * weight within 64 bits */
 
 void gt_close_burst(int gpu)
 {
@@ -56,8 +60,22 @@ void gt_close_burst(int gpu)
             __atomic_fetch_add(&gt_proc.slot->busy_ns[gpu], now - start, __ATOMIC_RELAXED);
         uint64_t launches = __atomic_load_n(&gt_proc.slot->launches[gpu], __ATOMIC_RELAXED) - gt_proc.burst_first_launch[gpu];
         if (now > start && launches > 0 && launches < UINT32_MAX) {
+            /* A mean over launches, the older ones decayed: a burst weighs at least a quarter, and
+             * more where it had more launches than the figure so far. The first figure comes from the
+             * 16 launches that keep_queue_short drains to measure one, slowed by the program's first
+             * launches: about 5 us where a steady launch takes 60 ns in the simulated GPU's
+             * empty-launch loop. A plain 3:1 decay still read 2.9 us after bursts of 200000 and
+             * 2000000 launches, and the short queue waited on its marker every 1000 launches. */
             uint64_t per = (now - start) / launches, mean = __atomic_load_n(&gt_proc.launch_ns[gpu], __ATOMIC_RELAXED);
-            __atomic_store_n(&gt_proc.launch_ns[gpu], mean ? (3 * mean + per) / 4 : per, __ATOMIC_RELAXED);
+            uint64_t prior = gt_proc.launch_ns_weight[gpu];
+            if (prior > 3 * launches)
+                prior = 3 * launches;
+            if (prior > GT_LAUNCH_WEIGHT_MAX)
+                prior = GT_LAUNCH_WEIGHT_MAX;
+            if (!mean)
+                prior = 0;
+            __atomic_store_n(&gt_proc.launch_ns[gpu], (mean * prior + per * launches) / (prior + launches), __ATOMIC_RELAXED);
+            gt_proc.launch_ns_weight[gpu] = prior + launches;
         }
     }
     __atomic_store_n(&gt_proc.slot->drained_ns[gpu], now, __ATOMIC_RELEASE);
@@ -80,14 +98,18 @@ static void drain(int gpu, CUstream stream)
         gt_close_burst(gpu);
 }
 
-static __attribute__((noinline)) void hold(int gpu, uint32_t *held, CUstream stream)
+/* `group` is the group whose word `held` is: the wait also ends when the agent moves the process to
+ * another group (its group was dropped, and the entry may already serve a new name whose word stays
+ * held while nobody of it has work: waiting on there would be waiting for ever). The next launch
+ * then reads its new group's word. */
+static __attribute__((noinline)) void hold(int gpu, uint32_t *held, CUstream stream, uint32_t group)
 {
     if (!gt_agent_alive())
         return; /* no agent, or a stale one: never hang (the last limits written still apply to memory) */
     drain(gpu, stream);
     struct gt_slot *slot = gt_proc.slot;
     __atomic_fetch_add(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
-    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive())
+    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group)
         futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
     __atomic_store_n(&slot->last_launch_ns[gpu], gt_now_ns(), __ATOMIC_RELAXED);
@@ -137,22 +159,41 @@ static bool record_marker(int gpu, CUstream stream, uint64_t launches)
     return true;
 }
 
-static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream)
+/* The launch count at which the short queue next needs a look: where half the bound is queued and
+ * no event is recorded yet, or where the bound is crossed and one is. The launches between cost one
+ * compare (queue_check_due); the clock, the heartbeat and the lock are read only here. */
+static uint64_t next_queue_check(int gpu, uint64_t per_launch)
+{
+    uint64_t bound = GT_QUEUE_BOUND_NS / per_launch;                               /* queued <= the bound */
+    uint64_t half = (GT_QUEUE_BOUND_NS / 2 + per_launch - 1) / per_launch;         /* queued >= half of it */
+    uint64_t base = __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED);
+    return __atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) ? base + bound + 1 : base + half;
+}
+
+static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream, uint64_t launches)
 {
     if (!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE))
-        return false;
-    uint64_t launches = __atomic_load_n(&gt_proc.slot->launches[gpu], __ATOMIC_RELAXED);
+        return false; /* nothing queued; open_burst starts the count again */
     uint64_t per_launch = __atomic_load_n(&gt_proc.launch_ns[gpu], __ATOMIC_RELAXED);
-    if (!per_launch) {
+    if (!per_launch) { /* until the first drain: the next launch looks again */
         if (launches - gt_proc.burst_first_launch[gpu] < GT_FIRST_MEASURE_LAUNCHES &&
             gt_now_ns() - gt_proc.burst_start_ns[gpu] <= GT_QUEUE_BOUND_NS)
             return false;
         drain(gpu, stream);
         return true;
     }
-    uint64_t queued = (launches - __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED)) * per_launch;
-    if (queued < GT_QUEUE_BOUND_NS / 2 || !gt_agent_alive() || pthread_mutex_trylock(&marker_lock) != 0)
+    uint64_t due = next_queue_check(gpu, per_launch);
+    if (launches < due) {
+        __atomic_store_n(&gt_proc.queue_check_at[gpu], due, __ATOMIC_RELAXED);
         return false;
+    }
+    if (!gt_agent_alive()) { /* the word is stale: look again half a bound later, not on every launch */
+        __atomic_store_n(&gt_proc.queue_check_at[gpu], launches + GT_QUEUE_BOUND_NS / 2 / per_launch + 1, __ATOMIC_RELAXED);
+        return false;
+    }
+    if (pthread_mutex_trylock(&marker_lock) != 0)
+        return false; /* another thread is at it; this launch passes */
+    uint64_t queued = (launches - __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED)) * per_launch;
     bool waited = false;
     if (__atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) && queued > GT_QUEUE_BOUND_NS) {
         /* Not through our cuEventSynchronize wrapper: this is no end of a burst. */
@@ -165,12 +206,21 @@ static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream)
     bool fallback = false;
     if (!__atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) && queued >= GT_QUEUE_BOUND_NS / 2)
         fallback = !record_marker(gpu, stream, launches) && queued > GT_QUEUE_BOUND_NS;
+    /* With no event recorded (the driver refused one) the next launch looks again, as before. */
+    __atomic_store_n(&gt_proc.queue_check_at[gpu], fallback ? 0 : next_queue_check(gpu, per_launch), __ATOMIC_RELAXED);
     pthread_mutex_unlock(&marker_lock);
     if (fallback) { /* no event to wait on: drain all of it */
         drain(gpu, stream);
         waited = true;
     }
     return waited;
+}
+
+/* Released with a short queue: most launches only compare their count with the next check's. */
+static inline bool queue_check_due(int gpu, uint64_t *launches)
+{
+    *launches = __atomic_load_n(&gt_proc.slot->launches[gpu], __ATOMIC_RELAXED);
+    return *launches >= __atomic_load_n(&gt_proc.queue_check_at[gpu], __ATOMIC_RELAXED);
 }
 
 static GT_TLS uint32_t ungated_launches;
@@ -185,15 +235,17 @@ static void gate_launch(CUstream stream)
     int gpu = gt_proc.single_gpu;
     if (GT_UNLIKELY(gpu < 0) && (gpu = gt_stream_gpu(stream)) < 0)
         return;
-    uint32_t *held = &gt_proc.region->control[gpu][gt_group()].held;
+    uint32_t group = gt_group();
+    uint32_t *held = &gt_proc.region->control[gpu][group].held;
     uint32_t state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
     if (GT_UNLIKELY(state != GT_RELEASED)) {
         /* After a wait the group may have been held meanwhile: look again, or this launch would
          * queue work behind the drain the scheduler has just seen end. */
-        if (state == GT_RELEASED_SHORT_QUEUE && keep_queue_short(gpu, stream))
+        uint64_t launches;
+        if (state == GT_RELEASED_SHORT_QUEUE && queue_check_due(gpu, &launches) && keep_queue_short(gpu, stream, launches))
             state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
         if (state == GT_HELD)
-            hold(gpu, held, stream);
+            hold(gpu, held, stream, group);
     }
     if (GT_UNLIKELY(!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_RELAXED)))
         open_burst(gpu);

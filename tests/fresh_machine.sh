@@ -116,12 +116,14 @@ chmod 755 "$root/usr/sbin/policy-rc.d"
 git clone --quiet --no-hardlinks "$top" "$root/root/gemtrace"
 if [ -d "$top/../shared" ]; then cp -rL "$top/../shared" "$root/root/shared"; fi
 
-# The root a mount of its own, to become the namespace's root below. /sys without its submounts:
-# tracefs and debugfs are for tests/prereqs.sh to mount, as it would on a new machine. /dev/shm
+# The root a mount of its own, to become the namespace's root below. /sys without its submounts but
+# the cgroups: tracefs and debugfs are for tests/prereqs.sh to mount, as it would on a new machine. /dev/shm
 # private: the simulated GPU keeps its state there.
 mount --bind "$root" "$root"
 mount -t proc proc "$root/proc"
 mount --bind /sys "$root/sys"
+# The cgroup hierarchies a booted machine has mounted (the kubelet of the k8s tier needs them).
+mount --rbind /sys/fs/cgroup "$root/sys/fs/cgroup"
 mount --bind /dev "$root/dev"
 mount --bind /dev/pts "$root/dev/pts"
 mount -t tmpfs -o mode=1777 tmpfs "$root/dev/shm"

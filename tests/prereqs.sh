@@ -25,9 +25,10 @@ test_packages=(
     dpkg-dev      # dpkg-shlibdeps: make deb (test_deb)
     systemd       # systemd-analyze verify: test_deb
     tmux          # test_top's terminal mode
+    openssl       # self-signed certificates: test_metrics_access, test_exporter (and the k8s tier's)
     # The k8s tier's one-node cluster (tests/k8s/cluster.sh): Kubernetes built from Debian's source
     # with Go, Debian's reflect2 1.0.2 in place of the vendored 1.0.1, etcd, containerd and runc.
-    golang-go golang-github-modern-go-reflect2-dev etcd-server containerd runc openssl curl rsync jq
+    golang-go golang-github-modern-go-reflect2-dev etcd-server containerd runc curl rsync jq
 )
 
 level=${1:-}

@@ -12,10 +12,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gemtrace.accounting import Accounting, GpuTimeShare, ProcessAccount, Snapshot
 from gemtrace.collectors.processes import ProcessCollector
+from gemtrace.enforcement import MemoryEnforcer
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
 from gemtrace.probes import libcuda
 from gemtrace.probes.bpf_loader import has_bpf_privilege
+from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.region import Region
+from gemtrace.sources import Figures
+from gemtrace.sources.fakes import FakeEbpf, FakeGate
+from gemtrace.sources.fakes import FakeNvml as FakeNvmlReader
 
 pytestmark = pytest.mark.unit
 
@@ -225,3 +230,102 @@ def test_a_groups_processes_share_its_time_and_never_get_more() -> None:
     assert got[(5, UUIDS[1])] == 7.0 and got[(6, UUIDS[0])] == 0.0
     got = share.apportion({a: {6: 50.5}}, {a: 4.0})
     assert got[(6, UUIDS[0])] == pytest.approx(0.5)
+
+
+# -- the accounting with fake sources (gemtrace/sources/fakes.py): no root, no bcc ---------------------
+
+MiB = 1 << 20
+
+
+def _fake_accounting(tmp_path: Path, ebpf: FakeEbpf, gate: FakeGate | None = None, nvml: FakeNvmlReader | None = None,
+                     limit: int | None = 100 * MiB, **kw: object) -> tuple[Accounting, MemoryEnforcer, list[int]]:
+    killed: list[int] = []
+    enforcer = MemoryEnforcer(kill=killed.append, clock=lambda: 1_000_000_500)
+    acc = Accounting(None, lambda: Config({"train": Group(limit)}), proc_root=tmp_path, ebpf=ebpf,
+                     gate=gate or FakeGate(), nvml=nvml or FakeNvmlReader(gpus=UUIDS), enforcer=enforcer,
+                     **kw)  # type: ignore[arg-type]
+    return acc, enforcer, killed
+
+
+def test_an_allocation_over_the_limit_kills_at_once_without_a_poll(tmp_path: Path) -> None:
+    for pid in (401, 402, 403):
+        _proc_tree(tmp_path, pid, environ=b"GEMTRACE_GROUP=train\0")
+    ebpf = FakeEbpf()
+    acc, enforcer, killed = _fake_accounting(tmp_path, ebpf)
+    ebpf.allocate(401, 0, 60 * MiB, ts_ns=1_000_000_000)
+    ebpf.allocate(403, 1, 90 * MiB, ts_ns=1_000_000_100)  # another GPU: its own limit
+    assert killed == []
+    ebpf.allocate(402, 0, 50 * MiB, ts_ns=1_000_000_200)  # 110 MiB on GPU 0: the latest allocator goes
+    assert killed == [402]
+    (kill,) = enforcer.last_kills
+    assert (kill.group_bytes, kill.process_bytes, kill.reaction_ns) == (110 * MiB, 50 * MiB, 300)
+    ebpf.allocate(401, 0, 1 * MiB, ts_ns=1_000_000_300)  # 402 is pending until it exits: not twice
+    assert killed == [402]
+    ebpf.exit(402)
+    snap = acc.poll()
+    assert {(p.pid, p.gpu): p.memory_bytes for p in snap.processes} == {
+        (401, UUIDS[0]): 61 * MiB, (403, UUIDS[1]): 90 * MiB}
+    acc.close()
+
+
+def test_inherited_processes_are_rebuilt_from_slot_and_nvml_less_the_context_and_enforced(tmp_path: Path) -> None:
+    _proc_tree(tmp_path, 501, environ=b"GEMTRACE_GROUP=train\0")  # started at tick 4242
+    _proc_tree(tmp_path, 502, environ=b"GEMTRACE_GROUP=train\0")
+    ebpf = FakeEbpf(since_ticks=5000)  # the probes attached after both started: eBPF missed their memory
+    # 502 is gated: its slot (30 MiB) against NVML (830 MiB) says the context costs 800 MiB.
+    gate = FakeGate({(502, UUIDS[0]): Figures(memory=30 * MiB, launches=3, busy_ns=0)}, {502: 4242})
+    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(502, UUIDS[0], 830 * MiB)])
+    acc, _, killed = _fake_accounting(tmp_path, ebpf, gate, nvml)
+    assert killed == []  # checked at start: 30 MiB fit
+    nvml.procs.append(NvmlProcess(501, UUIDS[0], 890 * MiB))  # first seen now (a container's libcuda)
+    by_pid = {p.pid: p for p in acc.poll().processes}
+    assert by_pid[501].memory_bytes == 90 * MiB and not by_pid[501].gated
+    assert by_pid[502].memory_bytes == 30 * MiB and by_pid[502].gated
+    assert killed == []
+    ebpf.deliver_pending()  # the poll woke the watcher to enforce on what it rebuilt: 120 MiB > 100
+    # Neither's last allocation is known and both started in the same tick: the ungated one goes.
+    assert killed == [501]
+    acc.close()
+
+
+def test_an_agent_restart_finds_a_group_over_its_limit_and_acts_at_start(tmp_path: Path) -> None:
+    _proc_tree(tmp_path, 511, environ=b"GEMTRACE_GROUP=train\0")
+    ebpf = FakeEbpf(since_ticks=5000)
+    gate = FakeGate({(511, UUIDS[0]): Figures(memory=150 * MiB, launches=0, busy_ns=0)}, {511: 4242})
+    _, _, killed = _fake_accounting(tmp_path, ebpf, gate)
+    assert killed == [511]  # before any poll or allocation
+
+
+def test_a_slot_that_trails_ebpf_twice_with_the_same_figures_is_tampering(tmp_path: Path) -> None:
+    _proc_tree(tmp_path, 601, environ=b"GEMTRACE_GROUP=train\0")
+    ebpf = FakeEbpf()
+    gate = FakeGate({(601, UUIDS[0]): Figures(memory=1 * MiB, launches=0, busy_ns=0)}, {601: 4242})
+    acc, enforcer, _ = _fake_accounting(tmp_path, ebpf, gate, limit=None)
+    ebpf.allocate(601, 0, 64 * MiB, ts_ns=1)
+    (p,) = acc.poll().processes
+    assert p.gated and p.memory_bytes == 64 * MiB  # eBPF's figure wins
+    assert enforcer.tampering == {}  # once may be a race with the gate's reservation
+    acc.poll()
+    acc.poll()
+    assert enforcer.tampering == {"train": 1}  # once per episode
+    acc.close()
+
+
+def test_ungated_gpu_time_is_nvmls_utilisation_less_the_gates_share_split_equally(tmp_path: Path) -> None:
+    for pid in (701, 702, 703):
+        _proc_tree(tmp_path, pid, environ=b"GEMTRACE_GROUP=train\0")
+    busy = [0]
+    gate = FakeGate({(703, UUIDS[0]): Figures(memory=0, launches=0, busy_ns=0)}, {703: 4242})
+    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(701, UUIDS[0], MiB), NvmlProcess(702, UUIDS[0], MiB)],
+                          busy={UUIDS[0]: 0.9})
+    clock = Clock()
+    acc = Accounting(None, lambda: None, proc_root=tmp_path, use_ebpf=False, gate=gate, nvml=nvml,
+                     clock=clock)
+    acc.poll(clock.now)
+    clock.now += 2_000_000_000
+    busy[0] = 600_000_000
+    gate.figures[(703, UUIDS[0])] = Figures(memory=0, launches=9, busy_ns=busy[0])
+    seconds = {p.pid: p.gpu_seconds for p in acc.poll(clock.now).processes}
+    # 0.9 x 2 s = 1.8 s busy, 0.6 s of it the gated process's: 0.6 s each for the two others.
+    assert seconds == pytest.approx({701: 0.6, 702: 0.6, 703: 0.6})
+    acc.close()

@@ -127,7 +127,8 @@ def make_accounting(sim: SimGpu) -> Iterator:
 
     def make(config: Config | None = None, **kw: object) -> Accounting:
         kw.setdefault("libcuda_paths", [LIBCUDA])
-        acc = Accounting(None, lambda: config, nvml=StaticGpus(uuids_of(sim)), **kw)  # type: ignore[arg-type]
+        region = kw.pop("region", None)
+        acc = Accounting(region, lambda: config, nvml=StaticGpus(uuids_of(sim)), **kw)  # type: ignore[arg-type]
         made.append(acc)
         assert acc.probes is not None, acc.ebpf_status
         return acc
@@ -301,8 +302,7 @@ def test_a_slot_that_hides_memory_is_tampering_and_ebpf_wins(sim: SimGpu, make_a
     region.set_gpus([(uuid, 4 << 30)])
     g = region.set_group("sneaky", None, 0.0, 1.0)
     enforcer = MemoryEnforcer()
-    acc = make_accounting(enforcer=enforcer)
-    acc.region = region
+    acc = make_accounting(enforcer=enforcer, region=region)
     c = DriverClient(sim.env(), group="sneaky")
     try:
         c.call("init")
@@ -361,8 +361,7 @@ def test_gated_processes_use_the_slot_for_time_and_launches_and_agree_with_ebpf_
     region.set_group("train", None, 0.0, 1.0)
     region.heartbeat(time.monotonic_ns())
     enforcer = MemoryEnforcer()
-    acc = make_accounting(enforcer=enforcer)
-    acc.region = region
+    acc = make_accounting(enforcer=enforcer, region=region)
     env = sim.env(GEMTRACE_STATE_DIR=str(state), GEMTRACE_GROUP="train", LD_PRELOAD=str(gate))
     holder = subprocess.Popen([str(REPO / "build/simgpu/simgpu-rt"), "alloc", "--api", "v2", "--hold", "30",
                                str(96 * MiB), str(32 * MiB)], env=env, stdout=subprocess.PIPE, text=True)

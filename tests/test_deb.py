@@ -178,6 +178,7 @@ def test_unit_verifies(installed: Path) -> None:
         "CAP_SYS_PTRACE",
         "CAP_DAC_READ_SEARCH",
         "CAP_SYS_NICE",
+        "CAP_CHOWN",
     }
 
 

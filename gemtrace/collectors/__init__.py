@@ -1,7 +1,8 @@
 """The agent's Prometheus collectors, one module each; this file is the one place they are registered.
 
-Each collector is a prometheus-client custom Collector that only reads (the agent's state, the
-accounting snapshot, the enforcer's counters) and builds its families from gemtrace/metrics.py.
+Each collector is a prometheus-client custom Collector that only reads a narrow, read-only view of
+what the agent keeps (a frozen view the agent builds at scrape time, the accounting snapshot, the
+enforcer's counters) and builds its families from gemtrace/metrics.py; none is handed the Agent.
 Collect apart from expose: nothing here computes what the agent or the accounting already keep.
 """
 
@@ -20,13 +21,13 @@ if TYPE_CHECKING:
 def _agent(agent: Agent) -> Collector:
     from gemtrace.collectors.agent import AgentCollector
 
-    return AgentCollector(agent)
+    return AgentCollector(agent.agent_view)
 
 
 def _groups(agent: Agent) -> Collector:
     from gemtrace.collectors.groups import GroupCollector
 
-    return GroupCollector(agent)
+    return GroupCollector(agent.groups_view)
 
 
 def _processes(agent: Agent) -> Collector:

@@ -1,25 +1,32 @@
 """Counters of memory enforcement: OOM kills, quota breaches and slot tampering, per group.
 
-Reads MemoryEnforcer's counters only. Every group of the resource file in force is exported from
-the start, at 0 until its first event (and every resource a breach can name), so that a dashboard
-shows 0 rather than "No data" and increase() sees the first event as a step from 0. A group that
+Reads MemoryEnforcer's counters only (copies, through `Counters`) and the groups' names. Every
+group of the resource file in force is exported from the start, at 0 until its first event (and
+every resource a breach can name), so that a dashboard shows 0 rather than "No data" and increase()
+sees the first event as a step from 0. A group that
 had events and was then removed from the file keeps its series: a counter does not go back.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from gemtrace.collectors.processes import family
-from gemtrace.enforcement import RESOURCES, MemoryEnforcer
-from gemtrace.metrics import spec
+from gemtrace.enforcement import RESOURCES
+from gemtrace.metrics import family, spec
+
+
+class Counters(Protocol):
+    """MemoryEnforcer's read side: copies of its counters."""
+
+    def counters(self) -> tuple[dict[str, int], dict[tuple[str, str], int], dict[str, int]]: ...
 
 
 class EnforcementCollector(Collector):
-    def __init__(self, enforcer: MemoryEnforcer, groups: Callable[[], Iterable[str]] = lambda: ()) -> None:
+    def __init__(self, enforcer: Counters, groups: Callable[[], Iterable[str]] = lambda: ()) -> None:
         """`groups`: the names of the groups defined now (the resource file in force)."""
         self._enforcer = enforcer
         self._groups = groups

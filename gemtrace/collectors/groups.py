@@ -1,56 +1,72 @@
 """Groups: their quotas (from the resource file in force), and per GPU what the scheduler gave them
-and the memory they hold (the accounting snapshot: eBPF where attached, else the gates' slots)."""
+and the memory they hold (the accounting snapshot: eBPF where attached, else the gates' slots).
+
+Reads a GroupsView (built by the agent at scrape time: Agent.groups_view) and nothing else: not the
+region, not the schedulers.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from gemtrace.collectors.processes import family
-from gemtrace.metrics import spec
+from gemtrace.accounting import Snapshot
+from gemtrace.metrics import family, spec
+from gemtrace.policy import GroupUsage
 
-if TYPE_CHECKING:
-    from gemtrace.agent import Agent
+
+@dataclass(frozen=True)
+class GroupQuota:
+    name: str
+    min_util: float
+    max_util: float
+    memory_limit: int | None
+
+
+@dataclass(frozen=True)
+class GroupsView:
+    quotas: tuple[GroupQuota, ...]  # the groups of the resource file in force
+    usage: tuple[tuple[str, str, GroupUsage], ...]  # (GPU UUID, group, what the scheduler gave it)
+    snapshot: Snapshot | None  # the accounting's latest
+    # group -> its pod's (namespace, pod, container) on Kubernetes (gemtrace.kube.pods); others: empty
+    pods: dict[str, tuple[str, str, str]] = field(default_factory=dict)
 
 
 class GroupCollector(Collector):
-    def __init__(self, agent: Agent) -> None:
-        self._agent = agent
+    def __init__(self, view: Callable[[], GroupsView]) -> None:
+        self._view = view
 
     def collect(self) -> Iterator[Metric]:
-        agent = self._agent
-        config = agent.config
-        pod = agent.pod_labels.group  # a pod's group: its namespace, pod, container
+        view = self._view()
+
+        def pod(group: str) -> tuple[str, str, str]:
+            return view.pods.get(group, ("", "", ""))
+
         min_util = family(spec("gemtrace_group_util_min_ratio"))
         max_util = family(spec("gemtrace_group_util_max_ratio"))
         limit = family(spec("gemtrace_group_memory_limit_bytes"))
-        for name, settings in sorted(config.groups.items()):
-            min_util.add_metric([name, *pod(name)], settings.min_util)
-            max_util.add_metric([name, *pod(name)], settings.max_util)
-            if settings.memory_limit is not None:
-                limit.add_metric([name, *pod(name)], float(settings.memory_limit))
+        for q in sorted(view.quotas, key=lambda q: q.name):
+            min_util.add_metric([q.name, *pod(q.name)], q.min_util)
+            max_util.add_metric([q.name, *pod(q.name)], q.max_util)
+            if q.memory_limit is not None:
+                limit.add_metric([q.name, *pod(q.name)], float(q.memory_limit))
         yield from (min_util, max_util, limit)
 
         seconds = family(spec("gemtrace_group_gpu_seconds_total"))
         throttled = family(spec("gemtrace_group_throttled_seconds_total"))
         util = family(spec("gemtrace_group_util_ratio"))
-        names = agent.region.group_names()
-        for gpu, scheduler in zip(agent.gpus, agent.schedulers, strict=True):
-            for index, usage in sorted(scheduler.usage().items()):
-                group = names.get(index)
-                if group is None:
-                    continue
-                seconds.add_metric([gpu.uuid, group, *pod(group)], usage.gpu_seconds)
-                throttled.add_metric([gpu.uuid, group, *pod(group)], usage.throttled_seconds)
-                util.add_metric([gpu.uuid, group, *pod(group)], usage.util_ratio)
+        for gpu, group, usage in view.usage:
+            seconds.add_metric([gpu, group, *pod(group)], usage.gpu_seconds)
+            throttled.add_metric([gpu, group, *pod(group)], usage.throttled_seconds)
+            util.add_metric([gpu, group, *pod(group)], usage.util_ratio)
         yield from (seconds, throttled, util)
 
         memory = family(spec("gemtrace_group_memory_bytes"))
         processes = family(spec("gemtrace_group_processes"))
-        snapshot = agent.snapshot
+        snapshot = view.snapshot
         if snapshot is not None:
             for (gpu_uuid, group), used in sorted(snapshot.group_memory().items()):
                 memory.add_metric([gpu_uuid, group, *pod(group)], float(used))

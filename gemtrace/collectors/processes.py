@@ -10,16 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from gemtrace.accounting import Snapshot
-from gemtrace.metrics import MetricSpec, spec
-
-
-def family(s: MetricSpec) -> CounterMetricFamily | GaugeMetricFamily:
-    cls = CounterMetricFamily if s.type == "counter" else GaugeMetricFamily
-    return cls(s.family, s.help, labels=list(s.labels), unit=s.unit)
+from gemtrace.metrics import family, spec
 
 
 class ProcessCollector(Collector):
