@@ -108,7 +108,7 @@ def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: N
     cluster = node.cluster
     try:
         cluster.create(manifest)
-        lines = wait_until("the pod holding its memory", lambda: _holding(cluster, name), timeout=120, step=0.5)
+        lines = _wait_holding(node, name)
         meminfo, first, second, *_ = lines
         assert meminfo["total"] == 2 * GiB
         assert first["name"] == "CUDA_SUCCESS"
@@ -159,7 +159,7 @@ def test_restarting_the_plugin_and_the_agent_keeps_a_running_pod_gated_and_group
 
     try:
         cluster.create(manifest)
-        wait_until("the pod holding its memory", lambda: _holding(cluster, name), timeout=120, step=0.5)
+        _wait_holding(node, name)
         (before,) = wait_until("its series", our_series, timeout=30, step=0.5)
         files = {p.name: p.read_text() for p in dropins.glob("k8s-*.conf")}
 
@@ -177,6 +177,16 @@ def test_restarting_the_plugin_and_the_agent_keeps_a_running_pod_gated_and_group
         assert allocatable[shares.GPU_MEMORY] == "16"
     finally:
         cluster.delete_pod(name)
+
+
+def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:
+    try:
+        lines: list[dict[str, Any]] = wait_until("the pod holding its memory", lambda: _holding(node.cluster, name),
+                                                 timeout=120, step=0.5)
+        return lines
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{node.cluster.diagnosis(name)}\n--- plugin\n"
+                             f"{node.plugin_log.read_text()[-3000:]}") from None
 
 
 def _holding(cluster: K8sCluster, name: str) -> list[dict[str, Any]] | None:
