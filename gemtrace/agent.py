@@ -38,6 +38,7 @@ from gemtrace.collectors.groups import GroupQuota, GroupsView
 from gemtrace.config import ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
+from gemtrace.kube.pods import NAMES_FILE, PodLabels
 from gemtrace.membership import Membership
 from gemtrace.region import Region, RegionError
 from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
@@ -87,6 +88,20 @@ class AgentLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+# The kernel gives its initial PID namespace this inode number (PROC_PID_INIT_INO, include/linux/proc_ns.h).
+INIT_PID_NAMESPACE_INO = 0xEFFFFFFC
+
+
+def nested_pid_namespace(proc_root: Path = Path("/proc")) -> bool:
+    """True when this process is not in the host's (the initial) PID namespace. An agent there sees
+    other pids than eBPF and the gates report (a container without hostPID: docs/kubernetes.md).
+    /proc/self/status's NSpid would not tell: a container's own /proc shows only its own level."""
+    try:
+        return os.stat(proc_root / "self" / "ns" / "pid").st_ino != INIT_PID_NAMESPACE_INO
+    except OSError:
+        return False
 
 
 def raise_fd_limit() -> tuple[int, int]:
@@ -173,11 +188,43 @@ class Reaper:
             return None
         if actual is None or (recorded and actual != recorded):
             os.close(fd)
-            return False
+            host_pid = self.host_pid(pid, recorded)
+            if host_pid is None:
+                return False
+            # A gate in a container's PID namespace (a pod) stored its pid there. The slot gets the
+            # pid the process has here, which the accounting, eBPF and /proc all speak; the gate
+            # then leaves the freeing at exit to this reaper (docs/kubernetes.md).
+            try:
+                fd = os.pidfd_open(host_pid)
+            except OSError:
+                return False
+            if not self.region.translate_slot(index, pid, host_pid):
+                os.close(fd)
+                return None  # the slot changed owner meanwhile: look again
+            pid = host_pid
         self._watched[index] = (pid, fd)
         self._index_of_fd[fd] = index
         self._poll.register(fd, select.POLLIN)
         return True
+
+    def host_pid(self, pid: int, start_time: int) -> int | None:
+        """The pid in this namespace of the process that is `pid` in its own (innermost) namespace
+        and started at `start_time` (the same in every namespace), or None. Reads every process's
+        status: done once per slot, and only for a slot whose pid is not a process of ours."""
+        if not start_time:
+            return None
+        root = self.proc.proc_root
+        for entry in os.scandir(root):
+            if not entry.name.isdigit():
+                continue
+            try:
+                status = (root / entry.name / "status").read_bytes()
+            except OSError:
+                continue
+            nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith(b"NSpid:")), [])
+            if len(nspid) > 1 and int(nspid[-1]) == pid and self.proc.start_time(int(entry.name)) == start_time:
+                return int(entry.name)
+        return None
 
     def _out_of_fds(self, e: OSError) -> None:
         if not self.fd_limit_hits:
@@ -208,6 +255,7 @@ class Agent:
         gpus: list[Gpu] | None = None,
         libcuda_paths: list[Path] | None = None,
         config_poll_seconds: float = defaults.CONFIG_POLL_SECONDS,
+        pod_names: Path = NAMES_FILE,
     ) -> None:
         """`libcuda_paths`: probe only these libcuda files (None: ENV_PROBE_LIBCUDA's, or when it is
         unset every libcuda file on the host)."""
@@ -239,6 +287,7 @@ class Agent:
                                      libcuda_paths=libcuda_paths, scan_host=libcuda_paths is None,
                                      group_seconds=self.group_seconds)
         self.snapshot: Snapshot | None = None
+        self.pod_labels = PodLabels(pod_names)
         self.reaper = Reaper(self.region)
         self.watcher = ConfigWatcher(config_path, self.reload, config_poll_seconds)
         self._reload_lock = threading.Lock()  # one reload at a time: the thread's, or a caller's
@@ -381,11 +430,16 @@ class Agent:
             quotas=tuple(GroupQuota(name, g.min_util, g.max_util, g.memory_limit) for name, g in config.groups.items()),
             usage=tuple((gpu, group, usage) for (gpu, group), usage in self.group_usage().items()),
             snapshot=self.snapshot,
+            pods={name: self.pod_labels.group(name) for name in config.groups},
         )
 
     # -- running -----------------------------------------------------------------------------------
 
     def start(self) -> None:
+        if nested_pid_namespace():
+            log.warning("pid_namespace_not_host", consequence="eBPF reports host pids this agent cannot see: "
+                        "processes are misattributed and over-limit ones are not killed; run the agent on the "
+                        "host or in a pod with hostPID: true")
         self._keeper = threading.Thread(target=self._keep_region, name="gemtrace-keeper", daemon=True)
         self._keeper.start()
         for scheduler in self.schedulers:
@@ -397,6 +451,7 @@ class Agent:
         watcher.start()
         self._threads.append(watcher)
         self.snapshot = self.accounting.poll()
+        self.pod_labels.refresh([p.pid for p in self.snapshot.processes])
         log.info("agent_started", pid=os.getpid(), state_dir=str(self.state_dir), config=str(self.config_path),
                  gpus=[g.uuid for g in self.gpus], groups=sorted(self.config.groups),
                  ebpf=self.accounting.ebpf_status)
@@ -408,6 +463,7 @@ class Agent:
             now = time.monotonic()
             if now >= next_poll:
                 self.snapshot = self.accounting.poll()
+                self.pod_labels.refresh([p.pid for p in self.snapshot.processes])
                 next_poll = now + ACCOUNTING_POLL_SECONDS
             if on_tick is not None:
                 on_tick()

@@ -75,7 +75,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return _fail(str(e))
     try:
         agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode,
-                      config_poll_seconds=args.config_poll)
+                      config_poll_seconds=args.config_poll, pod_names=args.pod_names)
     except GpuDiscoveryError as e:
         return _fail(f"{e} The agent cannot run without it: install the NVIDIA driver (`nvidia-smi` lists the "
                      "GPUs once it works), then `systemctl restart gemtrace`. The service does not restart the "
@@ -134,6 +134,66 @@ def cmd_status(args: argparse.Namespace) -> int:
     return status.main(args.listen, args.json)
 
 
+def cmd_kube_plugin(args: argparse.Namespace) -> int:
+    import signal
+
+    from gemtrace import eventlog
+    from gemtrace.config import dropin_dir
+    from gemtrace.gpus import GpuDiscoveryError, discover
+
+    try:
+        from gemtrace.kube.deviceplugin import DevicePlugin
+        from gemtrace.kube.grants import Grants
+        from gemtrace.kube.injection import Injection
+    except ImportError as e:
+        return _fail(f"{e}: the Kubernetes commands need grpcio and protobuf (pip install 'gemtrace[kube]', or "
+                     "apt-get install python3-grpcio python3-protobuf)")
+    eventlog.configure(args.log_level)
+    try:
+        gpus = [(g.uuid, g.memory_total) for g in discover()]
+    except GpuDiscoveryError as e:
+        return _fail(f"{e} The device plugin advertises this node's GPUs: install the NVIDIA driver first.")
+    injection = Injection(gate=args.gate, state_dir=args.state_dir, preload_file=args.preload_file)
+    try:
+        injection.write_preload_file()
+    except OSError as e:
+        return _fail(f"cannot write the preload list {args.preload_file}: {e.strerror}")
+    from gemtrace.kube.apiserver import ApiError, Apiserver
+
+    pods = None
+    if args.node_name:
+        try:
+            api = Apiserver.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Apiserver.in_cluster()
+        except ApiError as e:
+            return _fail(str(e))
+        node = args.node_name
+        pods = lambda: api.pods_of_node(node)  # noqa: E731
+    plugin = DevicePlugin(gpus, args.state_dir, Grants(dropin_dir(args.config)), injection,
+                          device_plugins=args.device_plugins, pod_resources=args.pod_resources,
+                          gpus_present=lambda: {g.uuid for g in discover()}, pods=pods, names_file=args.pod_names)
+    signal.signal(signal.SIGTERM, lambda _s, _f: plugin.stop())
+    signal.signal(signal.SIGINT, lambda _s, _f: plugin.stop())
+    try:
+        plugin.run()
+    finally:
+        plugin.close()
+    return 0
+
+
+def cmd_kube_webhook(args: argparse.Namespace) -> int:
+    from gemtrace import eventlog
+    from gemtrace.kube.injection import Injection
+    from gemtrace.kube.webhook import serve
+
+    eventlog.configure(args.log_level)
+    injection = Injection(gate=args.gate, state_dir=args.state_dir, preload_file=args.preload_file)
+    try:
+        serve(args.listen, args.cert, args.key, injection)
+    except OSError as e:
+        return _fail(f"cannot serve the webhook on {args.listen} with {args.cert}: {e}")
+    return 0
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     from gemtrace import top
 
@@ -153,6 +213,8 @@ def help_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def parser() -> argparse.ArgumentParser:
+    from gemtrace.kube.pods import NAMES_FILE as POD_NAMES
+
     ap = argparse.ArgumentParser(
         prog="gemtrace",
         description="Share NVIDIA GPUs between groups of processes with quotas, and see who uses what.",
@@ -186,6 +248,9 @@ def parser() -> argparse.ArgumentParser:
     agent.add_argument("--web-config", type=Path, metavar="FILE",
                        help="TLS and basic auth for /metrics, in node_exporter's web config format "
                        "(tls_server_config, basic_auth_users with bcrypt hashes): docs/metrics.md")
+    agent.add_argument("--pod-names", type=Path, default=POD_NAMES, metavar="FILE",
+                       help="the Kubernetes pods' names that `gemtrace kube-plugin` writes, for the namespace, pod "
+                       "and container labels (default %(default)s; absent: those labels are empty)")
     agent.add_argument("--no-ebpf", action="store_true",
                        help="do not attach eBPF probes (accounting then comes from the gates and NVML)")
     agent.add_argument("--probe-mode", choices=("memory", "launches"), default="memory",
@@ -234,6 +299,57 @@ def parser() -> argparse.ArgumentParser:
     status.add_argument("--url", dest="listen", help=argparse.SUPPRESS)
     status.add_argument("--json", action="store_true", help="print the figures as JSON")
     status.set_defaults(func=cmd_status)
+
+    def injection_options(p: argparse.ArgumentParser) -> None:
+        from gemtrace.kube.injection import HOST_PRELOAD
+
+        p.add_argument("--gate", type=Path, default=defaults.GATE_INSTALLED, metavar="FILE",
+                       help=f"the gate library on the node, mounted into containers "
+                       f"(default {defaults.GATE_INSTALLED})")
+        p.add_argument("--preload-file", type=Path, default=HOST_PRELOAD, metavar="FILE",
+                       help=f"the node's preload list, mounted as the containers' /etc/ld.so.preload "
+                       f"(default {HOST_PRELOAD})")
+        p.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                       help="log events of this severity and above (default info)")
+
+    kube_plugin = sub.add_parser(
+        "kube-plugin", help="serve the Kubernetes device plugin for GPU shares (on each GPU node)",
+        description="Advertise gemtrace.io/gpu-memory (GiB) and gemtrace.io/gpu-util (% of a GPU) to the "
+        "kubelet, gate the containers that get them, and give each its own group through a drop-in of the "
+        "resource file (docs/kubernetes.md). Runs beside the agent; stops on SIGTERM.")
+    kube_plugin.add_argument("--config", type=Path, default=defaults.CONFIG_PATH, metavar="FILE",
+                             help=f"the agent's resource file; pods' groups go to its drop-in directory "
+                             f"(default {defaults.CONFIG_PATH}, so /etc/gemtrace/resource.d)")
+    kube_plugin.add_argument("--state-dir", type=Path, default=_state_dir_default(), metavar="DIR",
+                             help=f"the agent's state dir (default {defaults.STATE_DIR})")
+    kube_plugin.add_argument("--device-plugins", type=Path, default=Path("/var/lib/kubelet/device-plugins"),
+                             metavar="DIR", help="the kubelet's device-plugins directory (default %(default)s)")
+    kube_plugin.add_argument("--pod-resources", type=Path, default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
+                             metavar="SOCKET", help="the kubelet's PodResources socket (default %(default)s)")
+    kube_plugin.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="NODE",
+                             help="this node's name: the plugin then reads its pods from the apiserver for their "
+                             "cgroup (a Cgroup rule) and gemtrace.io/max-util annotation (default $NODE_NAME; "
+                             "unset: neither)")
+    kube_plugin.add_argument("--pod-names", type=Path, default=POD_NAMES, metavar="FILE",
+                             help="where to write the pods' names for the agent's metrics labels (default %(default)s; "
+                             "the agent's --pod-names)")
+    kube_plugin.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                             help="credentials for the apiserver (default: the pod's service account)")
+    injection_options(kube_plugin)
+    kube_plugin.set_defaults(func=cmd_kube_plugin)
+
+    kube_webhook = sub.add_parser(
+        "kube-webhook", help="serve the mutating admission webhook that gates pods labelled gemtrace.io/group",
+        description="A pod labelled gemtrace.io/group=NAME gets the gate mounted and joins group NAME of the "
+        "resource file; other pods are left as they are (docs/kubernetes.md).")
+    kube_webhook.add_argument("--listen", default="0.0.0.0:8443", metavar="HOST:PORT",
+                              help="HOST:PORT to serve HTTPS on (default %(default)s)")
+    kube_webhook.add_argument("--cert", type=Path, required=True, metavar="FILE", help="the TLS certificate (PEM)")
+    kube_webhook.add_argument("--key", type=Path, required=True, metavar="FILE", help="its private key (PEM)")
+    kube_webhook.add_argument("--state-dir", type=Path, default=defaults.STATE_DIR, metavar="DIR",
+                              help=f"the agent's state dir on the nodes (default {defaults.STATE_DIR})")
+    injection_options(kube_webhook)
+    kube_webhook.set_defaults(func=cmd_kube_webhook)
 
     top = sub.add_parser("top", help="live view of the groups (q quits)", add_help=False,
                          description="Live view; `gemtrace top --help` lists its options.")

@@ -8,6 +8,9 @@
     Users = alice; 1001  # who may ask for the group (GEMTRACE_GROUP, gemtrace run --group); names or uids
     UnixGroups = ml      # ... or be in one of these Unix groups (names or gids); neither: everyone
 
+Drop-ins: `*.conf` files in the directory beside it named after it (resource.d for resource.conf)
+add groups, read after the main file in name order and checked with it as one file.
+
 Owns reading (`read_file`: a bounded regular file), parsing (pure, over text: `parse_text`), and
 watching for changes (`ConfigWatcher`). Every bound a value must meet to fit the region is checked
 here, once, so `gemtrace check-config` and the agent accept exactly the same files. Never applies
@@ -210,6 +213,21 @@ def parse_text(text: str, filename: str = "resource.conf") -> ResourceConfig:
 
     Lines end at "\\n" only (a "\\r" before it is dropped), as an editor counts them: str.splitlines
     would also split at a form feed or U+2028 inside a comment and shift every line number after it."""
+    return _combine([_parse_sections(text, filename)])
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    """One file's groups, with the lines that a check spanning files names."""
+
+    filename: str
+    groups: dict[str, GroupConfig]
+    lines: dict[str, int]  # group -> its section's line
+    min_util_lines: dict[str, int]  # group -> its MinUtil's line (0: none)
+
+
+def _parse_sections(text: str, filename: str) -> _Parsed:
+    """The groups of one file, each checked on its own; the checks across groups are _combine's."""
     groups: dict[str, _Draft] = {}
     current: str | None = None
     seen_keys: dict[str, int] = {}
@@ -289,15 +307,40 @@ def parse_text(text: str, filename: str = "resource.conf") -> ResourceConfig:
                                          "group runs there; remove Users/UnixGroups from it")
         result[name] = GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users,
                                    g.unix_groups)
+    return _Parsed(filename, result, {name: g.line for name, g in groups.items()},
+                   {name: g.min_util_line for name, g in groups.items()})
+
+
+def _combine(files: list[_Parsed]) -> ResourceConfig:
+    """The groups of the main file and its drop-ins together, checked as one file would be: a group
+    defined once, no more than MAX_GROUPS, MinUtils adding up to at most 1. An error names the file
+    and line where the rule was broken (the later file's, for a group defined twice)."""
+    result: dict[str, GroupConfig] = {}
+    where: dict[str, tuple[_Parsed, int]] = {}  # group -> (its file, its MinUtil's line)
+    for parsed in files:
+        for name, g in parsed.groups.items():
+            line = parsed.lines[name]
+            if name in where:
+                first = where[name][0]
+                raise ConfigError(f"{parsed.filename}:{line}: group [{name}] is already defined in "
+                                  f"{first.filename}:{first.lines[name]}; remove one of them")
+            if name != defaults.DEFAULT_GROUP and len(result.keys() - {defaults.DEFAULT_GROUP}) + 1 >= MAX_GROUPS:
+                raise ConfigError(f"{parsed.filename}:{line}: [{name}] is one group too many: the agent has room "
+                                  f"for {MAX_GROUPS} groups, {defaults.DEFAULT_GROUP} included; merge or remove "
+                                  "some groups")
+            result[name] = g
+            where[name] = (parsed, parsed.min_util_lines[name] or line)
     total = math.fsum(g.min_util for g in result.values())
     if total > 1.0 + 1e-9:
         reserving = ", ".join(f"{g.name} {g.min_util:g}" for g in result.values() if g.min_util > 0)
-        last = max((groups[g.name].min_util_line for g in result.values() if g.min_util > 0), default=1)
-        raise fail(last, f"the MinUtils add up to {total:g}, above 1 ({reserving}); "
-                         "lower some of them")
+        order = {id(parsed): i for i, parsed in enumerate(files)}
+        _, last_line, last_file = max((order[id(where[g.name][0])], where[g.name][1], where[g.name][0].filename)
+                                      for g in result.values() if g.min_util > 0)
+        raise ConfigError(f"{last_file}:{last_line}: the MinUtils add up to {total:g}, above 1 "
+                          f"({reserving}); lower some of them")
     if defaults.DEFAULT_GROUP not in result:
         result[defaults.DEFAULT_GROUP] = GroupConfig(defaults.DEFAULT_GROUP)
-    return ResourceConfig(groups=result, source=filename)
+    return ResourceConfig(groups=result, source=files[0].filename if files else "")
 
 
 def read_file(path: Path) -> bytes:
@@ -355,9 +398,29 @@ def decode(data: bytes, filename: str) -> str:
                           "save the file as UTF-8") from None
 
 
+def dropin_dir(path: Path) -> Path:
+    """The directory of drop-ins that complete the resource file `path`: /etc/gemtrace/resource.conf's
+    is /etc/gemtrace/resource.d. Programs that own groups (the Kubernetes device plugin: one file per
+    pod) write there, so that they never edit the operator's file."""
+    return path.with_name(path.stem + ".d")
+
+
+def dropins(path: Path) -> list[Path]:
+    """The drop-ins of the resource file `path`, `*.conf` in its drop-in directory, by name (the order
+    they are read in). No directory: none."""
+    try:
+        return sorted(p for p in dropin_dir(path).iterdir() if p.name.endswith(".conf") and not p.name.startswith("."))
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise ConfigError(f"{dropin_dir(path)}: cannot list the drop-in directory: {e.strerror}") from None
+
+
 def load(path: Path) -> ResourceConfig:
-    """Read and parse a resource file: what `gemtrace check-config` and the agent both call."""
-    return parse_text(decode(read_file(path), str(path)), str(path))
+    """Read and parse a resource file and then its drop-ins (`dropins`), with the same checks and
+    FILE:LINE errors: what `gemtrace check-config` and the agent both call."""
+    files = [path, *dropins(path)]
+    return _combine([_parse_sections(decode(read_file(p), str(p)), str(p)) for p in files])
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int, int] | None:
@@ -368,8 +431,18 @@ def _stamp(path: Path) -> tuple[int, int, int, int, int] | None:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def _stamps(path: Path) -> tuple[object, ...]:
+    """The file's stamp, its drop-in directory's (a drop-in added or removed) and each drop-in's."""
+    try:
+        files = dropins(path)
+    except ConfigError:
+        files = []
+    return (_stamp(path), _stamp(dropin_dir(path)), *((p.name, _stamp(p)) for p in files))
+
+
 class ConfigWatcher:
-    """Calls `on_change(path)` when the file changes (device, inode, size or times), looking at most
+    """Calls `on_change(path)` when the file or one of its drop-ins changes (device, inode, size or
+    times; a drop-in added or removed), looking at most
     every `interval` seconds, or at once (changed or not) after `request()`. Editors that replace the
     file (rename) and in-place writes both count. `run` is meant for a thread of its own: a slow
     file system then delays only the next reload."""
@@ -379,11 +452,11 @@ class ConfigWatcher:
         self.path = path
         self.on_change = on_change
         self.interval = interval
-        self._stamp = _stamp(path)
+        self._stamp = _stamps(path)
         self._requested = threading.Event()
 
     def check(self, force: bool = False) -> bool:
-        stamp = _stamp(self.path)
+        stamp = _stamps(self.path)
         if stamp == self._stamp and not force:
             return False
         self._stamp = stamp

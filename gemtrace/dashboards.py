@@ -1,6 +1,6 @@
 """gemtrace's Grafana dashboards, generated from code so that every query names catalogue metrics.
 
-Owns the three dashboards (fleet overview, group view, process view) as Grafana JSON models and
+Owns the four dashboards (fleet overview, group view, process view, Kubernetes pod view) as Grafana JSON models and
 writes them to grafana/provisioning/dashboards/gemtrace/ (`python -m gemtrace.dashboards --write`);
 tests check that the committed files equal what this module generates. It never talks to Grafana
 or Prometheus: tests/test_prometheus_live.py evaluates every query against a real Prometheus.
@@ -22,7 +22,9 @@ from gemtrace.metrics import spec
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
 TARGET_LABELS = ("job", "instance")
 # Matchers that every panel applies, by label: a selector gets those its metric has.
-VARIABLE_MATCHERS = {"instance": '=~"$host"', "gpu": '=~"$gpu"', "group": '=~"$group"'}
+VARIABLE_MATCHERS = {"instance": '=~"$host"', "gpu": '=~"$gpu"', "group": '=~"$group"',
+                     "namespace": '=~"$namespace"', "pod": '=~"$pod"'}
+POD_ONLY = ("instance", "gpu", "namespace", "pod")
 
 Json = dict[str, Any]
 
@@ -131,7 +133,16 @@ def _layout(panels: list[Json]) -> list[Json]:
     return panels
 
 
-def dashboard(uid: str, title: str, description: str, panels: list[Json]) -> Json:
+def pod_variables() -> list[Json]:
+    """Namespace and pod: only series of pods (a pod label not empty)."""
+    pods = sel("gemtrace_group_util_max_ratio", only=("instance",))[:-1] + ', pod!=""}'
+    in_namespace = pods[:-1] + ', namespace=~"$namespace"}'
+    return [_variable("namespace", "Namespace", f"label_values({pods}, namespace)"),
+            _variable("pod", "Pod", f"label_values({in_namespace}, pod)")]
+
+
+def dashboard(uid: str, title: str, description: str, panels: list[Json],
+              extra_variables: list[Json] | None = None) -> Json:
     return {
         "uid": uid,
         "title": title,
@@ -147,7 +158,7 @@ def dashboard(uid: str, title: str, description: str, panels: list[Json]) -> Jso
         "links": [{"title": "gemtrace", "type": "dashboards", "tags": ["gemtrace"], "asDropdown": True,
                    "includeVars": True, "keepTime": True}],
         "annotations": {"list": []},
-        "templating": {"list": variables()},
+        "templating": {"list": variables() + (extra_variables or [])},
         "panels": _layout(panels),
     }
 
@@ -293,7 +304,35 @@ def process() -> Json:
     ])
 
 
-DASHBOARDS = {"gemtrace-fleet.json": fleet, "gemtrace-group.json": group, "gemtrace-process.json": process}
+def pod() -> Json:
+    """Kubernetes: one row per pod, its group's share and memory against what it requested."""
+    def q(name: str) -> str:
+        return sel(name, only=POD_ONLY)
+
+    legend = "{{container}} {{gpu}}"
+    return dashboard("gemtrace-pod", "gemtrace / Pod",
+                     "Kubernetes pods holding GPU shares (gemtrace.io/gpu-memory, gemtrace.io/gpu-util): one row "
+                     "per pod, its GPU share against MinUtil and MaxUtil, its memory against its MemoryLimit.", [
+        row("Pod $pod", repeat="pod"),
+        panel("timeseries", "GPU share", "GPU time used per second by the pod's containers, against the "
+              "gpu-util it requested (MinUtil) and its MaxUtil.", [
+            target(f"rate({q('gemtrace_group_gpu_seconds_total')}{_RATE})", legend),
+            target(q("gemtrace_group_util_min_ratio"), "MinUtil {{container}}", ref="B"),
+            target(q("gemtrace_group_util_max_ratio"), "MaxUtil {{container}}", ref="C"),
+        ], w=8, unit="percentunit", minimum=0, maximum=1),
+        panel("timeseries", "Memory", "Device memory the pod's containers hold, against the gpu-memory they "
+              "requested (MemoryLimit).", [
+            target(q("gemtrace_group_memory_bytes"), legend),
+            target(q("gemtrace_group_memory_limit_bytes"), "MemoryLimit {{container}}", ref="B"),
+        ], w=8, unit="bytes", minimum=0),
+        panel("timeseries", "Processes", "The pod's processes on the GPU, by memory.", [
+            target(q("gemtrace_process_memory_bytes"), "{{container}} {{comm}} ({{pid}})"),
+        ], w=8, unit="bytes", minimum=0),
+    ], extra_variables=pod_variables())
+
+
+DASHBOARDS = {"gemtrace-fleet.json": fleet, "gemtrace-group.json": group, "gemtrace-process.json": process,
+              "gemtrace-pod.json": pod}
 OUT_DIR = Path("grafana/provisioning/dashboards/gemtrace")
 
 

@@ -94,7 +94,7 @@ class Membership:
                 continue  # the gate is still filling its slot; or enough for this tick
             decision = self._decide(index, pid, groups, defined)
             if decision is None:
-                continue  # gone: the reaper frees the slot
+                continue  # gone, or not (yet) the pid the agent knows it by: the reaper frees or translates it
             group = defined.get(decision.group)
             if group is None:
                 continue  # no default group defined (a test standing in for the agent): stays unassigned
@@ -104,6 +104,11 @@ class Membership:
 
     def _decide(self, index: int, pid: int, groups: Mapping[str, GroupConfig],
                 defined: Mapping[str, int]) -> Decision | None:
+        # A gate in a container's PID namespace stored its pid there, which here may be another
+        # process: decide only once the start times agree (the reaper gives such a slot its host pid).
+        recorded = self.region.slots[index].start_time
+        if recorded and self.proc.start_time(pid) != recorded:
+            return None
         credentials = self.proc.credentials(pid)
         if credentials is None:
             return None

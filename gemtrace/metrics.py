@@ -17,7 +17,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 
 MetricType = Literal["counter", "gauge", "info"]
 
-PROCESS_LABELS = ("gpu", "group", "pid", "comm")
+# A process's or a group's pod on Kubernetes (gemtrace.kube.pods); empty strings elsewhere.
+POD_LABELS = ("namespace", "pod", "container")
+PROCESS_LABELS = ("gpu", "group", "pid", "comm", *POD_LABELS)
+GROUP_LABELS = ("group", *POD_LABELS)
+GPU_GROUP_LABELS = ("gpu", "group", *POD_LABELS)
 
 
 @dataclass(frozen=True)
@@ -56,22 +60,22 @@ _SPECS = [
     MetricSpec("gemtrace_gpu_info", "info", "", ("gpu", "name", "index"), "A GPU the agent schedules."),
     MetricSpec("gemtrace_gpu_memory_total_bytes", "gauge", "bytes", ("gpu",), "Device memory of the GPU."),
     # groups: quota settings
-    MetricSpec("gemtrace_group_util_min_ratio", "gauge", "ratio", ("group",),
+    MetricSpec("gemtrace_group_util_min_ratio", "gauge", "ratio", GROUP_LABELS,
                "MinUtil: the share of each GPU's time the group is guaranteed."),
-    MetricSpec("gemtrace_group_util_max_ratio", "gauge", "ratio", ("group",),
+    MetricSpec("gemtrace_group_util_max_ratio", "gauge", "ratio", GROUP_LABELS,
                "MaxUtil: the share of each GPU's time the group may not exceed."),
-    MetricSpec("gemtrace_group_memory_limit_bytes", "gauge", "bytes", ("group",),
+    MetricSpec("gemtrace_group_memory_limit_bytes", "gauge", "bytes", GROUP_LABELS,
                "MemoryLimit: device memory the group may hold on each GPU."),
     # groups: usage
-    MetricSpec("gemtrace_group_gpu_seconds_total", "counter", "seconds", ("gpu", "group"),
+    MetricSpec("gemtrace_group_gpu_seconds_total", "counter", "seconds", GPU_GROUP_LABELS,
                "GPU time granted to and used by the group."),
-    MetricSpec("gemtrace_group_throttled_seconds_total", "counter", "seconds", ("gpu", "group"),
+    MetricSpec("gemtrace_group_throttled_seconds_total", "counter", "seconds", GPU_GROUP_LABELS,
                "Time the group had work waiting while the scheduler held it back."),
-    MetricSpec("gemtrace_group_util_ratio", "gauge", "ratio", ("gpu", "group"),
+    MetricSpec("gemtrace_group_util_ratio", "gauge", "ratio", GPU_GROUP_LABELS,
                "The group's share of the GPU's time over the scheduler's recent window."),
-    MetricSpec("gemtrace_group_memory_bytes", "gauge", "bytes", ("gpu", "group"),
+    MetricSpec("gemtrace_group_memory_bytes", "gauge", "bytes", GPU_GROUP_LABELS,
                "Device memory held by the group's processes (eBPF where attached, else gates)."),
-    MetricSpec("gemtrace_group_processes", "gauge", "", ("gpu", "group"), "Processes of the group using the GPU."),
+    MetricSpec("gemtrace_group_processes", "gauge", "", GPU_GROUP_LABELS, "Processes of the group using the GPU."),
     MetricSpec("gemtrace_oom_kills_total", "counter", "", ("group",),
                "Processes killed because their group exceeded its MemoryLimit."),
     MetricSpec("gemtrace_quota_breaches_total", "counter", "", ("group", "resource"),

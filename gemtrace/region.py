@@ -565,6 +565,17 @@ class Region:
         """The pid of every slot (0 = free), read in one strided pass: cheap enough for every tick."""
         return self.slot_columns.pids()
 
+    def translate_slot(self, index: int, pid: int, host_pid: int) -> bool:
+        """Give a slot claimed from another PID namespace (`pid` there) the pid its process has in the
+        agent's (`host_pid`); False if the slot changed owner meanwhile. Not atomic against a gate
+        freeing and another claiming the slot between the check and the store: a window of a few
+        instructions, and the reaper frees a slot whose pid is dead within a tick."""
+        slot = self.slots[index]
+        if slot.pid != pid:
+            return False
+        slot.pid = host_pid
+        return True
+
     def free_slot(self, index: int, pid: int) -> bool:
         """Free the slot of a process that has died; False if the slot changed owner meanwhile."""
         slot = self.slots[index]

@@ -166,14 +166,16 @@ static void fill_slot(struct gt_slot *slot, const char *requested)
 /* The agent decides within a tick of seeing the slot and wakes the group word's waiters; wait for
  * that (briefly) so that the first allocation is counted in the right group. A silent agent decides
  * nothing: no wait then. */
-static void await_assignment(const struct gt_region *r, uint32_t index, int32_t pid)
+static void await_assignment(const struct gt_region *r, uint32_t index)
 {
     uint64_t deadline = gt_now_ns() + GT_ASSIGN_WAIT_NS;
     const struct gt_assignment *entry = &r->assigned[index];
     while (gt_agent_alive()) {
         struct gt_assignment a;
         __atomic_load(entry, &a, __ATOMIC_ACQUIRE);
-        if (a.pid == pid && a.group < GT_MAX_GROUPS)
+        /* Our slot's pid: getpid(), or the host pid the reaper gave a slot claimed in a pod. */
+        int32_t mine = __atomic_load_n(&gt_proc.slots->slots[index].pid, __ATOMIC_RELAXED);
+        if (a.pid == mine && a.group < GT_MAX_GROUPS)
             return;
         uint64_t now = gt_now_ns();
         if (now >= deadline) {
@@ -226,9 +228,8 @@ bool gt_attach_slow(bool wait)
             gt_proc.slots = table;
             gt_proc.slot = slot;
             gt_proc.slot_index = (uint32_t)index;
-            gt_proc.pid = pid;
             gt_proc.fallback_group = (uint32_t)fallback;
-            await_assignment(r, (uint32_t)index, pid);
+            await_assignment(r, (uint32_t)index);
             __atomic_store_n(&gt_proc.attached, 1, __ATOMIC_RELEASE);
             ok = true;
         } else {

@@ -40,7 +40,6 @@ struct gt_process {
     struct gt_slot_table *slots;    /* the slots file, mapped read-write */
     struct gt_slot *slot;
     uint32_t slot_index;
-    int32_t pid;
     uint32_t fallback_group;        /* "default": the group while the agent has not decided */
     int single_gpu;               /* region gpu index when the process sees one CUDA device, else -1 */
     int devices_known;            /* 1 once device_gpu[] is filled (atomic) */
@@ -80,7 +79,12 @@ static inline uint32_t gt_group_of(uint32_t index, int32_t pid)
         return gt_proc.fallback_group;
     return a.group;
 }
-static inline uint32_t gt_group(void) { return gt_group_of(gt_proc.slot_index, gt_proc.pid); }
+/* Our own entry names the pid in our slot: getpid(), or, in a container's PID namespace, the host pid
+ * the agent's reaper put there (docs/kubernetes.md), which is the pid the agent decided for. */
+static inline uint32_t gt_group(void)
+{
+    return gt_group_of(gt_proc.slot_index, __atomic_load_n(&gt_proc.slot->pid, __ATOMIC_RELAXED));
+}
 uint64_t gt_now_ns(void);
 int gt_gpu_of_device(CUdevice device); /* -1 when the device is not one the agent schedules */
 int gt_current_gpu(void);              /* the current context's GPU, -1 when none or unknown */

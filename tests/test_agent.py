@@ -49,7 +49,8 @@ def test_a_reload_reaches_running_gates_and_a_bad_file_keeps_the_last_good(host:
         )
         text = agent.metrics()
         assert "gemtrace_config_last_reload_success 0.0" in text
-        assert 'gemtrace_group_memory_limit_bytes{group="train"} 2.147483648e+09' in text
+        assert ('gemtrace_group_memory_limit_bytes{container="",group="train",namespace="",pod=""} 2.147483648e+09'
+                in text)
         assert "config_reload_failed" in agent.log.read_text() and "MaxUtil 2 is above 1" in agent.log.read_text()
         holder.kill()
         holder.wait()

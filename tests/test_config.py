@@ -281,6 +281,52 @@ def test_messages_quote_a_long_value_short() -> None:
     assert message.startswith("r.conf:2: cannot read 'foo bar") and len(message) < 200
 
 
+def _with_dropins(tmp_path: Path, main: str, **dropins: str) -> Path:
+    path = tmp_path / "resource.conf"
+    path.write_text(main)
+    directory = tmp_path / "resource.d"
+    directory.mkdir()
+    for name, text in dropins.items():
+        (directory / f"{name}.conf").write_text(text)
+    return path
+
+
+def test_dropins_add_groups_after_the_main_file(tmp_path: Path) -> None:
+    path = _with_dropins(tmp_path, "[train]\nMinUtil = 0.2\n", pod_b="[b]\nMinUtil = 0.3\n",
+                         pod_a="[a]\nMemoryLimit = 2GiB\nCgroup = /kubepods/podX\n")
+    (tmp_path / "resource.d" / "notes.txt").write_text("[ignored]\n")
+    config = load(path)
+    assert list(config.groups) == ["train", "a", "b", "default"]
+    assert config.groups["a"] == GroupConfig("a", memory_limit=2 * 2**30, cgroups=("/kubepods/podX",))
+
+
+@pytest.mark.parametrize(
+    ("dropin", "message"),
+    [
+        ("[a]\nMaxUtil = 2\n", "pod.conf:2: MaxUtil 2 is above 1"),
+        ("\n[train]\n", "pod.conf:2: group [train] is already defined in {main}:1; remove one of them"),
+        ("[a]\nMinUtil = 0.9\n", "pod.conf:2: the MinUtils add up to 1.1, above 1 (train 0.2, a 0.9)"),
+    ],
+)
+def test_a_bad_dropin_is_refused_naming_itself(tmp_path: Path, dropin: str, message: str) -> None:
+    path = _with_dropins(tmp_path, "[train]\nMinUtil = 0.2\n", pod=dropin)
+    with pytest.raises(ConfigError) as err:
+        load(path)
+    assert str(err.value).startswith(str(tmp_path / "resource.d") + "/" + message.format(main=path))
+
+
+def test_the_watcher_sees_a_dropin_come_and_go(tmp_path: Path) -> None:
+    path = _with_dropins(tmp_path, "[train]\n")
+    seen: list[Path] = []
+    watcher = ConfigWatcher(path, seen.append, interval=0.01)
+    assert not watcher.check()
+    (tmp_path / "resource.d" / "pod.conf").write_text("[a]\n")
+    assert watcher.check()
+    (tmp_path / "resource.d" / "pod.conf").unlink()
+    assert watcher.check()
+    assert seen == [path, path]
+
+
 # -- admission: Users= and UnixGroups= (docs/security.md) -------------------------------------------
 
 

@@ -144,7 +144,7 @@ def settings_in_force(region: rg.Region, series: dict[str, float]) -> dict[str, 
         group = region.layout.groups[index]
         if group.defined:
             in_region[name] = (group.memory_limit, group.min_util_ppm, group.max_util_ppm)
-    max_util = re.compile(r'gemtrace_group_util_max_ratio\{group="(.*)"\}')
+    max_util = re.compile(r'gemtrace_group_util_max_ratio\{container="",group="(.*)",namespace="",pod=""\}')
     in_metrics = {m.group(1) for s in series if (m := max_util.fullmatch(s))}
     assert in_metrics == set(in_region), (in_metrics, set(in_region))
     return in_region
@@ -235,7 +235,7 @@ def test_a_fifo_or_a_device_at_the_path_fails_the_reload_fast_and_the_heartbeat_
         host.config.write_text("[train]\nMaxUtil = 0.4\n")
         series = reload_now(agent, heartbeat)
         assert series["gemtrace_config_last_reload_success"] == 1.0
-        assert series['gemtrace_group_util_max_ratio{group="train"}'] == 0.4
+        assert series['gemtrace_group_util_max_ratio{container="",group="train",namespace="",pod=""}'] == 0.4
         assert heartbeat.oldest_ns < 1_000_000_000, f"the heartbeat went {heartbeat.oldest_ns / 1e9:.2f} s stale"
     finally:
         region.close()

@@ -42,7 +42,8 @@ def test_prometheus_client_0_16_exponent_is_no_difference() -> None:
 def test_number_formatting_alone_is_no_difference() -> None:
     rewritten = rewrite_numbers(golden())
     assert "gemtrace_gpu_memory_total_bytes{gpu=\"GPU-<uuid>\"} 17179869184\n" in rewritten
-    assert "gemtrace_group_util_max_ratio{group=\"infer\"} 5.000000e-01\n" in rewritten
+    assert ('gemtrace_group_util_max_ratio{container="",group="infer",namespace="",pod=""} 5.000000e-01\n'
+            in rewritten)
     assert "gemtrace_agent_info{version=\"0.1.0\"} 1\n" in rewritten
     assert differences(golden(), rewritten) == []
 
@@ -61,11 +62,13 @@ def test_a_renamed_family_is_a_difference() -> None:
 
 
 def test_a_changed_label_name_is_a_difference() -> None:
-    changed = edited(golden(), 'gemtrace_group_memory_limit_bytes{group="train"}',
-                     'gemtrace_group_memory_limit_bytes{team="train"}')
+    changed = edited(golden(), 'gemtrace_group_memory_limit_bytes{container="",group="train",',
+                     'gemtrace_group_memory_limit_bytes{container="",team="train",')
     assert differences(golden(), changed) == [
-        'series gemtrace_group_memory_limit_bytes{group="train"}: in the golden copy, not in /metrics',
-        'series gemtrace_group_memory_limit_bytes{team="train"}: in /metrics, not in the golden copy',
+        'series gemtrace_group_memory_limit_bytes{container="",group="train",namespace="",pod=""}: '
+        'in the golden copy, not in /metrics',
+        'series gemtrace_group_memory_limit_bytes{container="",namespace="",pod="",team="train"}: '
+        'in /metrics, not in the golden copy',
     ]
 
 
@@ -87,15 +90,12 @@ def test_a_changed_help_text_is_a_difference() -> None:
 
 
 def test_a_changed_stable_value_is_a_difference() -> None:
-    changed = edited(golden(), 'gemtrace_group_util_max_ratio{group="infer"} 0.5',
-                     'gemtrace_group_util_max_ratio{group="infer"} 0.6')
-    assert differences(golden(), changed) == [
-        'series gemtrace_group_util_max_ratio{group="infer"}: 0.5 in the golden copy, 0.6 in /metrics',
-    ]
+    infer = 'gemtrace_group_util_max_ratio{container="",group="infer",namespace="",pod=""}'
+    changed = edited(golden(), f"{infer} 0.5", f"{infer} 0.6")
+    assert differences(golden(), changed) == [f"series {infer}: 0.5 in the golden copy, 0.6 in /metrics"]
 
 
 def test_a_missing_series_is_a_difference() -> None:
-    changed = edited(golden(), 'gemtrace_group_util_ratio{gpu="GPU-<uuid>",group="infer"} <value>\n', "")
-    assert differences(golden(), changed) == [
-        'series gemtrace_group_util_ratio{gpu="GPU-<uuid>",group="infer"}: in the golden copy, not in /metrics',
-    ]
+    infer = 'gemtrace_group_util_ratio{container="",gpu="GPU-<uuid>",group="infer",namespace="",pod=""}'
+    changed = edited(golden(), f"{infer} <value>\n", "")
+    assert differences(golden(), changed) == [f"series {infer}: in the golden copy, not in /metrics"]

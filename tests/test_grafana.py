@@ -50,9 +50,9 @@ def test_committed_dashboard_is_the_generated_one(name: str) -> None:
         "stale dashboard: python -m gemtrace.dashboards --write")
 
 
-def test_the_three_views_are_there() -> None:
+def test_the_four_views_are_there() -> None:
     titles = {_load(n)["title"] for n in dashboards.DASHBOARDS}
-    assert titles == {"gemtrace / Fleet overview", "gemtrace / Group", "gemtrace / Process"}
+    assert titles == {"gemtrace / Fleet overview", "gemtrace / Group", "gemtrace / Process", "gemtrace / Pod"}
     assert sorted(p.name for p in DASHBOARD_DIR.glob("*.json")) == sorted(dashboards.DASHBOARDS)
 
 
@@ -60,7 +60,8 @@ def test_the_three_views_are_there() -> None:
 def test_dashboard_model_is_consistent(name: str) -> None:
     board = _load(name)
     variables = {v["name"]: v for v in board["templating"]["list"]}
-    assert list(variables) == ["datasource", "host", "gpu", "group"]
+    pods = ["namespace", "pod"] if name == "gemtrace-pod.json" else []
+    assert list(variables) == ["datasource", "host", "gpu", "group", *pods]
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
     ids = [p["id"] for p in board["panels"]]
@@ -111,7 +112,7 @@ def test_every_query_is_valid_promql_for_promtool(tmp_path: Path) -> None:
     """promtool checks the syntax: each query (variables filled in) as a recording rule."""
     promtool = shutil.which("promtool")
     assert promtool, "promtool not found: install Debian's prometheus package (sudo make prereqs does)"
-    values = {"host": ".+", "gpu": ".+", "group": ".+", "datasource": "x"}
+    values = {"host": ".+", "gpu": ".+", "group": ".+", "namespace": ".+", "pod": ".+", "datasource": "x"}
     exprs: list[str] = []
     for name in sorted(dashboards.DASHBOARDS):
         board = _load(name)

@@ -41,17 +41,20 @@ def test_parse_gids_reads_the_real_gid_and_the_supplementary_groups() -> None:
     assert parse_gids(b"Name:\tx\n") is None
 
 
-def _process(proc: Path, pid: int, uid: int, gids: list[int], cgroup: str = "0::/user.slice\n") -> None:
+def _process(proc: Path, pid: int, uid: int, gids: list[int], cgroup: str = "0::/user.slice\n",
+             start_time: int = 4242) -> None:
     d = proc / str(pid)
     d.mkdir(parents=True)
+    d.joinpath("stat").write_text(f"{pid} (python3) S " + " ".join(["0"] * 18 + [str(start_time)] + ["0"] * 10))
     d.joinpath("status").write_text(f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t{gids[0]}\t{gids[0]}\t0\t0\n"
                                     f"Groups:\t{' '.join(map(str, gids[1:]))}\n")
     d.joinpath("cgroup").write_text(cgroup)
 
 
-def _claim(region: rg.Region, index: int, pid: int, requested: str) -> None:
+def _claim(region: rg.Region, index: int, pid: int, requested: str, start_time: int = 4242) -> None:
     slot = region.slots[index]
     slot.requested = requested.encode()
+    slot.start_time = start_time
     slot.pid = pid
     slot.flags = rg.SLOT_GATED
 
@@ -88,6 +91,23 @@ def test_the_pass_assigns_new_slots_counts_refusals_and_clears_freed_ones(region
     # A slot whose process has gone before the agent looked stays unassigned (the reaper frees it).
     _claim(region, 5, 999, "ml")
     assert membership.tick() == 0 and region.assigned_group(5, 999) is None
+
+
+def test_a_pid_from_a_containers_namespace_is_not_decided_for_the_hosts_process(region: rg.Region,
+                                                                                  tmp_path: Path) -> None:
+    """A gate in a pod stores its pid there (7); here 7 is root's process, started at another time.
+    No decision on root's credentials: the reaper gives the slot its host pid (8123), then Bob's
+    credentials decide."""
+    proc = tmp_path / "proc"
+    _process(proc, 7, 0, [0], start_time=100)
+    _process(proc, 8123, BOB, [BOB], start_time=5555)
+    membership = Membership(region, lambda: CONFIG.groups, ProcReader(proc))
+    _claim(region, 3, 7, "ml", start_time=5555)
+    assert membership.tick() == 0 and region.assigned_group(3, 7) is None
+    assert region.translate_slot(3, 7, 8123)
+    assert membership.tick() == 1
+    assert region.assigned_group(3, 8123) == region.defined_groups()["default"]
+    assert membership.refusals == {"ml": 1}
 
 
 def test_a_forged_pid_in_a_slot_gains_its_writer_nothing(region: rg.Region, tmp_path: Path) -> None:

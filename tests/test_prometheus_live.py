@@ -32,6 +32,7 @@ import yaml
 from simgpu_env import RT_CLIENT, require_build, simgpu_env
 
 from gemtrace import dashboards
+from gemtrace.kube.pods import Names
 
 pytestmark = pytest.mark.e2e
 
@@ -188,6 +189,9 @@ def _gemtrace(*args: str) -> list[str]:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     require_build()
     work = tmp_path_factory.mktemp("live")
+    # As `gemtrace kube-plugin` writes it: the group train is a pod's (the pod dashboard's data).
+    pod_names = work / "pods.json"
+    pod_names.write_text(Names({}, {"train": ("ml", "trainer", "main")}).to_json())
     state_dir = work / "state"
     state_dir.mkdir()
     config = work / "resource.conf"
@@ -201,7 +205,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prom: Prometheus | None = None
     try:
         agent = subprocess.Popen(
-            _gemtrace("agent", "--config", str(config), "--state-dir", str(state_dir), "--listen", listen),
+            _gemtrace("agent", "--config", str(config), "--state-dir", str(state_dir), "--listen", listen,
+                      "--pod-names", str(pod_names)),
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=agent_log.open("wb"))
         procs.append(agent)
         wait_until("agent serving /metrics", lambda: b"gemtrace_agent_info" in http_get(f"http://{listen}/metrics"),

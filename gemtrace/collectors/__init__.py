@@ -34,7 +34,8 @@ def _processes(agent: Agent) -> Collector:
     from gemtrace.collectors.processes import ProcessCollector
 
     acc = agent.accounting
-    return ProcessCollector(lambda: agent.snapshot, lambda: (acc.probes_attached, acc.libcuda_files))
+    return ProcessCollector(lambda: agent.snapshot, lambda: (acc.probes_attached, acc.libcuda_files),
+                            agent.pod_labels.process)
 
 
 def _enforcement(agent: Agent) -> Collector:

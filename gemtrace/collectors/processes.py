@@ -22,10 +22,13 @@ class ProcessCollector(Collector):
         self,
         snapshot: Callable[[], Snapshot | None],
         probes: Callable[[], tuple[int, int]] | None = None,
+        pod: Callable[[int, str], tuple[str, str, str]] | None = None,
     ) -> None:
-        """`snapshot`: the latest Snapshot; `probes`: (uprobes attached, libcuda files) or None."""
+        """`snapshot`: the latest Snapshot; `probes`: (uprobes attached, libcuda files) or None; `pod`:
+        a process's (namespace, pod, container) by its pid and group, or None for empty ones."""
         self._snapshot = snapshot
         self._probes = probes
+        self._pod = pod or (lambda _pid, _group: ("", "", ""))
 
     def collect(self) -> Iterator[Metric]:
         memory = family(spec("gemtrace_process_memory_bytes"))
@@ -33,7 +36,7 @@ class ProcessCollector(Collector):
         launches = family(spec("gemtrace_process_kernel_launches_total"))
         snap = self._snapshot()
         for p in snap.processes if snap is not None else ():
-            labels = [p.gpu, p.group, str(p.pid), p.comm]
+            labels = [p.gpu, p.group, str(p.pid), p.comm, *self._pod(p.pid, p.group)]
             memory.add_metric(labels, float(p.memory_bytes))
             seconds.add_metric(labels, p.gpu_seconds)
             if p.launches is not None:

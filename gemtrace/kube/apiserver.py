@@ -1,0 +1,108 @@
+"""The apiserver, read-only: the pods of this node, for what PodResources does not say of them.
+
+PodResources names a container's pod but not its UID (the pod's cgroup path is made of it) nor its
+annotations (`gemtrace.io/max-util`). One GET of the node's pods per reconciliation gives both. The
+credentials: a kubeconfig (its current context; certificate and key files or data, or a token), or
+inside a pod its service account. Optional: without it the plugin writes no Cgroup rule and takes
+MaxUtil from the util request alone. Never writes to the apiserver.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import ssl
+import tempfile
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gemtrace.kube.grants import PodInfo
+
+SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+TIMEOUT_S = 10.0
+
+
+class ApiError(Exception):
+    """The apiserver could not be asked or refused; str() says which and what to do."""
+
+
+@dataclass
+class Apiserver:
+    server: str
+    context: ssl.SSLContext
+    token: str | None = None
+
+    @classmethod
+    def in_cluster(cls) -> Apiserver:
+        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+        if not host or not port:
+            raise ApiError("not in a pod (no KUBERNETES_SERVICE_HOST): give --kubeconfig")
+        context = ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt"))
+        return cls(f"https://{host}:{port}", context, (SERVICE_ACCOUNT / "token").read_text().strip())
+
+    @classmethod
+    def from_kubeconfig(cls, path: Path) -> Apiserver:
+        import yaml
+
+        try:
+            config: dict[str, Any] = yaml.safe_load(path.read_text())
+            current = config.get("current-context")
+            context = next(c["context"] for c in config["contexts"] if c["name"] == current)
+            cluster = next(c["cluster"] for c in config["clusters"] if c["name"] == context["cluster"])
+            user = next(u["user"] for u in config["users"] if u["name"] == context["user"])
+        except (OSError, yaml.YAMLError, KeyError, StopIteration, TypeError) as e:
+            raise ApiError(f"{path}: not a usable kubeconfig ({e}); give the node's kubeconfig") from None
+        base = path.parent
+        ssl_context = ssl.create_default_context()
+        if "certificate-authority-data" in cluster:
+            ssl_context.load_verify_locations(cadata=base64.b64decode(cluster["certificate-authority-data"]).decode())
+        elif "certificate-authority" in cluster:
+            ssl_context.load_verify_locations(cafile=str(base / cluster["certificate-authority"]))
+        cert, key = _pem(base, user, "client-certificate"), _pem(base, user, "client-key")
+        if cert and key:
+            ssl_context.load_cert_chain(cert, key)
+        return cls(cluster["server"].rstrip("/"), ssl_context, user.get("token"))
+
+    def get(self, path: str, **query: str) -> dict[str, Any]:
+        url = self.server + path + ("?" + urllib.parse.urlencode(query) if query else "")
+        request = urllib.request.Request(url, headers={"Accept": "application/json"})
+        if self.token:
+            request.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=self.context) as response:
+                result: dict[str, Any] = json.load(response)
+                return result
+        except OSError as e:
+            raise ApiError(f"GET {url}: {e}") from None
+
+    def pods_of_node(self, node: str) -> dict[tuple[str, str], PodInfo]:
+        """(namespace, name) -> PodInfo of every pod bound to `node`."""
+        items = self.get("/api/v1/pods", fieldSelector=f"spec.nodeName={node}")["items"]
+        return {(p["metadata"]["namespace"], p["metadata"]["name"]):
+                PodInfo(p["metadata"]["uid"], dict(p["metadata"].get("annotations") or {}), _containers(p))
+                for p in items}
+
+
+def _containers(pod: dict[str, Any]) -> dict[str, str]:
+    """Container ID (without its runtime's `containerd://`) -> name, of the containers started so far."""
+    status = pod.get("status") or {}
+    return {c["containerID"].split("://", 1)[-1]: c["name"]
+            for c in (status.get("containerStatuses") or []) + (status.get("initContainerStatuses") or [])
+            if c.get("containerID")}
+
+
+def _pem(base: Path, user: dict[str, Any], key: str) -> str | None:
+    """A kubeconfig's certificate or key as a file path (its -data written to a private file)."""
+    if key in user:
+        return str(base / user[key])
+    data = user.get(key + "-data")
+    if not data:
+        return None
+    fd, name = tempfile.mkstemp(prefix="gemtrace-kube-", suffix=".pem")
+    with os.fdopen(fd, "wb") as f:
+        f.write(base64.b64decode(data))
+    return name

@@ -1,0 +1,304 @@
+"""`gemtrace kube-plugin`: the kubelet's device plugin (API v1beta1) for gemtrace's GPU shares.
+
+One gRPC server per resource (gemtrace.kube.shares: gpu-memory, gpu-util) on its own socket in the
+kubelet's device-plugins directory, each registered with the kubelet. Owns the plugin's lifecycle:
+
+- Health. Every device of a GPU is Healthy while the agent beats (its heartbeat in the region is
+  fresh) and NVML still lists the GPU; otherwise Unhealthy, and ListAndWatch sends the change at
+  once, so the kubelet stops placing pods there.
+- Allocate hands a container the gate (gemtrace.kube.injection: mounts and envs) and, for memory, its
+  group (GEMTRACE_GROUP) after writing the group's drop-in and waiting, briefly, for the agent to
+  define it; CUDA_VISIBLE_DEVICES/NVIDIA_VISIBLE_DEVICES name the GPUs of its devices.
+- Restarts. When the kubelet restarts it deletes every socket here: the plugin sees its socket's new
+  inode, serves again and registers again. Every second it reconciles the drop-ins with PodResources
+  (gemtrace.kube.grants), which is also how a restarted plugin picks up the running pods.
+
+Never decides quotas itself: the agent reads the drop-ins like any resource file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from gemtrace import region as rg
+from gemtrace.kube import kubelet, shares
+from gemtrace.kube.grants import Grants, Pods
+from gemtrace.kube.injection import Injection
+from gemtrace.kube.pb import deviceplugin_pb2 as dp
+from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
+from gemtrace.kube.pods import Names, write_names
+
+log = structlog.get_logger("gemtrace.kube.plugin")
+
+HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
+CHECK_SECONDS = 1.0
+ALLOCATE_WAIT_S = 5.0  # for the agent to define a new group (it reloads its resource file every second)
+
+
+def socket_name(resource: str) -> str:
+    return "gemtrace-" + resource.split("/", 1)[1] + ".sock"
+
+
+def agent_alive(state_dir: Path) -> bool:
+    """The agent's heartbeat in the region is fresh (the gates' own test)."""
+    try:
+        region = rg.Region.open(state_dir, writable=False)
+    except (OSError, rg.RegionError):
+        return False
+    try:
+        beat = region.layout.header.heartbeat_ns
+        return beat != 0 and time.monotonic_ns() - beat < rg.HEARTBEAT_STALE_NS
+    finally:
+        region.close()
+
+
+def ask_agent_to_reload(state_dir: Path) -> None:
+    """SIGHUP to the agent (its pid is in the region): it reloads at once instead of at its next look
+    at the resource file (every second), which would pace admissions at one pod a second."""
+    try:
+        region = rg.Region.open(state_dir, writable=False)
+    except (OSError, rg.RegionError):
+        return
+    try:
+        pid = region.layout.header.agent_pid
+    finally:
+        region.close()
+    if pid > 0:
+        try:
+            os.kill(pid, signal.SIGHUP)
+        except OSError:
+            pass  # gone, or not ours to signal: it reloads on its own within a second
+
+
+def group_defined(state_dir: Path, group: str) -> bool:
+    try:
+        region = rg.Region.open(state_dir, writable=False)
+    except (OSError, rg.RegionError):
+        return False
+    try:
+        index = region.group_index(group)
+        return index is not None and bool(region.layout.groups[index].defined)
+    finally:
+        region.close()
+
+
+class Inventory:
+    """The GPUs (uuid, memory) this node advertises and which of them are healthy; `changed` wakes
+    every ListAndWatch stream."""
+
+    def __init__(self, gpus: Sequence[tuple[str, int]]) -> None:
+        self.gpus = list(gpus)
+        self.healthy: set[str] = set()
+        self.version = 0
+        self.changed = threading.Condition()
+
+    def set_healthy(self, healthy: set[str]) -> bool:
+        with self.changed:
+            if healthy == self.healthy:
+                return False
+            self.healthy = healthy
+            self.version += 1
+            self.changed.notify_all()
+            return True
+
+    def devices(self, resource: str) -> list[dp.Device]:
+        return [dp.Device(ID=device, health=HEALTHY if gpu in self.healthy else UNHEALTHY)
+                for device, gpu in shares.device_ids(resource, self.gpus)]
+
+    def wake(self) -> None:
+        with self.changed:
+            self.version += 1
+            self.changed.notify_all()
+
+
+class ResourceServicer(dp_grpc.DevicePluginServicer):
+    def __init__(self, resource: str, inventory: Inventory, grants: Grants, injection: Injection,
+                 state_dir: Path, stopping: threading.Event) -> None:
+        self.resource = resource
+        self.inventory = inventory
+        self.grants = grants
+        self.injection = injection
+        self.state_dir = state_dir
+        self.stopping = stopping
+
+    def GetDevicePluginOptions(self, request: dp.Empty, context: Any) -> dp.DevicePluginOptions:
+        return dp.DevicePluginOptions(get_preferred_allocation_available=True)
+
+    def ListAndWatch(self, request: dp.Empty, context: Any) -> Iterator[dp.ListAndWatchResponse]:
+        seen = -1
+        while context.is_active() and not self.stopping.is_set():
+            with self.inventory.changed:
+                if self.inventory.version == seen:
+                    self.inventory.changed.wait(CHECK_SECONDS)
+                    continue
+                seen = self.inventory.version
+            yield dp.ListAndWatchResponse(devices=self.inventory.devices(self.resource))
+
+    def GetPreferredAllocation(self, request: dp.PreferredAllocationRequest, context: Any
+                               ) -> dp.PreferredAllocationResponse:
+        return dp.PreferredAllocationResponse(container_responses=[
+            dp.ContainerPreferredAllocationResponse(deviceIDs=shares.preferred(
+                list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
+            for r in request.container_requests])
+
+    def Allocate(self, request: dp.AllocateRequest, context: Any) -> dp.AllocateResponse:
+        return dp.AllocateResponse(container_responses=[self._allocate(list(r.devicesIDs))
+                                                        for r in request.container_requests])
+
+    def _allocate(self, devices: list[str]) -> dp.ContainerAllocateResponse:
+        mounts = [dp.Mount(container_path=str(m.container_path), host_path=str(m.host_path), read_only=m.read_only)
+                  for m in self.injection.mounts()]
+        group = None
+        envs: dict[str, str] = {}
+        if self.resource == shares.GPU_MEMORY:
+            # Only the memory resource names the group: the kubelet merges the two resources' envs
+            # in no fixed order, keeping the first of a name, so two writers could disagree.
+            grant = shares.Grant(memory=tuple(devices))
+            group = grant.group
+            if self.grants.write(grant, keep_existing=True):
+                ask_agent_to_reload(self.state_dir)
+            gpus = ",".join(grant.gpus)
+            envs = {"CUDA_VISIBLE_DEVICES": gpus, "NVIDIA_VISIBLE_DEVICES": gpus}
+            self._wait_defined(group)
+        envs.update(self.injection.env(group))
+        log.info("allocated", resource=self.resource, devices=len(devices), group=group)
+        return dp.ContainerAllocateResponse(envs=envs, mounts=mounts)
+
+    def _wait_defined(self, group: str) -> None:
+        deadline = time.monotonic() + ALLOCATE_WAIT_S
+        while not group_defined(self.state_dir, group):
+            if time.monotonic() > deadline:
+                # The gate retries every second: the container's first allocations run ungated.
+                log.warning("group_not_defined_yet", group=group, waited_s=ALLOCATE_WAIT_S,
+                            consequence="the container starts; its gate joins the group once the agent has it")
+                return
+            time.sleep(0.05)
+
+    def PreStartContainer(self, request: dp.PreStartContainerRequest, context: Any
+                          ) -> dp.PreStartContainerResponse:
+        return dp.PreStartContainerResponse()
+
+
+class DevicePlugin:
+    """Serves both resources, keeps them registered, healthy and reconciled until `stop()`."""
+
+    def __init__(self, gpus: Sequence[tuple[str, int]], state_dir: Path, grants: Grants, injection: Injection,
+                 device_plugins: Path = kubelet.DEVICE_PLUGINS, pod_resources: Path | None = kubelet.POD_RESOURCES,
+                 gpus_present: Callable[[], set[str]] | None = None,
+                 pods: Callable[[], Pods] | None = None, names_file: Path | None = None) -> None:
+        """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for the grants' Cgroup
+        rule and MaxUtil annotation; None: without them. `names_file`: where to write the pods' names
+        for the agent's metrics labels (gemtrace.kube.pods.NAMES_FILE)."""
+        self.inventory = Inventory(gpus)
+        self.state_dir = state_dir
+        self.grants = grants
+        self.injection = injection
+        self.device_plugins = device_plugins
+        self.pod_resources = pod_resources
+        self.pods = pods
+        self.names_file = names_file
+        self.gpus_present = gpus_present or (lambda: {uuid for uuid, _ in gpus})
+        self.kubelet_socket = kubelet.KubeletSocket(device_plugins)
+        self._servers: list[grpc.Server] = []
+        self._stop = threading.Event()
+        self.registrations = 0
+
+    def check_health(self) -> None:
+        alive = agent_alive(self.state_dir)
+        try:
+            present = self.gpus_present()
+        except Exception as e:  # NVML gone: no GPU is usable
+            log.warning("gpu_discovery_failed", error=str(e))
+            present = set()
+        healthy = present & {uuid for uuid, _ in self.inventory.gpus} if alive else set()
+        if self.inventory.set_healthy(healthy):
+            log.info("health_changed", agent_alive=alive, healthy=sorted(healthy),
+                     unhealthy=sorted({u for u, _ in self.inventory.gpus} - healthy))
+
+    def serve_and_register(self) -> None:
+        """(Re)start the servers on fresh sockets and register each resource with the kubelet."""
+        self.stop_servers()
+        for resource in shares.RESOURCES:
+            path = self.device_plugins / socket_name(resource)
+            path.unlink(missing_ok=True)
+            server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+            dp_grpc.add_DevicePluginServicer_to_server(
+                ResourceServicer(resource, self.inventory, self.grants, self.injection, self.state_dir, self._stop),
+                server)
+            server.add_insecure_port(f"unix://{path}")
+            server.start()
+            self._servers.append(server)
+        for resource in shares.RESOURCES:
+            kubelet.register(self.device_plugins, socket_name(resource), resource)
+        self.registrations += 1
+        log.info("registered", resources=list(shares.RESOURCES), device_plugins=str(self.device_plugins),
+                 registrations=self.registrations)
+
+    def stop_servers(self) -> None:
+        for server in self._servers:
+            server.stop(grace=0.5)
+        self._servers = []
+
+    def reconcile(self) -> None:
+        if self.pod_resources is None:
+            return
+        try:
+            containers = kubelet.list_pod_resources(self.pod_resources)
+        except grpc.RpcError as e:
+            log.warning("pod_resources_unavailable", socket=str(self.pod_resources), error=str(e.code()))
+            return
+        pods = None
+        if self.pods is not None and containers:
+            try:
+                pods = self.pods()
+            except Exception as e:  # ApiError; the grants are written without what it would add
+                log.warning("apiserver_unavailable", error=str(e), consequence="no Cgroup rule or MaxUtil annotation")
+        writes = self.grants.writes
+        grants = self.grants.reconcile(containers, pods)
+        if self.grants.writes != writes:
+            ask_agent_to_reload(self.state_dir)
+        if self.names_file is not None:
+            write_names(self.names_file, Names(
+                {info.uid: (namespace, name, info.containers) for (namespace, name), info in (pods or {}).items()},
+                {group: (g.namespace, g.pod, g.container) for group, g in grants.items()}))
+
+    def step(self) -> None:
+        """One pass of the loop: health, registration after a kubelet (re)start, reconciliation."""
+        self.check_health()
+        sockets_gone = self._servers and not all(
+            (self.device_plugins / socket_name(r)).exists() for r in shares.RESOURCES)
+        if self.kubelet_socket.changed() or sockets_gone:
+            try:
+                self.serve_and_register()
+            except grpc.RpcError as e:
+                log.warning("registration_failed", error=str(e.code()), consequence="retried in a second")
+                self.kubelet_socket = kubelet.KubeletSocket(self.device_plugins)  # retry next step
+        self.reconcile()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.step()
+            except Exception:
+                log.exception("plugin_step_failed")
+            self._stop.wait(CHECK_SECONDS)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inventory.wake()
+
+    def close(self) -> None:
+        self.stop()
+        self.stop_servers()
+        for resource in shares.RESOURCES:
+            (self.device_plugins / socket_name(resource)).unlink(missing_ok=True)

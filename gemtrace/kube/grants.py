@@ -1,0 +1,124 @@
+"""The pods' groups: one drop-in resource file per container that holds GPU shares.
+
+Owns the files `k8s-*.conf` in the resource file's drop-in directory (gemtrace.config.dropin_dir),
+and nothing else there. Allocate writes a container's file at once, before its processes start
+(named by its devices: the kubelet does not say whose they are yet); `reconcile` then completes and
+prunes the files from the kubelet's PodResources list, which names the pod and the container behind
+each device: its util share, its MaxUtil annotation, its cgroup. The list is the one truth: on start,
+after a kubelet restart, or after a re-registration the plugin rebuilds every file from it, and a
+grant always gets the same file and group name, so nothing is counted twice and nothing is lost. A
+file is written only when its text changes (each write makes the agent reload).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import structlog
+
+from gemtrace.kube.kubelet import ContainerDevices
+from gemtrace.kube.pods import pod_cgroup
+from gemtrace.kube.shares import (
+    ANNOTATION_MAX_UTIL,
+    GPU_MEMORY,
+    GPU_UTIL,
+    GROUP_PREFIX,
+    Grant,
+    dropin_text,
+    parse_max_util,
+)
+
+log = structlog.get_logger("gemtrace.kube.grants")
+
+# A file Allocate wrote may wait this long to show up in PodResources before it is pruned: the
+# kubelet lists a container's devices as soon as Allocate returns, but its list is read once a second.
+ALLOCATE_GRACE_S = 60.0
+
+
+@dataclass(frozen=True)
+class PodInfo:
+    """What the apiserver says of a pod that PodResources does not."""
+
+    uid: str
+    annotations: dict[str, str] = field(default_factory=dict)
+    containers: dict[str, str] = field(default_factory=dict)  # container ID -> name
+
+
+Pods = dict[tuple[str, str], PodInfo]  # (namespace, name) -> info
+
+
+class Grants:
+    def __init__(self, dropin_dir: Path, cgroup_root: Path = Path("/sys/fs/cgroup"),
+                 clock: Callable[[], float] = time.time) -> None:
+        self.dir = dropin_dir
+        self.cgroup_root = cgroup_root
+        self.clock = clock
+        self.writes = 0  # files written or removed so far: the agent has something to reload
+
+    def path(self, group: str) -> Path:
+        return self.dir / f"{group}.conf"
+
+    def write(self, grant: Grant, keep_existing: bool = False) -> bool:
+        """The grant's file, if its text changed (or, with `keep_existing`, if there is none: Allocate
+        knows less of a grant than reconcile wrote); True when written."""
+        path, text = self.path(grant.group), dropin_text(grant)
+        try:
+            current: str | None = path.read_text()
+        except FileNotFoundError:
+            current = None
+        if current is not None and (keep_existing or current == text):
+            return False
+        self.dir.mkdir(parents=True, exist_ok=True)
+        temporary = self.dir / f".{grant.group}.conf.tmp"  # a dot: gemtrace.config skips it
+        temporary.write_text(text)
+        temporary.replace(path)
+        self.writes += 1
+        log.info("grant_written", group=grant.group, namespace=grant.namespace, pod=grant.pod,
+                 container=grant.container, path=str(path))
+        return True
+
+    def owned(self) -> dict[str, Path]:
+        """group -> file, for every file of ours in the directory."""
+        try:
+            return {p.name.removesuffix(".conf"): p for p in self.dir.iterdir()
+                    if p.name.startswith(GROUP_PREFIX) and p.name.endswith(".conf")}
+        except FileNotFoundError:
+            return {}
+
+    def grant_of(self, container: ContainerDevices, pods: Pods | None = None) -> Grant:
+        grant = Grant(memory=container.devices.get(GPU_MEMORY, ()), util=container.devices.get(GPU_UTIL, ()),
+                      namespace=container.namespace, pod=container.pod, container=container.container)
+        info = (pods or {}).get((container.namespace, container.pod))
+        if info is not None:
+            cgroup = pod_cgroup(info.uid, self.cgroup_root) or ""
+            grant = replace(grant, max_util=parse_max_util(info.annotations.get(ANNOTATION_MAX_UTIL)), cgroup=cgroup)
+        return grant
+
+    def reconcile(self, containers: list[ContainerDevices], pods: Pods | None = None) -> dict[str, Grant]:
+        """Make the files say exactly the grants of `containers` (PodResources'), completed with
+        `pods` (the apiserver's) where given, keeping a file Allocate wrote less than
+        ALLOCATE_GRACE_S ago; returns the grants by group."""
+        grants = {}
+        for container in containers:
+            if GPU_MEMORY in container.devices or GPU_UTIL in container.devices:
+                grant = self.grant_of(container, pods)
+                grants[grant.group] = grant
+        for grant in grants.values():
+            self.write(grant)
+        now = self.clock()
+        for group, path in self.owned().items():
+            if group in grants:
+                continue
+            try:
+                age = now - os.stat(path).st_mtime
+            except FileNotFoundError:
+                continue
+            if age >= ALLOCATE_GRACE_S:
+                path.unlink(missing_ok=True)
+                self.writes += 1
+                log.info("grant_removed", group=group, reason="its pod is gone")
+        return grants

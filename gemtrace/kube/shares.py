@@ -1,0 +1,131 @@
+"""The GPU shares a pod can request, as Kubernetes extended resources, and the group a grant makes.
+
+Two resources per node, each advertised by the device plugin as devices the kubelet counts:
+
+    gemtrace.io/gpu-memory   1 unit = 1 GiB of one GPU's memory; device `<gpu uuid>-m<i>`
+    gemtrace.io/gpu-util     1 unit = 1% of one GPU's time;        device `<gpu uuid>-u<i>`
+
+A container's grant is the devices the kubelet gave it: its memory devices make its group's
+MemoryLimit (GiB on the GPU it has most of: the limit is per GPU), its util devices its MinUtil, and
+MaxUtil is the pod's annotation `gemtrace.io/max-util` (a ratio) or else the util request itself. The
+group is named after the memory devices (`k8s-` and a hash), so the same grant gets the same name
+after any restart of the plugin or the kubelet: nothing is counted twice. Pure functions only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+GPU_MEMORY = "gemtrace.io/gpu-memory"
+GPU_UTIL = "gemtrace.io/gpu-util"
+ANNOTATION_MAX_UTIL = "gemtrace.io/max-util"
+LABEL_GROUP = "gemtrace.io/group"
+GiB = 1 << 30
+UTIL_UNITS = 100  # per GPU: 1 unit = 1%
+GROUP_PREFIX = "k8s-"
+
+_KIND = {GPU_MEMORY: "m", GPU_UTIL: "u"}
+RESOURCES = tuple(_KIND)
+
+
+def device_ids(resource: str, gpus: Sequence[tuple[str, int]]) -> list[tuple[str, str]]:
+    """(device ID, GPU UUID) of every unit of `resource` on the GPUs given as (uuid, memory bytes)."""
+    kind = _KIND[resource]
+    out: list[tuple[str, str]] = []
+    for uuid, memory in gpus:
+        units = memory // GiB if resource == GPU_MEMORY else UTIL_UNITS
+        out.extend((f"{uuid}-{kind}{i}", uuid) for i in range(units))
+    return out
+
+
+def gpu_of(device_id: str) -> str:
+    """The GPU UUID of a device ID that device_ids made."""
+    return device_id.rsplit("-", 1)[0]
+
+
+def group_name(device_ids: Iterable[str]) -> str:
+    """The group of a grant, named by its devices: the same devices, the same name (region names are
+    at most 63 bytes; 16 hex digits make a collision between live grants negligible)."""
+    digest = hashlib.sha256(",".join(sorted(device_ids)).encode()).hexdigest()
+    return GROUP_PREFIX + digest[:16]
+
+
+def preferred(available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+    """The devices to give a container asking for `size` units: those it must have, then from the GPU
+    they are on, then from the GPUs with the most free units, so that a grant stays on one GPU when it
+    can (a MemoryLimit is per GPU: spread over two it would give twice the memory)."""
+    chosen = list(dict.fromkeys(must_include))[:size]
+    free: dict[str, list[str]] = {}
+    for device in available:
+        if device not in chosen:
+            free.setdefault(gpu_of(device), []).append(device)
+    first = {gpu_of(d) for d in chosen}
+    for gpu in sorted(free, key=lambda g: (g not in first, -len(free[g]), g)):
+        chosen.extend(free[gpu][: size - len(chosen)])
+    return chosen[:size]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a container holds: its devices of each resource, and what is known of its pod."""
+
+    memory: tuple[str, ...] = ()
+    util: tuple[str, ...] = ()
+    namespace: str = ""
+    pod: str = ""
+    container: str = ""
+    max_util: float | None = None  # the pod's annotation, if any
+    cgroup: str = ""  # the pod's cgroup path, if known
+
+    @property
+    def group(self) -> str:
+        return group_name(self.memory or self.util)
+
+    @property
+    def gpus(self) -> list[str]:
+        return list(dict.fromkeys(gpu_of(d) for d in self.memory or self.util))
+
+    def memory_limit(self) -> int:
+        per_gpu: dict[str, int] = {}
+        for device in self.memory:
+            per_gpu[gpu_of(device)] = per_gpu.get(gpu_of(device), 0) + 1
+        return max(per_gpu.values(), default=0) * GiB
+
+    def min_util(self) -> float:
+        per_gpu: dict[str, int] = {}
+        for device in self.util:
+            per_gpu[gpu_of(device)] = per_gpu.get(gpu_of(device), 0) + 1
+        return max(per_gpu.values(), default=0) / UTIL_UNITS
+
+    def max_util_ratio(self) -> float:
+        if self.max_util is not None:
+            return max(self.max_util, self.min_util())
+        return self.min_util() or 1.0
+
+
+def parse_max_util(text: str | None) -> float | None:
+    """The annotation's ratio ("0.5"), or None when absent or not a ratio in (0, 1]."""
+    try:
+        value = float(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 < value <= 1 else None
+
+
+def dropin_text(grant: Grant) -> str:
+    """The drop-in resource file of a grant (gemtrace.config reads it after the main file)."""
+    who = f"{grant.namespace}/{grant.pod} container {grant.container}" if grant.pod else "a pod not yet known"
+    lines = [
+        f"# Written by gemtrace kube-plugin for {who}; removed when the pod is gone. Do not edit.",
+        f"[{grant.group}]",
+    ]
+    if grant.memory:
+        lines.append(f"MemoryLimit = {grant.memory_limit() // GiB}GiB")
+    if grant.util:
+        lines.append(f"MinUtil = {grant.min_util():g}")
+    lines.append(f"MaxUtil = {grant.max_util_ratio():g}")
+    if grant.cgroup:
+        lines.append(f"Cgroup = {grant.cgroup}")
+    return "\n".join(lines) + "\n"

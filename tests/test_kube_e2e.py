@@ -1,0 +1,262 @@
+"""gemtrace on the real one-node cluster (tests/k8s/cluster.sh), with the simulated GPU on the node:
+the agent and `gemtrace kube-plugin` run on the host, as the .deb and the DaemonSet put them; pods
+ask for shares and are gated with nothing set by their user. The simulated GPU's libraries reach
+the pods through a hostPath, as a real driver's would through NVIDIA's container toolkit."""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from agent_host import Host, Running, free_port, gemtrace, stop, wait_until
+from k8s_cluster import K8sCluster, pod_manifest
+from simgpu_env import REPO, SIMGPU_DIR
+
+from gemtrace.kube import shares
+
+pytestmark = [pytest.mark.e2e, pytest.mark.k8s]
+
+GiB = 1 << 30
+GATE = REPO / "build" / "libgemgate.so"
+
+
+class Node:
+    """The node's host side: the agent and `gemtrace kube-plugin`, each restartable."""
+
+    def __init__(self, cluster: K8sCluster, host: Host) -> None:
+        self.cluster, self.host = cluster, host
+        self.names = host.tmp / "pods.json"
+        self.plugin_log = host.tmp / "kube-plugin.log"
+        self.agent = self.start_agent()
+        self.plugin = self.start_plugin()
+
+    def start_agent(self) -> Running:
+        return self.host.start_agent("--config-poll", "0.2", "--pod-names", str(self.names))
+
+    def start_plugin(self) -> subprocess.Popen[bytes]:
+        host, cluster = self.host, self.cluster
+        return subprocess.Popen(
+            gemtrace("kube-plugin", "--config", str(host.config), "--state-dir", str(host.state_dir),
+                     "--device-plugins", str(cluster.device_plugins), "--gate", str(GATE),
+                     "--preload-file", str(host.tmp / "ld.so.preload"), "--pod-names", str(self.names),
+                     "--node-name", cluster.node, "--kubeconfig", cluster.kubeconfig),
+            env=host.env(), stdout=subprocess.DEVNULL, stderr=self.plugin_log.open("ab"))
+
+    def stop_plugin(self) -> None:
+        self.plugin.terminate()
+        self.plugin.wait(timeout=20)
+
+    def close(self) -> None:
+        self.stop_plugin()
+        if self.agent.proc.poll() is None:
+            stop(self.agent)
+
+    def pod(self, name: str, script: str, limits: dict[str, str] | None = None,
+            labels: dict[str, str] | None = None) -> dict[str, Any]:
+        """A pod running `script` with the simulated GPU's driver (only the driver: nothing of gemtrace)."""
+        manifest = pod_manifest(name, ["sh", "-c", script], limits=limits)
+        if labels:
+            manifest["metadata"]["labels"] = labels
+        container = manifest["spec"]["containers"][0]
+        container["env"] = [{"name": "LD_LIBRARY_PATH", "value": "/simgpu"},
+                            {"name": "SIMGPU_STATE_DIR", "value": "/simgpu-state"}]
+        container["volumeMounts"] = [{"name": "simgpu", "mountPath": "/simgpu", "readOnly": True},
+                                     {"name": "simgpu-state", "mountPath": "/simgpu-state"}]
+        manifest["spec"]["volumes"] = [
+            {"name": "simgpu", "hostPath": {"path": str(SIMGPU_DIR)}},
+            {"name": "simgpu-state", "hostPath": {"path": self.host.sim.env()["SIMGPU_STATE_DIR"]}},
+        ]
+        return manifest
+
+    def run(self, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+        """Create the pod, wait for its end, and return its JSON lines (it must succeed)."""
+        name = manifest["metadata"]["name"]
+        self.cluster.create(manifest)
+        pod = self.cluster.wait_pod(name, lambda p: p["status"].get("phase") in ("Succeeded", "Failed"), "end")
+        out = self.cluster.kubectl("logs", name)
+        assert pod["status"]["phase"] == "Succeeded", f"{out}\n{self.cluster.diagnosis(name)}"
+        return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture
+def node(k8s_cluster: K8sCluster, host: Host) -> Iterator[Node]:
+    host.sim.env()  # the simulation's state dir exists before any pod mounts it
+    n = Node(k8s_cluster, host)
+    try:
+        def advertised() -> bool:
+            assert n.plugin.poll() is None, n.plugin_log.read_text()
+            capacity = k8s_cluster.get("node", k8s_cluster.node)["status"]["allocatable"]
+            return capacity.get(shares.GPU_MEMORY) == "16" and capacity.get(shares.GPU_UTIL) == "100"
+
+        wait_until("the node advertising 16 GiB and 100%", advertised, timeout=60, step=0.5)
+        yield n
+    finally:
+        n.close()
+        print(n.plugin_log.read_text())
+
+
+def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: Node) -> None:
+    name = "share-2g-30"
+    manifest = node.pod(name, "/simgpu/simgpu-rt meminfo && /simgpu/simgpu-rt alloc --hold 60 1GiB 1536MiB",
+                        limits={shares.GPU_MEMORY: "2", shares.GPU_UTIL: "30"})
+    manifest["metadata"]["annotations"] = {shares.ANNOTATION_MAX_UTIL: "0.5"}
+    cluster = node.cluster
+    try:
+        cluster.create(manifest)
+        lines = _wait_holding(node, name)
+        meminfo, first, second, *_ = lines
+        assert meminfo["total"] == 2 * GiB
+        assert first["name"] == "CUDA_SUCCESS"
+        assert second["name"] == "CUDA_ERROR_OUT_OF_MEMORY"
+
+        # Its group: the requested GiB, 30% guaranteed, the annotation's MaxUtil, its pod's cgroup.
+        uid = cluster.get("pod", name)["metadata"]["uid"]
+        dropins = list((node.host.tmp / "resource.d").glob("k8s-*.conf"))
+        assert len(dropins) == 1, [(p.name, p.read_text()) for p in dropins]
+        (dropin,) = dropins
+        group = dropin.stem
+        text = wait_until("the Cgroup rule", lambda: "Cgroup" in dropin.read_text() and dropin.read_text())
+        assert f"default/{name} container main" in text
+        assert "MemoryLimit = 2GiB\nMinUtil = 0.3\nMaxUtil = 0.5\n" in text
+        assert f"/pod{uid}\n" in text
+
+        # Its series carry its namespace, pod and container.
+        labels = ('namespace="default"', f'pod="{name}"')
+
+        def series() -> list[str]:
+            return [line for line in node.agent.metrics().splitlines() if all(x in line for x in labels)]
+
+        try:
+            found = wait_until(f"series with {labels}", lambda: (
+                any(s.startswith("gemtrace_process_memory_bytes{") and 'container="main"' in s for s in series())
+                and series()), timeout=30, step=0.5)
+        except AssertionError as e:
+            processes = [s for s in node.agent.metrics().splitlines() if s.startswith("gemtrace_process_memory")]
+            raise AssertionError(f"{e}\n{processes}\n{(node.host.tmp / 'pods.json').read_text()}") from None
+        memory = next(s for s in found if s.startswith("gemtrace_process_memory_bytes{"))
+        assert f'group="{group}"' in memory and float(memory.rsplit(" ", 1)[1]) == GiB
+        limit = next(s for s in found if s.startswith("gemtrace_group_memory_limit_bytes{"))
+        assert float(limit.rsplit(" ", 1)[1]) == 2 * GiB
+    finally:
+        cluster.delete_pod(name)
+
+
+def test_restarting_the_plugin_and_the_agent_keeps_a_running_pod_gated_and_grouped(node: Node) -> None:
+    name = "share-restarts"
+    manifest = node.pod(name, "/simgpu/simgpu-rt alloc --hold 90 1GiB", limits={shares.GPU_MEMORY: "2"})
+    cluster = node.cluster
+    dropins = node.host.tmp / "resource.d"
+
+    def our_series() -> list[str]:
+        return [s for s in node.agent.metrics().splitlines()
+                if s.startswith("gemtrace_process_memory_bytes{") and f'pod="{name}"' in s
+                and 'container="main"' in s]
+
+    try:
+        cluster.create(manifest)
+        _wait_holding(node, name)
+        (before,) = wait_until("its series", our_series, timeout=30, step=0.5)
+        files = {p.name: p.read_text() for p in dropins.glob("k8s-*.conf")}
+
+        node.stop_plugin()
+        node.plugin = node.start_plugin()
+        stop(node.agent)
+        node.agent = node.start_agent()
+        time.sleep(3)  # some reconciliations of the new plugin, some polls of the new agent
+
+        # The same one file per grant: a restarted plugin rebuilt it from PodResources, counted nothing twice.
+        assert {p.name: p.read_text() for p in dropins.glob("k8s-*.conf")} == files
+        (after,) = wait_until("its series from the new agent", our_series, timeout=30, step=0.5)
+        assert after == before  # same pid, group, pod labels and 1 GiB
+        allocatable = cluster.get("node", cluster.node)["status"]["allocatable"]
+        assert allocatable[shares.GPU_MEMORY] == "16"
+    finally:
+        cluster.delete_pod(name)
+
+
+def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:
+    try:
+        lines: list[dict[str, Any]] = wait_until("the pod holding its memory", lambda: _holding(node.cluster, name),
+                                                 timeout=120, step=0.5)
+        return lines
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{node.cluster.diagnosis(name)}\n--- plugin\n"
+                             f"{node.plugin_log.read_text()[-3000:]}") from None
+
+
+def _holding(cluster: K8sCluster, name: str) -> list[dict[str, Any]] | None:
+    if cluster.get("pod", name)["status"].get("phase") != "Running":
+        return None
+    lines = [json.loads(line) for line in cluster.kubectl("logs", name).splitlines() if line.startswith("{")]
+    return lines if any("holding" in line for line in lines) else None
+
+
+def test_a_pod_asking_for_more_than_a_gpu_has_stays_pending_and_says_why(node: Node) -> None:
+    name = "share-too-big"
+    node.cluster.create(node.pod(name, "true", limits={shares.GPU_MEMORY: "17"}))
+    try:
+        events = node.cluster.wait_events(name, "FailedScheduling")
+        assert any(f"Insufficient {shares.GPU_MEMORY}" in e["message"] for e in events), events
+        assert node.cluster.get("pod", name)["status"]["phase"] == "Pending"
+    finally:
+        node.cluster.delete_pod(name)
+
+
+@pytest.fixture
+def webhook(node: Node) -> Iterator[None]:
+    cluster = node.cluster
+    cert, key = cluster.serving_cert(node.host.tmp)
+    port = free_port()
+    proc = subprocess.Popen(
+        gemtrace("kube-webhook", "--listen", f"127.0.0.1:{port}", "--cert", str(cert), "--key", str(key),
+                 "--state-dir", str(node.host.state_dir), "--gate", str(GATE),
+                 "--preload-file", str(node.host.tmp / "ld.so.preload")),
+        env=node.host.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # The configuration deploy/ installs, pointed at this test's server.
+    config = json.loads(subprocess.run(
+        ["python3", "-c", "import sys,yaml,json; json.dump(yaml.safe_load(open(sys.argv[1])), sys.stdout)",
+         str(REPO / "deploy" / "webhook-configuration.yaml")], capture_output=True, check=True).stdout)
+    hook = config["webhooks"][0]
+    hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/mutate",
+                            "caBundle": base64.b64encode(cluster.ca_cert.read_bytes()).decode()}
+    cluster.create(config)
+    try:
+        yield
+    finally:
+        cluster.kubectl("delete", "mutatingwebhookconfiguration", config["metadata"]["name"], "--ignore-not-found")
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: None) -> None:
+    name = "labelled-train"
+    manifest = node.pod(name, "/simgpu/simgpu-rt meminfo", labels={shares.LABEL_GROUP: "train"})
+    deadline = time.monotonic() + 30  # the apiserver calls a new webhook once its informer has it
+    try:
+        while True:
+            node.cluster.create(manifest)
+            mutated = any(v["name"] == "gemtrace-gate" for v in node.cluster.get("pod", name)["spec"]["volumes"])
+            if mutated or time.monotonic() > deadline:
+                break
+            node.cluster.kubectl("delete", "pod", name, "--wait=true", "--grace-period=0", "--force")
+            time.sleep(0.5)
+        pod = node.cluster.wait_pod(name, lambda p: p["status"].get("phase") in ("Succeeded", "Failed"), "end")
+        out = node.cluster.kubectl("logs", name)
+        assert pod["status"]["phase"] == "Succeeded", out
+        meminfo = json.loads(out.splitlines()[-1])
+        assert meminfo["total"] == 1 * GiB  # [train]'s MemoryLimit in agent_host.CONFIG
+    finally:
+        node.cluster.delete_pod(name)
+    unlabelled = node.cluster.create  # an unlabelled pod is left as it is
+    name = "unlabelled"
+    unlabelled(node.pod(name, "true"))
+    try:
+        volumes = {v["name"] for v in node.cluster.get("pod", name)["spec"]["volumes"]}
+        assert "gemtrace-gate" not in volumes
+    finally:
+        node.cluster.delete_pod(name)

@@ -1,0 +1,207 @@
+"""The device plugin against a fake kubelet: no cluster. The fake serves Registration and
+PodResources on sockets of a temporary directory, as the kubelet does, and drives the plugin through
+ListAndWatch and Allocate; a real agent (on the simulated GPU) reads the groups the plugin writes."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+from agent_host import Host, Running, stop, wait_until
+from simgpu_env import REPO
+
+from gemtrace.config import dropin_dir, load
+from gemtrace.kube import kubelet, shares
+from gemtrace.kube.deviceplugin import DevicePlugin, socket_name
+from gemtrace.kube.grants import Grants
+from gemtrace.kube.injection import Injection
+from gemtrace.kube.pb import deviceplugin_pb2 as dp
+from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
+from gemtrace.kube.pb import podresources_pb2 as pr
+from gemtrace.kube.pb import podresources_pb2_grpc as pr_grpc
+
+pytestmark = pytest.mark.e2e
+
+GiB = 1 << 30
+
+
+class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServicer):
+    """Registration on device-plugins/kubelet.sock and PodResources on pod-resources.sock."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.registrations: queue.Queue[dp.RegisterRequest] = queue.Queue()
+        self.pods: list[pr.PodResources] = []
+        self.server: grpc.Server | None = None
+        self.start()
+
+    def start(self) -> None:
+        """Start (or restart, as a kubelet does: its sockets and the plugins' deleted first)."""
+        if self.server is not None:
+            self.server.stop(0)
+        for sock in self.dir.glob("*.sock"):
+            sock.unlink()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        dp_grpc.add_RegistrationServicer_to_server(self, self.server)
+        pr_grpc.add_PodResourcesListerServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix://{self.dir / 'kubelet.sock'}")
+        self.server.add_insecure_port(f"unix://{self.dir / 'pod-resources.sock'}")
+        self.server.start()
+
+    def Register(self, request: dp.RegisterRequest, context: object) -> dp.Empty:
+        self.registrations.put(request)
+        return dp.Empty()
+
+    def List(self, request: pr.ListPodResourcesRequest, context: object) -> pr.ListPodResourcesResponse:
+        return pr.ListPodResourcesResponse(pod_resources=self.pods)
+
+    def registered(self) -> dict[str, dp.RegisterRequest]:
+        got = {}
+        while len(got) < len(shares.RESOURCES):
+            r = self.registrations.get(timeout=20)
+            got[r.resource_name] = r
+        return got
+
+    def plugin(self, resource: str) -> dp_grpc.DevicePluginStub:
+        return dp_grpc.DevicePluginStub(kubelet.channel(self.dir / socket_name(resource)))
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # A unix socket's path must fit in 108 bytes: pytest's tmp_path may not.
+    directory = Path(tempfile.mkdtemp(prefix="gt-kubelet-", dir="/tmp"))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class Stack:
+    def __init__(self, host: Host, directory: Path, agent: Running) -> None:
+        self.host, self.agent = host, agent
+        self.kubelet = FakeKubelet(directory)
+        region = host.region()
+        gpus = [(uuid, region.layout.gpus[i].memory_total) for i, uuid in enumerate(region.gpu_uuids())]
+        region.close()
+        self.gpus = gpus
+        self.grants = Grants(dropin_dir(host.config))
+        self.injection = Injection(gate=REPO / "build" / "libgemgate.so", state_dir=host.state_dir,
+                                   preload_file=host.tmp / "ld.so.preload")
+        self.injection.write_preload_file()
+        self.plugin = DevicePlugin(gpus, host.state_dir, self.grants, self.injection, device_plugins=directory,
+                                   pod_resources=directory / "pod-resources.sock")
+        self.thread = threading.Thread(target=self.plugin.run, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.plugin.close()
+        self.thread.join(timeout=10)
+        assert self.kubelet.server is not None
+        self.kubelet.server.stop(0)
+
+
+@pytest.fixture
+def stack(host: Host, short_dir: Path) -> Iterator[Stack]:
+    agent = host.start_agent("--config-poll", "0.1")
+    s = Stack(host, short_dir, agent)
+    yield s
+    s.close()
+    if agent.proc.poll() is None:
+        stop(agent)
+
+
+def first_devices(stub: dp_grpc.DevicePluginStub) -> tuple[Iterator[dp.ListAndWatchResponse], list[dp.Device]]:
+    stream = stub.ListAndWatch(dp.Empty(), timeout=60)
+    return stream, list(next(stream).devices)
+
+
+def test_registers_both_resources_and_lists_one_device_per_gib_and_per_percent(stack: Stack) -> None:
+    registered = stack.kubelet.registered()
+    assert {r: (q.version, q.endpoint) for r, q in registered.items()} == {
+        shares.GPU_MEMORY: ("v1beta1", "gemtrace-gpu-memory.sock"),
+        shares.GPU_UTIL: ("v1beta1", "gemtrace-gpu-util.sock"),
+    }
+    assert all(q.options.get_preferred_allocation_available for q in registered.values())
+    (uuid, memory), = stack.gpus
+    _, memory_devices = first_devices(stack.kubelet.plugin(shares.GPU_MEMORY))
+    assert len(memory_devices) == memory // GiB == 16
+    assert {d.health for d in memory_devices} == {"Healthy"}
+    _, util_devices = first_devices(stack.kubelet.plugin(shares.GPU_UTIL))
+    assert [d.ID for d in util_devices] == [f"{uuid}-u{i}" for i in range(100)]
+
+
+def test_allocate_gates_the_container_and_the_agent_defines_its_group(stack: Stack) -> None:
+    stack.kubelet.registered()
+    (uuid, _), = stack.gpus
+    memory = [f"{uuid}-m{i}" for i in (3, 7)]
+    response = stack.kubelet.plugin(shares.GPU_MEMORY).Allocate(
+        dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devicesIDs=memory)]), timeout=30)
+    (container,) = response.container_responses
+    group = shares.group_name(memory)
+    assert dict(container.envs) == {"GEMTRACE_GROUP": group, "GEMTRACE_STATE_DIR": "/run/gemtrace",
+                                     "CUDA_VISIBLE_DEVICES": uuid, "NVIDIA_VISIBLE_DEVICES": uuid}
+    assert {(m.container_path, m.host_path, m.read_only) for m in container.mounts} == {
+        ("/etc/ld.so.preload", str(stack.host.tmp / "ld.so.preload"), True),
+        ("/usr/lib/gemtrace/libgemgate.so", str(REPO / "build" / "libgemgate.so"), True),
+        ("/run/gemtrace", str(stack.host.state_dir), False),
+    }
+    assert (stack.host.tmp / "ld.so.preload").read_text() == "/usr/lib/gemtrace/libgemgate.so\n"
+    # Allocate returned only once the agent had the group, with its limit.
+    region = stack.host.region()
+    index = region.group_index(group)
+    assert index is not None and region.layout.groups[index].memory_limit == 2 * GiB
+    region.close()
+
+    # The kubelet then lists the container with its util devices too: the group gets its MinUtil.
+    util = [f"{uuid}-u{i}" for i in range(30)]
+    stack.kubelet.pods = [pr.PodResources(name="trainer", namespace="ml", containers=[pr.ContainerResources(
+        name="main", devices=[pr.ContainerDevices(resource_name=shares.GPU_MEMORY, device_ids=memory),
+                              pr.ContainerDevices(resource_name=shares.GPU_UTIL, device_ids=util)])])]
+    wait_until("MinUtil 0.3 in the pod's drop-in", lambda: load(stack.host.config).groups[group].min_util == 0.3)
+    settings = load(stack.host.config).groups[group]
+    assert (settings.memory_limit, settings.max_util) == (2 * GiB, 0.3)
+    assert "ml/trainer container main" in stack.grants.path(group).read_text()
+
+    # A kubelet restart: the plugin serves and registers again; the same grant keeps its one file.
+    stack.kubelet.start()
+    assert set(stack.kubelet.registered()) == set(shares.RESOURCES)
+    time.sleep(1.5)  # a reconciliation or two after the restart
+    assert [p.name for p in dropin_dir(stack.host.config).iterdir()] == [f"{group}.conf"]
+
+    # The pod is gone: its file goes once past the grace an Allocate is given.
+    stack.kubelet.pods = []
+    stack.grants.clock = lambda: time.time() + 3600
+    wait_until("the drop-in removed", lambda: not stack.grants.path(group).exists())
+    wait_until("the agent dropped the group", lambda: group not in load(stack.host.config).groups)
+
+
+def test_health_follows_the_agent(stack: Stack) -> None:
+    stack.kubelet.registered()
+    stream, devices = first_devices(stack.kubelet.plugin(shares.GPU_UTIL))
+    assert {d.health for d in devices} == {"Healthy"}
+    stop(stack.agent)
+    update = next(stream)  # sent at once, not at the next registration
+    assert {d.health for d in update.devices} == {"Unhealthy"}
+
+
+def test_preferred_allocation_keeps_a_grant_on_one_gpu() -> None:
+    available = [f"GPU-a-m{i}" for i in range(2)] + [f"GPU-b-m{i}" for i in range(4)]
+    assert shares.preferred(available, [], 3) == ["GPU-b-m0", "GPU-b-m1", "GPU-b-m2"]
+    assert shares.preferred(available, ["GPU-a-m1"], 2) == ["GPU-a-m1", "GPU-a-m0"]
+
+
+def test_the_agent_tells_a_pid_namespace_of_its_own() -> None:
+    code = "from gemtrace.agent import nested_pid_namespace; print(nested_pid_namespace())"
+    here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert here.stdout == "False\n"
+    inside = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
+                            capture_output=True, text=True)
+    assert inside.stdout == "True\n", inside.stderr

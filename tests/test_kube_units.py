@@ -1,0 +1,111 @@
+"""The pure parts of the Kubernetes integration: shares and their groups, cgroup paths, the webhook's
+patch."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from gemtrace.config import parse_text
+from gemtrace.kube import pods, shares, webhook
+from gemtrace.kube.injection import Injection
+
+pytestmark = pytest.mark.unit
+
+GiB = 1 << 30
+UID = "0d6f6c2e-3c1a-4c3e-9a51-7b1c2d3e4f50"
+CID = "a" * 64
+
+
+def test_devices_are_one_per_gib_and_per_percent_of_each_gpu() -> None:
+    gpus = [("GPU-a", 16 * GiB + 5), ("GPU-b", 8 * GiB)]
+    memory = shares.device_ids(shares.GPU_MEMORY, gpus)
+    assert len(memory) == 24 and memory[0] == ("GPU-a-m0", "GPU-a") and memory[-1] == ("GPU-b-m7", "GPU-b")
+    assert len(shares.device_ids(shares.GPU_UTIL, gpus)) == 200
+    assert shares.gpu_of("GPU-4f53b7f6-3179-49a9-8abd-91f3eeca7a00-u42") == "GPU-4f53b7f6-3179-49a9-8abd-91f3eeca7a00"
+
+
+def test_a_grant_names_its_group_by_its_devices_whatever_their_order() -> None:
+    a = shares.Grant(memory=("GPU-a-m1", "GPU-a-m0"))
+    b = shares.Grant(memory=("GPU-a-m0", "GPU-a-m1"), util=("GPU-a-u0",), pod="p")
+    assert a.group == b.group and a.group.startswith("k8s-") and len(a.group) <= 63
+    assert shares.Grant(memory=("GPU-a-m2",)).group != a.group
+
+
+def test_the_dropin_of_a_grant_is_a_valid_resource_file() -> None:
+    grant = shares.Grant(memory=("GPU-a-m0", "GPU-a-m1"), util=tuple(f"GPU-a-u{i}" for i in range(30)),
+                         namespace="ml", pod="trainer", container="main", max_util=0.5,
+                         cgroup=f"/kubepods/besteffort/pod{UID}")
+    settings = parse_text(shares.dropin_text(grant)).groups[grant.group]
+    assert (settings.memory_limit, settings.min_util, settings.max_util) == (2 * GiB, 0.3, 0.5)
+    assert settings.cgroups == (f"/kubepods/besteffort/pod{UID}",)
+    # No annotation: MaxUtil is the util request; an annotation below it is raised to it.
+    assert shares.Grant(util=("GPU-a-u0",) * 20).max_util_ratio() == 0.2
+    assert shares.Grant(util=("GPU-a-u0",) * 20, max_util=0.1).max_util_ratio() == 0.2
+    assert shares.Grant(memory=("GPU-a-m0",)).max_util_ratio() == 1.0
+    assert [shares.parse_max_util(t) for t in ("0.5", "1", "0", "1.5", "x", None)] == [0.5, 1.0, None, None, None, None]
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        (f"/kubepods/besteffort/pod{UID}/{CID}", pods.PodRef(UID, CID, f"/kubepods/besteffort/pod{UID}")),
+        (f"/kubepods/pod{UID}/{CID}", pods.PodRef(UID, CID, f"/kubepods/pod{UID}")),
+        (f"/kubepods/burstable/pod{UID}", pods.PodRef(UID, "", f"/kubepods/burstable/pod{UID}")),
+        (f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID.replace('-', '_')}.slice/"
+         f"cri-containerd-{CID}.scope",
+         pods.PodRef(UID, CID, f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod"
+                               f"{UID.replace('-', '_')}.slice")),
+        ("/user.slice/user-0.slice/session-1.scope", None),
+        ("/kubepods/besteffort", None),
+    ],
+)
+def test_a_cgroup_path_names_its_pod_and_container(path: str, expected: pods.PodRef | None) -> None:
+    assert pods.parse_cgroup_path(path) == expected
+
+
+def test_a_pods_cgroup_is_found_under_either_hierarchy(tmp_path: Path) -> None:
+    assert pods.pod_cgroup(UID, tmp_path) is None
+    (tmp_path / "pids" / "kubepods" / "besteffort" / f"pod{UID}").mkdir(parents=True)
+    assert pods.pod_cgroup(UID, tmp_path) == f"/kubepods/besteffort/pod{UID}"
+
+
+def test_process_labels_come_from_the_cgroup_and_the_names_file(tmp_path: Path) -> None:
+    names = tmp_path / "pods.json"
+    pods.write_names(names, pods.Names({UID: ("ml", "trainer", {CID: "main"})}, {"k8s-x": ("ml", "trainer", "main")}))
+    proc = tmp_path / "proc"
+    for pid, cgroup in ((10, f"/kubepods/besteffort/pod{UID}/{CID}"), (11, "/user.slice")):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "cgroup").write_text(f"0::{cgroup}\n")
+    labels = pods.PodLabels(names, proc)
+    labels.refresh([10, 11, 12])
+    assert labels.process(10, "default") == ("ml", "trainer", "main")
+    assert labels.process(11, "default") == ("", "", "")
+    assert labels.process(11, "k8s-x") == ("ml", "trainer", "main")  # its group's pod
+    assert labels.group("train") == ("", "", "")
+
+
+def test_the_webhook_patches_a_labelled_pod_and_only_it() -> None:
+    injection = Injection(gate=Path("/usr/lib/gemtrace/libgemgate.so"), state_dir=Path("/run/gemtrace"),
+                          preload_file=Path("/var/lib/gemtrace/kube/ld.so.preload"))
+    pod = {"metadata": {"labels": {shares.LABEL_GROUP: "train"}},
+           "spec": {"containers": [{"name": "a", "env": [{"name": "GEMTRACE_STATE_DIR", "value": "/x"}]},
+                                   {"name": "b", "volumeMounts": []}]}}
+    answer = webhook.review({"request": {"uid": "u1", "object": pod}}, injection)["response"]
+    assert answer["allowed"] and answer["uid"] == "u1"
+    patch = json.loads(base64.b64decode(answer["patch"]))
+    assert patch[0]["path"] == "/spec/volumes" and {v["name"] for v in patch[0]["value"]} == {
+        "gemtrace-gate", "gemtrace-state", "gemtrace-preload"}
+    env_a = [p["value"] for p in patch if p["path"] == "/spec/containers/0/env/-"]
+    assert env_a == [{"name": "GEMTRACE_GROUP", "value": "train"}]  # the pod's own GEMTRACE_STATE_DIR stays
+    mounts_b = [p["value"]["mountPath"] for p in patch if p["path"] == "/spec/containers/1/volumeMounts/-"]
+    assert mounts_b == ["/usr/lib/gemtrace/libgemgate.so", "/run/gemtrace", "/etc/ld.so.preload"]
+
+    unlabelled = webhook.review({"request": {"uid": "u2", "object": {"metadata": {}, "spec": {}}}}, injection)
+    assert unlabelled["response"] == {"uid": "u2", "allowed": True}
+    bad = {"metadata": {"labels": {shares.LABEL_GROUP: "no/slash"}}, "spec": {}}
+    refused = webhook.review({"request": {"uid": "u3", "object": bad}}, injection)["response"]
+    assert not refused["allowed"] and "is not a group name" in refused["status"]["message"]
