@@ -222,3 +222,37 @@ def test_gemtrace_run_refuses_a_group_the_user_is_not_admitted_to(adversary: Adv
     root = subprocess.run([sys.executable, "-m", "gemtrace.cli", *run], env=host.env(), capture_output=True,
                           text=True, timeout=60)
     assert (root.returncode, root.stdout) == (0, "ran\n"), root.stderr
+
+
+def test_a_gate_in_a_pid_namespace_of_its_own_is_placed_by_its_real_user(adversary: Adversary, host: Host,
+                                                                          agent: Running) -> None:
+    """The user's gate runs as pid 1 of a user and PID namespace of their own: its slot says pid 1,
+    which here is root's init. The agent must not decide on init's credentials: the reaper gives the
+    slot the process's host pid, and the user's own uid decides (admins refused, team admitted)."""
+    env = host.env(GEMTRACE_STATE_DIR=str(host.state_dir), LD_PRELOAD=str(GATE))
+    namespace = ("unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc")
+    procs = {group: subprocess.Popen(
+        adversary.command(*namespace, str(RT_CLIENT), "alloc", "--api", "v2", str(MiB), "--hold", "60"),
+        env={**env, "GEMTRACE_GROUP": group}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for group in ("admins", "team")}
+    r = host.region()
+    try:
+        for proc in procs.values():
+            assert proc.stdout is not None
+            assert json.loads(proc.stdout.readline())["name"] == "CUDA_SUCCESS"
+        index = r.defined_groups()
+
+        def placed() -> dict[str, int] | None:
+            by_request = {r.slots[i].requested.decode(): r.assigned_group(i, s.pid) for i, s in r.live_slots()}
+            return by_request if None not in by_request.values() and len(by_request) == 2 else None
+
+        assert wait_until("both placed", placed, timeout=10) == {"admins": index["default"], "team": index["team"]}
+        pids = {r.slots[i].requested.decode(): s.pid for i, s in r.live_slots()}
+        assert 1 not in pids.values()  # the host pids, not the namespace's
+        event = next(json.loads(line) for line in agent.log.read_text().splitlines() if '"group_refused"' in line)
+        assert (event["pid"], event["uid"], event["requested"]) == (pids["admins"], adversary.uid, "admins")
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        r.close()
