@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from simgpu_env import REPO, RT_CLIENT
 from test_bpf_accounting import require_bcc
 
+from gemtrace.metrics import POD_LABELS
 from gemtrace.region import HEARTBEAT_STALE_NS
 
 GATE = REPO / "build" / "libgemgate.so"
@@ -26,7 +27,8 @@ CUDA_ERROR_OUT_OF_MEMORY = 2
 
 
 def series(running: Running, name: str) -> dict[frozenset[tuple[str, str]], float]:
-    return {frozenset(s.labels.items()): s.value
+    """The samples of `name` by their labels, less the pod labels of a process outside any pod (empty)."""
+    return {frozenset((k, v) for k, v in s.labels.items() if v or k not in POD_LABELS): s.value
             for f in text_string_to_metric_families(running.metrics()) for s in f.samples if s.name == name}
 
 

@@ -185,7 +185,8 @@ def test_gated_processes_from_slots_and_series_vanish_after_grace(tmp_path: Path
     registry = CollectorRegistry()
     latest: list[Snapshot] = [snap]
     registry.register(ProcessCollector(lambda: latest[-1]))
-    labels = {"gpu": UUIDS[1], "group": "train", "pid": "301", "comm": "trainer"}
+    labels = {"gpu": UUIDS[1], "group": "train", "pid": "301", "comm": "trainer", "namespace": "", "pod": "",
+              "container": ""}
     assert samples(registry) == {
         ("gemtrace_process_memory_bytes", frozenset(labels.items())): 123 << 20,
         ("gemtrace_process_kernel_launches_total", frozenset(labels.items())): 4567,
