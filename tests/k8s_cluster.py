@@ -134,7 +134,10 @@ class K8sCluster:
         self.kubectl("create", "-f", "-", stdin=json.dumps(manifest))
 
     def delete_pod(self, name: str) -> None:
-        self.kubectl("delete", "pod", name, "--ignore-not-found", "--wait=false")
+        """Delete the pod and wait until it is gone: until then the kubelet counts its devices as taken,
+        and the next test's pod, which the scheduler may already place, fails admission with
+        UnexpectedAdmissionError ("requested number of devices unavailable")."""
+        self.kubectl("delete", "pod", name, "--ignore-not-found", "--grace-period=1", "--wait=true", "--timeout=50s")
 
     def events(self, name: str, reason: str) -> list[Manifest]:
         out = self.kubectl(
