@@ -43,13 +43,23 @@ class Adversary:
 
 
 @pytest.fixture(scope="session")
-def adversary() -> Adversary:
+def adversary() -> Iterator[Adversary]:
     try:
         entry = pwd.getpwnam(USER)
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", USER], check=True)
         entry = pwd.getpwnam(USER)
-    return Adversary(USER, entry.pw_uid, entry.pw_gid)
+    # The user runs the checkout's gate, simulated libcuda and venv: a checkout under /root (mode 0700,
+    # as a newcomer's clone as root is) must let others pass through its parents, for this tier only.
+    closed = [d for d in (REPO, *REPO.parents) if not d.stat().st_mode & 0o001]
+    modes = {d: d.stat().st_mode & 0o7777 for d in closed}
+    for d in closed:
+        d.chmod(modes[d] | 0o001)
+    try:
+        yield Adversary(USER, entry.pw_uid, entry.pw_gid)
+    finally:
+        for d, mode in modes.items():
+            d.chmod(mode)
 
 
 def config_text(adversary: Adversary) -> str:
