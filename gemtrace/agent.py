@@ -17,6 +17,7 @@ waiting, then the probes detached.
 from __future__ import annotations
 
 import errno
+import faulthandler
 import fcntl
 import os
 import resource
@@ -26,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
 
 import structlog
 
@@ -42,6 +42,7 @@ from gemtrace.kube.pods import NAMES_FILE, PodLabels
 from gemtrace.membership import Membership
 from gemtrace.region import Region, RegionError
 from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
+from gemtrace.signals import SignalInbox
 
 log = structlog.get_logger("gemtrace.agent")
 
@@ -456,9 +457,11 @@ class Agent:
                  gpus=[g.uuid for g in self.gpus], groups=sorted(self.config.groups),
                  ebpf=self.accounting.ebpf_status)
 
-    def run_until_stopped(self, on_tick: Callable[[], None] | None = None) -> None:
+    def run_until_stopped(self, signals: SignalInbox | None = None,
+                          on_tick: Callable[[], None] | None = None) -> None:
+        """The main loop, until stop() or, with `signals`, SIGTERM or SIGINT (SIGHUP: reload now)."""
         next_poll = time.monotonic()
-        while not self._stop.wait(defaults.TICK_SECONDS):
+        while not self._wait_tick(signals):
             self.reaper.tick()
             now = time.monotonic()
             if now >= next_poll:
@@ -469,6 +472,18 @@ class Agent:
                 on_tick()
         if self.stop_signal is not None:
             log.info("signal_received", signal=self.stop_signal)
+
+    def _wait_tick(self, signals: SignalInbox | None) -> bool:
+        """Wait a tick (less on a signal) and act on the signals received; True once stopped."""
+        if signals is None:
+            return self._stop.wait(defaults.TICK_SECONDS)
+        for signum, at in signals.wait(defaults.TICK_SECONDS):
+            if signum == signal.SIGHUP:  # systemctl reload: the resource file now, changed or not
+                self.watcher.request()
+            elif self.stop_signal is None:
+                self.stop_signal, self.stop_signal_at = signum.name, at
+                self.stop()
+        return self._stop.is_set()
 
     def stop(self) -> None:
         self._stop.set()
@@ -510,16 +525,9 @@ class Agent:
                  steps_ms=steps)
 
 
-def install_signal_handlers(agent: Agent) -> None:
-    # The handler runs between two bytecodes of the main thread, which may be inside a log call
-    # holding structlog's (non-reentrant) write lock: logging here could deadlock the stop. It only
-    # records the signal; the main loop logs it when it returns.
-    def handler(signum: int, _frame: Any) -> None:
-        agent.stop_signal = signal.Signals(signum).name
-        agent.stop_signal_at = time.monotonic()
-        agent.stop()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    # SIGHUP: reload the resource file now (systemctl reload), changed or not. Only sets an event.
-    signal.signal(signal.SIGHUP, lambda _signum, _frame: agent.watcher.request())
+def agent_signals() -> SignalInbox:
+    """The agent's signals (install from the main thread, before the agent starts its threads).
+    SIGUSR1 (root only: the agent is root's) writes every thread's stack to stderr, the journal, for
+    a stop or a reload that hangs: faulthandler writes from C, with no lock a stuck thread could hold."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    return SignalInbox((signal.SIGTERM, signal.SIGINT, signal.SIGHUP))

@@ -57,7 +57,7 @@ def _fail(message: str, status: int = 1) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from gemtrace import eventlog, web_config
-    from gemtrace.agent import Agent, install_signal_handlers
+    from gemtrace.agent import Agent, agent_signals
     from gemtrace.config import ConfigError
     from gemtrace.exporter import Exporter, ListenError, listen_target, parse_group, parse_mode
     from gemtrace.gpus import GpuDiscoveryError
@@ -91,11 +91,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except (ListenError, OSError) as e:
         agent.close()
         return _fail(f"cannot serve /metrics on {args.listen}: {e}")
-    install_signal_handlers(agent)
+    signals = agent_signals()
     exporter.start()
     agent.start()
     try:
-        agent.run_until_stopped()
+        agent.run_until_stopped(signals)
     finally:
         exporter.stop()
         agent.close()
@@ -136,6 +136,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_kube_plugin(args: argparse.Namespace) -> int:
     import signal
+    import threading
 
     from gemtrace import eventlog
     from gemtrace.config import dropin_dir
@@ -159,6 +160,7 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
     except OSError as e:
         return _fail(f"cannot write the preload list {args.preload_file}: {e.strerror}")
     from gemtrace.kube.apiserver import ApiError, Apiserver
+    from gemtrace.signals import SignalInbox
 
     pods = None
     if args.node_name:
@@ -171,12 +173,16 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
     plugin = DevicePlugin(gpus, args.state_dir, Grants(dropin_dir(args.config)), injection,
                           device_plugins=args.device_plugins, pod_resources=args.pod_resources,
                           gpus_present=lambda: {g.uuid for g in discover()}, pods=pods, names_file=args.pod_names)
-    signal.signal(signal.SIGTERM, lambda _s, _f: plugin.stop())
-    signal.signal(signal.SIGINT, lambda _s, _f: plugin.stop())
+    # The plugin runs in a thread; the main thread only takes the signals (gemtrace.signals says why).
+    signals = SignalInbox((signal.SIGTERM, signal.SIGINT))
+    worker = threading.Thread(target=plugin.run, name="gemtrace-plugin", daemon=True)
+    worker.start()
     try:
-        plugin.run()
+        while worker.is_alive() and not signals.wait(1.0):
+            pass
     finally:
         plugin.close()
+        worker.join(timeout=10)
     return 0
 
 

@@ -138,6 +138,13 @@ def host(simgpu: SimGpu, tmp_path: Path) -> Iterator[Host]:
 
 def stop(running: Running) -> int:
     running.proc.send_signal(signal.SIGTERM)
-    return running.proc.wait(timeout=20)
+    try:
+        return running.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        running.proc.send_signal(signal.SIGUSR1)  # the agent's threads' stacks, into its log
+        time.sleep(1)
+        running.proc.kill()
+        log = running.log.read_text()
+        raise AssertionError(f"the agent did not stop within 20 s of SIGTERM; its log:\n{log}") from None
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,25 @@ def test_sigterm_stops_cleanly_and_releases_every_word(host: Host) -> None:
     assert not any(r.layout.control[0][g].held for g in range(rg.MAX_GROUPS))
     assert '"event": "agent_stopped"' in agent.log.read_text()
     r.close()
+
+
+def logged(log: Path, event: str) -> Callable[[], bool]:
+    return lambda: f'"event": "{event}"' in log.read_text()
+
+
+def test_sigterm_amid_a_storm_of_sighups_stops_the_agent(host: Host) -> None:
+    """Signals are taken by the main loop, not acted on inside a handler: a SIGTERM landing while the
+    main thread held its stop event's lock deadlocked the stop (gemtrace/signals.py)."""
+    for _ in range(3):
+        agent = host.start_agent("--config-poll", "3600")
+        for _ in range(300):
+            agent.proc.send_signal(signal.SIGHUP)
+        wait_until("a reload on SIGHUP", logged(agent.log, "config_reloaded"))
+        for _ in range(300):
+            agent.proc.send_signal(signal.SIGHUP)
+        assert stop(agent) == 0
+        text = agent.log.read_text()
+        assert '"signal": "SIGTERM"' in text and '"event": "agent_stopped"' in text
 
 
 def test_a_reload_reaches_running_gates_and_a_bad_file_keeps_the_last_good(host: Host) -> None:

@@ -144,5 +144,7 @@ def test_mutating_webhook_patch_is_applied(k8s_cluster: K8sCluster, labelling_we
             k8s_cluster.kubectl("delete", "pod", name, "--wait=true", "--grace-period=0", "--force")
             time.sleep(0.5)
         assert labels.get(MUTATED_LABEL) == "yes", f"{labels}\n{k8s_cluster.diagnosis(name)}"
+        # Deleted once it has run, not while the kubelet starts it (delete_pod says why).
+        k8s_cluster.wait_pod(name, lambda pod: pod["status"].get("phase") in ("Succeeded", "Failed"), "end")
     finally:
         k8s_cluster.delete_pod(name)

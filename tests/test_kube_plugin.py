@@ -48,9 +48,11 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
     def start(self) -> None:
         """Start (or restart, as a kubelet does: its sockets and the plugins' deleted first)."""
         if self.server is not None:
-            self.server.stop(0)
+            # Wait for the stop: the old server removes its socket files as it ends, which would
+            # otherwise be the new server's.
+            self.server.stop(0).wait()
         for sock in self.dir.glob("*.sock"):
-            sock.unlink()
+            sock.unlink(missing_ok=True)
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         dp_grpc.add_RegistrationServicer_to_server(self, self.server)
         pr_grpc.add_PodResourcesListerServicer_to_server(self, self.server)
