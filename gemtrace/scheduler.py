@@ -112,7 +112,12 @@ class GpuScheduler:
 
     def usage(self) -> dict[int, GroupUsage]:
         with self._lock:
-            return self._policy.usage(self._clock())
+            usage = self._policy.usage(self._clock())
+            # A group set since the last look is there at 0, not missing until the look (a scrape
+            # right after the agent's start or a reload would lose its series).
+            for group in self._pending_quotas or ():
+                usage.setdefault(group, GroupUsage(0.0, 0.0, 0.0))
+            return usage
 
     def run(self, stop: threading.Event) -> None:
         """Schedule until `stop` is set; every word it held is released on the way out."""
