@@ -5,11 +5,13 @@ gets CUDA_ERROR_OUT_OF_MEMORY. The test stands in for the agent, as tests/test_g
 
 from __future__ import annotations
 
+import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from simgpu_env import SimGpu
+from agent_host import Host, gemtrace, stop, wait_until
 from test_gate import GATE, Agent, run
 
 from gemtrace import region as rg
@@ -131,3 +133,47 @@ def test_device_memory_regrown_after_managed_cannot_pass_the_total(agent: Agent)
         assert allocations(lines) == [("CUDA_SUCCESS", 0), ("CUDA_ERROR_OUT_OF_MEMORY", None)]
     finally:
         managed.kill()
+
+
+# --- through the agent: the resource file, the host bound, /metrics ---------------------------------
+
+
+def test_the_agent_applies_oversubscribe_and_its_metrics_show_managed_memory_apart(host: Host) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    host.config.write_text("[train]\nMemoryLimit = 1GiB\nOversubscribe = 3GiB\n")
+    agent = host.start_agent("--managed-host-limit", "2GiB")
+    try:
+        region = host.region()
+        train = region.group_index("train")
+        assert train is not None
+        assert region.layout.groups[train].oversubscribe_limit == 3 * GiB
+        assert region.layout.header.managed_host_limit == 2 * GiB
+        region.close()
+        client = host.run("train", "alloc", "--hold", "30", str(GiB), str(1536 * MiB))
+        lines = [json.loads(client.stdout.readline()) for _ in range(2)]  # type: ignore[union-attr]
+        assert allocations(lines) == [("CUDA_SUCCESS", 0), ("CUDA_SUCCESS", 1)]
+
+        def figures() -> dict[str, float]:
+            out = {}
+            for family in text_string_to_metric_families(agent.metrics()):
+                for s in family.samples:
+                    if s.labels.get("group") == "train" and s.name in (
+                            "gemtrace_group_memory_bytes", "gemtrace_group_managed_memory_bytes"):
+                        out[s.name] = s.value
+            return out
+
+        wait_until("train's managed memory in /metrics",
+                   lambda: figures() == {"gemtrace_group_memory_bytes": GiB,
+                                         "gemtrace_group_managed_memory_bytes": 1536 * MiB})
+        client.kill()
+        client.wait()
+    finally:
+        stop(agent)
+
+
+def test_the_agent_refuses_a_host_bound_above_the_hosts_memory(host: Host) -> None:
+    proc = subprocess.run(gemtrace("agent", "--managed-host-limit", "1000TiB", "--no-ebpf"), env=host.env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "more than this host's memory" in proc.stderr and "give less" in proc.stderr
