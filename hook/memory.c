@@ -13,7 +13,7 @@
  * HAMi-core #169, https://github.com/Project-HAMi/HAMi-core/issues/169; a pool's device; a stream's
  * device for the stream-ordered allocators), else from the current context.
  *
- * Oversubscription (Gemini_UM's idea, https://github.com/NTHU-LSALAB/Gemini): in a group whose
+ * Oversubscription (Gemini_UM's idea, https://github.com/NTHU-LSALAB/Gemini_UM): in a group whose
  * resource file says Oversubscribe, a cuMemAlloc_v2 that MemoryLimit (or the GPU itself) refuses is
  * served by cuMemAllocManaged instead, which the driver pages between host and GPU, so jobs whose
  * peaks do not coincide share a GPU. That memory is counted apart (slots[i].managed), bounded by the
