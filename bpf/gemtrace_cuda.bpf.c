@@ -106,12 +106,24 @@ static __always_inline int alloc_enter(u64 out, u64 size, u32 kind, u32 dev)
     return 0;
 }
 
-/* cuMemAlloc_v2(dptr*, size), cuMemAllocManaged(dptr*, size, flags), cuMemAllocAsync(dptr*, size,
- * stream), cuMemAllocFromPoolAsync(dptr*, size, pool, stream) */
+/* cuMemAlloc_v2(dptr*, size), cuMemAllocAsync(dptr*, size, stream), cuMemAllocFromPoolAsync(dptr*,
+ * size, pool, stream) */
 int alloc_pointer_enter(struct pt_regs *ctx)
 {
     return alloc_enter(PT_REGS_PARM1(ctx), PT_REGS_PARM2(ctx), GT_KIND_POINTER,
                        current_dev(bpf_get_current_pid_tgid()));
+}
+
+/* cuMemAllocManaged(dptr*, size, flags): counted apart, as managed memory. The driver pages it between
+ * host and GPU, so it is not device memory that MemoryLimit bounds (an Oversubscribe group's gate
+ * serves allocations past the limit with it: docs/gate.md); freed by cuMemFree_v2 like the others. */
+int alloc_managed_enter(struct pt_regs *ctx)
+{
+    u64 id = bpf_get_current_pid_tgid();
+    struct gt_call call = {.out = PT_REGS_PARM1(ctx), .size = PT_REGS_PARM2(ctx), .kind = GT_KIND_POINTER,
+                           .dev = current_dev(id), .managed = 1};
+    calls.update(&id, &call);
+    return 0;
 }
 
 /* cuMemAllocPitch_v2(dptr*, pitch*, width, height, element size): pitch x height bytes */
@@ -160,7 +172,7 @@ int alloc_return(struct pt_regs *ctx)
     }
     u32 tgid = id >> 32;
     struct gt_alloc_key key = {.tgid = tgid, .kind = c.kind, .addr = addr};
-    struct gt_alloc rec = {.size = size, .dev = c.dev};
+    struct gt_alloc rec = {.size = size, .dev = c.dev, .managed = c.managed};
     if (allocs.lookup(&key))
         return 0; /* already known (a reused address seen without its free): count it once */
     if (allocs.insert(&key, &rec) != 0)
@@ -172,6 +184,12 @@ int alloc_return(struct pt_regs *ctx)
     if (!u)
         return 0;
     u64 now = bpf_ktime_get_ns();
+    if (c.managed) { /* no event: the enforcer bounds device memory */
+        __sync_fetch_and_add(&u->managed, size);
+        __sync_fetch_and_add(&u->allocs, 1);
+        u->last_alloc_ns = now;
+        return 0;
+    }
     u64 before = __sync_fetch_and_add(&u->bytes, size);
     __sync_fetch_and_add(&u->allocs, 1);
     u->last_alloc_ns = now;
@@ -223,7 +241,9 @@ int free_return(struct pt_regs *ctx)
         return 0; /* a racing release of the same address took it */
     struct gt_proc_dev pd = {.tgid = key.tgid, .dev = r.dev};
     struct gt_usage *u = usage.lookup(&pd);
-    if (u)
+    if (u && r.managed)
+        __sync_fetch_and_add(&u->managed, -r.size);
+    else if (u)
         __sync_fetch_and_add(&u->bytes, -r.size);
     return 0;
 }
@@ -259,8 +279,10 @@ TRACEPOINT_PROBE(sched, sched_process_exit)
     for (u32 dev = 0; dev < GT_BPF_MAX_DEVICES; dev++) {
         struct gt_proc_dev pd = {.tgid = tgid, .dev = dev};
         struct gt_usage *u = usage.lookup(&pd);
-        if (u)
+        if (u) {
             u->bytes = 0;
+            u->managed = 0;
+        }
     }
     struct gt_event *ev = events.ringbuf_reserve(sizeof(struct gt_event));
     if (ev) {

@@ -27,7 +27,7 @@ struct gt_alloc_key {          /* one live allocation */
 struct gt_alloc {
     u64 size;
     u32 dev;                   /* device ordinal as the process sees it (CUDA_VISIBLE_DEVICES applies) */
-    u32 pad;
+    u32 managed;               /* 1: cuMemAllocManaged (counted in gt_usage.managed, not bytes) */
 };
 
 struct gt_proc_dev {           /* key of per-process, per-device figures */
@@ -36,9 +36,10 @@ struct gt_proc_dev {           /* key of per-process, per-device figures */
 };
 
 struct gt_usage {              /* value of per-process, per-device figures */
-    u64 bytes;                 /* device memory held */
+    u64 bytes;                 /* device memory held (managed memory left out: the driver pages it) */
     u64 allocs;                /* successful allocations */
     u64 last_alloc_ns;         /* bpf_ktime_get_ns() of the last successful allocation */
+    u64 managed;               /* managed memory held (cuMemAllocManaged, an Oversubscribe group's gate) */
 };
 
 struct gt_call {               /* an allocation or release in flight, keyed by the full pid_tgid */
@@ -49,7 +50,7 @@ struct gt_call {               /* an allocation or release in flight, keyed by t
     u32 kind;                  /* enum gt_alloc_kind */
     u32 dev;
     u32 pitch;                 /* 1 for cuMemAllocPitch */
-    u32 pad;
+    u32 managed;               /* 1 for cuMemAllocManaged */
 };
 
 struct gt_event {

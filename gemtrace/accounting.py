@@ -60,6 +60,7 @@ class ProcessAccount:
     launches: int | None  # None: not known (ungated process, launches not probed)
     gated: bool
     exited_ns: int | None = None  # set during the grace period after the process exited
+    managed_bytes: int = 0  # managed memory (Oversubscribe), apart from memory_bytes
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,14 @@ class Snapshot:
         for p in self.processes:
             key = (p.gpu, p.group)
             out[key] = out.get(key, 0) + p.memory_bytes
+        return out
+
+    def group_managed(self) -> dict[tuple[str, str], int]:
+        """(GPU UUID, group) -> managed memory of its live processes, for every pair group_memory has."""
+        out: dict[tuple[str, str], int] = {}
+        for p in self.processes:
+            key = (p.gpu, p.group)
+            out[key] = out.get(key, 0) + p.managed_bytes
         return out
 
 
@@ -432,7 +441,8 @@ class Accounting:
             if info is None:
                 continue
             m = merged[key] = merge.merge(key, ebpf, gate, nvml, rebuilt.get(key))
-            live[key] = ProcessAccount(pid, info.comm, info.group, uuid, m.memory, m.gate_seconds, m.launches, m.gated)
+            live[key] = ProcessAccount(pid, info.comm, info.group, uuid, m.memory, m.gate_seconds, m.launches, m.gated,
+                                       managed_bytes=m.managed)
 
         if self.group_seconds is not None:
             self._share_gpu_time(live, config, ebpf.missed if ebpf is not None else frozenset())
@@ -502,7 +512,7 @@ class Accounting:
                 del self._seen[key]
                 continue
             tail = seen.nvml_seconds - seen.nvml_in_account  # NVML's window after the exit
-            out.append(replace(seen.account, memory_bytes=0, exited_ns=seen.exited_ns,
+            out.append(replace(seen.account, memory_bytes=0, managed_bytes=0, exited_ns=seen.exited_ns,
                                gpu_seconds=seen.account.gpu_seconds + tail))
         return Snapshot(now, tuple(sorted(out, key=lambda a: (a.gpu, a.pid))))
 

@@ -246,6 +246,11 @@ class Reaper:
             self._unwatch(index)
 
 
+def host_memory() -> int:
+    """The host's physical memory in bytes (MemTotal)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 class Agent:
     def __init__(
         self,
@@ -257,9 +262,13 @@ class Agent:
         libcuda_paths: list[Path] | None = None,
         config_poll_seconds: float = defaults.CONFIG_POLL_SECONDS,
         pod_names: Path = NAMES_FILE,
+        managed_host_limit: int | None = None,
     ) -> None:
         """`libcuda_paths`: probe only these libcuda files (None: ENV_PROBE_LIBCUDA's, or when it is
-        unset every libcuda file on the host)."""
+        unset every libcuda file on the host). `managed_host_limit`: the managed memory Oversubscribe
+        groups may hold in all (None: MANAGED_HOST_SHARE of the host's memory)."""
+        self.managed_host_limit = (int(host_memory() * defaults.MANAGED_HOST_SHARE) if managed_host_limit is None
+                                   else managed_host_limit)
         self.config_path = config_path
         self.state_dir = state_dir
         self.config: ResourceConfig = load(config_path)  # a bad file at start is fatal: nothing to keep
@@ -312,7 +321,8 @@ class Agent:
             self._sync_table(groups)  # drops the others first, so that new names find room
             for name, g in config.groups.items():
                 if name not in known:
-                    groups[self.region.set_group(name, g.memory_limit, g.min_util, g.max_util)] = g
+                    groups[self.region.set_group(name, g.memory_limit, g.min_util, g.max_util,
+                                                 g.oversubscribe_word())] = g
             self._groups = groups
             self._sync_table(groups)
             self.region.bump_generation()
@@ -340,12 +350,13 @@ class Agent:
             entry = region.layout.groups[index]
             if index in groups:
                 g = groups[index]
-                region.put_group(index, g.name, g.memory_limit, g.min_util, g.max_util)
+                region.put_group(index, g.name, g.memory_limit, g.min_util, g.max_util, g.oversubscribe_word())
             elif entry.defined or entry.name:
                 region.undefine_group(index)
                 if index not in used:
                     region.free_group(index)
         region.set_gpus([(g.uuid, g.memory_total) for g in self.gpus])
+        region.set_managed_host_limit(self.managed_host_limit)
 
     def _keep_region(self) -> None:
         """The keeper thread: the heartbeat every tick, the table every TABLE_SECONDS; on the stop,

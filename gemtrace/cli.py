@@ -44,6 +44,20 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _host_managed_size(text: str) -> int:
+    from gemtrace.agent import host_memory
+    from gemtrace.config import format_size, parse_size
+
+    try:
+        value = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value > host_memory():
+        raise argparse.ArgumentTypeError(f"{text!r} is more than this host's memory ({format_size(host_memory())}): "
+                                         "managed memory the host cannot back can hang the GPU; give less")
+    return value
+
+
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of GPUs (1 or more)")
@@ -75,7 +89,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return _fail(str(e))
     try:
         agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode,
-                      config_poll_seconds=args.config_poll, pod_names=args.pod_names)
+                      config_poll_seconds=args.config_poll, pod_names=args.pod_names,
+                      managed_host_limit=args.managed_host_limit)
     except GpuDiscoveryError as e:
         return _fail(f"{e} The agent cannot run without it: install the NVIDIA driver (`nvidia-smi` lists the "
                      "GPUs once it works), then `systemctl restart gemtrace`. The service does not restart the "
@@ -121,10 +136,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fail(str(e))
     print(f"{args.file}: OK, {len(config.groups)} groups")
-    print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'MemoryLimit':>26}  Cgroup")
+    print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'MemoryLimit':>26} {'Oversubscribe':>26}  Cgroup")
     for g in sorted(config.groups.values(), key=lambda g: g.name):
         limit = "whole GPU" if g.memory_limit is None else f"{format_size(g.memory_limit)} ({g.memory_limit} B)"
-        print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {limit:>26}  {'; '.join(g.cgroups) or '-'}")
+        over = ("no" if not g.oversubscribe else "up to the host's bound" if g.oversubscribe_limit is None
+                else f"{format_size(g.oversubscribe_limit)} ({g.oversubscribe_limit} B)")
+        print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {limit:>26} {over:>26}  {'; '.join(g.cgroups) or '-'}")
     return 0
 
 
@@ -262,6 +279,10 @@ def parser() -> argparse.ArgumentParser:
     agent.add_argument("--probe-mode", choices=("memory", "launches"), default="memory",
                        help="memory: probe allocations and contexts (default, no cost per launch); launches: "
                        "also count every ungated launch (about 0.8 us each: docs/accounting.md)")
+    agent.add_argument("--managed-host-limit", type=_host_managed_size, default=None, metavar="SIZE",
+                       help="the most managed memory that Oversubscribe groups may hold in all, on every GPU "
+                       f"together (default: {defaults.MANAGED_HOST_SHARE:g} of the host's memory; never more than "
+                       "the host has)")
     agent.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                        help="log events of this severity and above (default info); the log goes to stderr, "
                        "one JSON object per line unless stderr is a terminal")

@@ -4,6 +4,8 @@
     MinUtil = 0.2        # share of each GPU's time guaranteed while the group has work (0..1, default 0)
     MaxUtil = 0.6        # share it may never exceed, also alone on the GPU (0..1, default 1)
     MemoryLimit = 8GiB   # device memory per GPU; k M G T powers of 10, Ki Mi Gi Ti powers of 2
+    Oversubscribe = 24GiB  # past MemoryLimit (or the GPU), allocations become managed memory, up to this
+                         # much per GPU in all (or `true`: up to what the host can back); default false
     Cgroup = /kubepods/pod1234   # processes in this cgroup (prefix) belong to the group
     Users = alice; 1001  # who may ask for the group (GEMTRACE_GROUP, gemtrace run --group); names or uids
     UnixGroups = ml      # ... or be in one of these Unix groups (names or gids); neither: everyone
@@ -55,6 +57,8 @@ class GroupConfig:
     # both None: everyone (root always). Names are resolved when the file is read.
     users: frozenset[int] | None = None
     unix_groups: frozenset[int] | None = None
+    oversubscribe: bool = False  # device allocations the limit (or the GPU) refuses become managed memory
+    oversubscribe_limit: int | None = None  # bytes per GPU, device and managed together; None: the host's bound only
 
     def admits(self, uid: int, gids: Iterable[int]) -> bool:
         """Whether a process of `uid` with the groups `gids` (its real gid and supplementary groups)
@@ -62,6 +66,12 @@ class GroupConfig:
         if uid == 0 or (self.users is None and self.unix_groups is None):
             return True
         return uid in (self.users or ()) or not (self.unix_groups or frozenset()).isdisjoint(gids)
+
+    def oversubscribe_word(self) -> int:
+        """The region's oversubscribe_limit for this group (hook/gemtrace_region.h)."""
+        if not self.oversubscribe:
+            return 0
+        return rg.NO_LIMIT if self.oversubscribe_limit is None else self.oversubscribe_limit
 
 
 @dataclass
@@ -74,6 +84,10 @@ class _Draft:
     min_util_line: int = 0
     max_util_line: int = 0
     memory_limit: int | None = None
+    memory_limit_line: int = 0
+    oversubscribe: bool = False
+    oversubscribe_limit: int | None = None
+    oversubscribe_line: int = 0
     cgroups: list[str] = field(default_factory=list)
     users: frozenset[int] | None = None
     unix_groups: frozenset[int] | None = None
@@ -107,7 +121,7 @@ _RATIO = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _SECTION = re.compile(r"\[([^\[\]]+)\]")
 _KEY = re.compile(r"([A-Za-z][A-Za-z0-9-]*)\s*=\s*(.*)", re.ASCII)
 _GROUP_NAME = re.compile(rf"[A-Za-z0-9_.:@+-]{{1,{MAX_NAME_BYTES}}}", re.ASCII)
-KEYS = ("MinUtil", "MaxUtil", "MemoryLimit", "Cgroup", "Users", "UnixGroups")
+KEYS = ("MinUtil", "MaxUtil", "MemoryLimit", "Oversubscribe", "Cgroup", "Users", "UnixGroups")
 MAX_ID = 2**32 - 2  # uid_t/gid_t; 2**32-1 is (uid_t)-1, "no id"
 # A size's decimals past this many cannot change its byte count: n / 2**40 has at most 40 decimals.
 _SIZE_DECIMALS = 40
@@ -164,6 +178,21 @@ def _ratio(key: str, text: str) -> float:
     if value < 0.0:
         raise ValueError(f"{key} {_shown(text)} is below 0; give a ratio between 0 and 1")
     return value
+
+
+def _oversubscribe(text: str) -> tuple[bool, int | None]:
+    """`Oversubscribe`: true, false, or a size (the most the group may hold per GPU, device and managed
+    memory together). Returns (on, bound)."""
+    word = text.strip().lower()
+    if word in ("true", "yes", "on"):
+        return True, None
+    if word in ("false", "no", "off"):
+        return False, None
+    try:
+        return True, parse_size(text)
+    except ValueError:
+        raise ValueError(f"Oversubscribe {_quote(text.strip())} is neither true, false nor a size; give true, "
+                         "false, or the most memory per GPU the group may hold in all, e.g. 48GiB") from None
 
 
 def _cgroups(text: str) -> list[str]:
@@ -285,6 +314,10 @@ def _parse_sections(text: str, filename: str) -> _Parsed:
                 if size <= 0:
                     raise ValueError(f"MemoryLimit {_shown(value)} must be above 0; leave it out for no limit")
                 group.memory_limit = size
+                group.memory_limit_line = lineno
+            elif key == "Oversubscribe":
+                group.oversubscribe, group.oversubscribe_limit = _oversubscribe(value)
+                group.oversubscribe_line = lineno
             elif key == "Users":
                 group.users = _ids(key, value, _uid, "user")
                 group.admission_line = group.admission_line or lineno
@@ -302,11 +335,17 @@ def _parse_sections(text: str, filename: str) -> _Parsed:
             raise fail(g.min_util_line or g.line,
                        f"MinUtil {g.min_util:g} of [{name}] is above its MaxUtil {g.max_util:g}"
                        + (f" (line {g.max_util_line})" if g.max_util_line else ""))
+        if (g.oversubscribe_limit is not None and g.memory_limit is not None
+                and g.oversubscribe_limit <= g.memory_limit):
+            raise fail(g.oversubscribe_line,
+                       f"Oversubscribe {format_size(g.oversubscribe_limit)} of [{name}] is not above its MemoryLimit "
+                       f"{format_size(g.memory_limit)} (line {g.memory_limit_line}), so it would never allow managed "
+                       "memory; give the total the group may hold in device and managed memory, or true")
         if name == defaults.DEFAULT_GROUP and g.admission_line:
             raise fail(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
                                          "group runs there; remove Users/UnixGroups from it")
         result[name] = GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users,
-                                   g.unix_groups)
+                                   g.unix_groups, g.oversubscribe, g.oversubscribe_limit)
     return _Parsed(filename, result, {name: g.line for name, g in groups.items()},
                    {name: g.min_util_line for name, g in groups.items()})
 

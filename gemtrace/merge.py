@@ -25,6 +25,7 @@ class Merged(NamedTuple):
     gated: bool
     slot_memory: int | None
     ebpf_memory: int | None
+    managed: int = 0  # managed memory (Oversubscribe), apart from `memory`
 
 
 # -- memory ------------------------------------------------------------------------------------------
@@ -84,6 +85,14 @@ def launches(gated: bool, ebpf: Figures | None, slot: Figures | None) -> int | N
 # -- one process, and where it is ----------------------------------------------------------------------
 
 
+def managed(ebpf: Figures | None, slot: Figures | None) -> int:
+    """Managed memory: eBPF's where it sees the process (it saw every cuMemAllocManaged), else the
+    gate's slot; NVML does not tell it apart."""
+    if ebpf is not None and ebpf.managed is not None:
+        return ebpf.managed
+    return slot.managed if slot is not None and slot.managed is not None else 0
+
+
 def merge(key: Key, ebpf: SourceReading | None, gate: SourceReading, nvml: SourceReading,
           rebuilt: int | None) -> Merged:
     """Every row for one process on one GPU. `ebpf` None: eBPF is off. A process is gated when it
@@ -100,6 +109,7 @@ def merge(key: Key, ebpf: SourceReading | None, gate: SourceReading, nvml: Sourc
         gated=gated,
         slot_memory=s.memory if s is not None else None,
         ebpf_memory=e.memory if e is not None else None,
+        managed=managed(e, s),
     )
 
 

@@ -75,6 +75,9 @@ _SPECS = [
                "The group's share of the GPU's time over the scheduler's recent window."),
     MetricSpec("gemtrace_group_memory_bytes", "gauge", "bytes", GPU_GROUP_LABELS,
                "Device memory held by the group's processes (eBPF where attached, else gates)."),
+    MetricSpec("gemtrace_group_managed_memory_bytes", "gauge", "bytes", GPU_GROUP_LABELS,
+               "Managed memory held by the group's processes (Oversubscribe: allocations past the device share; "
+               "the driver pages it between host and GPU), apart from gemtrace_group_memory_bytes."),
     MetricSpec("gemtrace_group_processes", "gauge", "", GPU_GROUP_LABELS, "Processes of the group using the GPU."),
     MetricSpec("gemtrace_oom_kills_total", "counter", "", ("group",),
                "Processes killed because their group exceeded its MemoryLimit."),

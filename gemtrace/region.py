@@ -28,7 +28,7 @@ from pathlib import Path
 # tests/test_region_layout.py fails if they ever differ from the header.
 MAGIC = 0x45434152544D4547
 SLOTS_MAGIC = 0x53544F4C534D4547
-VERSION = 3
+VERSION = 4
 MAX_GPUS = 8
 MAX_GROUPS = 64
 MAX_SLOTS = 1024
@@ -64,7 +64,8 @@ class Header(ctypes.Structure):
         ("n_gpus", u32),
         ("heartbeat_ns", u64),
         ("config_generation", u64),
-        ("reserved", u64 * 11),
+        ("managed_host_limit", u64),
+        ("reserved", u64 * 10),
     ]
 
 
@@ -80,7 +81,8 @@ class Group(ctypes.Structure):
         ("max_util_ppm", u32),
         ("defined", u32),
         ("reserved0", u32),
-        ("reserved", u64 * 4),
+        ("oversubscribe_limit", u64),
+        ("reserved", u64 * 3),
     ]
 
 
@@ -102,6 +104,7 @@ class Slot(ctypes.Structure):
         ("comm", ctypes.c_char * COMM_LEN),
         ("requested", ctypes.c_char * NAME_LEN),
         ("memory", u64 * MAX_GPUS),
+        ("managed", u64 * MAX_GPUS),
         ("launches", u64 * MAX_GPUS),
         ("busy_ns", u64 * MAX_GPUS),
         ("last_launch_ns", u64 * MAX_GPUS),
@@ -409,6 +412,11 @@ class Region:
         if self.layout.header.n_gpus != len(gpus):
             self.layout.header.n_gpus = len(gpus)
 
+    def set_managed_host_limit(self, limit: int) -> None:
+        """Publish how much managed memory all gated processes together may hold (hook/gemtrace_region.h)."""
+        if self.layout.header.managed_host_limit != limit:
+            self.layout.header.managed_host_limit = limit
+
     def gpu_uuids(self) -> list[str]:
         n_gpus = min(self.layout.header.n_gpus, MAX_GPUS)
         return [decode_name(self.layout.gpus[i].uuid) for i in range(n_gpus)]
@@ -427,7 +435,8 @@ class Region:
     def group_names(self) -> dict[int, str]:
         return {i: decode_name(g.name) for i, g in enumerate(self.layout.groups) if g.name}
 
-    def set_group(self, name: str, memory_limit: int | None, min_util: float, max_util: float) -> int:
+    def set_group(self, name: str, memory_limit: int | None, min_util: float, max_util: float,
+                  oversubscribe: int = 0) -> int:
         """Define or update a group; a name keeps its index while any assignment refers to it (gates
         read it there)."""
         encoded = name.encode()
@@ -442,12 +451,14 @@ class Region:
                     "running process; define fewer groups"
                 )
             index = free[0]
-        self.put_group(index, name, memory_limit, min_util, max_util)
+        self.put_group(index, name, memory_limit, min_util, max_util, oversubscribe)
         return index
 
-    def put_group(self, index: int, name: str, memory_limit: int | None, min_util: float, max_util: float) -> None:
+    def put_group(self, index: int, name: str, memory_limit: int | None, min_util: float, max_util: float,
+                  oversubscribe: int = 0) -> None:
         """Make entry `index` say exactly this group, storing only what differs (the agent re-asserts
-        its table every second)."""
+        its table every second). `oversubscribe` is the header's oversubscribe_limit: 0 for none,
+        NO_LIMIT for no bound but the host's (GroupConfig.oversubscribe_word makes it)."""
         encoded = name.encode()
         group = self.layout.groups[index]
         limit = NO_LIMIT if memory_limit is None else memory_limit
@@ -458,6 +469,8 @@ class Region:
             group.min_util_ppm = min_ppm
         if group.max_util_ppm != max_ppm:
             group.max_util_ppm = max_ppm
+        if group.oversubscribe_limit != oversubscribe:
+            group.oversubscribe_limit = oversubscribe
         if group.defined != 1:
             group.defined = 1
         if group.name != encoded:
@@ -640,6 +653,9 @@ class SlotColumns:
     # Per GPU: element i is slots[i].<field>[gpu].
     def memory(self, gpu: int) -> memoryview:
         return self._col64(Slot.memory.offset + 8 * gpu)
+
+    def managed(self, gpu: int) -> memoryview:
+        return self._col64(Slot.managed.offset + 8 * gpu)
 
     def launches(self, gpu: int) -> memoryview:
         return self._col64(Slot.launches.offset + 8 * gpu)

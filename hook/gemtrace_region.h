@@ -60,6 +60,14 @@
  * the limit; neither can overshoot. A slot's counters only ever subtract what that process added.
  * While the heartbeat is stale, that sum leaves out the slots whose process no longer exists
  * (kill(pid, 0) fails with ESRCH): their memory went with them and no agent is there to free them.
+ *
+ * Oversubscription (groups[g].oversubscribe_limit != 0, the resource file's Oversubscribe): a
+ * cuMemAlloc_v2 that the limit above (or the GPU itself) refuses is served with cuMemAllocManaged,
+ * which the driver pages between host and GPU. It is reserved the same way in slots[i].managed[gpu]:
+ * refused when the group's memory[gpu] + managed[gpu] would pass oversubscribe_limit, or when the
+ * managed[] of every live slot on every GPU would pass header.managed_host_limit (the agent's share of
+ * the host's memory: managed pages evicted from a GPU need host memory, and a GPU whose managed memory
+ * the host cannot back can hang). memory[] stays device memory only, so MemoryLimit keeps bounding it.
  */
 #ifndef GEMTRACE_REGION_H
 #define GEMTRACE_REGION_H
@@ -68,7 +76,7 @@
 
 #define GT_REGION_MAGIC 0x45434152544d4547ULL /* "GEMTRACE" read as a little-endian uint64 */
 #define GT_SLOTS_MAGIC 0x53544f4c534d4547ULL  /* "GEMSLOTS" read as a little-endian uint64 */
-#define GT_REGION_VERSION 3u
+#define GT_REGION_VERSION 4u
 #define GT_REGION_FILE "region"
 #define GT_SLOTS_FILE "slots"
 #define GT_DEFAULT_STATE_DIR "/run/gemtrace"
@@ -106,7 +114,9 @@ struct gt_header {
     uint32_t n_gpus;             /* entries of gpus[] in use */
     uint64_t heartbeat_ns;       /* agent's last tick; 0 = agent stopped cleanly */
     uint64_t config_generation;  /* bumped whenever groups[] change */
-    uint64_t reserved[11];
+    uint64_t managed_host_limit; /* bytes of managed memory all gated processes together may hold: what
+                                    the host can back (0: none; see Oversubscription below) */
+    uint64_t reserved[10];
 };
 
 struct gt_gpu {                  /* agent-owned; index = gpu index used everywhere else */
@@ -122,7 +132,9 @@ struct gt_group {                /* agent-owned; a name keeps its index while a 
     uint32_t max_util_ppm;       /* 0..GT_UTIL_ONE */
     uint32_t defined;            /* 1 while the resource file defines the group (gates attach only then) */
     uint32_t reserved0;
-    uint64_t reserved[4];
+    uint64_t oversubscribe_limit; /* bytes per GPU, device and managed together; 0: no oversubscription,
+                                     GT_NO_LIMIT: bounded by managed_host_limit only */
+    uint64_t reserved[3];
 };
 
 struct gt_control {              /* agent-owned, one cache line per GPU and group */
@@ -145,7 +157,8 @@ struct gt_slot {                 /* in `slots`, written only by its process (see
     uint64_t start_time;         /* /proc/PID/stat field 22 (clock ticks), tells a reused pid apart */
     char comm[GT_COMM_LEN];
     char requested[GT_NAME_LEN]; /* GEMTRACE_GROUP, NUL-terminated: a wish; the agent decides */
-    uint64_t memory[GT_MAX_GPUS];         /* bytes held through the gate */
+    uint64_t memory[GT_MAX_GPUS];         /* device memory held through the gate */
+    uint64_t managed[GT_MAX_GPUS];        /* managed memory held through the gate (oversubscription) */
     uint64_t launches[GT_MAX_GPUS];       /* kernel launches admitted */
     uint64_t busy_ns[GT_MAX_GPUS];        /* GPU time of this process's finished bursts */
     uint64_t last_launch_ns[GT_MAX_GPUS]; /* when the last launch was admitted */

@@ -1,5 +1,5 @@
 /*
- * memory.c - device memory against the group's MemoryLimit.
+ * memory.c - device memory against the group's MemoryLimit, and managed memory past it (Oversubscribe).
  *
  * A group's usage on a GPU is the sum of its processes' slots. An allocation reserves first, in our
  * own slot, then sums the group (hook/gemtrace_region.h: the optimistic protocol): over the limit it
@@ -12,6 +12,15 @@
  * where they name one (cuMemCreate's location: NCCL calls it from threads without a current context,
  * HAMi-core #169, https://github.com/Project-HAMi/HAMi-core/issues/169; a pool's device; a stream's
  * device for the stream-ordered allocators), else from the current context.
+ *
+ * Oversubscription (Gemini_UM's idea, https://github.com/NTHU-LSALAB/Gemini_UM): in a group whose
+ * resource file says Oversubscribe, a cuMemAlloc_v2 that MemoryLimit (or the GPU itself) refuses is
+ * served by cuMemAllocManaged instead, which the driver pages between host and GPU, so jobs whose
+ * peaks do not coincide share a GPU. That memory is counted apart (slots[i].managed), bounded by the
+ * group's total and by what the host can back (hook/gemtrace_region.h), and freed by cuMemFree_v2 as
+ * the program expects. Only cuMemAlloc_v2 falls back: it is what the CUDA runtime's cudaMalloc, hence
+ * PyTorch's caching allocator, calls; the stream-ordered and virtual-memory allocators hand out memory
+ * that managed memory cannot stand in for (a pool's, a handle to map).
  */
 #define _GNU_SOURCE
 #include "gate.h"
@@ -19,6 +28,7 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -31,6 +41,7 @@ struct tracked {
     uint64_t key;
     uint64_t bytes;
     int gpu;
+    bool managed; /* counted in slot->managed, not slot->memory */
     struct tracked *next;
 };
 
@@ -44,7 +55,7 @@ static struct table handles = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static unsigned bucket_of(uint64_t key) { return (unsigned)((key >> 9) * 0x9E3779B97F4A7C15ull >> 52) % GT_BUCKETS; }
 
-static void track(struct table *t, uint64_t key, uint64_t bytes, int gpu)
+static void track(struct table *t, uint64_t key, uint64_t bytes, int gpu, bool managed)
 {
     struct tracked *e = malloc(sizeof *e);
     if (!e)
@@ -52,6 +63,7 @@ static void track(struct table *t, uint64_t key, uint64_t bytes, int gpu)
     e->key = key;
     e->bytes = bytes;
     e->gpu = gpu;
+    e->managed = managed;
     pthread_mutex_lock(&t->lock);
     unsigned b = bucket_of(key);
     e->next = t->bucket[b];
@@ -59,7 +71,7 @@ static void track(struct table *t, uint64_t key, uint64_t bytes, int gpu)
     pthread_mutex_unlock(&t->lock);
 }
 
-static bool untrack(struct table *t, uint64_t key, uint64_t *bytes, int *gpu)
+static bool untrack(struct table *t, uint64_t key, uint64_t *bytes, int *gpu, bool *managed)
 {
     pthread_mutex_lock(&t->lock);
     struct tracked **p = &t->bucket[bucket_of(key)];
@@ -73,6 +85,7 @@ static bool untrack(struct table *t, uint64_t key, uint64_t *bytes, int *gpu)
         return false;
     *bytes = e->bytes;
     *gpu = e->gpu;
+    *managed = e->managed;
     free(e);
     return true;
 }
@@ -163,7 +176,8 @@ static bool owner_gone(int32_t pid)
     return gone;
 }
 
-static uint64_t group_usage(int gpu)
+/* The sum over the group's live slots of memory[gpu] (device) or managed[gpu]. */
+static uint64_t group_sum(int gpu, bool managed)
 {
     struct gt_slot *slots = gt_proc.slots->slots;
     uint32_t group = gt_group();
@@ -174,7 +188,30 @@ static uint64_t group_usage(int gpu)
         int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
         if (pid == 0 || gt_group_of(i, pid) != group)
             continue;
-        uint64_t bytes = __atomic_load_n(&s->memory[gpu], __ATOMIC_SEQ_CST);
+        uint64_t bytes = __atomic_load_n(managed ? &s->managed[gpu] : &s->memory[gpu], __ATOMIC_SEQ_CST);
+        if (bytes && agent_away && owner_gone(pid))
+            continue;
+        sum += bytes;
+    }
+    return sum;
+}
+
+static uint64_t group_usage(int gpu) { return group_sum(gpu, false); }
+
+/* The managed memory of every live slot on every GPU: what the host must be able to back. */
+static uint64_t host_managed_usage(void)
+{
+    struct gt_slot *slots = gt_proc.slots->slots;
+    bool agent_away = !gt_agent_alive();
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < GT_MAX_SLOTS; i++) {
+        struct gt_slot *s = &slots[i];
+        int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
+        if (pid == 0)
+            continue;
+        uint64_t bytes = 0;
+        for (int g = 0; g < GT_MAX_GPUS; g++)
+            bytes += __atomic_load_n(&s->managed[g], __ATOMIC_SEQ_CST);
         if (bytes && agent_away && owner_gone(pid))
             continue;
         sum += bytes;
@@ -187,19 +224,94 @@ static uint64_t group_limit(void)
     return __atomic_load_n(&gt_proc.region->groups[gt_group()].memory_limit, __ATOMIC_ACQUIRE);
 }
 
+/* 0: the group does not oversubscribe; GT_NO_LIMIT: it does, bounded by the host only. */
+static uint64_t group_oversubscribe(void)
+{
+    return __atomic_load_n(&gt_proc.region->groups[gt_group()].oversubscribe_limit, __ATOMIC_ACQUIRE);
+}
+
+/* Device and managed memory together past the group's Oversubscribe size. */
+static bool over_total(int gpu)
+{
+    uint64_t bound = group_oversubscribe();
+    return bound != 0 && bound != GT_NO_LIMIT && group_sum(gpu, false) + group_sum(gpu, true) > bound;
+}
+
 static void unreserve(int gpu, uint64_t bytes)
 {
     __atomic_fetch_sub(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
 }
 
+/* Device memory: within MemoryLimit and, in an oversubscribing group, within its total, so that
+ * device memory regrown after managed memory was taken cannot carry the sum past it. */
 static CUresult reserve(int gpu, uint64_t bytes)
 {
     __atomic_fetch_add(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
     uint64_t limit = group_limit();
-    if (limit != GT_NO_LIMIT && group_usage(gpu) > limit) {
+    if ((limit != GT_NO_LIMIT && group_usage(gpu) > limit) || over_total(gpu)) {
         unreserve(gpu, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
+    return CUDA_SUCCESS;
+}
+
+/* What the process was told once on stderr (atomic bits: any thread may be first). */
+enum { SAID_MANAGED = 1u, SAID_HOST_BOUND = 2u, SAID_GROUP_BOUND = 4u };
+static unsigned said;
+
+static bool first_time(unsigned what) { return !(__atomic_fetch_or(&said, what, __ATOMIC_RELAXED) & what); }
+
+static const char *group_name(void) { return gt_proc.region->groups[gt_group()].name; }
+
+static void unreserve_managed(int gpu, uint64_t bytes)
+{
+    __atomic_fetch_sub(&gt_proc.slot->managed[gpu], bytes, __ATOMIC_SEQ_CST);
+}
+
+/* Managed memory: within the group's total and within what the host backs for all gated processes.
+ * A host bound of 0 (an agent that never set it) allows none. */
+static CUresult reserve_managed(int gpu, uint64_t bytes)
+{
+    __atomic_fetch_add(&gt_proc.slot->managed[gpu], bytes, __ATOMIC_SEQ_CST);
+    uint64_t host = __atomic_load_n(&gt_proc.region->header.managed_host_limit, __ATOMIC_ACQUIRE);
+    bool host_full = host_managed_usage() > host;
+    bool group_full = !host_full && over_total(gpu);
+    if (!host_full && !group_full)
+        return CUDA_SUCCESS;
+    unreserve_managed(gpu, bytes);
+    if (host_full && first_time(SAID_HOST_BOUND))
+        fprintf(stderr,
+                "gemtrace gate: refused %llu bytes of managed memory: gated programs together may hold %llu bytes "
+                "of it, what this host backs (gemtrace agent --managed-host-limit); the GPU could hang past it. "
+                "Free memory, or run fewer oversubscribing jobs at once.\n",
+                (unsigned long long)bytes, (unsigned long long)host);
+    if (group_full && first_time(SAID_GROUP_BOUND))
+        fprintf(stderr,
+                "gemtrace gate: refused %llu bytes: group %s would hold more than its Oversubscribe size of %llu "
+                "bytes on GPU %d, device and managed memory together.\n",
+                (unsigned long long)bytes, group_name(), (unsigned long long)group_oversubscribe(), gpu);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+/* cuMemAlloc_v2 past the group's device share, in an oversubscribing group: managed memory. */
+static CUresult allocate_managed(int gpu, CUdeviceptr *dptr, size_t bytes)
+{
+    if (!GT_REAL(cuMemAllocManaged))
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = reserve_managed(gpu, bytes);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = gt_real.cuMemAllocManaged(dptr, bytes, CU_MEM_ATTACH_GLOBAL);
+    if (r != CUDA_SUCCESS) {
+        unreserve_managed(gpu, bytes);
+        return r;
+    }
+    track(&pointers, (uint64_t)*dptr, bytes, gpu, true);
+    if (first_time(SAID_MANAGED))
+        fprintf(stderr,
+                "gemtrace gate: group %s is past its device memory on GPU %d: allocations beyond it are managed "
+                "memory (Oversubscribe), which the driver pages between host and GPU.\n",
+                group_name(), gpu);
     return CUDA_SUCCESS;
 }
 
@@ -250,24 +362,52 @@ static int gpu_for_pool(CUmemoryPool pool, CUstream stream)
             return reserved_;                                                                       \
         CUresult r_ = (call);                                                                       \
         if (r_ == CUDA_SUCCESS)                                                                     \
-            track(&pointers, (uint64_t)*(dptr), (bytes), gpu_);                                     \
+            track(&pointers, (uint64_t)*(dptr), (bytes), gpu_, false);                              \
         else                                                                                        \
             unreserve(gpu_, (bytes));                                                               \
         return r_;                                                                                  \
     } while (0)
 
+/* In an oversubscribing group: device memory while MemoryLimit and the GPU allow it, else managed. */
 GT_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
 {
     if (!GT_REAL(cuMemAlloc_v2))
         return CUDA_ERROR_NOT_FOUND;
-    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAlloc_v2(dptr, bytes));
+    int gpu = gpu_for_allocation();
+    if (gpu < 0 || !dptr || bytes == 0 || group_oversubscribe() == 0)
+        GT_ALLOCATE(gpu, bytes, dptr, gt_real.cuMemAlloc_v2(dptr, bytes));
+    CUresult r = reserve(gpu, bytes);
+    if (r == CUDA_SUCCESS) {
+        r = gt_real.cuMemAlloc_v2(dptr, bytes);
+        if (r == CUDA_SUCCESS) {
+            track(&pointers, (uint64_t)*dptr, bytes, gpu, false);
+            return r;
+        }
+        unreserve(gpu, bytes);
+        if (r != CUDA_ERROR_OUT_OF_MEMORY)
+            return r;
+    }
+    return allocate_managed(gpu, dptr, bytes);
 }
 
+/* The program's own managed memory: counted as managed in an oversubscribing group (bounded as
+ * that is), else as device memory against MemoryLimit (its pages may all be resident). */
 GT_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int flags)
 {
     if (!GT_REAL(cuMemAllocManaged))
         return CUDA_ERROR_NOT_FOUND;
-    GT_ALLOCATE(gpu_for_allocation(), bytes, dptr, gt_real.cuMemAllocManaged(dptr, bytes, flags));
+    int gpu = gpu_for_allocation();
+    if (gpu < 0 || !dptr || bytes == 0 || group_oversubscribe() == 0)
+        GT_ALLOCATE(gpu, bytes, dptr, gt_real.cuMemAllocManaged(dptr, bytes, flags));
+    CUresult r = reserve_managed(gpu, bytes);
+    if (r != CUDA_SUCCESS)
+        return r;
+    r = gt_real.cuMemAllocManaged(dptr, bytes, flags);
+    if (r == CUDA_SUCCESS)
+        track(&pointers, (uint64_t)*dptr, bytes, gpu, true);
+    else
+        unreserve_managed(gpu, bytes);
+    return r;
 }
 
 GT_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytes, CUstream stream)
@@ -324,7 +464,7 @@ GT_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
         unreserve(gpu, estimate);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    track(&pointers, (uint64_t)*dptr, actual > estimate ? actual : estimate, gpu);
+    track(&pointers, (uint64_t)*dptr, actual > estimate ? actual : estimate, gpu, false);
     return CUDA_SUCCESS;
 }
 
@@ -341,7 +481,7 @@ GT_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t byte
         return r;
     r = gt_real.cuMemCreate(handle, bytes, prop, flags);
     if (r == CUDA_SUCCESS)
-        track(&handles, (uint64_t)*handle, bytes, gpu);
+        track(&handles, (uint64_t)*handle, bytes, gpu, false);
     else
         unreserve(gpu, bytes);
     return r;
@@ -353,13 +493,16 @@ GT_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t byte
     do {                                                                                            \
         uint64_t bytes_ = 0;                                                                        \
         int gpu_ = -1;                                                                              \
-        bool ours_ = gt_attached() && untrack((table), (key), &bytes_, &gpu_);                      \
+        bool managed_ = false;                                                                      \
+        bool ours_ = gt_attached() && untrack((table), (key), &bytes_, &gpu_, &managed_);           \
         CUresult r_ = (call);                                                                       \
         if (ours_) {                                                                                \
-            if (r_ == CUDA_SUCCESS)                                                                 \
-                unreserve(gpu_, bytes_);                                                            \
+            if (r_ != CUDA_SUCCESS)                                                                 \
+                track((table), (key), bytes_, gpu_, managed_);                                      \
+            else if (managed_)                                                                      \
+                unreserve_managed(gpu_, bytes_);                                                    \
             else                                                                                    \
-                track((table), (key), bytes_, gpu_);                                                \
+                unreserve(gpu_, bytes_);                                                            \
         }                                                                                           \
         return r_;                                                                                  \
     } while (0)

@@ -224,6 +224,11 @@ def check_config(config: ResourceConfig) -> list[str]:
             and rg.Group(memory_limit=g.memory_limit).memory_limit == g.memory_limit
         ):
             broken.append(f"[{name}] MemoryLimit {g.memory_limit!r}")
+        if g.oversubscribe_limit is not None and not (
+            g.oversubscribe and 1 <= g.oversubscribe_limit <= rg.NO_LIMIT - 1
+            and (g.memory_limit is None or g.oversubscribe_limit > g.memory_limit)
+        ):
+            broken.append(f"[{name}] Oversubscribe {g.oversubscribe_limit!r}")
         for path in g.cgroups:
             if not path.startswith("/") or not path.isprintable() or len(path.encode()) > 4096:
                 broken.append(f"[{name}] Cgroup {path!r}")

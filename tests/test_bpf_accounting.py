@@ -165,13 +165,16 @@ def test_memory_in_snapshot_and_metrics_equals_what_was_allocated(sim: SimGpu, m
         c.call("managed 777")
         c.call("async 4096")
         c.call("create 2097152")
-        expected = 3000000 + 5000000 + pitch * 10 + 777 + 4096 + 2097152
+        # Managed memory is counted apart: the driver pages it, MemoryLimit bounds device memory.
+        expected = 3000000 + 5000000 + pitch * 10 + 4096 + 2097152
         assert wait_for(lambda: by_pid(acc.poll()).get(c.pid) == expected), by_pid(acc.poll())
+        assert [p.managed_bytes for p in acc.poll().processes if p.pid == c.pid] == [777]
         c.call("free")  # the async one (last pointer)
         c.call("release")  # the cuMemCreate handle
         c.call("free")  # managed
-        expected -= 4096 + 2097152 + 777
+        expected -= 4096 + 2097152
         assert wait_for(lambda: by_pid(acc.poll()).get(c.pid) == expected), by_pid(acc.poll())
+        assert [p.managed_bytes for p in acc.poll().processes if p.pid == c.pid] == [0]
 
         snap = acc.poll()
         registry = CollectorRegistry()

@@ -358,3 +358,47 @@ def test_admission_mistakes_name_their_line(text: str, error: str) -> None:
     with pytest.raises(ConfigError) as e:
         parse_text(text)
     assert str(e.value) == error
+
+
+# -- Oversubscribe ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    ("value", "on", "bound", "word"),
+    [
+        ("true", True, None, rg.NO_LIMIT),
+        ("Yes", True, None, rg.NO_LIMIT),
+        ("false", False, None, 0),
+        ("off", False, None, 0),
+        ("24GiB", True, 24 * 2**30, 24 * 2**30),
+    ],
+)
+def test_oversubscribe_is_true_false_or_the_total_size(value: str, on: bool, bound: int | None, word: int) -> None:
+    group = parse_text(f"[a]\nMemoryLimit = 8GiB\nOversubscribe = {value}\n").groups["a"]
+    assert (group.oversubscribe, group.oversubscribe_limit) == (on, bound)
+    assert group.oversubscribe_word() == word  # what the region's oversubscribe_limit says
+    assert GroupConfig("b").oversubscribe_word() == 0  # off unless the file says so
+
+
+def test_oversubscribe_without_a_memory_limit_reaches_past_the_gpu() -> None:
+    group = parse_text("[a]\nOversubscribe = 100GB\n").groups["a"]
+    assert (group.memory_limit, group.oversubscribe_limit) == (None, 100 * 10**9)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[a]\nMemoryLimit = 8GiB\nOversubscribe = 8GiB\n",
+         "r.conf:3: Oversubscribe 8.0 GiB of [a] is not above its MemoryLimit 8.0 GiB (line 2), so it would never "
+         "allow managed memory; give the total the group may hold in device and managed memory, or true"),
+        ("[a]\nOversubscribe = 4GiB\nMemoryLimit = 6GiB\n",
+         "r.conf:2: Oversubscribe 4.0 GiB of [a] is not above its MemoryLimit 6.0 GiB (line 3), so it would never "
+         "allow managed memory; give the total the group may hold in device and managed memory, or true"),
+        ("[a]\nOversubscribe = maybe\n",
+         "r.conf:2: Oversubscribe 'maybe' is neither true, false nor a size; give true, false, or the most memory "
+         "per GPU the group may hold in all, e.g. 48GiB"),
+        ("[a]\nOversubscribe = true\nOversubscribe = false\n",
+         "r.conf:3: Oversubscribe is set twice in [a] (first at line 2); keep one"),
+    ],
+)
+def test_oversubscribe_errors_say_what_to_do(text: str, message: str) -> None:
+    assert error_of(text) == message

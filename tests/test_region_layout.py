@@ -79,7 +79,7 @@ def test_constants_match_the_header() -> None:
     }
     assert defines["GT_REGION_MAGIC"] == region.MAGIC
     assert defines["GT_SLOTS_MAGIC"] == region.SLOTS_MAGIC
-    assert defines["GT_REGION_VERSION"] == region.VERSION == 3
+    assert defines["GT_REGION_VERSION"] == region.VERSION == 4
     assert defines["GT_ASSIGN_WAIT_NS"] == region.ASSIGN_WAIT_NS
     assert defines["GT_MAX_GPUS"] == region.MAX_GPUS
     assert defines["GT_MAX_GROUPS"] == region.MAX_GROUPS

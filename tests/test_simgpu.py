@@ -143,7 +143,7 @@ def test_nvml_utilisation_follows_the_timeline(simgpu: SimGpu) -> None:
 # ---- memory ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("api", ["v2", "pitch", "managed", "async", "pool", "create"])
+@pytest.mark.parametrize("api", ["v2", "pitch", "async", "pool", "create"])
 def test_every_allocation_api_counts_exactly(simgpu_factory: Callable[..., SimGpu], api: str) -> None:
     sim = simgpu_factory(memory="4GiB")
     holder = sim.start(["alloc", "--api", api, "--hold", "30", "--free", "1GiB", "2GiB", "2GiB"])
@@ -154,6 +154,27 @@ def test_every_allocation_api_counts_exactly(simgpu_factory: Callable[..., SimGp
     assert meminfo(sim) == {"free": 1 * GiB, "total": 4 * GiB}
     assert nvml_processes(sim)[holder.pid] == 3 * GiB
     holder.kill()
+
+
+def test_managed_memory_is_the_hosts_not_the_devices(simgpu_factory: Callable[..., SimGpu]) -> None:
+    """cuMemAllocManaged takes from SIMGPU_HOST_MEMORY, not from the device: more than the device has
+    fits, NVML and cuMemGetInfo leave it out, the driver says the pointer is managed, and past the
+    host's memory it is refused."""
+    sim = simgpu_factory(memory="4GiB")
+    host = {"SIMGPU_HOST_MEMORY": "6GiB"}
+    holder = sim.start(["alloc", "--api", "managed", "--hold", "30", "3GiB", "2GiB", "2GiB"], **host)
+    results = [holder.next_json() for _ in range(3)]
+    assert [r["name"] for r in results] == ["CUDA_SUCCESS", "CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]
+    assert [r.get("managed") for r in results] == [1, 1, None]
+    holder.wait_for("holding")
+    device = sim.run(["alloc", "--free", "4GiB"], **host)  # the device's memory is all still there
+    assert (device[0]["name"], device[0]["managed"]) == ("CUDA_SUCCESS", 0)
+    assert meminfo(sim) == {"free": 4 * GiB, "total": 4 * GiB}
+    assert nvml_processes(sim)[holder.pid] == 0
+    holder.kill()
+    # A killed process's managed memory goes back to the host.
+    lines = sim.run(["alloc", "--api", "managed", "--free", "6GiB"], **host)
+    assert lines[0]["name"] == "CUDA_SUCCESS" and lines[-1] == {"freed": 1}
 
 
 def test_memory_is_given_back_on_free(simgpu_factory: Callable[..., SimGpu]) -> None:

@@ -69,6 +69,8 @@ WORKER = Path(__file__).resolve().parent / "models_worker.py"
 GATE = REPO / "build" / "libgemgate.so"
 GROUP_SECONDS = spec("gemtrace_group_gpu_seconds_total").name
 GPU_INFO = spec("gemtrace_gpu_info").name
+GROUP_MEMORY = spec("gemtrace_group_memory_bytes").name
+GROUP_MANAGED = spec("gemtrace_group_managed_memory_bytes").name
 TRAINING = ("cnn-train", "transformer-train")
 INFERENCE = ("cnn-infer", "transformer-infer")
 HOG_WORKLOAD = "cnn-train"  # the hogs beside a MinUtil group run the CNN training, whatever it runs
@@ -277,6 +279,19 @@ class Agent:
                     out[s.labels["group"]] = out.get(s.labels["group"], 0.0) + float(s.value)
         return when, out
 
+    def held(self, uuid: str) -> dict[str, dict[str, float]]:
+        """Each group's device and managed memory on the GPU now: {group: {"memory": B, "managed": B}}."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        names = {GROUP_MEMORY: "memory", GROUP_MANAGED: "managed"}
+        out: dict[str, dict[str, float]] = {}
+        for family in text_string_to_metric_families(self.metrics()):
+            for s in family.samples:
+                if s.name in names and s.labels.get("gpu") == uuid:
+                    group = out.setdefault(s.labels["group"], {"memory": 0.0, "managed": 0.0})
+                    group[names[s.name]] += float(s.value)
+        return out
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -298,7 +313,8 @@ class Options:
 
 def run(groups: tuple[Group, ...], workload: str, opts: Options) -> dict[str, Any]:
     """One agent, the groups' workers, one shared window. Per group: `rate` (steps/s of all its
-    processes), `iters`, `charged` (GPU time charged / window); and `agent_cpu` (% of one core)."""
+    processes), `iters`, `charged` (GPU time charged / window), `memory` and `managed` (bytes held on
+    the GPU at the window's end); and `agent_cpu` (% of one core)."""
     import psutil
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -327,6 +343,7 @@ def run(groups: tuple[Group, ...], workload: str, opts: Options) -> dict[str, An
             t0, charged0 = agent.charged(uuid)
             time.sleep(max(0.0, end - time.monotonic()))
             t1, charged1 = agent.charged(uuid)
+            held = agent.held(uuid)
             agent_cpu = cpu.cpu_percent(None)
             # A held process ends its step past the window's end within the step's time / its share.
             results = [w.wait("result", time.monotonic() + 120) for w in workers]
@@ -340,7 +357,8 @@ def run(groups: tuple[Group, ...], workload: str, opts: Options) -> dict[str, An
         out["groups"][g.name] = {
             "workload": g.workload or workload, "rate": sum(r["rate"] for r in mine),
             "iters": sum(r["iters"] for r in mine),
-            "charged": (charged1.get(g.name, 0.0) - charged0.get(g.name, 0.0)) / (t1 - t0)}
+            "charged": (charged1.get(g.name, 0.0) - charged0.get(g.name, 0.0)) / (t1 - t0),
+            **held.get(g.name, {"memory": 0.0, "managed": 0.0})}
     return out
 
 

@@ -65,15 +65,18 @@ class GroupCollector(Collector):
         yield from (seconds, throttled, util)
 
         memory = family(spec("gemtrace_group_memory_bytes"))
+        managed = family(spec("gemtrace_group_managed_memory_bytes"))
         processes = family(spec("gemtrace_group_processes"))
         snapshot = view.snapshot
         if snapshot is not None:
             for (gpu_uuid, group), used in sorted(snapshot.group_memory().items()):
                 memory.add_metric([gpu_uuid, group, *pod(group)], float(used))
+            for (gpu_uuid, group), used in sorted(snapshot.group_managed().items()):
+                managed.add_metric([gpu_uuid, group, *pod(group)], float(used))
             counts: dict[tuple[str, str], int] = {}
             for p in snapshot.processes:
                 if p.exited_ns is None:
                     counts[(p.gpu, p.group)] = counts.get((p.gpu, p.group), 0) + 1
             for (gpu_uuid, group), n in sorted(counts.items()):
                 processes.add_metric([gpu_uuid, group, *pod(group)], float(n))
-        yield from (memory, processes)
+        yield from (memory, managed, processes)

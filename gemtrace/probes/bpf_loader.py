@@ -38,7 +38,7 @@ MODES = ("memory", "launches")
 # (symbol, program on entry, program on return or None)
 MEMORY_PROBES: tuple[tuple[str, str, str | None], ...] = (
     ("cuMemAlloc_v2", "alloc_pointer_enter", "alloc_return"),
-    ("cuMemAllocManaged", "alloc_pointer_enter", "alloc_return"),
+    ("cuMemAllocManaged", "alloc_managed_enter", "alloc_return"),
     ("cuMemAllocAsync", "alloc_pointer_enter", "alloc_return"),
     ("cuMemAllocAsync_ptsz", "alloc_pointer_enter", "alloc_return"),
     ("cuMemAllocFromPoolAsync", "alloc_pointer_enter", "alloc_return"),
@@ -79,6 +79,7 @@ class Usage:
     bytes: int
     allocs: int
     last_alloc_ns: int
+    managed: int = 0  # managed memory (cuMemAllocManaged), apart from `bytes`
 
 
 @dataclass(frozen=True)
@@ -388,7 +389,7 @@ class BpfProbes:
 
     def usage(self) -> list[Usage]:
         return [
-            Usage(k.tgid, k.dev, v.bytes, v.allocs, v.last_alloc_ns)
+            Usage(k.tgid, k.dev, v.bytes, v.allocs, v.last_alloc_ns, v.managed)
             for k, v in self._bpf[b"usage"].items()
         ]
 

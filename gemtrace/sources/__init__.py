@@ -25,6 +25,7 @@ class Figures(NamedTuple):
     busy_ns: int | None = None  # GPU time of finished bursts (the gate)
     last_alloc_ns: int = 0  # CLOCK_MONOTONIC of its last allocation there (eBPF); 0: not known
     placed: bool = True  # the source itself places the process on this GPU (a slot's gpu_mask bit)
+    managed: int | None = None  # bytes of managed memory (Oversubscribe), apart from `memory`
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,10 @@ def boot_ticks() -> int:
 
 
 def memory_figures(usage: Iterable[Usage], devices: Devices, skip: Collection[int] = ()) -> dict[Key, Figures]:
-    """eBPF's bytes and last allocation time by (pid, GPU UUID), the processes in `skip` left out (pure)."""
+    """eBPF's bytes (device and managed) and last allocation time by (pid, GPU UUID), the processes in
+    `skip` left out (pure)."""
     memory: dict[Key, int] = {}
+    managed: dict[Key, int] = {}
     last_alloc: dict[Key, int] = {}
     for u in usage:
         if u.pid in skip:
@@ -44,8 +46,10 @@ def memory_figures(usage: Iterable[Usage], devices: Devices, skip: Collection[in
             continue
         key = (u.pid, uuid)
         memory[key] = memory.get(key, 0) + u.bytes
+        managed[key] = managed.get(key, 0) + u.managed
         last_alloc[key] = max(last_alloc.get(key, 0), u.last_alloc_ns)
-    return {key: Figures(memory=used, last_alloc_ns=last_alloc[key]) for key, used in memory.items()}
+    return {key: Figures(memory=used, last_alloc_ns=last_alloc[key], managed=managed[key])
+            for key, used in memory.items()}
 
 
 def usage_figures(usage: Iterable[Usage], contexts: Mapping[int, int], launches: Mapping[int, int],

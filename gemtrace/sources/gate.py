@@ -1,7 +1,7 @@
 """The gates' source: each gated process's slot, read through the region's one slot reader.
 
 Owns turning the slot columns (gemtrace/region.py's SlotColumns) into per-process figures: memory
-the gate reserved, launches and the GPU time of finished bursts, on every GPU of the host, placed
+the gate reserved (device and managed), launches and the GPU time of finished bursts, on every GPU of the host, placed
 where the slot's gpu_mask says the process works. Never writes a slot (the agent's reaper frees
 them), never merges: a slot is the process's own word and may lie (docs/accounting.md, tampering).
 """
@@ -22,7 +22,7 @@ class GateSource:
             return SourceReading()
         columns = self.region.slot_columns
         physical = devices.physical()
-        per_gpu = [(g, uuid, columns.memory(g), columns.launches(g), columns.busy_ns(g))
+        per_gpu = [(g, uuid, columns.memory(g), columns.launches(g), columns.busy_ns(g), columns.managed(g))
                    for g, uuid in enumerate(physical)]
         figures: dict[Key, Figures] = {}
         start_times: dict[int, int] = {}
@@ -32,7 +32,8 @@ class GateSource:
                 continue  # freed since the pids were read
             mask = columns.gpu_mask[index]
             read = {uuid: Figures(memory=memory[index], launches=launches[index], busy_ns=busy_ns[index],
-                                  placed=bool(mask >> g & 1)) for g, uuid, memory, launches, busy_ns in per_gpu}
+                                  placed=bool(mask >> g & 1), managed=managed[index])
+                    for g, uuid, memory, launches, busy_ns, managed in per_gpu}
             # A slot being freed loses its flag before its counters are zeroed (hook/attach.c): read
             # after the counters, the flag says they were read whole.
             if not columns.flags[index] & SLOT_GATED or columns.pid[index] != pid:

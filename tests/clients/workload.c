@@ -13,9 +13,10 @@
  *       longest of any thread). --progress prints {"progress","t","iters","launches"} each second.
  *       --current-device C (with --stream): once the stream exists, device C's primary context is made
  *       current, as PyTorch leaves device 0's current while it launches on a stream of cuda:1.
- *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free] SIZE...
- *       one {"size","result","name"} line per allocation, then {"holding":S,"pid"} before holding,
- *       then {"freed":n} with --free.
+ *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free [--hold-after S]] SIZE...
+ *       one {"size","result","name"} line per allocation (with "managed": 0 or 1 when it succeeded, the
+ *       driver's CU_POINTER_ATTRIBUTE_IS_MANAGED), then {"holding":S,"pid"} before holding, then
+ *       {"freed":n} with --free, then holds S more seconds with --hold-after.
  *   meminfo [--device D]                              {"free","total"}
  *   alloc-threads --threads T --size S --count C [--hold S]  {"successes","failures","oom"}, then holds
  *   fork-alloc [--hold S] SIZE                        a line from the parent and one from the child
@@ -81,7 +82,7 @@ static void emit(const char *fmt, ...)
 struct opts {
     uint64_t kernel_ns;
     long per_iter, iters, threads, count, launches;
-    double seconds, hold;
+    double seconds, hold, hold_after;
     int device, current_device; /* current_device: -1 unless --current-device */
     const char *api, *sync;
     bool no_sync, progress, free_after, stream;
@@ -126,6 +127,8 @@ static void parse(int argc, char **argv, struct opts *o)
             o->seconds = strtod(v, NULL);
         else if (OPT("--hold"))
             o->hold = strtod(v, NULL);
+        else if (OPT("--hold-after"))
+            o->hold_after = strtod(v, NULL);
         else if (OPT("--device"))
             o->device = (int)strtol(v, NULL, 10);
         else if (OPT("--current-device"))
@@ -458,9 +461,16 @@ static int alloc_cmd(const struct opts *o)
     int n_held = 0;
     for (int i = 0; i < o->n_sizes; i++) {
         CUresult r = allocate(api, o->device, o->sizes[i], &held[n_held]);
-        emit("{\"size\":%llu,\"result\":%d,\"name\":\"%s\"}", (unsigned long long)o->sizes[i], (int)r, err_name(r));
-        if (r == CUDA_SUCCESS)
-            n_held++;
+        if (r != CUDA_SUCCESS) {
+            emit("{\"size\":%llu,\"result\":%d,\"name\":\"%s\"}", (unsigned long long)o->sizes[i], (int)r,
+                 err_name(r));
+            continue;
+        }
+        unsigned int managed = 0;
+        CHECK(D->f_cuPointerGetAttribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, held[n_held].ptr));
+        emit("{\"size\":%llu,\"result\":0,\"name\":\"%s\",\"managed\":%u}", (unsigned long long)o->sizes[i],
+             err_name(r), managed);
+        n_held++;
     }
     emit("{\"holding\":%.3f,\"pid\":%d,\"allocations\":%d}", o->hold, (int)getpid(), n_held);
     hold(o->hold);
@@ -468,6 +478,7 @@ static int alloc_cmd(const struct opts *o)
         for (int i = 0; i < n_held; i++)
             release(&held[i]);
         emit("{\"freed\":%d}", n_held);
+        hold(o->hold_after);
     }
     return 0;
 }

@@ -61,7 +61,8 @@
     X(cuMemMap, cuMemMap)                                                      \
     X(cuMemUnmap, cuMemUnmap)                                                  \
     X(cuMemSetAccess, cuMemSetAccess)                                          \
-    X(cuMemGetAllocationGranularity, cuMemGetAllocationGranularity)
+    X(cuMemGetAllocationGranularity, cuMemGetAllocationGranularity)            \
+    X(cuPointerGetAttribute, cuPointerGetAttribute)
 
 struct drv {
 #define DRV_FIELD(name, linked) __typeof__(&linked) f_##name;

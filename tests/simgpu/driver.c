@@ -6,7 +6,8 @@
  *     kernelParams[0] points at it; or the first 8 bytes of a CU_LAUNCH_PARAM_BUFFER_POINTER
  *     buffer); kernels of all processes on one device run one at a time, in order of arrival;
  *   - device memory is a capacity shared by all processes; pointers are unique addresses of a
- *     PROT_NONE reservation of this process, never backed and never dereferenced;
+ *     PROT_NONE reservation of this process, never backed and never dereferenced; managed memory
+ *     takes from the host's memory instead (SIMGPU_HOST_MEMORY), as the driver pages it;
  *   - a context costs no device memory (a real one costs about 800 MB on an H100): what NVML and
  *     cuMemGetInfo report is exactly the sum of the allocations, so tests can compare figures.
  * Known simplifications: destroying a context or releasing a primary context does not free the
@@ -1388,6 +1389,7 @@ struct rec {
     uintptr_t ptr;
     uint64_t size;
     enum rec_kind kind;
+    bool managed;              /* REC_ALLOC from cuMemAllocManaged: counted as managed memory */
     int phys;                  /* REC_ALLOC */
     struct sim_handle *handle; /* REC_MAP */
 };
@@ -1414,13 +1416,13 @@ static void recs_install_fork(void)
     pthread_atfork(recs_lock_before_fork, recs_unlock_after_fork, recs_reset_in_child);
 }
 
-static bool rec_add(uintptr_t ptr, uint64_t size, enum rec_kind kind, int phys, struct sim_handle *h)
+static bool rec_add(uintptr_t ptr, uint64_t size, enum rec_kind kind, int phys, struct sim_handle *h, bool managed)
 {
     pthread_once(&g_recs_fork_once, recs_install_fork);
     struct rec *r = malloc(sizeof *r);
     if (!r)
         return false;
-    *r = (struct rec){.ptr = ptr, .size = size, .kind = kind, .phys = phys, .handle = h};
+    *r = (struct rec){.ptr = ptr, .size = size, .kind = kind, .managed = managed, .phys = phys, .handle = h};
     pthread_mutex_lock(&g_recs_lock);
     unsigned b = rec_bucket(ptr);
     r->next = g_recs[b];
@@ -1469,10 +1471,28 @@ static CUresult alloc_on(int phys, CUdeviceptr *dptr, uint64_t size, uint64_t al
     if (sim_mem_reserve(phys, size) != 0)
         return CUDA_ERROR_OUT_OF_MEMORY;
     uintptr_t p = va_alloc(size, align);
-    if (!p || !rec_add(p, size, REC_ALLOC, phys, NULL)) {
+    if (!p || !rec_add(p, size, REC_ALLOC, phys, NULL, false)) {
         if (p)
             va_free(p, size);
         sim_mem_release(phys, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *dptr = (CUdeviceptr)p;
+    return CUDA_SUCCESS;
+}
+
+/* Managed memory: from the host's capacity, remembered as managed so that its free gives it back there. */
+static CUresult alloc_managed_on(int phys, CUdeviceptr *dptr, uint64_t size)
+{
+    if (!dptr || !size)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_managed_reserve(phys, size) != 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    uintptr_t p = va_alloc(size, ALLOC_ALIGN);
+    if (!p || !rec_add(p, size, REC_ALLOC, phys, NULL, true)) {
+        if (p)
+            va_free(p, size);
+        sim_managed_release(phys, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *dptr = (CUdeviceptr)p;
@@ -1485,7 +1505,10 @@ static CUresult free_alloc(CUdeviceptr dptr)
     struct rec *r = rec_take((uintptr_t)dptr, REC_ALLOC);
     if (!r) /* never ours, or freed already: nothing to give back, so nothing can go below zero */
         return CUDA_ERROR_INVALID_VALUE;
-    sim_mem_release(r->phys, r->size);
+    if (r->managed)
+        sim_managed_release(r->phys, r->size);
+    else
+        sim_mem_release(r->phys, r->size);
     va_free(r->ptr, r->size);
     free(r);
     return CUDA_SUCCESS;
@@ -1524,7 +1547,8 @@ SIM_API CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t wid
     return err;
 }
 
-/* Managed memory is counted on the current device in full, as if it were all resident there. */
+/* Managed memory is counted on the current device as managed, taken from the host's memory: the real
+ * driver lets it exceed the device's and pages it (NVML's used memory does not include it here). */
 SIM_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags)
 {
     REQUIRE_INIT();
@@ -1532,7 +1556,7 @@ SIM_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int 
         return CUDA_ERROR_INVALID_VALUE;
     int phys;
     CUresult err = current_phys(&phys);
-    return err ? err : alloc_on(phys, dptr, size, ALLOC_ALIGN);
+    return err ? err : alloc_managed_on(phys, dptr, size);
 }
 
 SIM_API CUresult cuMemFree_v2(CUdeviceptr dptr) { return free_alloc(dptr); }
@@ -1585,7 +1609,7 @@ SIM_API CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attr, CUd
     case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: *(int *)data = ordinal; break;
     case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(CUdeviceptr *)data = r.ptr; break;
     case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = r.size; break;
-    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(unsigned int *)data = 0; break;
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(unsigned int *)data = r.managed; break;
     case CU_POINTER_ATTRIBUTE_MAPPED: *(unsigned int *)data = 1; break;
     default: return CUDA_ERROR_INVALID_VALUE;
     }
@@ -1742,7 +1766,7 @@ SIM_API CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align
     uintptr_t p = va_alloc(size, alignment > GRANULARITY ? alignment : GRANULARITY);
     if (!p)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    if (!rec_add(p, size, REC_RESERVE, -1, NULL)) {
+    if (!rec_add(p, size, REC_RESERVE, -1, NULL, false)) {
         va_free(p, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -1757,7 +1781,7 @@ SIM_API CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
     if (!r)
         return CUDA_ERROR_INVALID_VALUE;
     if (r->size != size) {
-        rec_add(r->ptr, r->size, REC_RESERVE, -1, NULL);
+        rec_add(r->ptr, r->size, REC_RESERVE, -1, NULL, false);
         free(r);
         return CUDA_ERROR_INVALID_VALUE;
     }
@@ -1774,7 +1798,7 @@ SIM_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGene
     if (!h || !ptr || !size || flags || offset + size > h->size || size % GRANULARITY)
         return CUDA_ERROR_INVALID_VALUE;
     atomic_fetch_add(&h->refs, 1);
-    if (!rec_add((uintptr_t)ptr, size, REC_MAP, h->phys, h)) {
+    if (!rec_add((uintptr_t)ptr, size, REC_MAP, h->phys, h, false)) {
         handle_unref(h);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }

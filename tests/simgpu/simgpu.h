@@ -21,12 +21,13 @@
 #include <sys/types.h>
 
 #define SIM_MAGIC 0x3155504753494d53ULL /* "SMISGPU1" little-endian */
-#define SIM_VERSION 2u
+#define SIM_VERSION 3u
 #define SIM_MAX_DEVICES 16
 #define SIM_MAX_PROCS 1024
 #define SIM_UUID_LEN 48
 #define SIM_NAME "Simulated GPU"
 #define SIM_DEFAULT_MEMORY (16ull << 30)
+#define SIM_DEFAULT_HOST_MEMORY (64ull << 30) /* what managed memory may take, all devices together */
 #define SIM_UTIL_SAMPLES 8
 #define SIM_UTIL_SAMPLE_NS 125000000ull /* readers store a utilisation sample at most this often */
 
@@ -52,7 +53,8 @@ struct sim_device {
     uint64_t total;           /* bytes of memory */
     _Atomic uint64_t used;    /* bytes reserved by all processes; changes only by CAS/add */
     _Atomic uint64_t launches;
-    uint64_t pad0[4];
+    _Atomic uint64_t managed; /* managed memory allocated on this device: host-backed, not in `used` */
+    uint64_t pad0[3];
     /* The timeline, on a cache line of its own: every launch of every process writes it. */
     _Atomic uint64_t busy_until; /* end of the last kernel queued on the device */
     _Atomic uint64_t busy_total; /* sum of the durations of all kernels ever queued */
@@ -69,6 +71,7 @@ struct sim_proc {
     uint32_t pad;
     _Atomic uint64_t start_time;  /* /proc/<pid>/stat start time; tells a reused pid apart */
     _Atomic uint64_t used[SIM_MAX_DEVICES];
+    _Atomic uint64_t managed[SIM_MAX_DEVICES];
 };
 
 struct sim_state {
@@ -80,7 +83,9 @@ struct sim_state {
     uint64_t memory;          /* per device */
     uint32_t topology;        /* enum sim_topology, from SIMGPU_TOPOLOGY (0 in files made before it) */
     uint32_t reserved0;
-    uint64_t reserved[7];
+    uint64_t host_memory;     /* SIMGPU_HOST_MEMORY: the bound of all managed memory together */
+    _Atomic uint64_t host_managed; /* managed memory of all processes on all devices */
+    uint64_t reserved[5];
     struct sim_device dev[SIM_MAX_DEVICES];
     struct sim_proc proc[SIM_MAX_PROCS];
 };
@@ -103,6 +108,12 @@ void sim_note_context(int phys);
  * would go over capacity, after reclaiming the memory of dead processes once. */
 int sim_mem_reserve(int phys, uint64_t size);
 void sim_mem_release(int phys, uint64_t size);
+
+/* Managed memory (cuMemAllocManaged): the driver pages it between host and device, so it is not taken
+ * from the device's capacity but from the host's (SIMGPU_HOST_MEMORY), and counted per device and per
+ * process apart from device memory. Reserve fails (returns -1) past the host's memory. */
+int sim_managed_reserve(int phys, uint64_t size);
+void sim_managed_release(int phys, uint64_t size);
 
 /* Free the slots and memory of processes that have died. Returns how many slots were freed. */
 int sim_reap_dead(void);

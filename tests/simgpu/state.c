@@ -118,6 +118,12 @@ static void init_state(struct sim_state *s, const char *dir)
     s->size = sizeof *s;
     s->n_devices = (uint32_t)n;
     s->memory = mem;
+    env = getenv("SIMGPU_HOST_MEMORY");
+    s->host_memory = env && *env ? sim_parse_size(env) : SIM_DEFAULT_HOST_MEMORY;
+    if (!s->host_memory) {
+        fprintf(stderr, "simgpu: SIMGPU_HOST_MEMORY=%s is not a size such as 64GiB; using 64GiB\n", env);
+        s->host_memory = SIM_DEFAULT_HOST_MEMORY;
+    }
     for (unsigned i = 0; i < SIM_MAX_DEVICES; i++) {
         make_uuid(&s->dev[i], dir, i);
         s->dev[i].total = mem;
@@ -347,6 +353,11 @@ static void give_back_slot(struct sim_state *s, struct sim_proc *p, int32_t owne
         uint64_t bytes = atomic_exchange(&p->used[d], 0);
         if (bytes)
             sub_saturating(&s->dev[d].used, bytes);
+        bytes = atomic_exchange(&p->managed[d], 0);
+        if (bytes) {
+            sub_saturating(&s->dev[d].managed, bytes);
+            sub_saturating(&s->host_managed, bytes);
+        }
     }
     atomic_store(&p->ctx_devices, 0);
     atomic_store(&p->start_time, 0);
@@ -427,6 +438,39 @@ void sim_mem_release(int phys, uint64_t size)
     /* The device gives back only what this process's slot held: a free after the slot was released
      * (at exit) or reaped cannot take bytes that other processes hold. */
     sub_saturating(&s->dev[phys].used, sub_saturating(&s->proc[slot].used[phys], size));
+}
+
+/* As sim_mem_reserve, against the host's memory; the host counter goes first for the same reason. */
+int sim_managed_reserve(int phys, uint64_t size)
+{
+    struct sim_state *s = sim_state();
+    int slot = sim_my_slot();
+    if (!s || slot < 0)
+        return -1;
+    for (int attempt = 0; attempt < 2; attempt++) {
+        uint64_t held = atomic_load(&s->host_managed);
+        while (size <= s->host_memory && held <= s->host_memory - size) {
+            if (atomic_compare_exchange_weak(&s->host_managed, &held, held + size)) {
+                atomic_fetch_add(&s->dev[phys].managed, size);
+                atomic_fetch_add(&s->proc[slot].managed[phys], size);
+                return 0;
+            }
+        }
+        if (!sim_reap_dead())
+            break;
+    }
+    return -1;
+}
+
+void sim_managed_release(int phys, uint64_t size)
+{
+    struct sim_state *s = sim_state();
+    int slot = sim_my_slot();
+    if (!s || slot < 0)
+        return;
+    uint64_t taken = sub_saturating(&s->proc[slot].managed[phys], size);
+    sub_saturating(&s->dev[phys].managed, taken);
+    sub_saturating(&s->host_managed, taken);
 }
 
 /* ---- utilisation -------------------------------------------------------------------------- */

@@ -1,0 +1,225 @@
+"""Oversubscription on the GPU (issue 14, first part): PyTorch training past its group's MemoryLimit.
+
+Each run goes through the product only, with bench/gpu/models_torch.py's helpers (`run`: one
+`gemtrace agent --no-ebpf`, its workers started with `gemtrace run`, one shared window): the workload
+is models_worker.py's cnn-train (ResNet-50, batch 64, 224x224, bf16 autocast, SGD, weights=None).
+Cases, each against solo (the same workload alone, gated, no limit, run before and after the cases):
+  limited   one job, MemoryLimit = --limit-ratio x its solo need, Oversubscribe = true: what the gate's
+            switch to managed memory costs while the GPU itself still has room for the managed pages
+  squeezed  the same, with a balloon (a plain CUDA process outside gemtrace, holding device memory)
+            leaving the job only need / --oversubscription of the GPU: the driver must page
+  pair      two jobs in two groups, MemoryLimit = half of what the balloon leaves each, Oversubscribe =
+            true, the balloon leaving (need + need) / --oversubscription: the issue's case, the sum of
+            the two peaks --oversubscription (1.5) times the GPU memory they can have. One after the
+            other, each would get 0.5 of solo over the same time; the table says how far above or below
+            that each lands when they share the GPU and its memory
+"Need" is the solo run's device memory at the window's end (the caching allocator's reserve: its peak).
+Whether a run finished at all is the first result: an oversubscribed GPU that thrashes or hangs shows
+as a failed run, with the worker's log.
+
+    python3 bench/gpu/oversubscribe.py [--cases limited,squeezed,pair] [--limit-ratio 0.5]
+        [--oversubscription 1.5] [--seconds 20] [--settle 5] [--gpu 0] [--record]
+
+Prints a markdown table; --record appends it, dated, to bench/results/oversubscribe.md; with $OUT set,
+also writes oversubscribe.md and oversubscribe.json there. Exit status 0 when every run finished, 2 on
+a failed run or bad usage. Needs what models_torch.py needs (build/libgemgate.so, torch with CUDA,
+torchvision, the agent's Python dependencies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from models_torch import GATE, REPO, Group, Options, RunFailed, machine, parse_list, run  # noqa: E402
+from scheduler_torch import pin_self  # noqa: E402
+
+WORKLOAD = "cnn-train"
+CASES = ("limited", "squeezed", "pair")
+RESULTS = REPO / "bench" / "results" / "oversubscribe.md"
+GiB = 1 << 30
+# What a CUDA context of PyTorch takes outside its allocations on the H100 (FACTS.md: about 810 MB per
+# process before any tensor); the balloon leaves it to each job on top of its share.
+CONTEXT_BYTES = 900 << 20
+
+# The balloon: takes all of the GPU's free memory but `leave` bytes, says so, holds until stdin closes.
+BALLOON = """
+import json, sys, torch
+leave = int(sys.argv[1])
+free, total = torch.cuda.mem_get_info()
+take = max(0, free - leave)
+held = torch.empty(take, dtype=torch.uint8, device="cuda")
+print(json.dumps({"taken": take, "free": torch.cuda.mem_get_info()[0], "total": total}), flush=True)
+sys.stdin.read()
+"""
+
+
+@dataclass(frozen=True)
+class OversubscribedGroup(Group):
+    """A group with a MemoryLimit and Oversubscribe on (models_torch's Group writes the quota lines)."""
+
+    memory_limit: int = 0
+
+    def quota(self) -> str:
+        return f"MemoryLimit {self.memory_limit / GiB:.2f} GiB, Oversubscribe"
+
+    def conf(self) -> str:
+        return super().conf() + f"MemoryLimit = {self.memory_limit}\nOversubscribe = true\n"
+
+
+class Balloon:
+    """A plain CUDA process, outside gemtrace, that leaves `leave` bytes of the GPU free."""
+
+    def __init__(self, leave: int, gpu: int) -> None:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(gpu))
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid.decode() if isinstance(uuid, bytes) else str(uuid)}
+        env.pop("LD_PRELOAD", None)
+        self.proc = subprocess.Popen([sys.executable, "-c", BALLOON, str(leave)], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("{"):
+            self.stop()
+            raise RunFailed(f"the balloon did not start (exit status {self.proc.poll()})")
+        self.report: dict[str, int] = json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def solo(opts: Options) -> dict[str, Any]:
+    return run((Group("solo"),), WORKLOAD, opts)["groups"]["solo"]
+
+
+def case_groups(case: str, need: int, ratio: float, factor: float) -> tuple[tuple[OversubscribedGroup, ...], int]:
+    """The case's groups and what the balloon leaves free (0: no balloon)."""
+    if case == "pair":
+        share = int(2 * need / factor)
+        return (OversubscribedGroup("job1", memory_limit=share // 2),
+                OversubscribedGroup("job2", memory_limit=share // 2)), share + 2 * CONTEXT_BYTES
+    group = (OversubscribedGroup("job", memory_limit=int(need * ratio)),)
+    return group, (int(need / factor) + CONTEXT_BYTES if case == "squeezed" else 0)
+
+
+def render(header: str, before: dict[str, Any], after: dict[str, Any] | None, rows: list[dict[str, Any]],
+           failures: list[str]) -> str:
+    ref = (before["rate"] + after["rate"]) / 2 if after else before["rate"]
+    rates = f"{before['rate']:.2f} steps/s before, {after['rate']:.2f} after" if after else \
+        f"{before['rate']:.2f} steps/s before (the run after failed)"
+    lines = [header, "",
+             f"Solo (no limit): {rates}; its need (device memory at the window's end): "
+             f"{before['memory'] / GiB:.2f} GiB.", "",
+             "| case | group | quota | GPU memory left to the jobs | device GiB | managed GiB | steps/s | "
+             "throughput (of solo) | one after the other |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        left = f"{r['left'] / GiB:.2f} GiB (balloon)" if r["left"] else "the whole GPU"
+        lines.append(f"| {r['case']} | {r['group']} | {r['quota']} | {left} | {r['memory'] / GiB:.2f} | "
+                     f"{r['managed'] / GiB:.2f} | {r['rate']:.2f} | {r['rate'] / ref:.3f} | "
+                     f"{'0.5' if r['case'] == 'pair' else '-'} |")
+    if failures:
+        lines += ["", "Did not finish: " + "; ".join(failures) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=lambda t: parse_list(t, CASES, "case"), default=CASES,
+                    help=f"comma-separated, among {','.join(CASES)} (default all)")
+    ap.add_argument("--limit-ratio", type=float, default=0.5,
+                    help="limited and squeezed: MemoryLimit as a share of the solo need (default 0.5)")
+    ap.add_argument("--oversubscription", type=float, default=1.5,
+                    help="squeezed and pair: the jobs' need over the GPU memory the balloon leaves (default 1.5)")
+    ap.add_argument("--seconds", type=float, default=20.0, help="the measured window of each run (default 20)")
+    ap.add_argument("--settle", type=float, default=5.0,
+                    help="seconds after the warm-up before the window: paging settles (default 5)")
+    ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) (default 0)")
+    ap.add_argument("--record", action="store_true", help=f"append the dated table to {RESULTS.relative_to(REPO)}")
+    args = ap.parse_args(argv)
+    if not 0 < args.limit_ratio < 1 or args.oversubscription <= 1 or args.seconds <= 0 or args.settle < 0:
+        ap.error("--limit-ratio must be in (0, 1), --oversubscription above 1, --seconds positive")
+    if not GATE.exists():
+        print(f"{GATE} is missing: run `make -C hook BUILD=$PWD/build` from the repo root first", file=sys.stderr)
+        return 2
+    pin_self()
+    opts = Options(args.seconds, args.settle, False, args.gpu, False)
+    began = time.monotonic()
+    try:
+        before = solo(opts)
+    except RunFailed as e:
+        print(f"the solo run failed, so nothing can be compared: {e}", file=sys.stderr)
+        return 2
+    need = int(before["memory"])
+    print(f"solo: {before['rate']:.2f} steps/s, need {need / GiB:.2f} GiB", flush=True)
+    rows: list[dict[str, Any]] = []
+    failures: list[str] = []
+    for case in args.cases:
+        groups, leave = case_groups(case, need, args.limit_ratio, args.oversubscription)
+        balloon = None
+        try:
+            balloon = Balloon(leave, args.gpu) if leave else None
+            result = run(groups, WORKLOAD, opts)
+        except RunFailed as e:
+            failures.append(f"{case} ({str(e).splitlines()[0]})")
+            print(f"{case} did not finish: {e}", file=sys.stderr)
+            continue
+        finally:
+            if balloon is not None:
+                balloon.stop()
+        left = balloon.report["free"] if balloon is not None else 0
+        for g in groups:
+            got = result["groups"][g.name]
+            rows.append({"case": case, "group": g.name, "quota": g.quota(), "left": left, **got})
+            print(f"{case} {g.name}: {got['rate']:.2f} steps/s, device {got['memory'] / GiB:.2f} GiB, "
+                  f"managed {got['managed'] / GiB:.2f} GiB", flush=True)
+    try:
+        after: dict[str, Any] | None = solo(opts)
+    except RunFailed as e:
+        after = None
+        failures.append(f"solo after ({str(e).splitlines()[0]})")
+    header = (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}\n\n"
+              f"{WORKLOAD} (ResNet-50 bf16, batch 64), `gemtrace agent --no-ebpf` and `gemtrace run`; "
+              f"{args.seconds:g} s windows after {args.settle:g} s of settling; throughput = steps/s / the mean "
+              f"of solo before and after; MemoryLimit {args.limit_ratio:g} of the need (limited, squeezed), "
+              f"the jobs' need {args.oversubscription:g} x what the balloon leaves (squeezed, pair); "
+              f"{(time.monotonic() - began) / 60:.1f} min in all.")
+    report = render(header, before, after, rows, failures)
+    print("\n" + report)
+    if args.record:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        new = not RESULTS.exists()
+        with RESULTS.open("a") as f:
+            f.write(("# Oversubscription: PyTorch training past its MemoryLimit (bench/gpu/oversubscribe.py)\n\n"
+                     if new else "\n") + report)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "oversubscribe.md").write_text(report)
+        Path(out, "oversubscribe.json").write_text(json.dumps(
+            {"header": header, "solo_before": before, "solo_after": after, "rows": rows, "failures": failures},
+            indent=1))
+    return 2 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
