@@ -12,6 +12,7 @@
 
 #include "cuda_driver_api.h" /* the versioned names (cuMemAlloc_v2, *_ptsz) as libcuda exports them */
 #include "gated_symbols.h"
+#include "gemtrace_contract.h"
 #include "gemtrace_region.h"
 
 #define GT_EXPORT __attribute__((visibility("default")))
