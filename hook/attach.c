@@ -373,8 +373,8 @@ static void release_slot(void)
     __atomic_store_n(&slot->pid, 0, __ATOMIC_RELEASE);
 }
 
-/* After fork the child is a process of its own: it holds none of the parent's memory and claims its
- * own slot on its first gated call (registered with pthread_atfork, as HAMi-core does). */
+/* After fork the child holds none of the parent's memory and claims its own slot on its first gated
+ * call: it forgets the parent's attachment (gate.h: each part forgets its own state). */
 static void after_fork_in_child(void)
 {
     pthread_mutex_init(&attach_lock, NULL);
@@ -391,11 +391,8 @@ static void after_fork_in_child(void)
     cached_gpu = -1;
     cached_stream = NULL;
     cached_stream_gpu = -1;
-    extern void gt_memory_forget_all(void);
-    gt_memory_forget_all();
-    gt_launch_after_fork();
 }
 
-__attribute__((constructor)) static void gate_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+GT_CONSTRUCTOR_ATTACH static void attach_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
 
 __attribute__((destructor)) static void gate_fini(void) { release_slot(); }
