@@ -18,12 +18,16 @@ LOCK := constraints.txt
 # What the distribution must provide, and the set-up bcc needs: checked first by demo and test.
 PREREQS := tests/prereqs.sh
 
-.PHONY: all gate simgpu venv proto lock prereqs test test-unit lint demo deb bench clean
+.PHONY: all gate contract simgpu venv proto lock prereqs test test-unit lint demo deb bench clean
 
 all: gate simgpu venv proto
 
+# The gate, and gemtrace/contract.py: the C headers' constants for the agent, generated from them.
 gate:
 	$(MAKE) -C hook BUILD=$(abspath $(BUILD))
+
+contract:
+	$(MAKE) -C hook BUILD=$(abspath $(BUILD)) contract
 
 simgpu:
 	$(MAKE) -C tests/simgpu BUILD=$(abspath $(BUILD))
@@ -69,7 +73,7 @@ lock:
 	mv $(LOCK).new $(LOCK)
 	rm -rf $(LOCK_VENV)
 
-lint: venv
+lint: venv contract
 	$(VENV)/bin/ruff check gemtrace tests bench packaging
 	$(VENV)/bin/mypy gemtrace packaging/deb/manpage.py
 

@@ -1,12 +1,13 @@
 /*
  * gemtrace_cuda.h - the structs that bpf/gemtrace_cuda.bpf.c shares with user space
  * (gemtrace/probes/bpf_loader.py reads the maps and the ring buffer through bcc, which derives its
- * ctypes mirrors from these very declarations, so this file is the one home of the layout).
+ * ctypes mirrors from these very declarations, so this file is the one home of the layout). Its
+ * constants reach the agent through gemtrace/contract.py, generated from it (hook/gemtrace_contract.h).
  */
 #ifndef GEMTRACE_CUDA_H
 #define GEMTRACE_CUDA_H
 
-#define GT_BPF_MAX_DEVICES 8   /* as GT_MAX_GPUS in hook/gemtrace_region.h */
+#define GT_BPF_MAX_DEVICES 8   /* as GT_MAX_GPUS in hook/gemtrace_region.h (tests/test_region_layout.py checks) */
 
 enum gt_alloc_kind {
     GT_KIND_POINTER = 0,       /* a device pointer: cuMemAlloc..., freed by cuMemFree_v2 or cuMemFreeAsync */

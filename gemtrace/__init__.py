@@ -5,6 +5,8 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
     agent.py         the agent's lifecycle and loop: heartbeat, reaping dead slots, reloads, shutdown
     config.py        the resource file: reading, parsing (pure), validating, watching for changes
     defaults.py      paths, ports and intervals that more than one part uses
+    contract.py      the C headers' constants (env names, limits, magics, BPF event types): generated
+                     by `make` from hook/gemtrace_contract.h, hook/gemtrace_region.h, bpf/gemtrace_cuda.h
     region.py        ctypes mirror of hook/gemtrace_region.h (the region and the slots) and their care
     membership.py    each gated process's group, decided once by the agent (admission, Cgroup rules)
     policy.py        the time-share policy of one GPU: pure, driven by a clock it is given
@@ -30,7 +32,9 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
       processes.py     per-process series from the accounting's snapshot
       enforcement.py   OOM kills, quota breaches and slot tampering, per group
     exporter.py      the /metrics HTTP endpoint over the collectors' registry
+    web_config.py    who may read /metrics: TLS and basic auth from a node_exporter-style web config
     eventlog.py      structlog configured once: JSON lines, or key-values on a terminal
+    signals.py       a daemon's signals, taken by its main loop rather than acted on in a handler
     launcher.py      `gemtrace run`: CMD's environment with the gate preloaded, then exec
     allotment.py     what a `gemtrace run` is allotted besides its group: GPUs, memory share
     placement.py     which GPUs a `run --gpus N` gets: topology as data, the policies (pure)
@@ -40,6 +44,8 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
     status.py        `gemtrace status`: one frame of top's view, or JSON
     dashboards.py    the Grafana dashboards, generated from the metric catalogue
     demo.py          `make demo`: the agent and three groups on the simulated GPU
+    kube/            gemtrace on Kubernetes: the device plugin, the webhook, the gate injected into
+                     containers, pods' names for the metrics (kube/__init__.py has its map)
 """
 
 __version__ = "0.1.0"

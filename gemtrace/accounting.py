@@ -219,7 +219,7 @@ class Accounting:
         config_getter: Callable[[], _Config | None],
         proc_root: Path = Path("/proc"),
         use_ebpf: bool = True,
-        probe_mode: str = "memory",
+        probe_mode: str = defaults.PROBE_MODE,
         nvml: NvmlLike | None = None,
         enforcer: MemoryEnforcer | None = None,
         grace_seconds: float = defaults.PROCESS_SERIES_GRACE_SECONDS,

@@ -257,7 +257,7 @@ class Agent:
         config_path: Path = defaults.CONFIG_PATH,
         state_dir: Path = defaults.STATE_DIR,
         use_ebpf: bool = True,
-        probe_mode: str = "memory",
+        probe_mode: str = defaults.PROBE_MODE,
         gpus: list[Gpu] | None = None,
         libcuda_paths: list[Path] | None = None,
         config_poll_seconds: float = defaults.CONFIG_POLL_SECONDS,

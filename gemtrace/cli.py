@@ -276,7 +276,7 @@ def parser() -> argparse.ArgumentParser:
                        "and container labels (default %(default)s; absent: those labels are empty)")
     agent.add_argument("--no-ebpf", action="store_true",
                        help="do not attach eBPF probes (accounting then comes from the gates and NVML)")
-    agent.add_argument("--probe-mode", choices=("memory", "launches"), default="memory",
+    agent.add_argument("--probe-mode", choices=defaults.PROBE_MODES, default=defaults.PROBE_MODE,
                        help="memory: probe allocations and contexts (default, no cost per launch); launches: "
                        "also count every ungated launch (about 0.8 us each: docs/accounting.md)")
     agent.add_argument("--managed-host-limit", type=_host_managed_size, default=None, metavar="SIZE",

@@ -1,20 +1,28 @@
 """Defaults: the one home of paths, ports and intervals that more than one part of gemtrace uses.
 
-Values that the gate (C) also needs live in hook/gemtrace_region.h and are read from there through
-gemtrace.region; do not copy them here.
+Values that the gate (C) also needs are defined in its headers (hook/gemtrace_contract.h) and reach
+Python through gemtrace.contract, generated from them; the few that the agent's modules take from
+here are named below, never copied.
 """
 
 from pathlib import Path
 
+from gemtrace import contract
+
 CONFIG_PATH = Path("/etc/gemtrace/resource.conf")
-STATE_DIR = Path("/run/gemtrace")
+STATE_DIR = Path(contract.DEFAULT_STATE_DIR)
 LISTEN = "127.0.0.1:9843"
+# Where packaging/deb/build.sh installs the gate and the BPF sources.
 GATE_INSTALLED = Path("/usr/lib/gemtrace/libgemgate.so")
 BPF_INSTALLED = Path("/usr/share/gemtrace/bpf")
 
-ENV_GROUP = "GEMTRACE_GROUP"
-ENV_STATE_DIR = "GEMTRACE_STATE_DIR"
-DEFAULT_GROUP = "default"
+ENV_GROUP = contract.ENV_GROUP
+ENV_STATE_DIR = contract.ENV_STATE_DIR
+DEFAULT_GROUP = contract.DEFAULT_GROUP
+
+# The BPF probes' modes (what each attaches: gemtrace.probes.bpf_loader; their cost: docs/accounting.md).
+PROBE_MODES = ("memory", "launches")
+PROBE_MODE = "memory"
 
 # The agent's loop period: heartbeat, dead-process reaping (< 100 ms promised), region reading.
 TICK_SECONDS = 0.010

@@ -25,8 +25,9 @@ from pathlib import Path
 
 from gemtrace import defaults
 from gemtrace.config import ConfigError, GroupConfig, load
+from gemtrace.contract import HEARTBEAT_STALE_NS
 from gemtrace.placement import DEFAULT_POLICY
-from gemtrace.region import HEARTBEAT_STALE_NS, REGION_FILE, Region, RegionError, RegionLayout, SlotTableLayout
+from gemtrace.region import REGION_FILE, Region, RegionError, RegionLayout, SlotTableLayout
 
 START_AGENT = "sudo systemctl start gemtrace"
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.config import GroupConfig
 from gemtrace.defaults import DEFAULT_GROUP, ENV_GROUP
@@ -90,7 +91,7 @@ class Membership:
             if not pid:
                 region.unassign(index)  # the gate freed its slot at exit
                 continue
-            if not columns.flags[index] & rg.SLOT_GATED or decided >= self.per_tick:
+            if not columns.flags[index] & contract.SLOT_GATED or decided >= self.per_tick:
                 continue  # the gate is still filling its slot; or enough for this tick
             decision = self._decide(index, pid, groups, defined)
             if decision is None:

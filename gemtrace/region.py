@@ -11,6 +11,7 @@ program writes its slot there, so nothing read back from it is trusted (names ar
 defensively; docs/security.md). A region whose header or tables are not sound is replaced rather
 than adopted (`unsound`). The layout is defined once, in the C header; tests/test_region_layout.py
 compiles a program that prints sizeof/offsetof of every field and compares them with the classes below.
+The header's constants come from gemtrace.contract, which `make` generates from it.
 """
 
 from __future__ import annotations
@@ -24,31 +25,26 @@ from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 
-# The header is the source of truth; these literals are the installed package's copy of it, and
-# tests/test_region_layout.py fails if they ever differ from the header.
-MAGIC = 0x45434152544D4547
-SLOTS_MAGIC = 0x53544F4C534D4547
-VERSION = 4
-MAX_GPUS = 8
-MAX_GROUPS = 64
-MAX_SLOTS = 1024
-NAME_LEN = 64
-UUID_LEN = 48
-COMM_LEN = 16
-NO_LIMIT = 2**64 - 1
-UTIL_ONE = 1_000_000
-HEARTBEAT_STALE_NS = 2_000_000_000
-HOLD_RECHECK_NS = 100_000_000
-QUEUE_BOUND_NS = 10_000_000
-ASSIGN_WAIT_NS = 50_000_000
-GROUP_UNASSIGNED = 2**32 - 1
-# enum gt_held: the values of a control word
-RELEASED = 0
-HELD = 1
-RELEASED_SHORT_QUEUE = 2
-REGION_FILE = "region"
-SLOTS_FILE = "slots"
-SLOT_GATED = 1
+from gemtrace.contract import (
+    COMM_LEN,
+    GROUP_UNASSIGNED,
+    HELD,
+    MAX_GPUS,
+    MAX_GROUPS,
+    MAX_SLOTS,
+    NAME_LEN,
+    NO_LIMIT,
+    REGION_FILE,
+    RELEASED,
+    RELEASED_SHORT_QUEUE,
+    SLOTS_FILE,
+    SLOTS_MAGIC,
+    UTIL_ONE,
+    UUID_LEN,
+)
+from gemtrace.contract import REGION_MAGIC as MAGIC
+from gemtrace.contract import REGION_VERSION as VERSION
+
 REGION_MODE = 0o644  # the agent's (root's) word: every user reads it, none writes it
 SLOTS_MODE = 0o666  # every gated program writes its own slot
 

@@ -180,7 +180,7 @@ static void await_assignment(const struct gt_region *r, uint32_t index)
         uint64_t now = gt_now_ns();
         if (now >= deadline) {
             say_once(SAID_UNASSIGNED, "the agent has not placed this process in a group yet; it counts as "
-                     "\"default\" until it does.");
+                     "\"" GT_DEFAULT_GROUP "\" until it does.");
             return;
         }
         /* The group word changes with every decision (the pid alone could repeat a stale entry's). */
@@ -203,20 +203,20 @@ bool gt_attach_slow(bool wait)
     bool ok = gt_attached();
     if (!ok && (last_attempt_ns == 0 || now - last_attempt_ns >= 1000000000ull)) {
         last_attempt_ns = now;
-        const char *dir = getenv("GEMTRACE_STATE_DIR");
-        const char *requested = getenv("GEMTRACE_GROUP");
+        const char *dir = getenv(GT_ENV_STATE_DIR);
+        const char *requested = getenv(GT_ENV_GROUP);
         if (!dir || !*dir)
             dir = GT_DEFAULT_STATE_DIR;
         if (!requested || !*requested)
-            requested = "default";
+            requested = GT_DEFAULT_GROUP;
         const struct gt_region *r = map_file(dir, GT_REGION_FILE, GT_REGION_MAGIC, sizeof *r, false);
         struct gt_slot_table *table = r ? map_file(dir, GT_SLOTS_FILE, GT_SLOTS_MAGIC, sizeof *table, true) : NULL;
-        int fallback = table ? find_group(r, "default") : -1;
+        int fallback = table ? find_group(r, GT_DEFAULT_GROUP) : -1;
         if (table && fallback < 0)
-            say_once(SAID_NO_DEFAULT, "the agent's region defines no \"default\" group; running ungated.");
+            say_once(SAID_NO_DEFAULT, "the agent's region defines no \"" GT_DEFAULT_GROUP "\" group; running ungated.");
         if (fallback >= 0 && find_group(r, requested) < 0)
             say_once(SAID_GROUP, "group '%s' is not defined by the agent's resource file; the agent places this "
-                     "process in its cgroup's group or \"default\".", requested);
+                     "process in its cgroup's group or \"" GT_DEFAULT_GROUP "\".", requested);
         int32_t pid = (int32_t)getpid();
         int index = fallback >= 0 ? claim_slot(table, pid) : -1;
         if (fallback >= 0 && index < 0)
@@ -373,8 +373,8 @@ static void release_slot(void)
     __atomic_store_n(&slot->pid, 0, __ATOMIC_RELEASE);
 }
 
-/* After fork the child is a process of its own: it holds none of the parent's memory and claims its
- * own slot on its first gated call (registered with pthread_atfork, as HAMi-core does). */
+/* After fork the child holds none of the parent's memory and claims its own slot on its first gated
+ * call: it forgets the parent's attachment (gate.h: each part forgets its own state). */
 static void after_fork_in_child(void)
 {
     pthread_mutex_init(&attach_lock, NULL);
@@ -391,11 +391,8 @@ static void after_fork_in_child(void)
     cached_gpu = -1;
     cached_stream = NULL;
     cached_stream_gpu = -1;
-    extern void gt_memory_forget_all(void);
-    gt_memory_forget_all();
-    gt_launch_after_fork();
 }
 
-__attribute__((constructor)) static void gate_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+GT_CONSTRUCTOR_ATTACH static void attach_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
 
 __attribute__((destructor)) static void gate_fini(void) { release_slot(); }

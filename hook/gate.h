@@ -12,6 +12,7 @@
 
 #include "cuda_driver_api.h" /* the versioned names (cuMemAlloc_v2, *_ptsz) as libcuda exports them */
 #include "gated_symbols.h"
+#include "gemtrace_contract.h"
 #include "gemtrace_region.h"
 
 #define GT_EXPORT __attribute__((visibility("default")))
@@ -19,6 +20,15 @@
 #define GT_UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define GT_TLS __thread __attribute__((tls_model("initial-exec")))
 #define GT_MAX_DEVICES 64 /* CUDA device ordinals we map to region GPUs */
+
+/* Fork: the child of a fork is a process of its own, with one thread. Each part of the gate resets
+ * its own state there, in a pthread_atfork child handler that its constructor registers (as HAMi-core
+ * does): no part reaches into another's. The child runs the handlers in the order they were
+ * registered, which the constructors' priorities fix: the attachment first, then the parts that use it. */
+#define GT_CONSTRUCTOR_ATTACH __attribute__((constructor(101)))    /* attach.c */
+#define GT_CONSTRUCTOR_INTERCEPT __attribute__((constructor(102))) /* intercept.c */
+#define GT_CONSTRUCTOR_LAUNCH __attribute__((constructor(103)))    /* launch.c */
+#define GT_CONSTRUCTOR_MEMORY __attribute__((constructor(104)))    /* memory.c */
 
 /* The real entry points, one typed member per symbol of both lists. */
 struct gt_real {
@@ -94,6 +104,5 @@ void gt_note_gpu(int gpu);             /* set the slot's gpu_mask bit */
 /* launch.c */
 void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns); /* shared futex, may wake early */
 void gt_close_burst(int gpu);     /* our queued work on gpu has drained (after a sync) */
-void gt_launch_after_fork(void);  /* the child of a fork starts with launch.c's lock free */
 
 #endif

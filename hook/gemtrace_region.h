@@ -1,7 +1,7 @@
 /*
  * gemtrace_region.h - the one definition of the shared memory between the agent and the gates: two files.
  *
- * The agent creates, in $GEMTRACE_STATE_DIR (default /run/gemtrace), two preallocated files:
+ * The agent creates, in $GEMTRACE_STATE_DIR (gemtrace_contract.h has the default), two preallocated files:
  *   - `region` (struct gt_region), owned by root, mode 0644: what the gates obey. Gates map it
  *     PROT_READ (a futex wait works on a read-only mapping), so no user can lift a hold, raise a
  *     limit, forge the heartbeat or the group table, or truncate the file under everyone.
@@ -9,8 +9,9 @@
  *     (its own figures). Any gated user can write any slot here: docs/security.md says what that
  *     still allows and the planned fix (per-process pages handed over a unix socket).
  * gemtrace/region.py mirrors this header with ctypes; tests/test_region_layout.py compiles a program
- * printing sizeof/offsetof of every field and compares, so the two cannot drift. Change a field of
- * either file: bump GT_REGION_VERSION (both files carry it).
+ * printing sizeof/offsetof of every field and compares, so the two cannot drift. The constants below
+ * reach Python through gemtrace/contract.py, generated from this header (gemtrace_contract.h says
+ * how). Change a field of either file: bump GT_REGION_VERSION (both files carry it).
  *
  * Ownership (nothing here is protected by a lock, so a process killed at any instruction blocks nobody):
  *   - region: written by the agent only. It adopts an existing file only if it is sound, and still
@@ -79,7 +80,6 @@
 #define GT_REGION_VERSION 4u
 #define GT_REGION_FILE "region"
 #define GT_SLOTS_FILE "slots"
-#define GT_DEFAULT_STATE_DIR "/run/gemtrace"
 
 #define GT_MAX_GPUS 8
 #define GT_MAX_GROUPS 64

@@ -100,6 +100,11 @@ void gt_resolve_real(void)
     pthread_mutex_unlock(&resolve_lock);
 }
 
+/* After fork: a thread of the parent may have been resolving; the child has no such thread. What it
+ * stored is whole (one atomic store a symbol), and the child's next call finishes the pass. */
+static void after_fork_in_child(void) { pthread_mutex_init(&resolve_lock, NULL); }
+GT_CONSTRUCTOR_INTERCEPT static void intercept_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
 static int gated_index_by_name(const char *symbol)
 {
     if (!symbol || symbol[0] != 'c' || symbol[1] != 'u')

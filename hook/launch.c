@@ -126,8 +126,10 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
 #define GT_FIRST_MEASURE_LAUNCHES 16
 static pthread_mutex_t marker_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* After fork: a thread of the parent may have held the lock; the child has no such thread. */
-void gt_launch_after_fork(void) { pthread_mutex_init(&marker_lock, NULL); }
+/* After fork: a thread of the parent may have held the lock; the child has no such thread. The
+ * markers themselves are in gt_proc, which attach.c's handler clears. */
+static void after_fork_in_child(void) { pthread_mutex_init(&marker_lock, NULL); }
+GT_CONSTRUCTOR_LAUNCH static void launch_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
 
 /* An event in the stream's context (the current one may be another device's), recorded on it. */
 static bool record_marker(int gpu, CUstream stream, uint64_t launches)

@@ -148,16 +148,17 @@ GT_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
     return r;
 }
 
-void gt_memory_forget_all(void)
+/* After fork: the parent's allocations are not the child's. The entries leak (malloc after fork in a
+ * threaded parent is not safe to call here); the child starts with empty tables and free locks. */
+static void after_fork_in_child(void)
 {
-    /* In a forked child: the parent's allocations are not the child's. The entries leak (malloc after
-     * fork in a threaded parent is not safe to call here); the child starts with empty tables. */
     memset(pointers.bucket, 0, sizeof pointers.bucket);
     memset(handles.bucket, 0, sizeof handles.bucket);
     pthread_mutex_init(&pointers.lock, NULL);
     pthread_mutex_init(&handles.lock, NULL);
     pthread_mutex_init(&pools_lock, NULL);
 }
+GT_CONSTRUCTOR_MEMORY static void memory_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
 
 /* --- the group's usage and the reservation protocol ----------------------------------------------- */
 

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from simgpu_env import REPO, RT_CLIENT
 from test_bpf_accounting import require_bcc
 
+from gemtrace.contract import HEARTBEAT_STALE_NS
 from gemtrace.metrics import POD_LABELS
-from gemtrace.region import HEARTBEAT_STALE_NS
 
 GATE = REPO / "build" / "libgemgate.so"
 DRIVER_CLIENT = REPO / "tests" / "cuda_driver_client.py"

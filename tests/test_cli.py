@@ -16,8 +16,9 @@ import pytest
 from simgpu_env import simgpu_env
 
 from gemtrace import cli, defaults, top
+from gemtrace.contract import HEARTBEAT_STALE_NS
 from gemtrace.launcher import agent_absence
-from gemtrace.region import HEARTBEAT_STALE_NS, Region, RegionLayout
+from gemtrace.region import Region, RegionLayout
 
 pytestmark = pytest.mark.unit
 

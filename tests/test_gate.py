@@ -20,6 +20,7 @@ import pytest
 from agent_host import wait_until
 from simgpu_env import LINKED_CLIENT, REPO, RT_CLIENT, SimGpu
 
+from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.membership import Membership
 from gemtrace.region import Region
@@ -327,7 +328,7 @@ def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent:
         while not slot.waiting[0]:
             assert time.monotonic() - held_at < 1.0, "the hold's drain took the whole queue"
             time.sleep(0.0005)
-        assert time.monotonic() - held_at < (rg.QUEUE_BOUND_NS / 1e9) + 0.05
+        assert time.monotonic() - held_at < (contract.QUEUE_BOUND_NS / 1e9) + 0.05
     finally:
         loop.kill()
 
@@ -339,7 +340,7 @@ def test_a_silent_agent_never_hangs_a_program(agent: Agent) -> None:
     started = time.monotonic()
     lines, _ = run(["launch-loop", "--kernel-ns", "1000", "--iters", "10"], agent.env("train"))
     assert lines[-1]["launches"] == 10
-    assert time.monotonic() - started < rg.HEARTBEAT_STALE_NS / 1e9 + 5
+    assert time.monotonic() - started < contract.HEARTBEAT_STALE_NS / 1e9 + 5
 
 
 def test_a_held_process_killed_blocks_nobody(agent: Agent) -> None:
@@ -429,7 +430,7 @@ def test_launch_counts_and_busy_time_reach_the_slot(agent: Agent) -> None:
         assert slot.launches[0] == done["launches"] == 250
         # 250 kernels of 2 ms ran alone: 0.5 s of GPU time, a little more for the waits between.
         assert 0.5e9 <= slot.busy_ns[0] <= 0.5e9 * 1.10
-        assert slot.flags & rg.SLOT_GATED
+        assert slot.flags & contract.SLOT_GATED
         assert slot.comm == b"simgpu-rt"
     finally:
         loop.kill()

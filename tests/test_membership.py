@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.config import parse_text
 from gemtrace.groups_of import ProcReader, parse_gids
@@ -56,7 +57,7 @@ def _claim(region: rg.Region, index: int, pid: int, requested: str, start_time: 
     slot.requested = requested.encode()
     slot.start_time = start_time
     slot.pid = pid
-    slot.flags = rg.SLOT_GATED
+    slot.flags = contract.SLOT_GATED
 
 
 @pytest.fixture

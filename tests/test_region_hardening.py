@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.agent import Agent, AgentLock, AgentRunning, Reaper, raise_fd_limit
 from gemtrace.gpus import Gpu
@@ -54,7 +55,7 @@ def sleeper() -> subprocess.Popen[bytes]:
 def claim(region: rg.Region, index: int, pid: int, group: int) -> None:
     """A gate's claim and the agent's decision, as they would leave the two files."""
     slot = region.slots[index]
-    slot.flags = rg.SLOT_GATED
+    slot.flags = contract.SLOT_GATED
     slot.pid = pid
     region.assign(index, pid, group)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.policy import MS, PolicyParams
 from gemtrace.scheduler import RESCAN_NS, GpuScheduler, Quota, SlotTable
@@ -40,7 +41,7 @@ def region(tmp_path: Path) -> Iterator[rg.Region]:
 
 def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
     slot = region.slots[index]
-    slot.flags = rg.SLOT_GATED
+    slot.flags = contract.SLOT_GATED
     slot.gpu_mask = 1 << GPU
     slot.pid = pid
     region.assign(index, pid, group)  # the agent's decision (gemtrace/membership.py)

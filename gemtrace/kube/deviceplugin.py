@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import structlog
 
+from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.kube import kubelet, shares
 from gemtrace.kube.grants import Grants, Pods
@@ -57,7 +58,7 @@ def agent_alive(state_dir: Path) -> bool:
         return False
     try:
         beat = region.layout.header.heartbeat_ns
-        return beat != 0 and time.monotonic_ns() - beat < rg.HEARTBEAT_STALE_NS
+        return beat != 0 and time.monotonic_ns() - beat < contract.HEARTBEAT_STALE_NS
     finally:
         region.close()
 

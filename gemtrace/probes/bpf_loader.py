@@ -13,8 +13,8 @@ took 4 to 10 s, so a stop outlived systemd's TimeoutStopSec), while a link waits
 probes and links close in parallel (bench/results/agent_stop.md). Older kernels get bcc's per-probe
 attachment.
 
-The probing modes and their cost are in docs/accounting.md:
-  "memory"   (default) allocation, release and context entry points: calls that are rare.
+The probing modes (gemtrace.defaults.PROBE_MODES) and their cost are in docs/accounting.md:
+  "memory"   (the default) allocation, release and context entry points: calls that are rare.
   "launches" adds a uprobe on every kernel launch entry point (about a microsecond per launch).
 """
 
@@ -28,12 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gemtrace import defaults
 from gemtrace.probes.libcuda import FileId
 
-BPF_SOURCE_DIRS = (Path(__file__).resolve().parents[2] / "bpf", Path("/usr/share/gemtrace/bpf"))
+# The checkout's bpf/, then the package's.
+BPF_SOURCE_DIRS = (Path(__file__).resolve().parents[2] / "bpf", defaults.BPF_INSTALLED)
 BPF_PROGRAM = "gemtrace_cuda.bpf.c"
 
-MODES = ("memory", "launches")
+MODES = defaults.PROBE_MODES
 
 # (symbol, program on entry, program on return or None)
 MEMORY_PROBES: tuple[tuple[str, str, str | None], ...] = (
@@ -64,9 +66,6 @@ LAUNCH_PROBES: tuple[tuple[str, str, str | None], ...] = tuple(
     for symbol in (base, base + "_ptsz")
 )
 
-EVENT_ALLOC = 1
-EVENT_EXIT = 2
-
 
 class BpfUnavailable(RuntimeError):
     """bcc cannot run here; the message says why and what to do."""
@@ -84,7 +83,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class Event:
-    type: int
+    type: int  # enum gt_event_type: gemtrace.contract.EVENT_ALLOC or EVENT_EXIT
     pid: int
     dev: int
     size: int
@@ -232,7 +231,7 @@ def _import_bcc():  # type: ignore[no-untyped-def]
 class BpfProbes:
     """The compiled program and its attachments to libcuda files."""
 
-    def __init__(self, mode: str = "memory", max_allocs: int = 262144) -> None:
+    def __init__(self, mode: str = defaults.PROBE_MODE, max_allocs: int | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"probe mode {mode!r}: use one of {', '.join(MODES)}")
         if not has_bpf_privilege():
@@ -246,7 +245,8 @@ class BpfProbes:
         try:
             self._bpf = bcc.BPF(
                 src_file=str(src / BPF_PROGRAM).encode(),
-                cflags=[f"-I{src}", f"-DGT_MAX_ALLOCS={max_allocs}"],
+                # GT_MAX_ALLOCS: the program's own default unless asked
+                cflags=[f"-I{src}"] + ([f"-DGT_MAX_ALLOCS={max_allocs}"] if max_allocs is not None else []),
             )
         except Exception as e:  # bcc raises bare Exception on compile and load failures
             raise BpfUnavailable(f"bcc could not compile or load {BPF_PROGRAM}: {e}") from None

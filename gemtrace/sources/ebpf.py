@@ -19,9 +19,10 @@ from pathlib import Path
 import structlog
 
 from gemtrace import defaults
+from gemtrace.contract import EVENT_ALLOC, EVENT_EXIT
 from gemtrace.groups_of import ProcReader
 from gemtrace.probes import libcuda
-from gemtrace.probes.bpf_loader import EVENT_ALLOC, EVENT_EXIT, BpfProbes, Event, Usage
+from gemtrace.probes.bpf_loader import BpfProbes, Event, Usage
 from gemtrace.sources import AllocationListener, Devices, Figures, Key, SourceReading
 
 log = structlog.get_logger("gemtrace.accounting")
@@ -77,7 +78,7 @@ class EbpfSource:
 
     def __init__(
         self,
-        probe_mode: str = "memory",
+        probe_mode: str = defaults.PROBE_MODE,
         proc_root: Path = Path("/proc"),
         libcuda_paths: Sequence[Path] | None = None,
         scan_host: bool = True,

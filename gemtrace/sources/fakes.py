@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
+from gemtrace import defaults
 from gemtrace.probes.bpf_loader import Usage
 from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.sources import AllocationListener, Devices, Figures, Key, SourceReading
@@ -21,7 +22,7 @@ from gemtrace.sources.ebpf import memory_figures, usage_figures
 class FakeEbpf:
     """eBPF as a test scripts it: `allocate`, `free` and `exit` change the maps and deliver the event."""
 
-    def __init__(self, since_ticks: int | None = 0, mode: str = "memory") -> None:
+    def __init__(self, since_ticks: int | None = 0, mode: str = defaults.PROBE_MODE) -> None:
         """`since_ticks`: the probes' attach time in /proc ticks (processes started by then are
         inherited: eBPF may have missed their memory); 0 means none is."""
         self.since_ticks = since_ticks

@@ -8,7 +8,8 @@ them), never merges: a slot is the process's own word and may lie (docs/accounti
 
 from __future__ import annotations
 
-from gemtrace.region import SLOT_GATED, Region
+from gemtrace.contract import SLOT_GATED
+from gemtrace.region import Region
 from gemtrace.sources import Devices, Figures, Key, SourceReading
 
 

@@ -4,7 +4,7 @@
 #
 #   packaging/deb/build.sh BUILD     (what `make deb` runs; BUILD is the top Makefile's build/)
 #
-# Needs the gate already built (BUILD/libgemgate.so: `make gate`), the venv (`make venv`: the man
+# Needs the gate already built (BUILD/libgemgate.so and gemtrace/contract.py: `make gate`), the venv (`make venv`: the man
 # page is generated from gemtrace's argument parser), dpkg-dev (dpkg-shlibdeps) and pip with network
 # access once, to fetch the pinned nvidia-ml-py wheel (vendor.txt) that the package
 # carries because Debian does not package it. Nothing is fetched at install time.
@@ -25,6 +25,8 @@ arch=$(dpkg --print-architecture)
 
 gate="$build/libgemgate.so"
 [ -f "$gate" ] || { echo "build.sh: $gate is missing: run 'make gate' first (or 'make deb')" >&2; exit 1; }
+# Generated with the gate from the C headers, not in git: the package's Python needs it.
+[ -f "$top/gemtrace/contract.py" ] || { echo "build.sh: gemtrace/contract.py is missing: run 'make gate' first (or 'make deb')" >&2; exit 1; }
 
 # Reproducible: timestamps come from the last commit when there is one.
 SOURCE_DATE_EPOCH=${SOURCE_DATE_EPOCH:-$(git -C "$top" log -1 --format=%ct 2>/dev/null || date +%s)}
