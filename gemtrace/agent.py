@@ -326,7 +326,7 @@ class Agent:
             self._groups = groups
             self._sync_table(groups)
             self.region.bump_generation()
-        quotas = {index: Quota(g.min_util, g.max_util) for index, g in groups.items()}
+        quotas = {index: Quota(g.min_util, g.max_util, g.priority) for index, g in groups.items()}
         for scheduler in self.schedulers:
             scheduler.set_quotas(quotas)
 

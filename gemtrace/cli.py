@@ -136,12 +136,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fail(str(e))
     print(f"{args.file}: OK, {len(config.groups)} groups")
-    print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'MemoryLimit':>26} {'Oversubscribe':>26}  Cgroup")
+    print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'Priority':>8} {'MemoryLimit':>26} {'Oversubscribe':>26}  Cgroup")
     for g in sorted(config.groups.values(), key=lambda g: g.name):
         limit = "whole GPU" if g.memory_limit is None else f"{format_size(g.memory_limit)} ({g.memory_limit} B)"
         over = ("no" if not g.oversubscribe else "up to the host's bound" if g.oversubscribe_limit is None
                 else f"{format_size(g.oversubscribe_limit)} ({g.oversubscribe_limit} B)")
-        print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {limit:>26} {over:>26}  {'; '.join(g.cgroups) or '-'}")
+        print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {g.priority:>8} {limit:>26} {over:>26}  "
+              f"{'; '.join(g.cgroups) or '-'}")
     return 0
 
 

@@ -3,6 +3,7 @@
     [train]
     MinUtil = 0.2        # share of each GPU's time guaranteed while the group has work (0..1, default 0)
     MaxUtil = 0.6        # share it may never exceed, also alone on the GPU (0..1, default 1)
+    Priority = 10        # beyond MinUtils, a higher one goes first and revokes a lower (-1000..1000, default 0)
     MemoryLimit = 8GiB   # device memory per GPU; k M G T powers of 10, Ki Mi Gi Ti powers of 2
     Oversubscribe = 24GiB  # past MemoryLimit (or the GPU), allocations become managed memory, up to this
                          # much per GPU in all (or `true`: up to what the host can back); default false
@@ -59,6 +60,7 @@ class GroupConfig:
     unix_groups: frozenset[int] | None = None
     oversubscribe: bool = False  # device allocations the limit (or the GPU) refuses become managed memory
     oversubscribe_limit: int | None = None  # bytes per GPU, device and managed together; None: the host's bound only
+    priority: int = 0  # higher goes first on a GPU, within the quotas (docs/scheduler.md)
 
     def admits(self, uid: int, gids: Iterable[int]) -> bool:
         """Whether a process of `uid` with the groups `gids` (its real gid and supplementary groups)
@@ -81,6 +83,7 @@ class _Draft:
     line: int
     min_util: float = 0.0
     max_util: float = 1.0
+    priority: int = 0
     min_util_line: int = 0
     max_util_line: int = 0
     memory_limit: int | None = None
@@ -107,6 +110,9 @@ MAX_NAME_BYTES = rg.NAME_LEN - 1  # the region stores names NUL-terminated
 MAX_MEMORY_LIMIT = rg.NO_LIMIT - 1  # the region's u64; NO_LIMIT (2**64-1) means no limit
 MIN_MAX_UTIL = 1 / rg.UTIL_ONE  # the region stores ratios in millionths: less would be 0, a group never run
 MAX_CGROUP_BYTES = 4096  # PATH_MAX
+# Priorities are levels, a few of them in any real file: the bound keeps a typo (a value pasted from
+# elsewhere) from being taken for one. The agent keeps them (the region does not store them).
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
 
 _UNITS = {
     "": 1,
@@ -117,11 +123,12 @@ _UNITS = {
 # characters: `\s*([kKMGT]i?)?\s*B?\s*` took 46 s on "1", 4000 spaces and "x", holding the GIL.
 # Values are stripped before they are matched.
 _SIZE = re.compile(r"(?:([0-9]+)(?:\.([0-9]+))?|\.([0-9]+))[ \t]*(?:([kKMGT]i?)[ \t]*)?B?")
+_PRIORITY = re.compile(r"[+-]?[0-9]+")
 _RATIO = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
 _SECTION = re.compile(r"\[([^\[\]]+)\]")
 _KEY = re.compile(r"([A-Za-z][A-Za-z0-9-]*)\s*=\s*(.*)", re.ASCII)
 _GROUP_NAME = re.compile(rf"[A-Za-z0-9_.:@+-]{{1,{MAX_NAME_BYTES}}}", re.ASCII)
-KEYS = ("MinUtil", "MaxUtil", "MemoryLimit", "Oversubscribe", "Cgroup", "Users", "UnixGroups")
+KEYS = ("MinUtil", "MaxUtil", "Priority", "MemoryLimit", "Oversubscribe", "Cgroup", "Users", "UnixGroups")
 MAX_ID = 2**32 - 2  # uid_t/gid_t; 2**32-1 is (uid_t)-1, "no id"
 # A size's decimals past this many cannot change its byte count: n / 2**40 has at most 40 decimals.
 _SIZE_DECIMALS = 40
@@ -193,6 +200,17 @@ def _oversubscribe(text: str) -> tuple[bool, int | None]:
     except ValueError:
         raise ValueError(f"Oversubscribe {_quote(text.strip())} is neither true, false nor a size; give true, "
                          "false, or the most memory per GPU the group may hold in all, e.g. 48GiB") from None
+
+
+def _priority(text: str) -> int:
+    bounds = f"give a whole number from {MIN_PRIORITY} to {MAX_PRIORITY} (higher goes first; default 0)"
+    if not _PRIORITY.fullmatch(text):
+        raise ValueError(f"Priority {_quote(text)} is not a whole number; {bounds}")
+    digits = text.lstrip("+-").lstrip("0")
+    # Read no more digits than a bound has: int() of thousands of digits is slow, then refused.
+    if len(digits) > len(str(MAX_PRIORITY)) or not MIN_PRIORITY <= int(text) <= MAX_PRIORITY:
+        raise ValueError(f"Priority {_shown(text)} is out of range; {bounds}")
+    return int(text)
 
 
 def _cgroups(text: str) -> list[str]:
@@ -309,6 +327,8 @@ def _parse_sections(text: str, filename: str) -> _Parsed:
                     # with nothing to say why: refuse it here, where the reason can be given.
                     raise ValueError(f"MaxUtil {_shown(value)} of [{current}] would stop its programs for ever; give a "
                                      f"positive share of at least {MIN_MAX_UTIL:g}, or remove the group")
+            elif key == "Priority":
+                group.priority = _priority(value)
             elif key == "MemoryLimit":
                 size = parse_size(value)
                 if size <= 0:
@@ -345,7 +365,7 @@ def _parse_sections(text: str, filename: str) -> _Parsed:
             raise fail(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
                                          "group runs there; remove Users/UnixGroups from it")
         result[name] = GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users,
-                                   g.unix_groups, g.oversubscribe, g.oversubscribe_limit)
+                                   g.unix_groups, g.oversubscribe, g.oversubscribe_limit, g.priority)
     return _Parsed(filename, result, {name: g.line for name, g in groups.items()},
                    {name: g.min_util_line for name, g in groups.items()})
 

@@ -15,9 +15,13 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
     GPU time charged): exact over the long run whatever the slice lengths, also for a group alone.
   - MinUtil is time owed (accrued at MinUtil while the group wants the GPU, spent by its GPU time):
     a group that is owed time goes first, for a slice that pays the debt.
-  - The rest (unreserved, or reserved and unused) goes to the wanting group with the least GPU time
-    over a decayed window (max-min fairness): work-conserving, and the holder keeps the GPU without a
-    needless switch while nobody else wants it.
+  - Priority orders the rest: a wanting group of a higher priority goes before every group of a
+    lower one, and revokes a lower-priority holder at the next look (not at its slice's end), unless
+    that holder is being paid its MinUtil debt. Caps still apply (a capped group is not eligible),
+    and a lower-priority group still gets its MinUtil, as debt paid first.
+  - Among the wanting groups of the highest priority, the rest (unreserved, or reserved and unused)
+    goes to the one with the least GPU time over a decayed window (max-min fairness):
+    work-conserving, and the holder keeps the GPU without a needless switch while nobody else wants it.
 """
 
 from __future__ import annotations
@@ -32,10 +36,12 @@ MS = 1_000_000  # ns
 
 @dataclass(frozen=True)
 class Quota:
-    """A group's share of one GPU's time: at least `min_util` while it has work, at most `max_util`."""
+    """A group's share of one GPU's time: at least `min_util` while it has work, at most `max_util`;
+    beyond its MinUtil, a group of a higher `priority` goes before (and revokes) a lower one."""
 
     min_util: float = 0.0
     max_util: float = 1.0
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_util <= self.max_util <= 1.0:
@@ -88,12 +94,16 @@ class Observation:
     drained_at: while a held group drains: when its last process finished; None while not done.
     overrun_drained: groups whose drain outlasted the timeout (`TimeSharePolicy.overrunning`) and
         have since finished: when their last process did.
+    present: groups with a live process that has launched on this GPU, wanting it now or not. While
+        one of a higher priority than the holder's is present, the policy looks every poll for its
+        next launch (it revokes the holder then) instead of once a slice.
     """
 
     demand: frozenset[int] = frozenset()
     holder_idle_since: int | None = None
     drained_at: int | None = None
     overrun_drained: Mapping[int, int] = field(default_factory=dict)
+    present: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -102,7 +112,8 @@ class Decision:
     draining: int | None  # the group just held that is finishing its queued work
     wake_at: int  # look again no later than this (ns, the policy's clock)
     # The released group is to keep its queue short (GT_RELEASED_SHORT_QUEUE): a hold is coming,
-    # because another group wants the GPU or the released group has a MaxUtil below 1.
+    # because another group wants the GPU, the released group has a MaxUtil below 1, or a group of a
+    # higher priority is present (its next launch revokes the holder, whose drain it then waits for).
     short_queue: bool = False
 
 
@@ -140,6 +151,7 @@ class TimeSharePolicy:
         self._hold_at = 0
         self._charging = False  # the holder is charged for the time passing
         self._demand: frozenset[int] = frozenset()
+        self._present: frozenset[int] = frozenset()  # Observation.present, of scheduled groups
         self._drain_ns = 0.0  # decayed mean of measured drains
         self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
         self._last = self.now
@@ -202,6 +214,7 @@ class TimeSharePolicy:
         self._advance(now)
         before = (self._demand, self._phase, self._holder, self._charging)
         self._demand = frozenset(g for g in obs.demand if g in self._accounts)
+        self._present = frozenset(g for g in obs.present if g in self._accounts)
         for group, drained in obs.overrun_drained.items():
             hold_at = self._overrun.pop(group, None)
             if hold_at is not None:
@@ -227,7 +240,26 @@ class TimeSharePolicy:
                         released is not None and self._hold_coming(released))
 
     def _hold_coming(self, holder: int) -> bool:
-        return self._accounts[holder].quota.max_util < 1.0 or any(g != holder for g in self._demand)
+        return (self._accounts[holder].quota.max_util < 1.0 or any(g != holder for g in self._demand)
+                or self._outranked_present(holder))
+
+    def _priority(self, group: int) -> int:
+        return self._accounts[group].quota.priority
+
+    def _outranked_present(self, holder: int) -> bool:
+        """Is a group of a higher priority than the holder's present (or wanting the GPU)? Its next
+        launch revokes the holder: look every poll, and keep the holder's queue short."""
+        mine = self._priority(holder)
+        return any(self._priority(g) > mine for g in self._present | self._demand)
+
+    def _preempted(self, holder: int, now: int) -> bool:
+        """Does a group of a higher priority than the holder's want the GPU, and may it run (under
+        its MaxUtil)? A holder paid its MinUtil debt keeps the GPU until the debt is paid: priority
+        orders only what the guarantees leave."""
+        if self._is_owed(holder):
+            return False
+        mine = self._priority(holder)
+        return any(self._priority(g) > mine and self._eligible(g, now) for g in self._demand)
 
     def _step_running(self, now: int, obs: Observation) -> None:
         holder = self._holder
@@ -244,6 +276,8 @@ class TimeSharePolicy:
             self._hold(now)
         elif obs.holder_idle_since is not None and others:
             self._hold(now)  # revoke early: it does not use its slice, someone else wants the GPU
+        elif self._preempted(holder, now):
+            self._hold(now)  # revoke at once: a group of a higher priority wants the GPU
         elif now >= self._slice_end:
             pick = self._choose(now)
             if pick is None or pick == holder:
@@ -312,8 +346,9 @@ class TimeSharePolicy:
         return account.quota.min_util > 0.0 and account.owed >= self.params.owed_min_ns
 
     def _choose(self, now: int) -> int | None:
-        """MinUtil debt first (most behind, relative to its MinUtil), then the least decayed usage;
-        on a tie the holder, then the one that waited longest."""
+        """MinUtil debt first (most behind, relative to its MinUtil), whatever the priorities; then,
+        among the groups of the highest priority, the least decayed usage; on a tie the holder, then
+        the one that waited longest."""
         candidates = [g for g in self._demand if g == self._holder and self._may_continue(g)
                       or self._eligible(g, now)]
         if not candidates:
@@ -322,6 +357,8 @@ class TimeSharePolicy:
         if owed:
             return max(owed, key=lambda g: (self._accounts[g].owed / self._accounts[g].quota.min_util,
                                             g == self._holder))
+        top = max(self._priority(g) for g in candidates)
+        candidates = [g for g in candidates if self._priority(g) == top]
         return min(candidates, key=lambda g: (self._accounts[g].usage, g != self._holder,
                                               self._accounts[g].last_run))
 
@@ -360,6 +397,9 @@ class TimeSharePolicy:
             assert self._holder is not None
             if any(g != self._holder for g in self._demand):
                 return min(self._slice_end, now + p.poll_ns)  # revoke early if the holder idles
+            if self._outranked_present(self._holder):
+                # A group of a higher priority may launch any moment: see it within a poll.
+                return min(self._slice_end, now + p.poll_ns)
             if not self._charging:
                 # The holder idles: see when it is busy again, so that its charge starts at most a
                 # look late; promptly for a capped group (its cap counts on that charge).

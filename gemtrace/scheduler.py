@@ -13,8 +13,8 @@ decision.
 
 Cost: a look reads only the live slots (a scan of the whole table for new processes every 50 ms);
 it looks at the policy's next deadline: once a slice while one group has the GPU alone, every few ms
-while another group waits, every fraction of a ms only during a drain, and backing off to every 32 ms
-while nothing changes.
+while another group waits (or a group of a higher priority than the holder's has a process here),
+every fraction of a ms only during a drain, and backing off to every 32 ms while nothing changes.
 """
 
 from __future__ import annotations
@@ -189,6 +189,7 @@ class GpuScheduler:
         holder = self._released
         drain = self._drain
         demand: set[int] = set()
+        present: set[int] = set()  # groups with a live process that has launched on this GPU
         holder_busy = False
         holder_drained = 0
         drain_done = True
@@ -222,6 +223,8 @@ class GpuScheduler:
                 if moved:
                     slot.launches, slot.moved_at = launches, now
             quiet = self._quiet(slot, moved, waiting, drained)
+            if launches or waiting > 0:
+                present.add(group)
             if waiting > 0 or moved:
                 demand.add(group)
             if group == holder:
@@ -255,7 +258,7 @@ class GpuScheduler:
         finished = {g: min(now, overrun_ends.get(g, hold_at)) for g, hold_at in overrun.items()
                     if g not in overrun_busy}
         return Observation(frozenset(demand), None if holder is None or holder_busy else holder_drained,
-                           drained_at, finished)
+                           drained_at, finished, frozenset(present))
 
     def _carry_out(self, now: int, decision: Decision) -> None:
         if decision.draining is not None and self._drain is None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 
 from gemtrace import defaults
 from gemtrace import region as rg
-from gemtrace.config import ResourceConfig
+from gemtrace.config import MAX_PRIORITY, MIN_PRIORITY, ResourceConfig
 
 SEED = int(os.environ.get("GEMTRACE_FUZZ_SEED", "20240611"))
 # Few names, so that hot reloads into one agent do not use up the region's entries at once (a name
@@ -60,6 +60,8 @@ def valid_file(rng: random.Random) -> str:
             lines.append(f"MinUtil{eq}{min_util:g}")
         if rng.random() < 0.7:
             lines.append(f"MaxUtil{eq}{max_util:g}")
+        if rng.random() < 0.3:
+            lines.append(f"Priority{eq}{rng.choice(['0', '1', '-1', '+5', '10', '-1000', '1000', '007'])}")
         if rng.random() < 0.5:
             lines.append(f"MemoryLimit{eq}{_size(rng)}".replace("0.5", "1.5"))
         if rng.random() < 0.3:
@@ -81,7 +83,8 @@ def _replace_value(rng: random.Random, text: str, value: str) -> str:
     lines = _lines(text)
     keyed = [i for i, line in enumerate(lines) if "=" in line]
     if not keyed:
-        return text + f"\n[{rng.choice(NAMES)}]\n{rng.choice(['MinUtil', 'MaxUtil', 'MemoryLimit'])} = {value}\n"
+        key = rng.choice(["MinUtil", "MaxUtil", "MemoryLimit", "Priority"])
+        return text + f"\n[{rng.choice(NAMES)}]\n{key} = {value}\n"
     i = rng.choice(keyed)
     lines[i] = lines[i].split("=", 1)[0] + "= " + value
     return "\n".join(lines)
@@ -229,6 +232,8 @@ def check_config(config: ResourceConfig) -> list[str]:
             and (g.memory_limit is None or g.oversubscribe_limit > g.memory_limit)
         ):
             broken.append(f"[{name}] Oversubscribe {g.oversubscribe_limit!r}")
+        if not (type(g.priority) is int and MIN_PRIORITY <= g.priority <= MAX_PRIORITY):
+            broken.append(f"[{name}] Priority {g.priority!r}")
         for path in g.cgroups:
             if not path.startswith("/") or not path.isprintable() or len(path.encode()) > 4096:
                 broken.append(f"[{name}] Cgroup {path!r}")

@@ -56,6 +56,12 @@ def test_a_full_file_with_defaults_and_comments() -> None:
     assert config.groups["default"] == GroupConfig("default")  # always there unless defined
 
 
+def test_priority_is_a_bounded_integer_defaulting_to_0() -> None:
+    config = parse_text("[low]\nPriority = -3\n[high]\nPriority=+1000\n[plain]\n[zeros]\nPriority = 007\n")
+    assert {name: g.priority for name, g in config.groups.items()} == {
+        "low": -3, "high": 1000, "plain": 0, "zeros": 7, "default": 0}
+
+
 def test_the_file_may_define_the_default_group() -> None:
     config = parse_text("[default]\nMaxUtil = 0.5\n")
     assert config.groups["default"].max_util == 0.5
@@ -68,6 +74,12 @@ def test_the_file_may_define_the_default_group() -> None:
         ("[a]\nMinUtil = -0.1\n", "r.conf:2: MinUtil -0.1 is below 0"),
         ("[a]\nMinUtil = half\n", "r.conf:2: MinUtil 'half' is not a number"),
         ("[a]\nMemoryLimit = 2XB\n", "r.conf:2: '2XB' is not a size"),
+        ("[a]\nPriority = high\n", "r.conf:2: Priority 'high' is not a whole number; give a whole number from -1000"),
+        ("[a]\nPriority = 1.5\n", "r.conf:2: Priority '1.5' is not a whole number"),
+        ("[a]\n\nPriority = 1001\n", "r.conf:3: Priority 1001 is out of range; give a whole number from -1000 to 1000"),
+        ("[a]\nPriority = -1001\n", "r.conf:2: Priority -1001 is out of range"),
+        ("[a]\nPriority = " + "9" * 5000 + "\n", "r.conf:2: Priority 99999"),
+        ("[a]\nPriority = 1\nPriority = 2\n", "r.conf:3: Priority is set twice in [a] (first at line 2)"),
         ("[a]\nMemoryLimit = 0\n", "r.conf:2: MemoryLimit 0 must be above 0"),
         ("[a]\nMaxMemory = 1G\n", "r.conf:2: unknown key 'MaxMemory'"),
         ("MinUtil = 0.1\n[a]\n", "r.conf:1: MinUtil is outside any [group] section"),

@@ -22,11 +22,15 @@ class Workload:
         self.pending = 0
         self.arrived_until = 0
         self.ran_out_at = 0  # when the pending work was last used up
+        self.burst_at = 0  # when the work pending now arrived (into an empty queue)
+        self.latencies: list[int] = []  # per burst: from its arrival to its last kernel's end
 
     def wants(self, t: int) -> bool:
         if self.on_ns is None:
             return True
         while self.arrived_until <= t:
+            if self.pending == 0 and self.on_ns:
+                self.burst_at = self.arrived_until
             self.pending += self.on_ns
             self.arrived_until += self.period_ns
         return self.pending > 0
@@ -36,8 +40,9 @@ class Workload:
             return dt
         used = min(dt, self.pending)
         self.pending -= used
-        if self.pending == 0:
+        if self.pending == 0 and used:
             self.ran_out_at = t + used
+            self.latencies.append(self.ran_out_at - self.burst_at)
         return used
 
 
@@ -77,7 +82,8 @@ class FakeGpu:
         drained_at = None
         if self.draining is not None and t >= self.drain_end:
             drained_at = self.drain_end
-        return Observation(demand, idle_since, drained_at)
+        # Every group's process is alive all along: present, wanting the GPU or not.
+        return Observation(demand, idle_since, drained_at, present=frozenset(self.workloads))
 
     def run(self, t0: int, t1: int) -> None:
         """GPU time between two looks, 0.1 ms at a time."""
@@ -322,3 +328,110 @@ def test_a_released_group_keeps_its_queue_short_only_where_a_hold_is_coming() ->
     capped.set_quotas(0, {2: Quota(0, 0.5)})
     decision = capped.step(0, Observation(frozenset({2})))
     assert decision.released == 2 and decision.short_queue
+
+
+# -- priority ----------------------------------------------------------------------------------------
+
+
+def test_a_higher_priority_group_revokes_a_lower_holder_at_the_next_look() -> None:
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(priority=0), 1: Quota(priority=5)})
+    both = frozenset({0, 1})
+    decision = policy.step(0, Observation(frozenset({0}), present=both))
+    assert decision.released == 0
+    # A higher-priority group present: the holder is looked at every poll, with its queue short.
+    assert decision.wake_at == policy.params.poll_ns and decision.short_queue
+    # Group 1 launches 1 ms into group 0's 20 ms slice: group 0 is held at this look, not at the slice's end.
+    decision = policy.step(1 * MS, Observation(both, present=both))
+    assert decision.draining == 0 and decision.released is None
+    decision = policy.step(2 * MS, Observation(both, drained_at=2 * MS, present=both))
+    assert decision.released == 1
+    # The lower-priority group waits while the higher one has work: no switch back at its slice's end.
+    for t in range(3 * MS, 100 * MS, MS):
+        decision = policy.step(t, Observation(both, present=both))
+        assert decision.released == 1
+
+
+def test_equal_priorities_keep_the_slices() -> None:
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(priority=3), 1: Quota(priority=3)})
+    both = frozenset({0, 1})
+    assert policy.step(0, Observation(frozenset({0}), present=both)).wake_at == policy.params.slice_ns
+    assert policy.step(1 * MS, Observation(both, present=both)).released == 0  # kept to its slice's end
+
+
+def test_equal_priorities_decide_as_no_priority_at_all() -> None:
+    plain, plain_policy = simulate({0: Quota(0.2, 1.0), 1: Quota(0, 0.7)}, {0: bursty(3 * MS, 17 * MS), 1: hog()},
+                                   duration=2 * SECOND)
+    same, same_policy = simulate({0: Quota(0.2, 1.0, priority=7), 1: Quota(0, 0.7, priority=7)},
+                                 {0: bursty(3 * MS, 17 * MS), 1: hog()}, duration=2 * SECOND)
+    assert (same.busy_ns, same.steps, same.switches) == (plain.busy_ns, plain.steps, plain.switches)
+
+
+def short_bursts_beside_a_hog(priority: int) -> tuple[FakeGpu, Workload]:
+    """2 ms of work every 30 ms (a latency-sensitive service) in group 0, a hog in group 1."""
+    bursts = bursty(2 * MS, 30 * MS)
+    gpu, _ = simulate({0: Quota(priority=priority), 1: Quota()}, {0: bursts, 1: hog()}, duration=3 * SECOND)
+    return gpu, bursts
+
+
+def test_a_high_priority_burst_waits_a_poll_and_a_drain_not_a_slice() -> None:
+    gpu, bursts = short_bursts_beside_a_hog(priority=1)
+    base, base_bursts = short_bursts_beside_a_hog(priority=0)
+    p = PolicyParams()
+    # Each burst: its own 2 ms, at most a poll until the policy sees it, the hog's 1 ms drain.
+    assert len(bursts.latencies) >= 95
+    assert max(bursts.latencies) <= 2 * MS + p.poll_ns + 1 * MS + MS // 10
+    # Without the priority the same bursts wait for the hog's slice to end.
+    def median(latencies: list[int]) -> int:
+        return sorted(latencies)[len(latencies) // 2]
+
+    assert median(base_bursts.latencies) > 2 * median(bursts.latencies)
+    assert max(base_bursts.latencies) > 3 * max(bursts.latencies)
+    # Every burst ran, and the hog got the rest: the GPU idles only for the looks and drains.
+    assert gpu.share(0, 3 * SECOND) == pytest.approx(2 / 30, abs=0.005)
+    assert sum(gpu.busy_ns.values()) / (3 * SECOND) > 0.85
+    assert sum(base.busy_ns.values()) / (3 * SECOND) > 0.85
+
+
+def test_a_lower_priority_group_still_gets_its_min_util() -> None:
+    gpu, policy = simulate({0: Quota(0.3, 1.0), 1: Quota(priority=10)}, {0: hog(), 1: hog()})
+    assert gpu.share(0, 10 * SECOND) >= 0.3 - 0.005
+    assert gpu.share(1, 10 * SECOND) == pytest.approx(0.7, abs=0.015)
+    assert policy.usage(10 * SECOND)[0].util_ratio >= 0.3 - 0.03  # over the scheduler's window too
+    # Without a MinUtil, all of it goes to the higher priority.
+    starved, _ = simulate({0: Quota(), 1: Quota(priority=10)}, {0: hog(), 1: hog()}, duration=2 * SECOND)
+    assert starved.share(1, 2 * SECOND) > 0.99
+
+
+def test_a_holder_paid_its_min_util_is_not_revoked_for_a_priority() -> None:
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(0.5, 1.0), 1: Quota(priority=1)})
+    both = frozenset({0, 1})
+    policy.step(0, Observation(frozenset({1}), present=both))
+    t = 0
+    # Group 0 waits beside the higher-priority hog until it is owed time, and is then released.
+    decision = policy.step(t, Observation(both, present=both))
+    while decision.released != 0:
+        t = max(t + 1, decision.wake_at)
+        decision = policy.step(t, Observation(both, drained_at=t, present=both))
+    released_at = t
+    while decision.released == 0:
+        t = max(t + 1, decision.wake_at)
+        decision = policy.step(t, Observation(both, present=both))
+    # It kept the GPU for its debt (a slice of at least min_slice), not a single look.
+    assert t - released_at >= policy.params.min_slice_ns
+
+
+def test_a_high_priority_group_is_still_capped() -> None:
+    gpu, _ = simulate({0: Quota(0, 0.4, priority=10), 1: Quota()}, {0: hog(), 1: hog()})
+    assert gpu.share(0, 10 * SECOND) == pytest.approx(0.4, abs=0.01)
+    assert gpu.share(1, 10 * SECOND) == pytest.approx(0.6, abs=0.015)
+
+
+def test_no_extra_looks_without_a_higher_priority_process() -> None:
+    # The higher-priority group is configured but has no process on this GPU: one look a slice.
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota(priority=5)})
+    decision = policy.step(0, Observation(frozenset({0}), present=frozenset({0})))
+    assert decision.wake_at == policy.params.slice_ns and not decision.short_queue

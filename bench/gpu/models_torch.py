@@ -100,6 +100,8 @@ class Group:
     processes: int = 1
     workload: str | None = None  # None: the case's workload
     target: Target | None = None  # on its throughput against solo; None: shown, not judged
+    priority: int = 0
+    worker_args: tuple[str, ...] = ()  # more arguments of models_worker.py (--pause-ms)
 
     def quota(self) -> str:
         parts = ([f"MinUtil {self.min_util:g}"] if self.min_util else []) + \
@@ -108,7 +110,8 @@ class Group:
 
     def conf(self) -> str:
         return f"[{self.name}]\n" + (f"MinUtil = {self.min_util:g}\n" if self.min_util else "") + \
-               (f"MaxUtil = {self.max_util:g}\n" if self.max_util < 1 else "")
+               (f"MaxUtil = {self.max_util:g}\n" if self.max_util < 1 else "") + \
+               (f"Priority = {self.priority}\n" if self.priority else "")
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,8 @@ class Worker:
         cpus = set(CPUS) if cpu is None else {cpu}  # not the bench's own pin (pin_self)
         pin = (lambda: os.sched_setaffinity(0, cpus)) if len(CPUS) > 1 else None
         argv = gemtrace("run", "--group", group.name, "--state-dir", str(state), "--require-agent", "--",
-                        sys.executable, str(WORKER), workload, *(["--stand-in"] if stand_in else []))
+                        sys.executable, str(WORKER), workload, *(["--stand-in"] if stand_in else []),
+                        *group.worker_args)
         self.proc = subprocess.Popen(argv, env=env, cwd=REPO, text=True, preexec_fn=pin, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=log.open("w"))
         self.ready: dict[str, Any] | None = None
@@ -313,8 +317,8 @@ class Options:
 
 def run(groups: tuple[Group, ...], workload: str, opts: Options) -> dict[str, Any]:
     """One agent, the groups' workers, one shared window. Per group: `rate` (steps/s of all its
-    processes), `iters`, `charged` (GPU time charged / window), `memory` and `managed` (bytes held on
-    the GPU at the window's end); and `agent_cpu` (% of one core)."""
+    processes), `iters`, `charged` (GPU time charged / window), `results` (its workers' result lines),
+    `memory` and `managed` (bytes held on the GPU at the window's end); and `agent_cpu` (% of one core)."""
     import psutil
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -356,7 +360,7 @@ def run(groups: tuple[Group, ...], workload: str, opts: Options) -> dict[str, An
         mine = [r for w, r in zip(workers, results, strict=True) if w.group is g]
         out["groups"][g.name] = {
             "workload": g.workload or workload, "rate": sum(r["rate"] for r in mine),
-            "iters": sum(r["iters"] for r in mine),
+            "iters": sum(r["iters"] for r in mine), "results": mine,
             "charged": (charged1.get(g.name, 0.0) - charged0.get(g.name, 0.0)) / (t1 - t0),
             **held.get(g.name, {"memory": 0.0, "managed": 0.0})}
     return out

@@ -1,7 +1,7 @@
 """One process of bench/gpu/models_torch.py: a real model's training step or inference call, in a loop,
 counted over a window that every process of a case shares.
 
-    python3 bench/gpu/models_worker.py WORKLOAD [--stand-in]
+    python3 bench/gpu/models_worker.py WORKLOAD [--stand-in] [--pause-ms MS]
 
 WORKLOAD is one of WORKLOADS (random weights, weights=None: nothing is downloaded). The worker builds
 its model on the first visible GPU, runs WARMUP_ITERS steps, prints {"ready": true, ...} and keeps
@@ -11,6 +11,10 @@ stdin, {"start": T0, "end": T1} (CLOCK_MONOTONIC, which every process of the hos
 steps that end in [T0, T1), prints {"result": true, "iters": N, "rate": N / (T1 - T0), ...} after its
 first step past T1, and exits. Every step ends with a synchronisation (a training loop's loss.item(), a
 server returning its answer): the count is of work the GPU finished, not work queued.
+
+--pause-ms MS makes it a service answering requests (bench/gpu/priority_latency.py): it sleeps MS
+between steps, and its result line also has each step's latency in the window, "p50_ms", "p99_ms",
+"max_ms" and "requests" (a step here is one request: from its first launch to its answer's sync).
 
 --stand-in runs the simulated GPU's kernels instead of torch (ctypes on libcuda.so.1, through the gate
 when it is preloaded), with the same protocol: tests/test_models_torch_standin.py checks the bench's
@@ -163,11 +167,24 @@ def read_window(window: list[tuple[float, float]]) -> None:
     window.append((float(obj["start"]), float(obj["end"])))
 
 
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The q-quantile (0..1) of sorted values, nearest rank."""
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
 def main(argv: list[str]) -> int:
+    usage = f"usage: models_worker.py {{{','.join(WORKLOADS)}}} [--stand-in] [--pause-ms MS]"
     if not argv or argv[0] not in WORKLOADS:
-        print(f"usage: models_worker.py {{{','.join(WORKLOADS)}}} [--stand-in]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     workload = argv[0]
+    pause = 0.0
+    if "--pause-ms" in argv[1:]:
+        try:
+            pause = float(argv[argv.index("--pause-ms") + 1]) / 1e3
+        except (IndexError, ValueError):
+            print(usage, file=sys.stderr)
+            return 2
     step, about = (stand_in_step if "--stand-in" in argv[1:] else torch_step)(workload)
     for _ in range(WARMUP_ITERS[workload]):
         step()
@@ -176,17 +193,28 @@ def main(argv: list[str]) -> int:
     threading.Thread(target=read_window, args=(window,), daemon=True).start()
     while not window:
         step()
+        time.sleep(pause)
     start, end = window[0]
     iters = 0
+    latencies: list[float] = []
     while True:
+        began = time.monotonic()
         step()
         now = time.monotonic()
         if now >= end:
             break
         if now >= start:
             iters += 1
+            if pause:
+                latencies.append(now - began)
+                time.sleep(pause)
+    latency = {}
+    if latencies:
+        latencies.sort()
+        latency = {"requests": len(latencies), "p50_ms": 1e3 * percentile(latencies, 0.5),
+                   "p99_ms": 1e3 * percentile(latencies, 0.99), "max_ms": 1e3 * latencies[-1]}
     emit(result=True, pid=os.getpid(), workload=workload, iters=iters, window_s=end - start,
-         rate=iters / (end - start))
+         rate=iters / (end - start), **latency)
     return 0
 
 

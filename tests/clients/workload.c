@@ -3,7 +3,7 @@
  * Python tests can follow them. Subcommands:
  *   launch-loop --kernel-ns N [--launches-per-iter K] [--seconds S | --iters I] [--device D]
  *               [--api launch|ex|coop|extra|graph] [--stream] [--threads T] [--no-sync] [--progress]
- *               [--sync stream|ctx|event|memcpy] [--current-device C]
+ *               [--sync stream|ctx|event|memcpy] [--current-device C] [--pause-ns P]
  *       K launches then a synchronisation (cuStreamSynchronize, cuCtxSynchronize, an event's, or a
  *       4-byte cuMemcpyDtoH from a 4 KiB buffer allocated for it, as PyTorch's .item() does),
  *       repeated, on the default stream (or, with --stream, on a
@@ -13,6 +13,9 @@
  *       longest of any thread). --progress prints {"progress","t","iters","launches"} each second.
  *       --current-device C (with --stream): once the stream exists, device C's primary context is made
  *       current, as PyTorch leaves device 0's current while it launches on a stream of cuda:1.
+ *       --pause-ns P: sleep P ns after each iteration (short bursts, as a service answering requests);
+ *       the last line then also has "iter_p50_s","iter_p99_s","iter_max_s": each iteration's time from
+ *       its first launch to its synchronisation's return (thread 0's iterations).
  *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free [--hold-after S]] SIZE...
  *       one {"size","result","name"} line per allocation (with "managed": 0 or 1 when it succeeded, the
  *       driver's CU_POINTER_ATTRIBUTE_IS_MANAGED), then {"holding":S,"pid"} before holding, then
@@ -80,7 +83,7 @@ static void emit(const char *fmt, ...)
     } while (0)
 
 struct opts {
-    uint64_t kernel_ns;
+    uint64_t kernel_ns, pause_ns;
     long per_iter, iters, threads, count, launches;
     double seconds, hold, hold_after;
     int device, current_device; /* current_device: -1 unless --current-device */
@@ -119,6 +122,8 @@ static void parse(int argc, char **argv, struct opts *o)
             o->stream = true;
         else if (OPT("--kernel-ns"))
             o->kernel_ns = strtoull(v, NULL, 10);
+        else if (OPT("--pause-ns"))
+            o->pause_ns = strtoull(v, NULL, 10);
         else if (OPT("--launches-per-iter"))
             o->per_iter = strtol(v, NULL, 10);
         else if (OPT("--iters"))
@@ -200,6 +205,8 @@ struct loop {
     int index;
     long iters, launches;
     double launch_s, event_s;
+    double *iter_s; /* --pause-ns: each iteration's time, launches to synchronisation */
+    long n_iter_s, cap_iter_s;
 };
 
 static _Atomic long g_launches_total;
@@ -247,6 +254,7 @@ static void *run_loop(void *arg)
     long iters_wanted = o->iters > 0 ? o->iters : (o->seconds > 0 ? -1 : 1);
     double start = now_s(), next_progress = start + 1.0, t = start;
     while (iters_wanted < 0 ? t - start < o->seconds : l->iters < iters_wanted) {
+        double iter_start = o->pause_ns ? now_s() : 0;
         if (graph) {
             CHECK(D->f_cuGraphLaunch(exec, stream));
         } else {
@@ -269,6 +277,20 @@ static void *run_loop(void *arg)
         }
         l->iters++;
         t = now_s();
+        if (o->pause_ns) {
+            if (l->n_iter_s == l->cap_iter_s) {
+                l->cap_iter_s = l->cap_iter_s ? 2 * l->cap_iter_s : 1024;
+                l->iter_s = realloc(l->iter_s, (size_t)l->cap_iter_s * sizeof *l->iter_s);
+                if (!l->iter_s) {
+                    emit("{\"error\":\"realloc\"}");
+                    exit(1);
+                }
+            }
+            l->iter_s[l->n_iter_s++] = t - iter_start;
+            struct timespec pause = {(time_t)(o->pause_ns / 1000000000u), (long)(o->pause_ns % 1000000000u)};
+            nanosleep(&pause, NULL);
+            t = now_s();
+        }
         if (o->progress && l->index == 0 && t >= next_progress) {
             emit("{\"progress\":true,\"t\":%.6f,\"iters\":%ld,\"launches\":%ld}", t - start, l->iters,
                  atomic_load(&g_launches_total));
@@ -296,6 +318,12 @@ static void *run_loop(void *arg)
 }
 
 static void hold(double seconds);
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
 
 static int launch_loop(const struct opts *o)
 {
@@ -339,9 +367,20 @@ static int launch_loop(const struct opts *o)
     }
     CHECK(D->f_cuCtxSynchronize(NULL));
     double elapsed = now_s() - start;
+    char latency[160] = "";
+    long n = loops[0].n_iter_s;
+    if (n > 0) {
+        double *v = loops[0].iter_s;
+        qsort(v, (size_t)n, sizeof *v, cmp_double);
+        snprintf(latency, sizeof latency, ",\"iter_p50_s\":%.6f,\"iter_p99_s\":%.6f,\"iter_max_s\":%.6f", v[n / 2],
+                 v[(n * 99) / 100 < n ? (n * 99) / 100 : n - 1], v[n - 1]);
+    }
     emit("{\"iters\":%ld,\"launches\":%ld,\"elapsed_s\":%.6f,\"kernel_s\":%.6f,\"launch_s\":%.6f,"
-         "\"event_s\":%.6f,\"threads\":%ld}",
-         iters, launches, elapsed, (double)launches * (double)o->kernel_ns / 1e9, launch_s, event_s, o->threads);
+         "\"event_s\":%.6f,\"threads\":%ld%s}",
+         iters, launches, elapsed, (double)launches * (double)o->kernel_ns / 1e9, launch_s, event_s, o->threads,
+         latency);
+    for (long i = 0; i < o->threads; i++)
+        free(loops[i].iter_s);
     hold(o->hold); /* --hold: stay alive (and registered) after the report */
     return 0;
 }

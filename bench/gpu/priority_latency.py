@@ -1,0 +1,151 @@
+"""Inference latency beside a training hog, with and without Priority (issue 13, "Priority between groups").
+
+A batch-1 ResNet-18 inference service (models_worker.py's cnn-infer, paced: one request every
+--pause-ms after the last answer) runs in group `infer`, a ResNet-50 bf16 training loop (cnn-train,
+batch 64) in group `train`, each process started with `gemtrace run` under one `gemtrace agent` per run
+(models_torch.py's Agent and Worker: a temporary state dir and resource file, --no-ebpf unless --ebpf).
+Three runs, each with its own agent:
+  solo   the service alone (gated, no quota): the reference
+  off    the service beside the hog, both at Priority 0 (the service waits for the hog's slice to end)
+  on     the same with `Priority = 10` for `infer` (its next request revokes the hog at the next look)
+and for each the service's p50 / p99 / max latency per request over the window (models_worker.py
+--pause-ms), the hog's steps/s and the GPU time the agent charged each group. Target: p99 with Priority
+on <= 1.5 x solo p99.
+
+    python3 bench/gpu/priority_latency.py [--seconds 20] [--settle 2] [--pause-ms 20] [--gpu 0] [--ebpf]
+        [--record] [--stand-in]
+
+Prints a markdown table; --record appends it, dated, to bench/results/priority_latency.md; with $OUT
+set, also writes priority_latency.md and priority_latency.json there. Exit status 0 when the target was
+met, 1 when missed, 2 on bad usage or a failed run. Needs, from the repo root: build/libgemgate.so
+(`make -C hook BUILD=$PWD/build`), torch with CUDA and torchvision, and what the agent needs on
+PYTHONPATH. --stand-in runs the simulated GPU's kernels instead of torch (a check of the orchestration
+on a machine without a GPU, as tests/test_models_torch_standin.py does for models_torch.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models_torch import GATE, REPO, Group, Options, RunFailed, machine, run  # noqa: E402
+from scheduler_torch import pin_self  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "priority_latency.md"
+SERVICE, HOG = "cnn-infer", "cnn-train"
+HIGH = 10
+TARGET = 1.5  # p99 with Priority on, over solo p99
+
+
+def service(priority: int, pause_ms: float) -> Group:
+    return Group("infer", workload=SERVICE, priority=priority, worker_args=("--pause-ms", f"{pause_ms:g}"))
+
+
+def cases(pause_ms: float) -> tuple[tuple[str, tuple[Group, ...]], ...]:
+    hog = Group("train", workload=HOG)
+    return (("solo", (service(0, pause_ms),)),
+            ("off", (service(0, pause_ms), hog)),
+            ("on", (service(HIGH, pause_ms), hog)))
+
+
+def row(name: str, result: dict[str, Any]) -> dict[str, Any]:
+    infer = result["groups"]["infer"]
+    latency = infer["results"][0]
+    train = result["groups"].get("train")
+    return {"case": name, "requests": latency.get("requests", 0), "p50_ms": latency.get("p50_ms", float("nan")),
+            "p99_ms": latency.get("p99_ms", float("nan")), "max_ms": latency.get("max_ms", float("nan")),
+            "infer_charged": infer["charged"], "hog_rate": train["rate"] if train else None,
+            "hog_charged": train["charged"] if train else None, "agent_cpu": result["agent_cpu"]}
+
+
+def render(header: str, rows: list[dict[str, Any]], ratio: float, met: bool) -> str:
+    titles = {"solo": "solo (inference alone)", "off": "beside the hog, Priority off (both 0)",
+              "on": f"beside the hog, Priority on (infer {HIGH})"}
+    solo = rows[0]
+    lines = [header, "", "| case | requests | p50 ms | p99 ms | max ms | p99 / solo p99 | infer time charged "
+             "| hog steps/s | hog time charged | agent CPU |", "|" + " --- |" * 10]
+    for r in rows:
+        hog = "-" if r["hog_rate"] is None else f"{r['hog_rate']:.2f}"
+        hog_charged = "-" if r["hog_charged"] is None else f"{r['hog_charged']:.3f}"
+        lines.append(f"| {titles[r['case']]} | {r['requests']} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                     f"{r['max_ms']:.2f} | {r['p99_ms'] / solo['p99_ms']:.2f} | {r['infer_charged']:.3f} | {hog} | "
+                     f"{hog_charged} | {r['agent_cpu']:.1f}% |")
+    lines += ["", f"Target: p99 with Priority on ≤ {TARGET:g} × solo p99: {ratio:.2f}, "
+              f"{'met' if met else 'missed'}."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=20.0, help="the measured window of each run (default 20)")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds between the last process's warm-up and the window (default 2)")
+    ap.add_argument("--pause-ms", type=float, default=20.0,
+                    help="the service's pause between an answer and its next request (default 20)")
+    ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) the workers run on (default 0)")
+    ap.add_argument("--ebpf", action="store_true", help="run the agent with its eBPF probes (root, bcc)")
+    ap.add_argument("--record", action="store_true", help=f"append the dated table to {RESULTS.relative_to(REPO)}")
+    ap.add_argument("--stand-in", action="store_true",
+                    help="workers run the simulated GPU's kernels instead of torch (no GPU needed)")
+    args = ap.parse_args(argv)
+    if args.seconds <= 0 or args.settle < 0 or args.pause_ms < 0:
+        ap.error("--seconds must be positive, --settle and --pause-ms not negative")
+    if not GATE.exists():
+        print(f"{GATE} is missing: run `make -C hook BUILD=$PWD/build` from the repo root first", file=sys.stderr)
+        return 2
+    pin_self()
+    opts = Options(args.seconds, args.settle, args.ebpf, args.gpu, args.stand_in)
+    began = time.monotonic()
+    rows: list[dict[str, Any]] = []
+    about: dict[str, Any] = {}
+    for name, groups in cases(args.pause_ms):
+        try:
+            result = run(groups, SERVICE, opts)
+        except RunFailed as e:
+            print(f"the {name} run failed, so nothing can be compared: {e}", file=sys.stderr)
+            return 2
+        about = about or result["about"]
+        rows.append(row(name, result))
+        r = rows[-1]
+        print(f"{name}: {r['requests']} requests, p50 {r['p50_ms']:.2f} ms, p99 {r['p99_ms']:.2f} ms, "
+              f"max {r['max_ms']:.2f} ms" + ("" if r["hog_rate"] is None else f"; hog {r['hog_rate']:.2f} steps/s"),
+              flush=True)
+    ratio = rows[2]["p99_ms"] / rows[0]["p99_ms"]
+    met = ratio <= TARGET
+    software = ", ".join(f"{k} {about[k]}" for k in ("torch", "torchvision", "cuda") if k in about)
+    header = (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}"
+              f"{', ' + software if software else ''}\n\n"
+              f"`gemtrace agent{'' if args.ebpf else ' --no-ebpf'}` and `gemtrace run`, one agent per run; "
+              f"batch-1 ResNet-18 requests {args.pause_ms:g} ms apart (group infer) beside ResNet-50 bf16 training, "
+              f"batch 64 (group train); {args.seconds:g} s windows after {args.settle:g} s of settling; "
+              f"{(time.monotonic() - began) / 60:.1f} min in all"
+              f"{' (stand-in workers on the simulated GPU)' if args.stand_in else ''}.")
+    report = render(header, rows, ratio, met)
+    print("\n" + report)
+    if args.record:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        new = not RESULTS.exists()
+        with RESULTS.open("a") as f:
+            f.write(("# Priority: inference latency beside a training hog (bench/gpu/priority_latency.py)\n\n"
+                     if new else "\n") + report)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "priority_latency.md").write_text(report)
+        Path(out, "priority_latency.json").write_text(json.dumps(
+            {"header": header, "about": about, "seconds": args.seconds, "pause_ms": args.pause_ms, "rows": rows,
+             "p99_on_over_solo": ratio, "target": TARGET, "met": met}, indent=1))
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
