@@ -136,7 +136,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fail(str(e))
     print(f"{args.file}: OK, {len(config.groups)} groups")
-    print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'Priority':>8} {'MemoryLimit':>26} {'Oversubscribe':>26}  Cgroup")
+    print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'Priority':>8} {'MemoryLimit':>26} "
+          f"{'Oversubscribe':>26}  Cgroup")
     for g in sorted(config.groups.values(), key=lambda g: g.name):
         limit = "whole GPU" if g.memory_limit is None else f"{format_size(g.memory_limit)} ({g.memory_limit} B)"
         over = ("no" if not g.oversubscribe else "up to the host's bound" if g.oversubscribe_limit is None
