@@ -6,7 +6,8 @@ group of every new gated process decided within the tick, gemtrace/membership.py
 the group table re-asserted, processes of dropped groups moved to default, unused entries freed),
 the config thread (reloading the resource file when it changes or on SIGHUP, so that no file can
 stall anything else), and the main loop: reaping the slots of processes that died
-(pidfds: a dead process is seen within a tick) and polling the accounting at the scrape cadence. The
+(the loop sleeps on their pidfds: a watched process's exit wakes it at once, and a look
+for new slots every REAPER_SCAN_SECONDS bounds the rest) and polling the accounting at the scrape cadence. The
 heartbeat has its thread so that no amount of reaping or accounting delays it. It decides nothing
 itself: the schedulers decide who runs, membership which group a process is in, the enforcer whom
 to kill. On SIGTERM or

@@ -11,8 +11,10 @@ released for every group it does not schedule), comparing first and storing only
 user can write the region, and a forged release must last one look at most, not until the next
 decision.
 
-Cost: a look reads only the live slots (a scan of the whole table for new processes every 50 ms);
-it looks at the policy's next deadline: once a slice while one group has the GPU alone, every few ms
+Cost: a look reads only the live slots (a scan of the whole table for new processes every 50 ms),
+and one by one only those active on its GPU or of the groups whose end it waits for (selected at C
+speed: a look costs per process using this GPU, not per process of the host); it looks at the
+policy's next deadline: once a slice while one group has the GPU alone, every few ms
 while another group waits, every fraction of a ms only during a drain, and backing off to every 32 ms
 while nothing changes.
 """
