@@ -1,14 +1,22 @@
-"""Agent CPU with eBPF accounting (issue 4): 64 ungated processes launching about 100k kernels a
-second in total on the simulated GPU, with gemtrace.accounting running in this process.
+"""Agent CPU (issue 13): the whole `gemtrace agent` process, as users run it, on the simulated GPU.
 
-Agent CPU is this process's own CPU time (the accounting's watcher thread: ring buffer, libcuda
-rescans of /proc/*/maps every second, enforcement; plus Snapshot polls at --poll-hz) over the wall
-time, as a percentage of one core; the target is <= 2%. The uprobe handlers themselves run in the
-launching processes, so a second table gives what each probing mode adds to an empty-kernel launch
-loop (simgpu's empty-launch-loop): the cost the workloads pay. Appends the dated tables, with the
-machine, to bench/results/agent_cpu.md.
+Each case starts `gemtrace agent` as a subprocess (through bench/agent_sampler.py, which only tells
+the bench its threads' names) on a private simulated GPU with G groups (the capped ones MaxUtil
+`--cap`), then P gated launch loops: process i in group i % G on GPU i % N. The first ones start
+through `gemtrace run`; past `--run-limit` the bench gives a process the environment `gemtrace run`
+would (launcher.child_environment: the gate preloaded, the group asked for), since a thousand Python
+launchers would take minutes of this host's CPU. After a warm-up, the agent's CPU time over a window
+(utime + stime of all its threads, /proc/PID/stat) over the window's wall time is its CPU in % of one
+core; the threads' shares come from /proc/PID/task/*/stat. The targets: <= 2% with 8 processes in 4
+capped groups on one GPU, <= 10% at the region's limit (1024 processes, 63 groups, 8 GPUs).
 
-    sudo .venv/bin/python bench/bench_agent_cpu.py [--processes 64] [--seconds 10] [--no-record]
+With --profile, each case runs a second time with the agent's stacks sampled (agent_sampler --hz)
+and prints the top frames per thread (the sampling costs CPU itself: never in the measured run).
+
+Appends the dated table, with the machine and its load, to bench/results/agent_cpu.md.
+
+    .venv/bin/python bench/bench_agent_cpu.py [--case 8x4x1 --case 256x16x1 ...] [--seconds 20]
+        [--ebpf memory|launches] [--profile] [--no-record]
 """
 
 from __future__ import annotations
@@ -18,115 +26,205 @@ import datetime
 import json
 import os
 import platform
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from simgpu_env import LIBCUDA, RT_CLIENT, require_build, simgpu_env  # noqa: E402
+from simgpu_env import RT_CLIENT, SimGpu, require_build  # noqa: E402
 
-from gemtrace.accounting import Accounting  # noqa: E402
+from gemtrace.launcher import child_environment, find_gate  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "agent_cpu.md"
+SAMPLER = REPO / "bench" / "agent_sampler.py"
+TICKS = os.sysconf("SC_CLK_TCK")
+DEFAULT_CASES = ("0x4x1", "8x4x1", "256x16x1", "1024x63x8")
 
 
-class _NoNvml:
-    available = False
+@dataclass(frozen=True)
+class Case:
+    processes: int
+    groups: int
+    gpus: int
+    capped: str  # "all" or "half"
 
-    def gpu_uuids(self) -> list[str]:
-        return ["GPU-bench"]
+    @classmethod
+    def parse(cls, text: str) -> Case:
+        """PxGxN, e.g. 8x4x1; the groups are all capped up to 4 groups, half capped beyond."""
+        p, g, n = (int(x) for x in text.split("x"))
+        return cls(p, g, n, "all" if g <= 4 else "half")
 
-    def processes(self) -> list:
-        return []
-
-    def utilization(self) -> dict[str, float]:
-        return {}
-
-
-def agent_cpu(mode: str | None, processes: int, seconds: float, kernel_ns: int, poll_hz: float,
-              state: Path) -> dict[str, float]:
-    env = simgpu_env(state)
-    acc = None
-    if mode is not None:
-        acc = Accounting(None, lambda: None, probe_mode=mode, nvml=_NoNvml(),  # type: ignore[arg-type]
-                         libcuda_paths=[LIBCUDA])
-    workers = [
-        subprocess.Popen([str(RT_CLIENT), "launch-loop", "--kernel-ns", str(kernel_ns), "--launches-per-iter", "16",
-                          "--seconds", str(seconds)], env=env, stdout=subprocess.PIPE, text=True)
-        for _ in range(processes)
-    ]
-    time.sleep(1.0)  # let every worker start (and the first rescan see them) before measuring
-    cpu0, wall0, polls = time.process_time(), time.monotonic(), 0
-    while any(w.poll() is None for w in workers):
-        if acc is not None:
-            acc.poll()
-            polls += 1
-        time.sleep(1 / poll_hz)
-        if time.monotonic() - wall0 > seconds - 1.5:
-            break
-    cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
-    launches = 0
-    for w in workers:
-        out, _ = w.communicate(timeout=seconds + 30)
-        last = [json.loads(x) for x in out.splitlines() if x.startswith("{")][-1]
-        launches += last["launches"]
-    if acc is not None:
-        acc.close()
-    return {"cpu_pct": 100 * cpu / wall, "launches_per_s": launches / seconds, "polls": polls}
+    @property
+    def name(self) -> str:
+        return f"{self.processes} processes, {self.groups} groups ({self.capped} capped), {self.gpus} GPU(s)"
 
 
-def launch_cost(mode: str | None, state: Path, launches: int = 200000, repeats: int = 5) -> float:
-    env = simgpu_env(state)
-    acc = None
-    if mode is not None:
-        acc = Accounting(None, lambda: None, probe_mode=mode, nvml=_NoNvml(),  # type: ignore[arg-type]
-                         libcuda_paths=[LIBCUDA])
-    best = float("inf")
-    for _ in range(repeats):
-        out = subprocess.run([str(RT_CLIENT), "empty-launch-loop", "--launches", str(launches)], env=env,
-                             capture_output=True, text=True, check=True).stdout
-        best = min(best, json.loads(out.strip().splitlines()[-1])["ns_per_launch"])
-    if acc is not None:
-        acc.close()
-    return best
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def cpu_ticks(stat: Path) -> int:
+    """utime + stime of a process (or a thread: /proc/PID/task/TID/stat), in clock ticks."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def thread_ticks(pid: int) -> dict[int, int]:
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = cpu_ticks(task / "stat")
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def config_text(case: Case, cap: float) -> str:
+    lines = []
+    for g in range(case.groups):
+        lines.append(f"[g{g}]")
+        if case.capped == "all" or g % 2 == 0:
+            lines.append(f"MaxUtil = {cap}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argparse.Namespace,
+             profile_hz: float = 0.0, tree: Path | None = None) -> dict:
+    sim = SimGpu(tmp / "sim", devices=case.gpus)
+    config = tmp / "resource.conf"
+    config.write_text(config_text(case, args.cap))
+    state = tmp / "state"
+    env = sim.env()
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    agent_env = dict(env)
+    if tree is not None:  # another checkout's (or `git archive`'s) gemtrace/ for the agent only
+        agent_env["PYTHONPATH"] = str(tree) + os.pathsep + env["PYTHONPATH"]
+    port = free_port()
+    out = tmp / "agent"
+    log = (tmp / "agent.log").open("wb")
+    agent_args = ["agent", "--config", str(config), "--state-dir", str(state), "--listen", f"127.0.0.1:{port}",
+                  *(("--probe-mode", args.ebpf) if args.ebpf else ("--no-ebpf",))]
+    agent = subprocess.Popen([sys.executable, str(SAMPLER), str(out), "--hz", str(profile_hz), "--", *agent_args],
+                             env=agent_env, stdout=subprocess.DEVNULL, stderr=log)
+    deadline = time.monotonic() + 30
+    while True:
+        if agent.poll() is not None:
+            raise RuntimeError(f"the agent exited: {(tmp / 'agent.log').read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+    gate = find_gate({"GEMTRACE_GATE": str(REPO / "build" / "libgemgate.so")})
+    lasting = warmup + seconds + 30 + case.processes * 0.02
+    clients = []
+    for i in range(case.processes):
+        group, gpu = f"g{i % case.groups}", i % case.gpus
+        loop = [str(RT_CLIENT), "launch-loop", "--kernel-ns", str(args.kernel_ns), "--launches-per-iter", "4",
+                "--seconds", f"{lasting:.0f}", "--device", str(gpu)]
+        if i < args.run_limit:
+            cmd = [sys.executable, "-m", "gemtrace.cli", "run", "--group", group, "--config", str(config),
+                   "--state-dir", str(state), "--", *loop]
+            child_env = env
+        else:
+            cmd, child_env = loop, child_environment(group, state, gate, env)
+        clients.append(subprocess.Popen(cmd, env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    time.sleep(warmup)
+    load0 = os.getloadavg()[0]
+    threads0, cpu0, wall0 = thread_ticks(agent.pid), cpu_ticks(Path(f"/proc/{agent.pid}/stat")), time.monotonic()
+    time.sleep(seconds)
+    threads1, cpu1, wall1 = thread_ticks(agent.pid), cpu_ticks(Path(f"/proc/{agent.pid}/stat")), time.monotonic()
+    alive = sum(c.poll() is None for c in clients)
+    names = json.loads((tmp / "agent.threads.json").read_text())
+    by_name: dict[str, float] = {}
+    for tid, ticks in threads1.items():
+        name = names.get(str(tid), "other")
+        name = "gemtrace-gpu*" if name.startswith("gemtrace-gpu") else name
+        by_name[name] = by_name.get(name, 0.0) + (ticks - threads0.get(tid, 0)) / TICKS / (wall1 - wall0) * 100
+    for c in clients:
+        c.kill()
+    for c in clients:
+        c.wait()
+    agent.send_signal(signal.SIGTERM)
+    agent.wait(timeout=60)
+    log.close()
+    stacks = {}
+    if profile_hz:
+        stacks = json.loads((tmp / "agent.stacks.json").read_text())
+    return {"cpu_pct": (cpu1 - cpu0) / TICKS / (wall1 - wall0) * 100, "threads": by_name, "alive": alive,
+            "load": load0, "stacks": stacks}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--processes", type=int, default=64)
-    ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--kernel-ns", type=int, default=9000, help="device-bound: about 1e9/N kernels a second in all")
-    ap.add_argument("--poll-hz", type=float, default=1.0, help="Snapshot polls (the agent's scrape cadence)")
+    ap.add_argument("--case", action="append", metavar="PxGxN",
+                    help=f"processes x groups x GPUs (repeatable; default {' '.join(DEFAULT_CASES)})")
+    ap.add_argument("--seconds", type=float, default=20.0, help="measurement window per case")
+    ap.add_argument("--warmup", type=float, default=5.0, help="after the last process started")
+    ap.add_argument("--kernel-ns", type=int, default=2_000_000)
+    ap.add_argument("--cap", type=float, default=0.25, help="the capped groups' MaxUtil")
+    ap.add_argument("--run-limit", type=int, default=16, help="processes started through `gemtrace run`")
+    ap.add_argument("--ebpf", choices=("memory", "launches"), help="with the eBPF accounting (root, bcc)")
+    ap.add_argument("--profile", type=float, nargs="?", const=500.0, default=0.0, metavar="HZ",
+                    help="then run each case again with its stacks sampled at HZ (default 500)")
+    ap.add_argument("--agent-tree", action="append", metavar="NAME=DIR",
+                    help="also run the agent from DIR/gemtrace (e.g. `git archive` of an older commit), side by side")
+    ap.add_argument("--note", default="", help="a line recorded above the table (what code this is)")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     require_build()
-    if os.geteuid() != 0:
-        sys.exit("run as root: the accounting's eBPF probes need it")
+    cases = [Case.parse(c) for c in (args.case or DEFAULT_CASES)]
+    trees: list[tuple[str, Path | None]] = [(name, Path(path)) for name, _, path in
+                                            (t.partition("=") for t in args.agent_tree or ())]
+    trees.append(("this checkout", None))
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for mode in (None, "memory", "launches"):
-            r = agent_cpu(mode, args.processes, args.seconds, args.kernel_ns, args.poll_hz, Path(tmp) / "a")
-            rows.append((mode or "off", r))
-        costs = [(mode or "off", launch_cost(mode, Path(tmp) / "b")) for mode in (None, "memory", "launches")]
+    for case in cases:
+        for code, tree in trees:  # side by side, case by case: the host's load moves in between
+            with tempfile.TemporaryDirectory(prefix="gemtrace-cpu-") as tmp:
+                r = run_case(case, Path(tmp), args.seconds, args.warmup + case.processes * 0.01, args, tree=tree)
+            rows.append((case, code, r))
+            print(f"{case.name}, {code}: {r['cpu_pct']:.2f}% ({r['alive']} alive) "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["threads"].items(), key=lambda kv: -kv[1]) if v),
+                  flush=True)
+        if args.profile:
+            with tempfile.TemporaryDirectory(prefix="gemtrace-cpu-") as tmp:
+                p = run_case(case, Path(tmp), args.seconds, args.warmup + case.processes * 0.01, args, args.profile)
+            for thread, frames in sorted(p["stacks"].items()):
+                total = sum(frames.values())
+                print(f"  {thread}: {total} samples")
+                for where, n in list(frames.items())[:8]:
+                    print(f"    {100 * n / total:5.1f}%  {where}")
+    target = {(8, 4, 1): 2.0, (1024, 63, 8): 10.0}
     table = [
-        f"{args.processes} processes, {args.seconds:.0f} s, kernels of {args.kernel_ns} ns, polls at "
-        f"{args.poll_hz:g} Hz",
+        f"{args.seconds:g} s windows, launch loops of {args.kernel_ns / 1e6:g} ms kernels (4 a sync), capped groups "
+        f"MaxUtil {args.cap:g}, accounting {'eBPF ' + args.ebpf if args.ebpf else 'without eBPF (--no-ebpf)'}",
         "",
-        "| probe mode | agent CPU (% of one core) | launches/s (all processes) | target |",
-        "| --- | --- | --- | --- |",
+        "| case | code | agent CPU (% of one core) | scheduler threads | main | keeper | other | target | load |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for mode, r in rows:
-        target = "" if mode == "off" else ("<= 2%: met" if r["cpu_pct"] <= 2 else "<= 2%: NOT met")
-        table.append(f"| {mode} | {r['cpu_pct']:.2f} | {r['launches_per_s']:,.0f} | {target} |")
-    base = costs[0][1]
-    table += ["", "| probe mode | empty-kernel launch (ns, best of 5 x 200k) | added per launch (ns) |",
-              "| --- | --- | --- |"]
-    table += [f"| {mode} | {ns:.0f} | {ns - base:+.0f} |" for mode, ns in costs]
+    for case, code, r in rows:
+        t = r["threads"]
+        main_, keeper, sched = t.get("MainThread", 0.0), t.get("gemtrace-keeper", 0.0), t.get("gemtrace-gpu*", 0.0)
+        other = r["cpu_pct"] - main_ - keeper - sched
+        goal = target.get((case.processes, case.groups, case.gpus))
+        verdict = "" if goal is None else f"<= {goal:g}%: {'met' if r['cpu_pct'] <= goal else 'NOT met'}"
+        table.append(f"| {case.name} | {code} | {r['cpu_pct']:.2f} | {sched:.2f} | {main_:.2f} | {keeper:.2f} | "
+                     f"{max(0.0, other):.2f} | {verdict} | {r['load']:.1f} |")
     text = "\n".join(table)
     print(text)
     if not args.no_record:
@@ -134,12 +232,11 @@ def main() -> int:
         commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip() or "?"
         machine = f"{platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, gemtrace {commit}"
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        new = not RESULTS.exists()
         with RESULTS.open("a") as f:
-            if new:
-                f.write("# Agent CPU and probe cost on the simulated GPU (bench/bench_agent_cpu.py)\n\n")
-            f.write(f"## {stamp} on {machine}\n\n{text}\n\n")
+            f.write(f"## {stamp} on {machine}: the whole agent (issue 13)\n\n")
+            if args.note:
+                f.write(f"{args.note}\n\n")
+            f.write(f"{text}\n\n")
     return 0
 
 

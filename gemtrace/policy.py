@@ -75,6 +75,11 @@ class PolicyParams:
     max_overrun_ns: int = 1000 * MS
     window_ns: int = 1000 * MS  # time constant of the decayed usage (ordering, util_ratio)
     poll_ns: int = 4 * MS  # looking for demand, or for the holder going idle while others wait
+    # Looking for a steady holder going idle while others wait: one that idled neither in its last
+    # holding nor so far in this one (a launch loop, a training step without data stalls) is looked at
+    # this often; a holder that idles gets poll_ns. Halves the agent's looks with capped groups
+    # waiting (bench/results/agent_cpu.md); an idle spell of a steady holder is seen this late at most.
+    steady_poll_ns: int = 8 * MS
     # Nothing changing (no demand; an uncapped holder idle with nobody else waiting): the look for
     # demand backs off to an eighth of the quiet time, up to this.
     max_poll_ns: int = 32 * MS
@@ -132,6 +137,8 @@ class _Account:
     cap_credit: float = 0.0  # MaxUtil bucket, ns of GPU time it may still use
     owed: float = 0.0  # MinUtil debt, ns of GPU time it is owed
     last_run: int = -1  # when it was last released, for round-robin among equals
+    idled: bool = False  # idled while holding the GPU, this holding (only the look cadence reads these)
+    steady: bool = False  # held the GPU before and did not idle in its last holding
 
 
 @dataclass
@@ -265,6 +272,7 @@ class TimeSharePolicy:
         holder = self._holder
         assert holder is not None
         if obs.holder_idle_since is not None:
+            self._accounts[holder].idled = True
             if self._charging:
                 # It ran out of work at holder_idle_since: the time since was not GPU time.
                 self._refund(holder, now - max(obs.holder_idle_since, self._released_at))
@@ -314,7 +322,9 @@ class TimeSharePolicy:
         self._overrun.pop(pick, None)  # charged as the holder from now on
         self._phase, self._holder, self._charging = Phase.RUNNING, pick, True
         self._released_at = now
-        self._accounts[pick].last_run = now
+        account = self._accounts[pick]
+        account.steady, account.idled = account.last_run >= 0 and not account.idled, False
+        account.last_run = now
         self._slice_end = now + self._slice_for(pick, owed_first=owed)
 
     def _hold(self, now: int) -> None:
@@ -396,9 +406,12 @@ class TimeSharePolicy:
         if self._phase is Phase.RUNNING:
             assert self._holder is not None
             if any(g != self._holder for g in self._demand):
-                return min(self._slice_end, now + p.poll_ns)  # revoke early if the holder idles
+                # Revoke early if the holder idles; within a poll where a group of a higher priority
+                # waits or may launch any moment.
+                holder = self._accounts[self._holder]
+                steady = holder.steady and not holder.idled and not self._outranked_present(self._holder)
+                return min(self._slice_end, now + (p.steady_poll_ns if steady else p.poll_ns))
             if self._outranked_present(self._holder):
-                # A group of a higher priority may launch any moment: see it within a poll.
                 return min(self._slice_end, now + p.poll_ns)
             if not self._charging:
                 # The holder idles: see when it is busy again, so that its charge starts at most a

@@ -32,10 +32,18 @@ class SignalInbox:
         # deque.append is atomic and lock-free; time.monotonic takes no lock.
         self._pending.append((signal.Signals(signum), time.monotonic()))
 
+    def fileno(self) -> int:
+        """Readable once a signal arrived: for a loop that waits on other descriptors too (then `take`)."""
+        return self._read
+
     def wait(self, timeout: float) -> list[tuple[signal.Signals, float]]:
         """The signals received (with when, time.monotonic()) once one arrives or `timeout` passes."""
         if not self._pending:
             select.select([self._read], [], [], timeout)
+        return self.take()
+
+    def take(self) -> list[tuple[signal.Signals, float]]:
+        """The signals received since the last call, without waiting (emptying the wake-up pipe)."""
         try:
             while os.read(self._read, 512):
                 pass
