@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from agent_host import Host, Running, free_port, gemtrace, stop, wait_until
+from agent_host import CONFIG, Host, Running, free_port, gemtrace, stop, wait_until
 from k8s_cluster import K8sCluster, pod_manifest
 from simgpu_env import REPO, SIMGPU_DIR
 
@@ -197,9 +197,27 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
                         found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
         return found
 
+    # The main file's [train] reserves 0.2 of every GPU: with 30 + 70 the MinUtils would pass 1 and the
+    # agent would refuse the pods' drop-ins (docs/kubernetes.md, "Not done").
+    node.host.config.write_text(CONFIG.replace("MinUtil = 0.2\n", ""))
+
+    def quotas() -> dict[str, int] | None:
+        found = {}
+        region = node.host.region()
+        try:
+            for dropin in (node.host.tmp / "resource.d").glob("k8s-*.conf"):
+                for name in targets:
+                    index = region.group_index(dropin.stem)
+                    if f"default/{name} " in dropin.read_text() and index is not None:
+                        found[name] = region.layout.groups[index].max_util_ppm
+        finally:
+            region.close()
+        return found if found == {n: u * 10_000 for n, u in targets.items()} else None
+
     try:
         for name, util in targets.items():
             cluster.create(node.pod(name, loop, limits={shares.GPU_MEMORY: "1", shares.GPU_UTIL: str(util)}))
+        wait_until("the agent capping the pods' groups at 0.3 and 0.7", quotas, timeout=120, step=0.5)
         first = wait_until("both pods' groups counting GPU time", lambda: (
             len(seen := gpu_seconds()) == 2 and all(v > 0 for v in seen.values()) and seen), timeout=120, step=0.5)
         time.sleep(1)  # past the first launches, before the scheduler has both groups
