@@ -10,6 +10,7 @@
     Cgroup = /kubepods/pod1234   # processes in this cgroup (prefix) belong to the group
     Users = alice; 1001  # who may ask for the group (GEMTRACE_GROUP, gemtrace run --group); names or uids
     UnixGroups = ml      # ... or be in one of these Unix groups (names or gids); neither: everyone
+    Gpus = GPU-8f3a...   # the GPUs (UUIDs, ;-separated) its MinUtil is reserved on; default: every GPU
 
 Drop-ins: `*.conf` files in the directory beside it named after it (resource.d for resource.conf)
 add groups, read after the main file in name order and checked with it as one file.
@@ -61,6 +62,9 @@ class GroupConfig:
     oversubscribe: bool = False  # device allocations the limit (or the GPU) refuses become managed memory
     oversubscribe_limit: int | None = None  # bytes per GPU, device and managed together; None: the host's bound only
     priority: int = 0  # higher goes first on a GPU, within the quotas (docs/scheduler.md)
+    # The GPUs (UUIDs) its processes run on, as a pod's CUDA_VISIBLE_DEVICES confines them: its
+    # MinUtil counts against these GPUs only. Empty: every GPU. Not enforced by the agent.
+    gpus: tuple[str, ...] = ()
 
     def admits(self, uid: int, gids: Iterable[int]) -> bool:
         """Whether a process of `uid` with the groups `gids` (its real gid and supplementary groups)
@@ -95,6 +99,7 @@ class _Draft:
     users: frozenset[int] | None = None
     unix_groups: frozenset[int] | None = None
     admission_line: int = 0
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,8 @@ _RATIO = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _SECTION = re.compile(r"\[([^\[\]]+)\]")
 _KEY = re.compile(r"([A-Za-z][A-Za-z0-9-]*)\s*=\s*(.*)", re.ASCII)
 _GROUP_NAME = re.compile(rf"[A-Za-z0-9_.:@+-]{{1,{MAX_NAME_BYTES}}}", re.ASCII)
-KEYS = ("MinUtil", "MaxUtil", "Priority", "MemoryLimit", "Oversubscribe", "Cgroup", "Users", "UnixGroups")
+KEYS = ("MinUtil", "MaxUtil", "Priority", "MemoryLimit", "Oversubscribe", "Cgroup", "Users", "UnixGroups",
+        "Gpus")
 MAX_ID = 2**32 - 2  # uid_t/gid_t; 2**32-1 is (uid_t)-1, "no id"
 # A size's decimals past this many cannot change its byte count: n / 2**40 has at most 40 decimals.
 _SIZE_DECIMALS = 40
@@ -224,6 +230,14 @@ def _cgroups(text: str) -> list[str]:
         if len(p.encode()) > MAX_CGROUP_BYTES:
             raise ValueError(f"Cgroup {_quote(p)} is longer than {MAX_CGROUP_BYTES} bytes, the longest path")
     return paths
+
+
+def _gpus(text: str) -> tuple[str, ...]:
+    uuids = tuple(dict.fromkeys(u.strip() for u in text.split(";") if u.strip()))
+    if not uuids or any(not u.isprintable() or not u.isascii() or " " in u for u in uuids):
+        raise ValueError(f"Gpus {_quote(text)} must be one or more GPU UUIDs separated by ; "
+                         "(as nvidia-smi -L shows them), or be left out for every GPU")
+    return uuids
 
 
 def _ids(key: str, text: str, lookup: Callable[[str], int], kind: str) -> frozenset[int]:
@@ -344,6 +358,8 @@ def _parse_sections(text: str, filename: str) -> _Parsed:
             elif key == "UnixGroups":
                 group.unix_groups = _ids(key, value, _gid, "Unix group")
                 group.admission_line = group.admission_line or lineno
+            elif key == "Gpus":
+                group.gpus = _gpus(value)
             else:
                 group.cgroups.extend(_cgroups(value))
         except ValueError as e:
@@ -365,15 +381,17 @@ def _parse_sections(text: str, filename: str) -> _Parsed:
             raise fail(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
                                          "group runs there; remove Users/UnixGroups from it")
         result[name] = GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users,
-                                   g.unix_groups, g.oversubscribe, g.oversubscribe_limit, g.priority)
+                                   g.unix_groups, g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus)
     return _Parsed(filename, result, {name: g.line for name, g in groups.items()},
                    {name: g.min_util_line for name, g in groups.items()})
 
 
 def _combine(files: list[_Parsed]) -> ResourceConfig:
     """The groups of the main file and its drop-ins together, checked as one file would be: a group
-    defined once, no more than MAX_GROUPS, MinUtils adding up to at most 1. An error names the file
-    and line where the rule was broken (the later file's, for a group defined twice)."""
+    defined once, no more than MAX_GROUPS, MinUtils adding up to at most 1 on every GPU (a group
+    without Gpus counts on each, one with Gpus on those only: two pods' groups at 0.7 on two GPUs are
+    fine). An error names the file and line where the rule was broken (the later file's, for a group
+    defined twice)."""
     result: dict[str, GroupConfig] = {}
     where: dict[str, tuple[_Parsed, int]] = {}  # group -> (its file, its MinUtil's line)
     for parsed in files:
@@ -389,14 +407,17 @@ def _combine(files: list[_Parsed]) -> ResourceConfig:
                                   "some groups")
             result[name] = g
             where[name] = (parsed, parsed.min_util_lines[name] or line)
-    total = math.fsum(g.min_util for g in result.values())
-    if total > 1.0 + 1e-9:
-        reserving = ", ".join(f"{g.name} {g.min_util:g}" for g in result.values() if g.min_util > 0)
-        order = {id(parsed): i for i, parsed in enumerate(files)}
-        _, last_line, last_file = max((order[id(where[g.name][0])], where[g.name][1], where[g.name][0].filename)
-                                      for g in result.values() if g.min_util > 0)
-        raise ConfigError(f"{last_file}:{last_line}: the MinUtils add up to {total:g}, above 1 "
-                          f"({reserving}); lower some of them")
+    named = sorted({gpu for g in result.values() for gpu in g.gpus})
+    for gpu in named or [""]:  # "": no group names a GPU, so all count on each
+        on_it = [g for g in result.values() if g.min_util > 0 and (not g.gpus or gpu in g.gpus)]
+        total = math.fsum(g.min_util for g in on_it)
+        if total > 1.0 + 1e-9:
+            reserving = ", ".join(f"{g.name} {g.min_util:g}" for g in on_it)
+            order = {id(parsed): i for i, parsed in enumerate(files)}
+            _, last_line, last_file = max((order[id(where[g.name][0])], where[g.name][1], where[g.name][0].filename)
+                                          for g in on_it)
+            raise ConfigError(f"{last_file}:{last_line}: the MinUtils add up to {total:g}"
+                              f"{f' on GPU {gpu}' if gpu else ''}, above 1 ({reserving}); lower some of them")
     if defaults.DEFAULT_GROUP not in result:
         result[defaults.DEFAULT_GROUP] = GroupConfig(defaults.DEFAULT_GROUP)
     return ResourceConfig(groups=result, source=files[0].filename if files else "")

@@ -67,6 +67,13 @@ def test_the_file_may_define_the_default_group() -> None:
     assert config.groups["default"].max_util == 0.5
 
 
+def test_minutils_add_up_per_gpu_when_groups_name_their_gpus() -> None:
+    # Two pods' groups at 0.7, each on a GPU of its own, beside a group of every GPU at 0.3.
+    config = parse_text("[all]\nMinUtil = 0.3\n[p1]\nMinUtil = 0.7\nGpus = G1\n[p2]\nMinUtil = 0.7\nGpus = G2\n")
+    assert config.groups["p2"] == GroupConfig("p2", min_util=0.7, gpus=("G2",))
+    assert config.groups["all"].gpus == ()
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
@@ -85,6 +92,9 @@ def test_the_file_may_define_the_default_group() -> None:
         ("MinUtil = 0.1\n[a]\n", "r.conf:1: MinUtil is outside any [group] section"),
         ("[a]\nMinUtil = 0.6\nMaxUtil = 0.5\n", "r.conf:2: MinUtil 0.6 of [a] is above its MaxUtil 0.5"),
         ("[a]\nMinUtil = 0.6\n[b]\nMinUtil = 0.5\n", "r.conf:4: the MinUtils add up to 1.1, above 1 (a 0.6, b 0.5)"),
+        ("[a]\nMinUtil = 0.3\n[b]\nMinUtil = 0.5\nGpus = G1\n[c]\nMinUtil = 0.3\nGpus = G2; G1\n",
+         "r.conf:7: the MinUtils add up to 1.1 on GPU G1, above 1 (a 0.3, b 0.5, c 0.3)"),
+        ("[a]\nGpus = ;\n", "r.conf:2: Gpus ';' must be one or more GPU UUIDs"),
         ("[a]\n[b]\n\n[a]\n", "r.conf:4: group [a] is defined twice (first at line 1)"),
         ("[a]\nMinUtil = 0.1\nMinUtil = 0.2\n", "r.conf:3: MinUtil is set twice in [a] (first at line 2)"),
         ("[a]\njust words\n", "r.conf:2: cannot read 'just words'"),

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from agent_host import Host, Running, free_port, gemtrace, stop, wait_until
+from agent_host import CONFIG, Host, Running, free_port, gemtrace, stop, wait_until
 from k8s_cluster import K8sCluster, pod_manifest
 from simgpu_env import REPO, SIMGPU_DIR
 
@@ -23,6 +23,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.k8s]
 
 GiB = 1 << 30
 GATE = REPO / "build" / "libgemgate.so"
+WINDOW_S = 8  # of both pods busy: 4000 kernels of 2 ms; a share's error of a kernel or two is 0.05 points
 
 
 class Node:
@@ -177,6 +178,64 @@ def test_restarting_the_plugin_and_the_agent_keeps_a_running_pod_gated_and_group
         assert allocatable[shares.GPU_MEMORY] == "16"
     finally:
         cluster.delete_pod(name)
+
+
+def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(node: Node) -> None:
+    # Each pod runs 2 ms kernels without pause for longer than the test; the window opens once both
+    # groups' GPU time grows. Their shares are each group's part of the GPU time the agent counted
+    # in the window; the GPU must have been kept busy (a share of an idle GPU would prove nothing).
+    targets = {"share-30": 30, "share-70": 70}
+    cluster = node.cluster
+    loop = "/simgpu/simgpu-rt launch-loop --kernel-ns 2000000 --launches-per-iter 4 --seconds 60"
+
+    def gpu_seconds() -> dict[str, float]:
+        found = {}
+        for line in node.agent.metrics().splitlines():
+            if line.startswith("gemtrace_group_gpu_seconds_total{"):
+                for name in targets:
+                    if f'pod="{name}"' in line:
+                        found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        return found
+
+    # The main file's [train] reserves 0.2 of every GPU: with 30 + 70 the MinUtils would pass 1 and the
+    # agent would refuse the pods' drop-ins (docs/kubernetes.md, "Not done").
+    node.host.config.write_text(CONFIG.replace("MinUtil = 0.2\n", ""))
+
+    def quotas() -> dict[str, int] | None:
+        found = {}
+        region = node.host.region()
+        try:
+            for dropin in (node.host.tmp / "resource.d").glob("k8s-*.conf"):
+                for name in targets:
+                    index = region.group_index(dropin.stem)
+                    if f"default/{name} " in dropin.read_text() and index is not None:
+                        found[name] = region.layout.groups[index].max_util_ppm
+        finally:
+            region.close()
+        return found if found == {n: u * 10_000 for n, u in targets.items()} else None
+
+    try:
+        for name, util in targets.items():
+            cluster.create(node.pod(name, loop, limits={shares.GPU_MEMORY: "1", shares.GPU_UTIL: str(util)}))
+        wait_until("the agent capping the pods' groups at 0.3 and 0.7", quotas, timeout=120, step=0.5)
+        first = wait_until("both pods' groups counting GPU time", lambda: (
+            len(seen := gpu_seconds()) == 2 and all(v > 0 for v in seen.values()) and seen), timeout=120, step=0.5)
+        time.sleep(1)  # past the first launches, before the scheduler has both groups
+        start, t0 = gpu_seconds(), time.monotonic()
+        time.sleep(WINDOW_S)
+        end, t1 = gpu_seconds(), time.monotonic()
+        used = {name: end[name] - start[name] for name in targets}
+        busy = sum(used.values()) / (t1 - t0)
+        shares_ = {name: used[name] / sum(used.values()) for name in targets}
+        assert busy > 0.85, f"the GPU was busy {busy:.2f} of the window: {used}, first {first}"
+        for name, util in targets.items():
+            assert abs(shares_[name] - util / 100) <= 0.02, (shares_, used, busy)
+        print(f"shares {shares_}, GPU busy {busy:.3f} over {t1 - t0:.1f} s")
+        for name in targets:  # both still running: the window saw both busy
+            assert cluster.get("pod", name)["status"]["phase"] == "Running", cluster.diagnosis(name)
+    finally:
+        for name in targets:
+            cluster.delete_pod(name)
 
 
 def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:

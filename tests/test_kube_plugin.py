@@ -11,18 +11,19 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
-from agent_host import Host, Running, stop, wait_until
-from simgpu_env import REPO
+from agent_host import CONFIG, Host, Running, stop, wait_until
+from simgpu_env import REPO, SimGpu
 
+from gemtrace import region as rg
 from gemtrace.config import dropin_dir, load
 from gemtrace.kube import kubelet, shares
-from gemtrace.kube.deviceplugin import DevicePlugin, socket_name
+from gemtrace.kube.deviceplugin import DevicePlugin, group_defined, socket_name
 from gemtrace.kube.grants import Grants
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.pb import deviceplugin_pb2 as dp
@@ -120,6 +121,19 @@ def stack(host: Host, short_dir: Path) -> Iterator[Stack]:
         stop(agent)
 
 
+@pytest.fixture
+def two_gpu_stack(simgpu_factory: Callable[..., SimGpu], tmp_path: Path, short_dir: Path) -> Iterator[Stack]:
+    config = tmp_path / "resource.conf"
+    config.write_text(CONFIG)  # [train] reserves MinUtil 0.2 on every GPU
+    host = Host(simgpu_factory(devices=2), config, tmp_path / "state", tmp_path)
+    agent = host.start_agent("--config-poll", "0.1")
+    s = Stack(host, short_dir, agent)
+    yield s
+    s.close()
+    if agent.proc.poll() is None:
+        stop(agent)
+
+
 def first_devices(stub: dp_grpc.DevicePluginStub) -> tuple[Iterator[dp.ListAndWatchResponse], list[dp.Device]]:
     stream = stub.ListAndWatch(dp.Empty(), timeout=60)
     return stream, list(next(stream).devices)
@@ -183,6 +197,48 @@ def test_allocate_gates_the_container_and_the_agent_defines_its_group(stack: Sta
     stack.grants.clock = lambda: time.time() + 3600
     wait_until("the drop-in removed", lambda: not stack.grants.path(group).exists())
     wait_until("the agent dropped the group", lambda: group not in load(stack.host.config).groups)
+
+
+def test_minutils_add_up_per_gpu_and_a_spread_grant_gets_what_it_holds_on_each(two_gpu_stack: Stack) -> None:
+    stack = two_gpu_stack
+    stack.kubelet.registered()
+    (gpu0, _), (gpu1, _) = stack.gpus
+
+    def devices(gpu: str, kind: str, units: range) -> list[str]:
+        return [f"{gpu}-{kind}{i}" for i in units]
+
+    def container(pod: str, memory: list[str], util: list[str]) -> pr.PodResources:
+        return pr.PodResources(name=pod, namespace="ml", containers=[pr.ContainerResources(name="main", devices=[
+            pr.ContainerDevices(resource_name=shares.GPU_MEMORY, device_ids=memory),
+            pr.ContainerDevices(resource_name=shares.GPU_UTIL, device_ids=util)])])
+
+    # 70% on each GPU (with [train]'s 0.2 of every GPU: 1.6 in all, 0.9 on each), and a pod whose 20
+    # util devices the kubelet spread over both GPUs, 10 each: it holds 0.1 of each GPU, not 0.2 of one.
+    on0 = devices(gpu0, "m", range(2))
+    on1 = devices(gpu1, "m", range(2))
+    spread = devices(gpu1, "m", range(2, 3))
+    stack.kubelet.pods = [
+        container("seventy-0", on0, devices(gpu0, "u", range(70))),
+        container("seventy-1", on1, devices(gpu1, "u", range(70))),
+        container("spread", spread, devices(gpu0, "u", range(70, 80)) + devices(gpu1, "u", range(70, 80))),
+    ]
+    groups = [shares.group_name(m) for m in (on0, on1, spread)]
+    wait_until("the agent defining the three pods' groups",
+               lambda: all(group_defined(stack.host.state_dir, g) for g in groups), timeout=20, step=0.1)
+    settings = load(stack.host.config).groups
+    assert [(settings[g].min_util, settings[g].max_util, settings[g].gpus) for g in groups] == [
+        (0.7, 0.7, (gpu0,)), (0.7, 0.7, (gpu1,)), (0.1, 0.2, (gpu1, gpu0))]
+    region = stack.host.region()
+    indexes = [region.group_index(g) for g in groups]
+    assert [region.layout.groups[i].min_util_ppm for i in indexes if i is not None] == [
+        round(u * rg.UTIL_ONE) for u in (0.7, 0.7, 0.1)]
+    region.close()
+
+    # A container asking only for util is confined to the GPU of its devices, where its MinUtil is.
+    response = stack.kubelet.plugin(shares.GPU_UTIL).Allocate(dp.AllocateRequest(container_requests=[
+        dp.ContainerAllocateRequest(devicesIDs=devices(gpu1, "u", range(80, 90)))]), timeout=30)
+    (allocated,) = response.container_responses
+    assert allocated.envs["CUDA_VISIBLE_DEVICES"] == gpu1 and "GEMTRACE_GROUP" not in allocated.envs
 
 
 def test_health_follows_the_agent(stack: Stack) -> None:

@@ -49,6 +49,24 @@ def test_the_dropin_of_a_grant_is_a_valid_resource_file() -> None:
     assert [shares.parse_max_util(t) for t in ("0.5", "1", "0", "1.5", "x", None)] == [0.5, 1.0, None, None, None, None]
 
 
+def test_a_grants_minutil_is_what_it_holds_on_each_gpu_it_may_run_on() -> None:
+    def units(gpu: str, n: int, start: int = 0) -> tuple[str, ...]:
+        return tuple(f"{gpu}-u{i}" for i in range(start, start + n))
+
+    on_a = shares.Grant(memory=("GPU-a-m0",), util=units("GPU-a", 60))
+    assert (on_a.min_util(), on_a.gpus, on_a.split) == (0.6, ["GPU-a"], False)
+    # Spread 50 + 10 by the kubelet: 0.1 on each GPU, never 0.5 or 0.6 on one where it holds 10.
+    spread = shares.Grant(util=units("GPU-a", 50) + units("GPU-b", 10))
+    assert (spread.min_util(), spread.max_util_ratio(), spread.split) == (0.1, 0.6, True)
+    # Its memory on one GPU, its util on the other: it may run on either, and holds nothing on one.
+    apart = shares.Grant(memory=("GPU-a-m0",), util=units("GPU-b", 30))
+    assert (apart.min_util(), apart.max_util_ratio(), apart.gpus) == (0.0, 0.3, ["GPU-a", "GPU-b"])
+    # More than a GPU's worth, 100 + 50: 0.5 of each, and its cap is a whole GPU.
+    wide = shares.Grant(util=units("GPU-a", 100) + units("GPU-b", 50))
+    assert (wide.min_util(), wide.max_util_ratio()) == (0.5, 1.0)
+    assert "Gpus = GPU-a; GPU-b\n" in shares.dropin_text(wide)
+
+
 @pytest.mark.parametrize(
     ("path", "expected"),
     [

@@ -8,7 +8,8 @@ kubelet's device-plugins directory, each registered with the kubelet. Owns the p
   once, so the kubelet stops placing pods there.
 - Allocate hands a container the gate (gemtrace.kube.injection: mounts and envs) and, for memory, its
   group (GEMTRACE_GROUP) after writing the group's drop-in and waiting, briefly, for the agent to
-  define it; CUDA_VISIBLE_DEVICES/NVIDIA_VISIBLE_DEVICES name the GPUs of its devices.
+  define it; CUDA_VISIBLE_DEVICES/NVIDIA_VISIBLE_DEVICES name the GPUs of its devices (each
+  resource's; the kubelet keeps the first when they differ, and the grant's MinUtil allows for it).
 - Restarts. When the kubelet restarts it deletes every socket here: the plugin sees its socket's new
   inode, serves again and registers again. Every second it reconciles the drop-ins with PodResources
   (gemtrace.kube.grants), which is also how a restarted plugin picks up the running pods.
@@ -168,9 +169,11 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
             group = grant.group
             if self.grants.write(grant, keep_existing=True):
                 ask_agent_to_reload(self.state_dir)
-            gpus = ",".join(grant.gpus)
-            envs = {"CUDA_VISIBLE_DEVICES": gpus, "NVIDIA_VISIBLE_DEVICES": gpus}
             self._wait_defined(group)
+        # Each resource confines the container to its devices' GPUs: a container asking only for
+        # util must not run on a GPU where it holds none (its MinUtil is reserved where it holds some).
+        gpus = ",".join(dict.fromkeys(shares.gpu_of(d) for d in devices))
+        envs = {"CUDA_VISIBLE_DEVICES": gpus, "NVIDIA_VISIBLE_DEVICES": gpus}
         envs.update(self.injection.env(group))
         log.info("allocated", resource=self.resource, devices=len(devices), group=group)
         return dp.ContainerAllocateResponse(envs=envs, mounts=mounts)

@@ -79,6 +79,11 @@ class Grants:
         self.writes += 1
         log.info("grant_written", group=grant.group, namespace=grant.namespace, pod=grant.pod,
                  container=grant.container, path=str(path))
+        if grant.split:
+            log.warning("grant_split", group=grant.group, namespace=grant.namespace, pod=grant.pod,
+                        util_devices=len(grant.util), gpus=grant.gpus, min_util=grant.min_util(),
+                        consequence="the kubelet put its util devices on several GPUs, or on another GPU than its "
+                                    "memory: its MinUtil is what it holds on each GPU it may run on")
         return True
 
     def owned(self) -> dict[str, Path]:

@@ -7,7 +7,12 @@ Two resources per node, each advertised by the device plugin as devices the kube
 
 A container's grant is the devices the kubelet gave it: its memory devices make its group's
 MemoryLimit (GiB on the GPU it has most of: the limit is per GPU), its util devices its MinUtil, and
-MaxUtil is the pod's annotation `gemtrace.io/max-util` (a ratio) or else the util request itself. The
+MaxUtil is the pod's annotation `gemtrace.io/max-util` (a ratio) or else the util request itself.
+The group names its GPUs (`Gpus`: those of its devices, which CUDA_VISIBLE_DEVICES confines it to),
+so that MinUtils add up per GPU: pods at 70% on each of two GPUs are fine. Its MinUtil is the fewest
+util devices it holds on any of those GPUs: the agent reserves a group's MinUtil on every GPU it runs
+on, so a grant whose devices the kubelet spread (10 + 50) or put its memory on another GPU than its
+util gets no more on a GPU than the kubelet counted there, and no GPU's MinUtils pass 1. The
 group is named after the memory devices (`k8s-` and a hash), so the same grant gets the same name
 after any restart of the plugin or the kubelet: nothing is counted twice. Pure functions only.
 """
@@ -85,7 +90,14 @@ class Grant:
 
     @property
     def gpus(self) -> list[str]:
-        return list(dict.fromkeys(gpu_of(d) for d in self.memory or self.util))
+        """The GPUs its container may run on: those of all its devices (each resource's Allocate
+        names its own in CUDA_VISIBLE_DEVICES; the kubelet keeps whichever came first)."""
+        return list(dict.fromkeys(gpu_of(d) for d in self.memory + self.util))
+
+    @property
+    def split(self) -> bool:
+        """Its util devices are not all on each GPU it may run on: it gets less MinUtil than it asked."""
+        return bool(self.util) and self.min_util() * UTIL_UNITS < min(len(self.util), UTIL_UNITS)
 
     def memory_limit(self) -> int:
         per_gpu: dict[str, int] = {}
@@ -94,15 +106,15 @@ class Grant:
         return max(per_gpu.values(), default=0) * GiB
 
     def min_util(self) -> float:
-        per_gpu: dict[str, int] = {}
+        per_gpu = dict.fromkeys(self.gpus, 0)
         for device in self.util:
-            per_gpu[gpu_of(device)] = per_gpu.get(gpu_of(device), 0) + 1
-        return max(per_gpu.values(), default=0) / UTIL_UNITS
+            per_gpu[gpu_of(device)] += 1
+        return min(per_gpu.values(), default=0) / UTIL_UNITS if self.util else 0.0
 
     def max_util_ratio(self) -> float:
         if self.max_util is not None:
             return max(self.max_util, self.min_util())
-        return self.min_util() or 1.0
+        return min(len(self.util), UTIL_UNITS) / UTIL_UNITS or 1.0
 
 
 def parse_max_util(text: str | None) -> float | None:
@@ -128,4 +140,6 @@ def dropin_text(grant: Grant) -> str:
     lines.append(f"MaxUtil = {grant.max_util_ratio():g}")
     if grant.cgroup:
         lines.append(f"Cgroup = {grant.cgroup}")
+    if grant.gpus:
+        lines.append(f"Gpus = {'; '.join(grant.gpus)}")
     return "\n".join(lines) + "\n"
