@@ -40,6 +40,8 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
     placement.py     which GPUs a `run --gpus N` gets: topology as data, the policies (pure)
     topology.py      the NVML adapter behind placement.py: PCIe and NVLink between GPUs
     framework_env.py the memory share frameworks are told, from the group's MemoryLimit (pure)
+    cache_release.py whether a `gemtrace run` empties PyTorch's cache while its group is held, and how
+    torch_hook/      that hook, run in the user's interpreter (stdlib only): sitecustomize, watcher
     top.py           `gemtrace top`: the live terminal view, from the agent's /metrics
     status.py        `gemtrace status`: one frame of top's view, or JSON
     dashboards.py    the Grafana dashboards, generated from the metric catalogue

@@ -122,7 +122,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
-        run(args.group, command, args.config, args.state_dir, args.require_agent, args.gpus, args.policy)
+        run(args.group, command, args.config, args.state_dir, args.require_agent, args.gpus, args.policy,
+            args.release_cache)
     except LaunchError as e:
         return _fail(str(e), e.status)
     return 0  # not reached: run() execs
@@ -294,7 +295,7 @@ def parser() -> argparse.ArgumentParser:
                          description="Run CMD with the gate (libgemgate.so) preloaded in group NAME; the "
                          "exit status is CMD's. Any LD_PRELOAD already set is kept after the gate.",
                          usage="gemtrace run --group NAME [--gpus N [--policy P]] [--config FILE] "
-                         "[--state-dir DIR] [--require-agent] -- CMD [ARGS...]")
+                         "[--state-dir DIR] [--require-agent] [--[no-]release-cache] -- CMD [ARGS...]")
     run.add_argument("--group", required=True, metavar="NAME", help="a group of the resource file")
     run.add_argument("--config", type=Path, default=None, metavar="FILE",
                      help="check the group against this resource file (default: the groups of the running "
@@ -309,6 +310,9 @@ def parser() -> argparse.ArgumentParser:
                      "best linked first (docs/placement.md); among CUDA_VISIBLE_DEVICES if set")
     run.add_argument("--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY,
                      help=f"how --gpus chooses (default {DEFAULT_POLICY})")
+    run.add_argument("--release-cache", action=argparse.BooleanOptionalAction, default=None,
+                     help="a PyTorch CMD empties its CUDA cache each time its group is held (default: on for "
+                     "groups with Oversubscribe, or as $GEMTRACE_RELEASE_CACHE=1|0 says; docs/frameworks.md)")
     run.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]", help="the command to run")
     run.set_defaults(func=cmd_run)
 

@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from gemtrace import defaults
+from gemtrace import cache_release, defaults
 from gemtrace.config import ConfigError, GroupConfig, load
 from gemtrace.contract import HEARTBEAT_STALE_NS
 from gemtrace.placement import DEFAULT_POLICY
@@ -134,10 +134,12 @@ def check_admission(group: str, config: Path | None, uid: int, gids: list[int]) 
 
 
 def run(group: str, command: list[str], config: Path | None, state_dir: Path, require_agent: bool = False,
-        gpus: int | None = None, policy: str = DEFAULT_POLICY) -> None:
+        gpus: int | None = None, policy: str = DEFAULT_POLICY, release_cache: bool | None = None) -> None:
     """Replace this process with `command` in `group` (returns only by raising). Without a running
     agent it says so in one line and runs `command` anyway, or with `require_agent` refuses (status 1).
-    With `gpus` it picks that many GPUs by `policy` (gemtrace/allotment.py)."""
+    With `gpus` it picks that many GPUs by `policy` (gemtrace/allotment.py). `release_cache` switches
+    the PyTorch cache release on or off (None: GEMTRACE_RELEASE_CACHE, else the group's Oversubscribe;
+    gemtrace/cache_release.py)."""
     if not command:
         raise LaunchError("no command given: gemtrace run --group NAME -- CMD [ARGS]")
     layout, table, why_none = read_region(state_dir)
@@ -160,6 +162,12 @@ def run(group: str, command: list[str], config: Path | None, state_dir: Path, re
     running = absent is None
     env.update(allotment.environment(group, gpus, policy, layout if running else None, config, env,
                                      table if running else None))
+    try:
+        if cache_release.wanted(release_cache, env,
+                                cache_release.group_oversubscribes(group, layout if running else None, config)):
+            env.update(cache_release.variables(env))
+    except cache_release.SwitchError as e:
+        raise LaunchError(str(e)) from None
     try:
         os.execvpe(command[0], command, env)
     except FileNotFoundError:

@@ -15,10 +15,12 @@ Cases, each against solo (the same workload alone, gated, no limit, run before a
             that each lands when they share the GPU and its memory
 "Need" is the solo run's device memory at the window's end (the caching allocator's reserve: its peak).
 Whether a run finished at all is the first result: an oversubscribed GPU that thrashes or hangs shows
-as a failed run, with the worker's log.
+as a failed run, with the worker's log. --cache-release runs each case with `gemtrace run`'s PyTorch
+cache release (on by default for these Oversubscribe groups: gemtrace/cache_release.py), without it
+(GEMTRACE_RELEASE_CACHE=0), or both ways, one after the other (issue 14's "the same without").
 
     python3 bench/gpu/oversubscribe.py [--cases limited,squeezed,pair] [--limit-ratio 0.5]
-        [--oversubscription 1.5] [--seconds 20] [--settle 5] [--gpu 0] [--record]
+        [--oversubscription 1.5] [--cache-release on|off|both] [--seconds 20] [--settle 5] [--gpu 0] [--record]
 
 Prints a markdown table; --record appends it, dated, to bench/results/oversubscribe.md; with $OUT set,
 also writes oversubscribe.md and oversubscribe.json there. Exit status 0 when every run finished, 2 on
@@ -45,8 +47,11 @@ sys.path.insert(0, str(HERE))
 from models_torch import GATE, REPO, Group, Options, RunFailed, machine, parse_list, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
 
+from gemtrace.cache_release import ENV_RELEASE_CACHE  # noqa: E402 (models_torch puts the checkout on sys.path)
+
 WORKLOAD = "cnn-train"
 CASES = ("limited", "squeezed", "pair")
+CACHE_RELEASE = {"on": ("on",), "off": ("off",), "both": ("on", "off")}
 RESULTS = REPO / "bench" / "results" / "oversubscribe.md"
 GiB = 1 << 30
 # What a CUDA context of PyTorch takes outside its allocations on the H100 (FACTS.md: about 810 MB per
@@ -129,12 +134,13 @@ def render(header: str, before: dict[str, Any], after: dict[str, Any] | None, ro
     lines = [header, "",
              f"Solo (no limit): {rates}; its need (device memory at the window's end): "
              f"{before['memory'] / GiB:.2f} GiB.", "",
-             "| case | group | quota | GPU memory left to the jobs | device GiB | managed GiB | steps/s | "
-             "throughput (of solo) | one after the other |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| case | group | quota | cache release | GPU memory left to the jobs | device GiB | managed GiB | "
+             "steps/s | throughput (of solo) | one after the other |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         left = f"{r['left'] / GiB:.2f} GiB (balloon)" if r["left"] else "the whole GPU"
-        lines.append(f"| {r['case']} | {r['group']} | {r['quota']} | {left} | {r['memory'] / GiB:.2f} | "
-                     f"{r['managed'] / GiB:.2f} | {r['rate']:.2f} | {r['rate'] / ref:.3f} | "
+        lines.append(f"| {r['case']} | {r['group']} | {r['quota']} | {r['release']} | {left} | "
+                     f"{r['memory'] / GiB:.2f} | {r['managed'] / GiB:.2f} | {r['rate']:.2f} | {r['rate'] / ref:.3f} | "
                      f"{'0.5' if r['case'] == 'pair' else '-'} |")
     if failures:
         lines += ["", "Did not finish: " + "; ".join(failures) + "."]
@@ -150,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="limited and squeezed: MemoryLimit as a share of the solo need (default 0.5)")
     ap.add_argument("--oversubscription", type=float, default=1.5,
                     help="squeezed and pair: the jobs' need over the GPU memory the balloon leaves (default 1.5)")
+    ap.add_argument("--cache-release", choices=sorted(CACHE_RELEASE), default="on",
+                    help="the jobs' PyTorch cache release while their group is held: on (gemtrace run's default for "
+                    "Oversubscribe groups), off, or both, each case once each way (default on)")
     ap.add_argument("--seconds", type=float, default=20.0, help="the measured window of each run (default 20)")
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds after the warm-up before the window: paging settles (default 5)")
@@ -174,24 +183,29 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     for case in args.cases:
-        groups, leave = case_groups(case, need, args.limit_ratio, args.oversubscription)
-        balloon = None
-        try:
-            balloon = Balloon(leave, args.gpu) if leave else None
-            result = run(groups, WORKLOAD, opts)
-        except RunFailed as e:
-            failures.append(f"{case} ({str(e).splitlines()[0]})")
-            print(f"{case} did not finish: {e}", file=sys.stderr)
-            continue
-        finally:
-            if balloon is not None:
-                balloon.stop()
-        left = balloon.report["free"] if balloon is not None else 0
-        for g in groups:
-            got = result["groups"][g.name]
-            rows.append({"case": case, "group": g.name, "quota": g.quota(), "left": left, **got})
-            print(f"{case} {g.name}: {got['rate']:.2f} steps/s, device {got['memory'] / GiB:.2f} GiB, "
-                  f"managed {got['managed'] / GiB:.2f} GiB", flush=True)
+        for release in CACHE_RELEASE[args.cache_release]:
+            groups, leave = case_groups(case, need, args.limit_ratio, args.oversubscription)
+            balloon = None
+            # models_torch.run hands its environment to `gemtrace run`; solo (no Oversubscribe) has none.
+            os.environ[ENV_RELEASE_CACHE] = "1" if release == "on" else "0"
+            try:
+                balloon = Balloon(leave, args.gpu) if leave else None
+                result = run(groups, WORKLOAD, opts)
+            except RunFailed as e:
+                failures.append(f"{case}, cache release {release} ({str(e).splitlines()[0]})")
+                print(f"{case} (cache release {release}) did not finish: {e}", file=sys.stderr)
+                continue
+            finally:
+                del os.environ[ENV_RELEASE_CACHE]
+                if balloon is not None:
+                    balloon.stop()
+            left = balloon.report["free"] if balloon is not None else 0
+            for g in groups:
+                got = result["groups"][g.name]
+                rows.append({"case": case, "group": g.name, "quota": g.quota(), "release": release, "left": left,
+                             **got})
+                print(f"{case} {g.name} (cache release {release}): {got['rate']:.2f} steps/s, device "
+                      f"{got['memory'] / GiB:.2f} GiB, managed {got['managed'] / GiB:.2f} GiB", flush=True)
     try:
         after: dict[str, Any] | None = solo(opts)
     except RunFailed as e:
