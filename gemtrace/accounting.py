@@ -2,7 +2,9 @@
 
 Owns the per-process view (Snapshot) and what it keeps across polls: the facts of each process
 (/proc: group, GPUs), the memory rebuilt after an agent restart, GPU time shared within a group, NVML's
-time integrated, an exited process's figures kept for PROCESS_SERIES_GRACE_SECONDS. It reads three
+time integrated. A process is in a snapshot only while it runs: one whose /proc entry is gone, a
+zombie, or one whose pid now names another process (another start time) is left out at the next poll,
+whatever a source still says of it (its series leave /metrics within a poll). It reads three
 sources behind one interface (gemtrace/sources/: eBPF, the gates' slots, NVML; each with a fake a
 test passes in) and merges them with gemtrace/merge.py, whose functions are docs/accounting.md's table
 "Sources, best first", row by row. Enforcement (gemtrace/enforcement.py) subscribes: to eBPF's
@@ -46,8 +48,6 @@ from gemtrace.sources.nvml import NvmlLike, NvmlSource
 
 log = structlog.get_logger("gemtrace.accounting")
 
-NVML_WINDOW_NS = 1_000_000_000  # NVML's utilisation is averaged over about this long
-
 
 @dataclass(frozen=True)
 class ProcessAccount:
@@ -59,7 +59,6 @@ class ProcessAccount:
     gpu_seconds: float
     launches: int | None  # None: not known (ungated process, launches not probed)
     gated: bool
-    exited_ns: int | None = None  # set during the grace period after the process exited
     managed_bytes: int = 0  # managed memory (Oversubscribe), apart from memory_bytes
 
 
@@ -107,8 +106,6 @@ class _Info:
 class _Seen:
     account: ProcessAccount
     nvml_seconds: float = 0.0
-    exited_ns: int | None = None
-    nvml_in_account: float = 0.0  # the part of nvml_seconds already in account.gpu_seconds
 
 
 def _suspended_ns() -> int:
@@ -222,7 +219,6 @@ class Accounting:
         probe_mode: str = defaults.PROBE_MODE,
         nvml: NvmlLike | None = None,
         enforcer: MemoryEnforcer | None = None,
-        grace_seconds: float = defaults.PROCESS_SERIES_GRACE_SECONDS,
         rescan_seconds: float = defaults.LIBCUDA_RESCAN_SECONDS,
         clock: Callable[[], int] = time.monotonic_ns,
         libcuda_paths: Sequence[Path] | None = None,
@@ -246,10 +242,9 @@ class Accounting:
         self.nvml = NvmlSource(self.nvml_reader)
         self.gate: Source = gate if gate is not None else GateSource(region)
         self.enforcer = enforcer or MemoryEnforcer()
-        self.grace_ns = int(grace_seconds * 1e9)
         self.clock = clock
         self._info: dict[int, _Info] = {}
-        self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): last account, kept for the grace
+        self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): its account at the last poll
         self._last_poll_ns: int | None = None
         self.group_seconds = group_seconds
         self._time_share = GpuTimeShare()
@@ -434,8 +429,7 @@ class Accounting:
         for key in merge.places(ebpf, gate, nvml):
             pid, uuid = key
             # eBPF removes a process's context at its exit: those need no /proc read to be known alive.
-            if pid not in alive and not self.proc.alive(pid):
-                self._info.pop(pid, None)
+            if pid not in alive and not self._running(pid, gate):
                 continue
             info = self._info_of(pid, config)
             if info is None:
@@ -447,10 +441,29 @@ class Accounting:
         if self.group_seconds is not None:
             self._share_gpu_time(live, config, ebpf.missed if ebpf is not None else frozenset())
         self._integrate_nvml(now, live, nvml.utilization)
-        snapshot = self._with_exited(now, live)
+        snapshot = self._remember(now, live)
         for listener in self._listeners:
             listener.on_snapshot(snapshot, merged)
         return snapshot
+
+    def _running(self, pid: int, gate: SourceReading) -> bool:
+        """Whether `pid` is the running process the sources mean. Gone or a zombie: no (a source may
+        still list it: NVML until the driver destroys its context, a slot until the reaper frees it).
+        Another start time than its slot recorded: the slot is a dead process's, or a pod's gate's
+        pid from its own namespace not yet translated (gemtrace/agent.py's Reaper), and this pid is
+        another process's. Another start time than the facts kept of it: the pid was reused, those
+        facts are forgotten and read afresh."""
+        running, start = self.proc.running(pid)
+        if not running:
+            self._info.pop(pid, None)
+            return False
+        kept = self._info.get(pid)
+        if kept is not None and kept.start_time != start:
+            del self._info[pid]
+            for key in [key for key in self._seen if key[0] == pid]:
+                del self._seen[key]  # the new process's GPU time starts from nothing
+        recorded = gate.start_times.get(pid)
+        return not (recorded and start is not None and recorded != start)
 
     def _share_gpu_time(self, live: dict[Key, ProcessAccount], config: _Config | None,
                         missed: Collection[int]) -> None:
@@ -480,10 +493,6 @@ class Accounting:
                     prev = self._seen.get(key)
                     gated_busy += max(0.0, acc.gpu_seconds - (prev.account.gpu_seconds if prev else acc.gpu_seconds))
             share = [k for k, a in live.items() if k[1] == uuid and not a.gated]
-            if not share:  # NVML's window still holds the work of a process that just exited
-                share = [k for k, s in self._seen.items()
-                         if k[1] == uuid and s.exited_ns is not None and now - s.exited_ns < NVML_WINDOW_NS
-                         and not s.account.gated]
             each = max(0.0, fraction * dt - gated_busy) / len(share) if share else 0.0
             for key in share:
                 seen = self._seen.get(key)
@@ -495,26 +504,10 @@ class Accounting:
             if seen is not None and seen.nvml_seconds and not acc.gated:
                 live[key] = replace(acc, gpu_seconds=acc.gpu_seconds + seen.nvml_seconds)
 
-    def _with_exited(self, now: int, live: dict[tuple[int, str], ProcessAccount]) -> Snapshot:
-        for key, acc in live.items():
-            seen = self._seen.get(key)
-            if seen is None:
-                seen = self._seen[key] = _Seen(acc)
-            seen.account, seen.exited_ns = acc, None
-            seen.nvml_in_account = 0.0 if acc.gated else seen.nvml_seconds
-        out = list(live.values())
-        for key, seen in list(self._seen.items()):
-            if key in live:
-                continue
-            if seen.exited_ns is None:
-                seen.exited_ns = now
-            if now - seen.exited_ns >= self.grace_ns:
-                del self._seen[key]
-                continue
-            tail = seen.nvml_seconds - seen.nvml_in_account  # NVML's window after the exit
-            out.append(replace(seen.account, memory_bytes=0, managed_bytes=0, exited_ns=seen.exited_ns,
-                               gpu_seconds=seen.account.gpu_seconds + tail))
-        return Snapshot(now, tuple(sorted(out, key=lambda a: (a.gpu, a.pid))))
+    def _remember(self, now: int, live: dict[tuple[int, str], ProcessAccount]) -> Snapshot:
+        """The snapshot of the live processes; what is kept of each (_seen) is dropped with it."""
+        self._seen = {key: replace(self._seen.get(key) or _Seen(acc), account=acc) for key, acc in live.items()}
+        return Snapshot(now, tuple(sorted(live.values(), key=lambda a: (a.gpu, a.pid))))
 
     def stop_watching(self) -> None:
         """Stop the eBPF source's thread (enforcement, rescans); close() detaches the probes after it."""

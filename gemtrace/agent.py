@@ -31,7 +31,7 @@ from pathlib import Path
 
 import structlog
 
-from gemtrace import defaults
+from gemtrace import contract, defaults
 from gemtrace import region as rg
 from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.collectors.agent import AgentView
@@ -59,6 +59,8 @@ ACCOUNTING_POLL_SECONDS = 1.0  # the scrape cadence: polling faster costs CPU fo
 # at once (its pidfd), so this bounds only the reaping of a process that died before its first look:
 # within the promised 100 ms, at a fifth of the wake-ups of a 10 ms tick (each costs 50-100 us of CPU).
 REAPER_SCAN_SECONDS = 0.050
+# A slot claimed but never filled (its gate killed in between: microseconds) is judged after this long.
+SLOT_FILL_SECONDS = 1.0
 TABLE_SECONDS = 1.0  # how often the group table is re-asserted: a forged limit lasts at most this long
 LOCK_FILE = "agent.lock"
 KEEPER_NICE = -10  # the keeper thread's nice value (Linux gives each thread its own)
@@ -139,6 +141,7 @@ class Reaper:
         self._index_of_fd: dict[int, int] = {}
         self._last_pids: list[int] = []
         self._retry = False  # some live slot could not be looked at: look again next tick
+        self._filling: dict[int, tuple[int, float]] = {}  # slot index -> (pid, when first seen unfilled)
         self.fd_limit_hits = 0  # how often a look failed for want of file descriptors
 
     def tick(self) -> list[int]:
@@ -153,6 +156,9 @@ class Reaper:
                     self._unwatch(index)  # the gate freed its own slot at exit
             for index, pid in enumerate(pids):
                 if not pid or index in self._watched:
+                    continue
+                if not self._filled(index, pid):
+                    self._retry = True
                     continue
                 state = self._watch(index, pid)
                 if state is None:
@@ -179,6 +185,23 @@ class Reaper:
             self._poll.poll(max(0, int(timeout * 1000)))
         finally:
             self._poll.unregister(also)
+
+    def _filled(self, index: int, pid: int) -> bool:
+        """Whether the slot's gate has filled it (its flag is written last, hook/attach.c), so that its
+        start time can be believed: judged before, a pod's gate's pid from its own namespace (which
+        here names another process, or none) was watched as it stood, never translated, and the
+        process never placed in its group (1 of 100 pods), or its slot freed while it lived. A slot
+        left unfilled for SLOT_FILL_SECONDS (its gate killed while filling) is judged as it stands."""
+        if self.region.slots[index].flags & contract.SLOT_GATED:
+            self._filling.pop(index, None)
+            return True
+        seen = self._filling.get(index)
+        if seen is None or seen[0] != pid:
+            seen = self._filling[index] = (pid, time.monotonic())
+        if time.monotonic() - seen[1] < SLOT_FILL_SECONDS:
+            return False
+        del self._filling[index]
+        return True
 
     def _watch(self, index: int, pid: int) -> bool | None:
         """Start watching a newly seen slot: True when watched (or not ours to judge), False when

@@ -28,7 +28,6 @@ PROBE_MODE = "memory"
 TICK_SECONDS = 0.010
 CONFIG_POLL_SECONDS = 1.0
 LIBCUDA_RESCAN_SECONDS = 1.0
-PROCESS_SERIES_GRACE_SECONDS = 60.0
 
 # Oversubscription (docs/gate.md): the share of the host's memory (MemTotal) that the managed memory
 # of all gated processes together may take. Managed pages evicted from a GPU live in host memory; the

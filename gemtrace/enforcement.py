@@ -207,7 +207,7 @@ class Enforcement:
         for two polls in a row with the same figures."""
         for p in snapshot.processes:
             m = merged.get((p.pid, p.gpu))
-            if m is None or m.slot_memory is None or m.ebpf_memory is None or p.exited_ns is not None:
+            if m is None or m.slot_memory is None or m.ebpf_memory is None:
                 continue
             self._audit(p.pid, p.group, p.gpu, m.slot_memory, m.ebpf_memory)
 

@@ -176,8 +176,12 @@ class ProcReader:
 
     def alive(self, pid: int) -> bool:
         """Running: a zombie (killed, not yet waited for) holds no GPU memory and counts as gone."""
+        return self.running(pid)[0]
+
+    def running(self, pid: int) -> tuple[bool, int | None]:
+        """(alive, start_time) from one read of /proc/PID/stat: a poll asks both of every process."""
         raw = self._read(pid, "stat")
         if raw is None:
-            return False
+            return False, None
         state = raw.rsplit(b")", 1)[-1].split()[:1]
-        return bool(state) and state[0] not in (b"Z", b"X", b"x")
+        return bool(state) and state[0] not in (b"Z", b"X", b"x"), parse_start_time(raw)

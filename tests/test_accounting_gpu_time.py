@@ -14,7 +14,7 @@ from simgpu_env import LIBNVML, REPO, SimGpu
 pytestmark = pytest.mark.e2e
 
 CHILD = r"""
-import json, subprocess, sys, time
+import json, select, subprocess, sys, time
 from gemtrace.accounting import Accounting
 from gemtrace.probes.nvml import NvmlReader
 nvml = NvmlReader(sys.argv[1])
@@ -24,18 +24,22 @@ end = time.monotonic() + 1.2  # an agent polls all along: NVML's window is full 
 while time.monotonic() < end:
     acc.poll()
     time.sleep(0.05)
-client = subprocess.Popen(sys.argv[2:], stdout=subprocess.PIPE, text=True)
-while client.poll() is None:
+# The client holds after its report: an exited process leaves the snapshot at the next poll, and
+# NVML's window still holds its last second of work.
+client = subprocess.Popen([*sys.argv[2:], "--hold", "30"], stdout=subprocess.PIPE, text=True)
+while not select.select([client.stdout], [], [], 0.05)[0]:
     acc.poll()
-    time.sleep(0.05)
-end = time.monotonic() + 1.5  # NVML's window still holds the last second of work
+truth = json.loads(client.stdout.readline())
+end = time.monotonic() + 1.5
 while time.monotonic() < end:
     acc.poll()
     time.sleep(0.05)
-truth = [json.loads(x) for x in client.stdout.read().splitlines() if x.startswith("{")][-1]
-seconds = {p.pid: p.gpu_seconds for p in acc.poll().processes}
+snapshot = acc.poll()
+client.kill()
+client.wait()
+seconds = {p.pid: p.gpu_seconds for p in snapshot.processes}
 print(json.dumps({"kernel_s": truth["kernel_s"], "gpu_seconds": seconds.get(client.pid, 0.0),
-                  "gated": [p.gated for p in acc.poll().processes]}))
+                  "gated": [p.gated for p in snapshot.processes]}))
 """
 
 

@@ -16,11 +16,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from agent_host import wait_until
 
 from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.agent import Agent, AgentLock, AgentRunning, Reaper, raise_fd_limit
 from gemtrace.gpus import Gpu
+from gemtrace.groups_of import ProcReader
 from gemtrace.policy import MS
 from gemtrace.scheduler import GpuScheduler, Quota
 
@@ -214,6 +216,33 @@ def test_an_entry_an_assignment_still_points_at_is_never_freed(agent: Agent) -> 
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_pods_slot_seen_before_its_gate_filled_it_gets_the_host_pid(tmp_path: Path) -> None:
+    """A gate in a PID namespace claims its slot with its pid there (1 for a pod's first process:
+    the host's init here), then writes its start time, then its flag (hook/attach.c). A reaper tick
+    between the claim and the flag must not watch the slot as it stands: it waits, then translates."""
+    region = rg.Region.create(tmp_path)
+    pod = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"])
+    reaper = Reaper(region)
+    try:
+        children = Path(f"/proc/{pod.pid}/task/{pod.pid}/children")
+        host_pid = int(wait_until("the pod's process", lambda: children.read_text().split())[0])
+        status = Path(f"/proc/{host_pid}/status").read_text()
+        assert next(line for line in status.splitlines() if line.startswith("NSpid:")).split()[1:] == [
+            str(host_pid), "1"]
+        slot = region.slots[5]
+        slot.pid = 1  # claimed: start time and flag not written yet
+        assert reaper.tick() == []
+        slot.start_time = ProcReader().start_time(host_pid) or 0  # the same in every namespace
+        slot.flags = contract.SLOT_GATED
+        assert reaper.tick() == []
+        assert region.slot_pids()[5] == host_pid
+    finally:
+        reaper.close()
+        pod.kill()
+        pod.wait()
+        region.close()
 
 
 # -- 5. the reaper out of file descriptors ----------------------------------------------------------

@@ -75,8 +75,7 @@ class GroupCollector(Collector):
                 managed.add_metric([gpu_uuid, group, *pod(group)], float(used))
             counts: dict[tuple[str, str], int] = {}
             for p in snapshot.processes:
-                if p.exited_ns is None:
-                    counts[(p.gpu, p.group)] = counts.get((p.gpu, p.group), 0) + 1
+                counts[(p.gpu, p.group)] = counts.get((p.gpu, p.group), 0) + 1
             for (gpu_uuid, group), n in sorted(counts.items()):
                 processes.add_metric([gpu_uuid, group, *pod(group)], float(n))
         yield from (memory, managed, processes)

@@ -1,9 +1,9 @@
 """Per-process series (memory, GPU time, launches) from the accounting's latest Snapshot.
 
 Only reads the snapshot it is given; the accounting decides what is in it. A process's series go
-away when the process leaves the snapshot, which keeps an exited one (memory 0) for
-PROCESS_SERIES_GRACE_SECONDS: nothing lingers. A process whose launches are unknown (ungated, launches
-not probed) has no launch series rather than a false zero. Also exports the probe gauges.
+away when the process leaves the snapshot, at the first poll after its exit: nothing lingers. A
+process whose launches are unknown (ungated, launches not probed) has no launch series rather than a
+false zero. Also exports the probe gauges.
 """
 
 from __future__ import annotations
