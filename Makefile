@@ -30,7 +30,7 @@ contract:
 	$(MAKE) -C hook BUILD=$(abspath $(BUILD)) contract
 
 simgpu:
-	$(MAKE) -C tests/simgpu BUILD=$(abspath $(BUILD))
+	$(MAKE) -C simgpu BUILD=$(abspath $(BUILD))
 
 # --system-site-packages: bcc's Python module comes from the distribution (python3-bpfcc).
 # pip and setuptools come from the lock too, and gemtrace is built with the venv's setuptools
