@@ -74,8 +74,8 @@ lock:
 	rm -rf $(LOCK_VENV)
 
 lint: venv contract
-	$(VENV)/bin/ruff check gemtrace tests bench packaging
-	$(VENV)/bin/mypy gemtrace packaging/deb/manpage.py
+	$(VENV)/bin/ruff check gemtrace dev tests bench packaging
+	$(VENV)/bin/mypy gemtrace dev packaging/deb/manpage.py
 
 prereqs:
 	@$(PREREQS) test
@@ -94,7 +94,7 @@ test-unit: all
 demo:
 	@$(PREREQS) demo
 	@$(MAKE) --no-print-directory all
-	$(PY) -m gemtrace.demo
+	$(PY) -m dev.demo
 
 deb:
 	@$(PREREQS) deb

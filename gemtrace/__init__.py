@@ -44,8 +44,6 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
     torch_hook/      that hook, run in the user's interpreter (stdlib only): sitecustomize, watcher
     top.py           `gemtrace top`: the live terminal view, from the agent's /metrics
     status.py        `gemtrace status`: one frame of top's view, or JSON
-    dashboards.py    the Grafana dashboards, generated from the metric catalogue
-    demo.py          `make demo`: the agent and three groups on the simulated GPU
     kube/            gemtrace on Kubernetes: the device plugin, the webhook, the gate injected into
                      containers, pods' names for the metrics (kube/__init__.py has its map)
 """
