@@ -30,7 +30,7 @@ contract:
 	$(MAKE) -C hook BUILD=$(abspath $(BUILD)) contract
 
 simgpu:
-	$(MAKE) -C tests/simgpu BUILD=$(abspath $(BUILD))
+	$(MAKE) -C simgpu BUILD=$(abspath $(BUILD))
 
 # --system-site-packages: bcc's Python module comes from the distribution (python3-bpfcc).
 # pip and setuptools come from the lock too, and gemtrace is built with the venv's setuptools
@@ -74,8 +74,8 @@ lock:
 	rm -rf $(LOCK_VENV)
 
 lint: venv contract
-	$(VENV)/bin/ruff check gemtrace tests bench packaging
-	$(VENV)/bin/mypy gemtrace packaging/deb/manpage.py
+	$(VENV)/bin/ruff check gemtrace dev tests bench packaging
+	$(VENV)/bin/mypy gemtrace dev packaging/deb/manpage.py
 
 prereqs:
 	@$(PREREQS) test
@@ -94,7 +94,7 @@ test-unit: all
 demo:
 	@$(PREREQS) demo
 	@$(MAKE) --no-print-directory all
-	$(PY) -m gemtrace.demo
+	$(PY) -m dev.demo
 
 deb:
 	@$(PREREQS) deb

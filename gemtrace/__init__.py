@@ -1,6 +1,8 @@
 """gemtrace: share NVIDIA GPUs between groups of processes with quotas, and show who uses what.
 
-The package, one module per concern (the gate itself is C, in hook/; BPF programs are in bpf/):
+The package, one module per concern: what the .deb ships (packaging/deb/build.sh copies all of it), the agent and
+the user's commands (run, status, top). The gate itself is C, in hook/; BPF programs are in bpf/. What only a checkout
+uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the simulated GPU), tests/, bench/.
     cli.py           the `gemtrace` command: argument parsing, errors as one line and an exit status
     agent.py         the agent's lifecycle and loop: heartbeat, reaping dead slots, reloads, shutdown
     config.py        the resource file: reading, parsing (pure), validating, watching for changes
@@ -44,8 +46,6 @@ The package, one module per concern (the gate itself is C, in hook/; BPF program
     torch_hook/      that hook, run in the user's interpreter (stdlib only): sitecustomize, watcher
     top.py           `gemtrace top`: the live terminal view, from the agent's /metrics
     status.py        `gemtrace status`: one frame of top's view, or JSON
-    dashboards.py    the Grafana dashboards, generated from the metric catalogue
-    demo.py          `make demo`: the agent and three groups on the simulated GPU
     kube/            gemtrace on Kubernetes: the device plugin, the webhook, the gate injected into
                      containers, pods' names for the metrics (kube/__init__.py has its map)
 """

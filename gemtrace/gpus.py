@@ -1,7 +1,7 @@
 """The GPUs of this host, from NVML: index, UUID, name, memory. Read once at agent start.
 
 Never used on a per-call path. Without NVML (no driver, no libnvidia-ml) it raises GpuDiscoveryError
-with what to check; the simulated GPU in tests/ provides an NVML that pynvml loads unmodified.
+with what to check; the simulated GPU in simgpu/ provides an NVML that pynvml loads unmodified.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ NVML). PCIe comes from nvmlDeviceGetTopologyCommonAncestor; NVLinks from each li
 PCI bus id and version. A link whose remote is another GPU joins the two directly; one whose remote
 is an NVSwitch (nvmlDeviceGetNvLinkRemoteDeviceType) joins every GPU with links to that switch, as on
 a DGX A100 where NVML names the switches, never the peer. NOT_SUPPORTED means no NVLink. Never
-decides anything. tests/simgpu's NVML reports the topology that SIMGPU_TOPOLOGY names.
+decides anything. simgpu/'s NVML reports the topology that SIMGPU_TOPOLOGY names.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The simulated GPU for tests: where it is built, the environment that selects it, and its clients.
 
-Owns the test-side view of build/simgpu (built by `make simgpu`; sources in tests/simgpu and
-tests/clients). Never builds anything itself: a missing build fails the test with the command to run.
+Owns the test-side view of build/simgpu (built by `make simgpu`; sources in simgpu/ and
+simgpu/clients/). Never builds anything itself: a missing build fails the test with the command to run.
 
 API (`from simgpu_env import ...`; the fixtures come to every test module through tests/conftest.py):
   SIMGPU_DIR, LIBCUDA, LIBNVML, RT_CLIENT, LINKED_CLIENT   paths under build/simgpu

@@ -15,7 +15,8 @@ import pytest
 from agent_host import Host
 from simgpu_env import LIBCUDA, LIBNVML, RT_CLIENT, Client, simgpu_env
 
-from gemtrace import demo, top
+from dev import demo
+from gemtrace import top
 
 FRAME = top.Frame(taken_at=0.0, agent_version="0.1.0", probes_attached=0.0,
                   gpus=(top.Gpu(uuid="GPU-1", index="0", groups=(top.Group(name="train", gpu="GPU-1"),)),))
@@ -54,7 +55,7 @@ def test_the_demo_is_quiet_and_shows_only_its_own_programs(host: Host, tmp_path:
     log_path: Path | None = None
     try:
         stranger.wait_for("holding")
-        out = subprocess.run([sys.executable, "-m", "gemtrace.demo", "--seconds", "4"], env=host.env(),
+        out = subprocess.run([sys.executable, "-m", "dev.demo", "--seconds", "4"], env=host.env(),
                              capture_output=True, text=True, timeout=120)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert out.stderr == ""  # nothing while the agent starts: no refused connections

@@ -1,5 +1,5 @@
 """The Grafana dashboards and provisioning files, checked without Grafana: the committed JSON is what
-gemtrace.dashboards generates, every query and variable uses catalogue metrics and labels only and
+dev.dashboards generates, every query and variable uses catalogue metrics and labels only and
 is valid PromQL for promtool, and the provisioning files point where the files are.
 tests/test_prometheus_live.py evaluates the same queries against a real Prometheus."""
 
@@ -16,7 +16,7 @@ import promql_catalogue
 import pytest
 import yaml
 
-from gemtrace import dashboards
+from dev import dashboards
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +47,7 @@ def substitute(expr: str, values: dict[str, str]) -> str:
 @pytest.mark.parametrize("name", sorted(dashboards.DASHBOARDS))
 def test_committed_dashboard_is_the_generated_one(name: str) -> None:
     assert (DASHBOARD_DIR / name).read_text() == dashboards.render(name), (
-        "stale dashboard: python -m gemtrace.dashboards --write")
+        "stale dashboard: python -m dev.dashboards --write")
 
 
 def test_the_four_views_are_there() -> None:

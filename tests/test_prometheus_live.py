@@ -31,7 +31,7 @@ import pytest
 import yaml
 from simgpu_env import RT_CLIENT, require_build, simgpu_env
 
-from gemtrace import dashboards
+from dev import dashboards
 from gemtrace.kube.pods import Names
 
 pytestmark = pytest.mark.e2e

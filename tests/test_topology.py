@@ -1,7 +1,7 @@
 """The simulated NVML's topology as the real pynvml reads it, and topology.build over plain readings.
 
 pynvml's ctypes mirrors are the reference for the signatures and struct layouts: a wrong layout in
-tests/simgpu/nvml.c shows up here as a garbled bus id or a wrong level.
+simgpu/nvml.c shows up here as a garbled bus id or a wrong level.
 """
 
 from __future__ import annotations

@@ -683,7 +683,7 @@ int workload_main(int argc, char **argv, const struct drv *d, const char *how)
         first++;
     if (first >= argc) {
         fprintf(stderr, "usage: %s [--ptsz] launch-loop|alloc|meminfo|alloc-threads|fork-alloc|"
-                        "empty-launch-loop|devices|error-codes|free-checks ... (simgpu-%s; see tests/clients/workload.c)\n", argv[0], how);
+                        "empty-launch-loop|devices|error-codes|free-checks ... (simgpu-%s; see simgpu/clients/workload.c)\n", argv[0], how);
         return 2;
     }
     struct opts o;

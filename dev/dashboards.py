@@ -1,7 +1,7 @@
 """gemtrace's Grafana dashboards, generated from code so that every query names catalogue metrics.
 
 Owns the four dashboards (fleet overview, group view, process view, Kubernetes pod view) as Grafana JSON models and
-writes them to grafana/provisioning/dashboards/gemtrace/ (`python -m gemtrace.dashboards --write`);
+writes them to grafana/provisioning/dashboards/gemtrace/ (`python -m dev.dashboards --write`);
 tests check that the committed files equal what this module generates. It never talks to Grafana
 or Prometheus: tests/test_prometheus_live.py evaluates every query against a real Prometheus.
 
@@ -341,7 +341,7 @@ def render(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gemtrace.dashboards",
+    ap = argparse.ArgumentParser(prog="python -m dev.dashboards",
                                  description="Grafana dashboards of gemtrace")
     ap.add_argument("--write", metavar="DIR", nargs="?", const=str(OUT_DIR),
                     help=f"write the dashboards into DIR (default {OUT_DIR})")

@@ -1,6 +1,6 @@
 """`make demo`: the agent at work on the simulated GPU, three groups sharing it.
 
-Starts `gemtrace agent` on the simulated GPU of tests/ (build/simgpu: a libcuda whose kernels take
+Starts `gemtrace agent` on the simulated GPU (simgpu/, built into build/simgpu: a libcuda whose kernels take
 the time they are told, and an NVML) with examples/resource.conf, starts each group's workload with
 `gemtrace run`, and prints a frame of the groups every second (what `gemtrace top` shows), so the
 shares can be watched being held: train is capped at 30%, infer may take up to 70%, notebook takes
@@ -42,7 +42,7 @@ REAL_GPU_HELP = """This host has an NVIDIA GPU: run the real thing.
   sudo gemtrace agent --config examples/resource.conf          # or: systemctl start gemtrace
   gemtrace run --group train -- python train.py                 # in another shell
   gemtrace top                                                  # watch the groups
-Force the simulated GPU with: python -m gemtrace.demo --simulated
+Force the simulated GPU with: python -m dev.demo --simulated
 """
 
 # group -> the client's arguments: 2 ms kernels, four per step then a sync, as a training step does.
@@ -110,7 +110,7 @@ def _run(group: str, state: Path, env: dict[str, str], client: list[str]) -> sub
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gemtrace.demo", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m dev.demo", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=20.0, help="how long to show the shares (default 20)")
     ap.add_argument("--simulated", action="store_true", help="use the simulated GPU even on a GPU host")
     args = ap.parse_args(argv)
