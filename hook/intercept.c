@@ -6,7 +6,7 @@
  *  - cuGetProcAddress(_v2), which is how the CUDA runtime reaches every function: it fetches
  *    cuGetProcAddress_v2 with dlsym on its libcuda handle, then everything through it (seen on the
  *    H100 with PyTorch 2.11, nvcc's static cudart and -cudart shared: a preload library defining only
- *    cuGetProcAddress_v2 was never called, one overriding dlsym saw that look-up; tests/clients/rt.c
+ *    cuGetProcAddress_v2 was never called, one overriding dlsym saw that look-up; simgpu/clients/rt.c
  *    reaches the simulated driver the same way). We ask the real one first, for the requested version
  *    and flags, then hand out our wrapper for whichever real entry point it chose (matched by
  *    address), so version answers stay the driver's own: always answering the newest _vN broke vLLM
