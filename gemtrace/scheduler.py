@@ -208,6 +208,7 @@ class GpuScheduler:
         present: set[int] = set()  # groups with a live process that has launched on this GPU
         holder_busy = False
         holder_drained = 0
+        holder_burst_from: int | None = None  # the earliest burst the quiet holder ran since the last look
         drain_done = True
         drain_ends: list[int] = []
         # Groups still finishing work queued before a drain that timed out: held when, done so far,
@@ -259,6 +260,8 @@ class GpuScheduler:
             if group == holder:
                 if quiet and waiting == 0:
                     holder_drained = max(holder_drained, drained)
+                    if moved and burst_start:
+                        holder_burst_from = min(holder_burst_from or burst_start, burst_start)
                 else:
                     holder_busy = True
             if drain is not None and group == drain.group:
@@ -286,8 +289,9 @@ class GpuScheduler:
         # An overrunning group with no process left (they exited) is done when it was held.
         finished = {g: min(now, overrun_ends.get(g, hold_at)) for g, hold_at in overrun.items()
                     if g not in overrun_busy}
-        return Observation(frozenset(demand), None if holder is None or holder_busy else holder_drained,
-                           drained_at, finished, frozenset(present))
+        quiet_holder = holder is not None and not holder_busy
+        return Observation(frozenset(demand), holder_drained if quiet_holder else None, drained_at, finished,
+                           frozenset(present), holder_burst_from if quiet_holder else None)
 
     def _carry_out(self, now: int, decision: Decision) -> None:
         if decision.draining is not None and self._drain is None:

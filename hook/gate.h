@@ -62,6 +62,9 @@ struct gt_process {
      * synchronisation empties the process's queue (gt_close_burst). */
     CUstream burst_stream[GT_MAX_GPUS];
     uint32_t burst_streams_many[GT_MAX_GPUS];
+    /* 1 when the last burst was closed by a sync that did not cover all of it (an event's, or one
+     * stream's of several): work of it may still run, so the next burst counts as on several streams. */
+    uint32_t burst_left_work[GT_MAX_GPUS];
     uint64_t burst_first_launch[GT_MAX_GPUS]; /* slot->launches[gpu] when the burst opened */
     uint64_t launch_ns[GT_MAX_GPUS];      /* a launch's share of a burst's time, decayed mean (0: none yet) */
     uint64_t launch_ns_weight[GT_MAX_GPUS]; /* the launches behind launch_ns, decayed (gt_close_burst) */

@@ -54,8 +54,11 @@ static void open_burst(int gpu, CUstream stream)
         __atomic_store_n(&gt_proc.marker_armed[gpu], 0, __ATOMIC_RELAXED);
         __atomic_store_n(&gt_proc.queue_check_at[gpu], 0, __ATOMIC_RELAXED); /* keep_queue_short recounts */
         __atomic_store_n(&gt_proc.burst_stream[gpu], stream, __ATOMIC_RELAXED);
-        /* The per-thread default stream is one handle for every thread's own stream. */
-        __atomic_store_n(&gt_proc.burst_streams_many[gpu], stream == CU_STREAM_PER_THREAD, __ATOMIC_RELAXED);
+        /* The per-thread default stream is one handle for every thread's own stream; and work left
+         * by the last burst may be on any stream. */
+        __atomic_store_n(&gt_proc.burst_streams_many[gpu],
+                         stream == CU_STREAM_PER_THREAD || __atomic_load_n(&gt_proc.burst_left_work[gpu], __ATOMIC_RELAXED),
+                         __ATOMIC_RELAXED);
         uint64_t now = gt_now_ns();
         gt_proc.burst_start_ns[gpu] = now;
         /* Before the launch is counted (release): a scheduler that reads drained_ns, then this, never
@@ -81,6 +84,8 @@ void gt_close_burst(int gpu, bool emptied)
     uint64_t now = gt_now_ns();
     uint32_t open = 1;
     if (__atomic_compare_exchange_n(&gt_proc.burst_open[gpu], &open, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+        if (!emptied)
+            __atomic_store_n(&gt_proc.burst_left_work[gpu], 1, __ATOMIC_RELAXED);
         uint64_t start = gt_proc.burst_start_ns[gpu];
         if (now > start)
             __atomic_fetch_add(&gt_proc.slot->busy_ns[gpu], now - start, __ATOMIC_RELAXED);
@@ -106,8 +111,10 @@ void gt_close_burst(int gpu, bool emptied)
     }
     /* Only a sync that covered every launch: the scheduler takes drained_ns >= burst_start_ns for an
      * empty queue, and charges the process's group until then. */
-    if (emptied)
+    if (emptied) {
+        __atomic_store_n(&gt_proc.burst_left_work[gpu], 0, __ATOMIC_RELAXED);
         __atomic_store_n(&gt_proc.slot->drained_ns[gpu], now, __ATOMIC_RELEASE);
+    }
 }
 
 /* Synchronise the context `stream` belongs to (the current one may be another device's). */

@@ -185,6 +185,30 @@ def test_a_burst_between_two_looks_is_idle_at_the_next(region: rg.Region) -> Non
     assert scheduler.usage()[a].gpu_seconds == pytest.approx(1.5 / 1000, abs=0.0002)
 
 
+def test_a_burst_no_look_saw_is_charged(region: rg.Region) -> None:
+    # A service alone: each request opens and drains between two looks. It is charged what its
+    # bursts ran (from their opening to their drain), not nothing and not the pauses.
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    a = region.set_group("a", None, 0, 1)
+    scheduler.set_quotas({a: Quota()})
+    slot_a = claim(region, 0, 1001, a)
+    slot_a.waiting[GPU] = 1
+    scheduler.step()
+    slot_a.waiting[GPU] = 0
+    clock.advance(1 * MS)
+    scheduler.step()  # quiet: nothing charged from here
+    for _ in range(10):
+        clock.advance(10 * MS)
+        launch(slot_a, 12, clock())
+        clock.advance(MS // 2)
+        slot_a.drained_ns[GPU] = clock()
+        clock.advance(10 * MS)
+        scheduler.step()
+    assert not held(region, a)
+    assert scheduler.usage()[a].gpu_seconds == pytest.approx(10 * 0.5 / 1000, abs=1e-6)
+
+
 def test_a_process_in_a_long_sync_is_busy(region: rg.Region) -> None:
     # A burst opened after its last drain: work is queued however long ago the counter moved (taking
     # such a process for idle let one in an 8 ms sync run beside the next group).
