@@ -94,14 +94,17 @@ class Observation:
 
     demand: groups that want the GPU (a thread waiting on its word, or launches that moved since the
         last look); the holder is in it while it is busy.
-    holder_idle_since: the holder is quiet (no launch since the last look, nothing queued): when it
-        last had work; None while it is busy.
+    holder_idle_since: the holder is quiet (nothing queued): when it last had work; None while it
+        is busy.
     drained_at: while a held group drains: when its last process finished; None while not done.
     overrun_drained: groups whose drain outlasted the timeout (`TimeSharePolicy.overrunning`) and
         have since finished: when their last process did.
     present: groups with a live process that has launched on this GPU, wanting it now or not. While
         one of a higher priority than the holder's is present, the policy looks every poll for its
         next launch (it revokes the holder then) instead of once a slice.
+    holder_burst_from: the quiet holder ran a burst since the last look (it launched, and drained
+        at holder_idle_since): when that burst opened. The time between is charged to it, also
+        where no look saw it busy (a service's request shorter than a poll). None: no such burst.
     """
 
     demand: frozenset[int] = frozenset()
@@ -109,6 +112,7 @@ class Observation:
     drained_at: int | None = None
     overrun_drained: Mapping[int, int] = field(default_factory=dict)
     present: frozenset[int] = frozenset()
+    holder_burst_from: int | None = None
 
 
 @dataclass(frozen=True)
@@ -277,6 +281,9 @@ class TimeSharePolicy:
                 # It ran out of work at holder_idle_since: the time since was not GPU time.
                 self._refund(holder, now - max(obs.holder_idle_since, self._released_at))
                 self._charging = False
+            elif obs.holder_burst_from is not None:
+                # Quiet at the last look and at this one, busy in between: charge what it ran.
+                self._charge(holder, obs.holder_idle_since - max(obs.holder_burst_from, self._released_at))
         elif not self._charging:
             self._charging = True  # busy again (seen at this look: at most a poll late)
         others = [g for g in self._demand if g != holder and self._eligible(g, now)]
@@ -467,6 +474,19 @@ class TimeSharePolicy:
                                    max(0.0, account.owed + quota.min_util * dt - charged))
             if wants and not (self._phase is Phase.RUNNING and group == self._holder):
                 account.throttled_ns += dt
+
+    def _charge(self, group: int, ns: float) -> None:
+        """Charge GPU time that no look saw passing (a burst between two looks): what `_advance`
+        charges a busy holder, after the fact."""
+        if ns <= 0 or group not in self._accounts:
+            return
+        account = self._accounts[group]
+        account.gpu_ns += ns
+        account.usage += ns
+        if account.quota.max_util < 1.0:
+            account.cap_credit -= ns
+        if account.quota.min_util > 0.0:
+            account.owed = max(0.0, account.owed - ns)
 
     def _refund(self, group: int, ns: float) -> None:
         """Take back time charged provisionally that was not GPU time (the holder had idled, or its

@@ -103,7 +103,7 @@ class Slot(ctypes.Structure):
         ("managed", u64 * MAX_GPUS),
         ("launches", u64 * MAX_GPUS),
         ("busy_ns", u64 * MAX_GPUS),
-        ("last_launch_ns", u64 * MAX_GPUS),
+        ("burst_start_ns", u64 * MAX_GPUS),
         ("drained_ns", u64 * MAX_GPUS),
         ("waiting", u32 * MAX_GPUS),
         ("reserved", u64 * 4),
@@ -661,6 +661,9 @@ class SlotColumns:
 
     def drained_ns(self, gpu: int) -> memoryview:
         return self._col64(Slot.drained_ns.offset + 8 * gpu)
+
+    def burst_start_ns(self, gpu: int) -> memoryview:
+        return self._col64(Slot.burst_start_ns.offset + 8 * gpu)
 
     def waiting(self, gpu: int) -> memoryview:
         return self._col32(Slot.waiting.offset + 4 * gpu)

@@ -57,6 +57,7 @@ class SlotTable:
         self.waiting = columns.waiting(gpu)
         self.launches = columns.launches(gpu)
         self.drained_ns = columns.drained_ns(gpu)
+        self.burst_start_ns = columns.burst_start_ns(gpu)
         self.live = columns.live
 
 
@@ -74,7 +75,6 @@ def _gatherer(indices: Sequence[int]) -> Callable[[Sequence[int]], tuple[int, ..
 class _SlotSeen:
     pid: int
     launches: int
-    moved_at: int  # the look that first saw the launches counter at its current value (0: never)
 
 
 @dataclass
@@ -189,16 +189,16 @@ class GpuScheduler:
                 self.region.hold(self.gpu, group)
 
     @staticmethod
-    def _quiet(slot: _SlotSeen, moved: bool, waiting: int, drained: int) -> bool:
-        """Has the process nothing queued on this GPU, as far as the counters tell?
+    def _quiet(waiting: int, drained: int, burst_start: int) -> bool:
+        """Has the process nothing queued on this GPU?
 
-        Yes if a thread waits on the word (the gate drained before waiting), or the process drained
-        (in the gate, or by its own sync) after the look that saw its last launch. The gate reads no
-        clock per launch, so a drain stored between that look and the one before may be older than
-        the launch: such a process counts as busy until it drains again or launches into the held
-        word (taking it for quiet let a process in an 8 ms sync run on beside the next group).
+        Yes if a thread waits on the word (the gate drained before waiting), or a sync that covered
+        every launch came after its last burst opened (the gate stores the opening's time, its one
+        clock read, and drained_ns only for such a sync: hook/launch.c). Exact at any look, so a
+        service that answered a request and paused between two looks is idle at the next one; a
+        process in a long synchronisation, or with other streams still running, is busy.
         """
-        return not moved and (waiting > 0 or drained >= slot.moved_at)
+        return waiting > 0 or drained >= burst_start
 
     def _observe(self, now: int) -> Observation:
         slots = self._slots
@@ -208,6 +208,7 @@ class GpuScheduler:
         present: set[int] = set()  # groups with a live process that has launched on this GPU
         holder_busy = False
         holder_drained = 0
+        holder_burst_from: int | None = None  # the earliest burst the quiet holder ran since the last look
         drain_done = True
         drain_ends: list[int] = []
         # Groups still finishing work queued before a drain that timed out: held when, done so far,
@@ -240,16 +241,18 @@ class GpuScheduler:
             launches = slots.launches[index]
             waiting = slots.waiting[index]
             drained = slots.drained_ns[index]
+            # Read after drained_ns: a burst that opens between the two reads is seen open (the gate
+            # stores its start before counting its first launch).
+            burst_start = slots.burst_start_ns[index]
             slot = seen.get(index)
             if slot is None or slot.pid != pid:
                 # First sight (a new process, or the agent restarted): work it launched may be queued.
-                slot = seen[index] = _SlotSeen(pid, launches, now if launches else 0)
+                slot = seen[index] = _SlotSeen(pid, launches)
                 moved = launches != 0
             else:
                 moved = launches != slot.launches
-                if moved:
-                    slot.launches, slot.moved_at = launches, now
-            quiet = self._quiet(slot, moved, waiting, drained)
+                slot.launches = launches
+            quiet = self._quiet(waiting, drained, burst_start)
             if launches or waiting > 0:
                 present.add(group)
             if waiting > 0 or moved:
@@ -257,6 +260,8 @@ class GpuScheduler:
             if group == holder:
                 if quiet and waiting == 0:
                     holder_drained = max(holder_drained, drained)
+                    if moved and burst_start:
+                        holder_burst_from = min(holder_burst_from or burst_start, burst_start)
                 else:
                     holder_busy = True
             if drain is not None and group == drain.group:
@@ -284,8 +289,9 @@ class GpuScheduler:
         # An overrunning group with no process left (they exited) is done when it was held.
         finished = {g: min(now, overrun_ends.get(g, hold_at)) for g, hold_at in overrun.items()
                     if g not in overrun_busy}
-        return Observation(frozenset(demand), None if holder is None or holder_busy else holder_drained,
-                           drained_at, finished, frozenset(present))
+        quiet_holder = holder is not None and not holder_busy
+        return Observation(frozenset(demand), holder_drained if quiet_holder else None, drained_at, finished,
+                           frozenset(present), holder_burst_from if quiet_holder else None)
 
     def _carry_out(self, now: int, decision: Decision) -> None:
         if decision.draining is not None and self._drain is None:

@@ -57,6 +57,14 @@ struct gt_process {
     int device_gpu[GT_MAX_DEVICES]; /* CUDA ordinal -> region gpu index, -1 when not in the region */
     uint32_t burst_open[GT_MAX_GPUS]; /* 1 while we have work queued that no sync has drained (atomic) */
     uint64_t burst_start_ns[GT_MAX_GPUS];
+    /* The stream the burst's first launch named, and 1 once another launch of the burst named another
+     * (or the per-thread default stream, which is each thread's own): then only a context
+     * synchronisation empties the process's queue (gt_close_burst). */
+    CUstream burst_stream[GT_MAX_GPUS];
+    uint32_t burst_streams_many[GT_MAX_GPUS];
+    /* 1 when the last burst was closed by a sync that did not cover all of it (an event's, or one
+     * stream's of several): work of it may still run, so the next burst counts as on several streams. */
+    uint32_t burst_left_work[GT_MAX_GPUS];
     uint64_t burst_first_launch[GT_MAX_GPUS]; /* slot->launches[gpu] when the burst opened */
     uint64_t launch_ns[GT_MAX_GPUS];      /* a launch's share of a burst's time, decayed mean (0: none yet) */
     uint64_t launch_ns_weight[GT_MAX_GPUS]; /* the launches behind launch_ns, decayed (gt_close_burst) */
@@ -103,6 +111,6 @@ void gt_note_gpu(int gpu);             /* set the slot's gpu_mask bit */
 
 /* launch.c */
 void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns); /* shared futex, may wake early */
-void gt_close_burst(int gpu);     /* our queued work on gpu has drained (after a sync) */
+void gt_close_burst(int gpu, bool emptied); /* a sync returned; emptied: it covered every launch of the burst */
 
 #endif

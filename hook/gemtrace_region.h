@@ -46,7 +46,10 @@
  *      driver's queue full) would otherwise make each drain seconds long.
  *   GT_HELD: a launching thread
  *   1. drains: if its process launched on that GPU since it last drained, it synchronises the
- *      launch's stream (or the context) and stores slots[i].drained_ns[gpu] = now (the burst's end);
+ *      launch's stream (the context, where the burst used other streams too) and stores
+ *      slots[i].drained_ns[gpu] = now (the burst's end). The first launch after a drain stores
+ *      slots[i].burst_start_ns[gpu] = now (the one clock read of the fast path), so that
+ *      drained_ns >= burst_start_ns tells the agent the process has nothing queued there;
  *   2. adds 1 to slots[i].waiting[gpu], futex-waits on `held` (timeout GT_HOLD_RECHECK_NS so it can
  *      re-check the heartbeat), and leaves when held != GT_HELD, when assigned[i] names another group
  *      (the agent moved it: the old entry may already serve a new name), or when the heartbeat is
@@ -77,7 +80,7 @@
 
 #define GT_REGION_MAGIC 0x45434152544d4547ULL /* "GEMTRACE" read as a little-endian uint64 */
 #define GT_SLOTS_MAGIC 0x53544f4c534d4547ULL  /* "GEMSLOTS" read as a little-endian uint64 */
-#define GT_REGION_VERSION 4u
+#define GT_REGION_VERSION 5u
 #define GT_REGION_FILE "region"
 #define GT_SLOTS_FILE "slots"
 
@@ -164,8 +167,11 @@ struct gt_slot {                 /* in `slots`, written only by its process (see
     uint64_t managed[GT_MAX_GPUS];        /* managed memory held through the gate (oversubscription) */
     uint64_t launches[GT_MAX_GPUS];       /* kernel launches admitted */
     uint64_t busy_ns[GT_MAX_GPUS];        /* GPU time of this process's finished bursts */
-    uint64_t last_launch_ns[GT_MAX_GPUS]; /* when the last launch was admitted */
-    uint64_t drained_ns[GT_MAX_GPUS];     /* when the process last had no work queued (drain or sync) */
+    uint64_t burst_start_ns[GT_MAX_GPUS]; /* when the process's last burst opened: its first launch
+                                             after it last had nothing queued (0: none yet) */
+    uint64_t drained_ns[GT_MAX_GPUS];     /* when a sync (the gate's drain or the process's own) last
+                                             covered every launch before it: drained_ns >= burst_start_ns
+                                             means nothing is queued */
     uint32_t waiting[GT_MAX_GPUS];        /* threads blocked on control[gpu][group].held */
     uint64_t reserved[4];
 };

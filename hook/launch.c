@@ -2,7 +2,7 @@
  * launch.c - kernel launches and synchronisation: the gate's fast path.
  *
  * Within quota a launch costs: one load of `attached`, one load of the group's held word, one load of
- * the burst flag and a relaxed atomic add to our slot's launch counter (atomic: the process's threads
+ * the burst flag, a compare of its stream with the burst's, and a relaxed atomic add to our slot's launch counter (atomic: the process's threads
  * launch at once; docs/gate.md has the figures); no mutex, no system call, no clock.
  * Held: the launching thread first drains what the process has queued on that GPU (so the next group's
  * slice is not eaten by our backlog; Gemini's hook likewise records an event at quota expiry and waits
@@ -14,7 +14,13 @@
  *
  * A burst is the time from the first launch after the process was idle to the sync that drains it;
  * its length is added to the slot's busy_ns (on a time-sliced GPU it includes other contexts' kernels
- * that ran in between: docs/gate.md).
+ * that ran in between: docs/gate.md). Its opening time goes to the slot's burst_start_ns, and a sync
+ * that covered every launch of it stores drained_ns: the scheduler reads "nothing queued" as
+ * drained_ns >= burst_start_ns, with no clock read per launch (the one clock read is the opening's).
+ * Which syncs cover every launch: a context synchronisation, and a stream's where every launch of the
+ * burst named that stream (a launch that names another stream than the burst's first costs one more
+ * compare). An event's, or a stream's while others have work, ends the burst for busy_ns but stores
+ * no drained_ns: the process may still have work queued (docs/scheduler.md).
  */
 #define _GNU_SOURCE
 #include "gate.h"
@@ -33,7 +39,12 @@ void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns)
     syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, NULL, 0);
 }
 
-static void open_burst(int gpu)
+static bool is_named_stream(CUstream stream)
+{
+    return stream && stream != CU_STREAM_LEGACY && stream != CU_STREAM_PER_THREAD;
+}
+
+static void open_burst(int gpu, CUstream stream)
 {
     uint32_t closed = 0;
     if (__atomic_compare_exchange_n(&gt_proc.burst_open[gpu], &closed, 1, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
@@ -42,19 +53,39 @@ static void open_burst(int gpu)
         __atomic_store_n(&gt_proc.queue_base[gpu], launches, __ATOMIC_RELAXED);
         __atomic_store_n(&gt_proc.marker_armed[gpu], 0, __ATOMIC_RELAXED);
         __atomic_store_n(&gt_proc.queue_check_at[gpu], 0, __ATOMIC_RELAXED); /* keep_queue_short recounts */
-        gt_proc.burst_start_ns[gpu] = gt_now_ns();
+        __atomic_store_n(&gt_proc.burst_stream[gpu], stream, __ATOMIC_RELAXED);
+        /* The per-thread default stream is one handle for every thread's own stream; and work left
+         * by the last burst may be on any stream. */
+        __atomic_store_n(&gt_proc.burst_streams_many[gpu],
+                         stream == CU_STREAM_PER_THREAD || __atomic_load_n(&gt_proc.burst_left_work[gpu], __ATOMIC_RELAXED),
+                         __ATOMIC_RELAXED);
+        uint64_t now = gt_now_ns();
+        gt_proc.burst_start_ns[gpu] = now;
+        /* Before the launch is counted (release): a scheduler that reads drained_ns, then this, never
+         * takes the new burst for drained. */
+        __atomic_store_n(&gt_proc.slot->burst_start_ns[gpu], now, __ATOMIC_RELEASE);
     }
+}
+
+/* Does a synchronisation of `stream` cover every launch of the open burst on `gpu`? (A context's
+ * always does: the caller says so without asking.) */
+static bool sync_empties(int gpu, CUstream stream)
+{
+    return !__atomic_load_n(&gt_proc.burst_streams_many[gpu], __ATOMIC_ACQUIRE) &&
+           __atomic_load_n(&gt_proc.burst_stream[gpu], __ATOMIC_RELAXED) == stream;
 }
 
 #define GT_LAUNCH_WEIGHT_MAX (1ull << 24) /* launches: keeps mean * weight within 64 bits */
 
-void gt_close_burst(int gpu)
+void gt_close_burst(int gpu, bool emptied)
 {
     if (gpu < 0 || !gt_attached())
         return;
     uint64_t now = gt_now_ns();
     uint32_t open = 1;
     if (__atomic_compare_exchange_n(&gt_proc.burst_open[gpu], &open, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+        if (!emptied)
+            __atomic_store_n(&gt_proc.burst_left_work[gpu], 1, __ATOMIC_RELAXED);
         uint64_t start = gt_proc.burst_start_ns[gpu];
         if (now > start)
             __atomic_fetch_add(&gt_proc.slot->busy_ns[gpu], now - start, __ATOMIC_RELAXED);
@@ -78,12 +109,31 @@ void gt_close_burst(int gpu)
             gt_proc.launch_ns_weight[gpu] = prior + launches;
         }
     }
-    __atomic_store_n(&gt_proc.slot->drained_ns[gpu], now, __ATOMIC_RELEASE);
+    /* Only a sync that covered every launch: the scheduler takes drained_ns >= burst_start_ns for an
+     * empty queue, and charges the process's group until then. */
+    if (emptied) {
+        __atomic_store_n(&gt_proc.burst_left_work[gpu], 0, __ATOMIC_RELAXED);
+        __atomic_store_n(&gt_proc.slot->drained_ns[gpu], now, __ATOMIC_RELEASE);
+    }
 }
 
-static bool is_named_stream(CUstream stream)
+/* Synchronise the context `stream` belongs to (the current one may be another device's). */
+static CUresult sync_stream_context(CUstream stream)
 {
-    return stream && stream != CU_STREAM_LEGACY && stream != CU_STREAM_PER_THREAD;
+    if (!GT_REAL(cuCtxSynchronize))
+        return CUDA_ERROR_NOT_FOUND;
+    if (!is_named_stream(stream))
+        return gt_real.cuCtxSynchronize();
+    CUcontext current = NULL, ctx = NULL;
+    if (!GT_REAL(cuStreamGetCtx) || !GT_REAL(cuCtxGetCurrent) || !GT_REAL(cuCtxSetCurrent) ||
+        gt_real.cuCtxGetCurrent(&current) != CUDA_SUCCESS || gt_real.cuStreamGetCtx(stream, &ctx) != CUDA_SUCCESS)
+        return CUDA_ERROR_NOT_FOUND;
+    if (ctx != current && gt_real.cuCtxSetCurrent(ctx) != CUDA_SUCCESS)
+        return CUDA_ERROR_NOT_FOUND;
+    CUresult r = gt_real.cuCtxSynchronize();
+    if (ctx != current)
+        gt_real.cuCtxSetCurrent(current);
+    return r;
 }
 
 /* Wait until our queued work on `gpu` has run. The launch's own stream where it names one: the
@@ -92,10 +142,13 @@ static void drain(int gpu, CUstream stream)
 {
     if (!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE))
         return;
-    CUresult r = is_named_stream(stream) ? (GT_REAL(cuStreamSynchronize) ? gt_real.cuStreamSynchronize(stream) : CUDA_ERROR_NOT_FOUND)
-                       : (GT_REAL(cuCtxSynchronize) ? gt_real.cuCtxSynchronize() : CUDA_ERROR_NOT_FOUND);
+    /* The stream alone where the burst used no other; else all of its context: the drain empties the
+     * queue, so that the next group's slice is its own. */
+    bool one_stream = is_named_stream(stream) && sync_empties(gpu, stream);
+    CUresult r = one_stream ? (GT_REAL(cuStreamSynchronize) ? gt_real.cuStreamSynchronize(stream) : CUDA_ERROR_NOT_FOUND)
+                            : sync_stream_context(stream);
     if (r == CUDA_SUCCESS)
-        gt_close_burst(gpu);
+        gt_close_burst(gpu, true);
 }
 
 /* `group` is the group whose word `held` is: the wait also ends when the agent moves the process to
@@ -112,7 +165,6 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
     while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group)
         gt_futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
-    __atomic_store_n(&slot->last_launch_ns[gpu], gt_now_ns(), __ATOMIC_RELAXED);
 }
 
 /* Released, with a hold coming: keep what the process has queued on the GPU under about
@@ -250,7 +302,9 @@ static void gate_launch(CUstream stream)
             hold(gpu, held, stream, group);
     }
     if (GT_UNLIKELY(!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_RELAXED)))
-        open_burst(gpu);
+        open_burst(gpu, stream);
+    else if (GT_UNLIKELY(stream != __atomic_load_n(&gt_proc.burst_stream[gpu], __ATOMIC_RELAXED)))
+        __atomic_store_n(&gt_proc.burst_streams_many[gpu], 1, __ATOMIC_RELEASE);
     __atomic_fetch_add(&gt_proc.slot->launches[gpu], 1, __ATOMIC_RELAXED);
 }
 
@@ -270,7 +324,7 @@ GT_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gx, unsigned i
 {
     if (!GT_REAL(cuLaunchKernel_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch(stream);
+    gate_launch(stream ? stream : CU_STREAM_PER_THREAD);
     return gt_real.cuLaunchKernel_ptsz(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
 }
 
@@ -286,7 +340,7 @@ GT_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunctio
 {
     if (!GT_REAL(cuLaunchKernelEx_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch(config ? config->hStream : NULL);
+    gate_launch(config && config->hStream ? config->hStream : CU_STREAM_PER_THREAD);
     return gt_real.cuLaunchKernelEx_ptsz(config, f, params, extra);
 }
 
@@ -306,7 +360,7 @@ GT_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned int gx,
 {
     if (!GT_REAL(cuLaunchCooperativeKernel_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch(stream);
+    gate_launch(stream ? stream : CU_STREAM_PER_THREAD);
     return gt_real.cuLaunchCooperativeKernel_ptsz(f, gx, gy, gz, bx, by, bz, shared, stream, params);
 }
 
@@ -322,16 +376,24 @@ GT_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec graph, CUstream stream)
 {
     if (!GT_REAL(cuGraphLaunch_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    gate_launch(stream);
+    gate_launch(stream ? stream : CU_STREAM_PER_THREAD);
     return gt_real.cuGraphLaunch_ptsz(graph, stream);
 }
 
 /* --- synchronisation: after a successful sync nothing of ours is queued (the burst ends) ---------- */
 
-static CUresult synced(CUresult r, CUstream stream)
+/* What a successful synchronisation covered: every stream of the context, one stream (`stream`, as
+ * the launches name it: NULL the legacy default stream, CU_STREAM_PER_THREAD the thread's own), or an
+ * event's (its stream is not known, nor whether later launches follow it: it empties nothing). */
+enum sync_scope { SYNC_CONTEXT, SYNC_STREAM, SYNC_EVENT };
+
+static CUresult synced(CUresult r, CUstream stream, enum sync_scope scope)
 {
-    if (r == CUDA_SUCCESS && gt_attached())
-        gt_close_burst(gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_stream_gpu(stream));
+    if (r == CUDA_SUCCESS && gt_attached()) {
+        int gpu = gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_stream_gpu(stream);
+        if (gpu >= 0)
+            gt_close_burst(gpu, scope == SYNC_CONTEXT || (scope == SYNC_STREAM && sync_empties(gpu, stream)));
+    }
     return r;
 }
 
@@ -339,35 +401,36 @@ GT_EXPORT CUresult cuCtxSynchronize(void)
 {
     if (!GT_REAL(cuCtxSynchronize))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuCtxSynchronize(), NULL);
+    return synced(gt_real.cuCtxSynchronize(), NULL, SYNC_CONTEXT);
 }
 
 GT_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
 {
     if (!GT_REAL(cuCtxSynchronize_v2))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuCtxSynchronize_v2(ctx), NULL);
+    return synced(gt_real.cuCtxSynchronize_v2(ctx), NULL, SYNC_CONTEXT);
 }
 
 /* A stream or event sync drains that stream only; a process with work on several streams may still
- * have some queued. The burst is closed all the same: docs/gate.md says what that costs. */
+ * have some queued. The burst is closed all the same (docs/gate.md says what that costs to busy_ns),
+ * but drained_ns is stored only where the burst used that stream alone (synced). */
 GT_EXPORT CUresult cuStreamSynchronize(CUstream stream)
 {
     if (!GT_REAL(cuStreamSynchronize))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuStreamSynchronize(stream), stream);
+    return synced(gt_real.cuStreamSynchronize(stream), stream, SYNC_STREAM);
 }
 
 GT_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream stream)
 {
     if (!GT_REAL(cuStreamSynchronize_ptsz))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuStreamSynchronize_ptsz(stream), stream);
+    return synced(gt_real.cuStreamSynchronize_ptsz(stream), stream ? stream : CU_STREAM_PER_THREAD, SYNC_STREAM);
 }
 
 GT_EXPORT CUresult cuEventSynchronize(CUevent event)
 {
     if (!GT_REAL(cuEventSynchronize))
         return CUDA_ERROR_NOT_FOUND;
-    return synced(gt_real.cuEventSynchronize(event), NULL);
+    return synced(gt_real.cuEventSynchronize(event), NULL, SYNC_EVENT);
 }

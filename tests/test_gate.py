@@ -436,6 +436,30 @@ def test_launch_counts_and_busy_time_reach_the_slot(agent: Agent) -> None:
         loop.kill()
 
 
+@pytest.mark.parametrize(("args", "emptied"), [
+    (("--sync", "stream"), True),  # the default stream, its only one
+    (("--sync", "stream", "--stream"), True),  # a stream of its own, its only one
+    (("--sync", "ctx", "--stream", "--threads", "2"), True),  # two streams, the context's sync covers both
+    (("--sync", "stream", "--stream", "--threads", "2"), False),  # each thread syncs its own of two
+    (("--sync", "event"), False),  # where the event lies in the stream, the gate does not know
+])
+def test_drained_ns_follows_only_a_sync_that_covered_every_launch(agent: Agent, args: tuple[str, ...],
+                                                                  emptied: bool) -> None:
+    """The scheduler reads drained_ns >= burst_start_ns as "nothing queued" (docs/scheduler.md): a
+    sync that may leave work of the process running must not store drained_ns."""
+    agent.region.set_group("train", None, 0, 1)
+    loop = agent.sim.start(["launch-loop", "--kernel-ns", "200000", "--launches-per-iter", "3", "--seconds", "3",
+                            "--progress", *args], **agent.env("train"))
+    try:
+        loop.wait_for("progress", timeout=30)  # in the loop (its end synchronises the context)
+        (slot,) = agent.slots_of(loop.pid)
+        assert slot.burst_start_ns[0] != 0
+        assert (slot.drained_ns[0] != 0) == emptied, (slot.drained_ns[0], slot.burst_start_ns[0])
+        loop.wait_for("launches", timeout=30)
+    finally:
+        loop.kill()
+
+
 # --- attaching ------------------------------------------------------------------------------------
 
 

@@ -59,3 +59,37 @@ def test_a_higher_priority_service_waits_a_poll_per_burst_not_a_slice(host: Host
     # The service ran as many bursts (it paces itself), and the hog still had the rest of the GPU.
     assert first["iters"] >= 0.9 * equal["iters"], summary
     assert first_hog["launches"] >= 0.7 * equal_hog["launches"], summary
+
+
+SHORT_KERNEL_NS = 50_000
+SHORT_KERNELS = 12
+
+
+def test_a_higher_priority_service_is_not_charged_through_its_pauses(host: Host) -> None:
+    """A service whose requests (12 kernels of 50 us, a sync) end well within a poll, 20 ms apart, at
+    a higher priority beside a hog: it is idle at the scheduler's next look after each request, so the
+    hog gets the GPU back at once and runs for all but the service's own time and the switches. Before
+    the gate stored when a burst opened, the service counted as busy through its pauses and kept the
+    GPU slice after slice (on the simulated GPU: the service charged 0.80, the hog 0.17)."""
+    host.config.write_text(CONFIG.format(priority=10))
+    agent = host.start_agent()
+    try:
+        hog = host.run("hog", "launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter", "4",
+                       "--seconds", str(SECONDS + 1.0))
+        service = host.run("service", "launch-loop", "--kernel-ns", str(SHORT_KERNEL_NS), "--launches-per-iter",
+                           str(SHORT_KERNELS), "--pause-ns", str(20_000_000), "--seconds", str(SECONDS))
+        served, hogged = last_line(service, SECONDS + 60), last_line(hog, SECONDS + 60)
+    finally:
+        assert stop(agent) == 0
+    service_busy = served["launches"] * SHORT_KERNEL_NS / 1e9 / served["elapsed_s"]
+    hog_share = hogged["launches"] * KERNEL_NS / 1e9 / hogged["elapsed_s"]
+    summary = (f"service busy {service_busy:.3f} of the GPU, p50 {served['iter_p50_s'] * 1e3:.1f} ms, p99 "
+               f"{served['iter_p99_s'] * 1e3:.1f} ms; hog {hog_share:.3f} of the GPU")
+    # The hog gets what the service leaves, less a switch gap each way per request (the poll that
+    # sees the service's request, the hog's drain of at most its 1 ms kernel, a wake-up): about 0.1
+    # of the GPU at 40 switches a second on a loaded 2-CPU machine.
+    assert hog_share >= 1 - service_busy - 0.25, summary
+    # And a request still waits at most a poll, the hog's drain (its 4 ms between syncs) and a wake-up,
+    # less than the hog's 20 ms slice that it waits at equal priorities (5-15 ms on a 2-CPU VM).
+    burst = SHORT_KERNELS * SHORT_KERNEL_NS / 1e9
+    assert served["iter_p99_s"] - burst < 0.020, summary

@@ -102,7 +102,7 @@ def test_every_constant_of_the_headers_reaches_python() -> None:
 
 
 def test_the_constants_mean_what_the_gate_and_the_agent_take_them_for() -> None:
-    assert region.MAGIC == contract.REGION_MAGIC and region.VERSION == contract.REGION_VERSION == 4
+    assert region.MAGIC == contract.REGION_MAGIC and region.VERSION == contract.REGION_VERSION == 5
     assert b"GEMTRACE" == region.MAGIC.to_bytes(8, "little")
     assert b"GEMSLOTS" == region.SLOTS_MAGIC.to_bytes(8, "little")
     assert region.NO_LIMIT == 2**64 - 1 and region.GROUP_UNASSIGNED == 2**32 - 1

@@ -48,6 +48,13 @@ def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
     return slot
 
 
+def launch(slot: rg.Slot, count: int, now: int) -> None:
+    """What the gate stores for `count` launches at `now`: a burst opens unless one is open."""
+    if slot.drained_ns[GPU] >= slot.burst_start_ns[GPU]:
+        slot.burst_start_ns[GPU] = max(now, slot.drained_ns[GPU] + 1)
+    slot.launches[GPU] += count
+
+
 def held(region: rg.Region, group: int) -> bool:
     return region.is_held(GPU, group)
 
@@ -58,11 +65,12 @@ def test_slot_table_reads_the_fields_of_one_gpu(region: rg.Region) -> None:
     slot.launches[0] = 7
     slot.waiting[GPU] = 2
     slot.drained_ns[GPU] = 99
+    slot.burst_start_ns[GPU] = 98
     table = SlotTable(region, GPU)
     assert table.live() == [700]
     t = table
-    fields = (t.pid[700], t.group[700], t.launches[700], t.waiting[700], t.drained_ns[700])
-    assert fields == (4242, 3, 12345678901, 2, 99)
+    fields = (t.pid[700], t.group[700], t.launches[700], t.waiting[700], t.drained_ns[700], t.burst_start_ns[700])
+    assert fields == (4242, 3, 12345678901, 2, 99, 98)
     assert SlotTable(region, 0).launches[700] == 7
 
 
@@ -108,11 +116,11 @@ def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
     # The released group launches through its 20 ms slice; the waiting one is polled (early revocation).
     for _ in range(9):
         clock.advance(2 * MS)
-        slots[first].launches[GPU] += 100
+        launch(slots[first], 100, clock())
         assert scheduler.step() - clock() <= 4 * MS
         assert not held(region, first) and held(region, other)
     clock.advance(2 * MS)
-    slots[first].launches[GPU] += 100
+    launch(slots[first], 100, clock())
     scheduler.step()
     assert held(region, first) and held(region, other)  # held, draining: nobody may launch
     clock.advance(1 * MS)
@@ -139,7 +147,7 @@ def test_an_idle_holder_is_revoked_when_another_group_waits(region: rg.Region) -
     assert not held(region, a)
     slot_a.waiting[GPU] = 0
     clock.advance(1 * MS)
-    slot_a.launches[GPU] += 10
+    launch(slot_a, 10, clock())
     scheduler.step()
     clock.advance(1 * MS)
     slot_a.drained_ns[GPU] = clock()  # it synced and went quiet
@@ -148,6 +156,84 @@ def test_an_idle_holder_is_revoked_when_another_group_waits(region: rg.Region) -
         clock.advance(4 * MS)
         scheduler.step()
     assert held(region, a) and not held(region, b)  # well before a's 20 ms slice ended
+
+
+def test_a_burst_between_two_looks_is_idle_at_the_next(region: rg.Region) -> None:
+    # A service: a request's kernels, a sync, a pause, all between two polls. The gate stored when the
+    # burst opened, so the drain after it says "nothing queued" at once: the holder is revoked at the
+    # next look, not at its slice's end, and charged until its drain, not through its pause.
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 1, 1002, b)
+    slot_a.waiting[GPU] = 1
+    scheduler.step()
+    assert not held(region, a)
+    slot_a.waiting[GPU] = 0
+    slot_b.waiting[GPU] = 1
+    clock.advance(1 * MS)
+    launch(slot_a, 12, clock())
+    clock.advance(MS // 2)
+    slot_a.drained_ns[GPU] = clock()  # its own sync, covering every launch
+    clock.advance(MS // 2)
+    scheduler.step()  # the first look after the burst: the counter moved, and yet nothing is queued
+    assert held(region, a)  # revoked at once (its drain is already done: b follows at the next look)
+    clock.advance(MS // 4)
+    scheduler.step()
+    assert held(region, a) and not held(region, b)
+    assert scheduler.usage()[a].gpu_seconds == pytest.approx(1.5 / 1000, abs=0.0002)
+
+
+def test_a_burst_no_look_saw_is_charged(region: rg.Region) -> None:
+    # A service alone: each request opens and drains between two looks. It is charged what its
+    # bursts ran (from their opening to their drain), not nothing and not the pauses.
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    a = region.set_group("a", None, 0, 1)
+    scheduler.set_quotas({a: Quota()})
+    slot_a = claim(region, 0, 1001, a)
+    slot_a.waiting[GPU] = 1
+    scheduler.step()
+    slot_a.waiting[GPU] = 0
+    clock.advance(1 * MS)
+    scheduler.step()  # quiet: nothing charged from here
+    for _ in range(10):
+        clock.advance(10 * MS)
+        launch(slot_a, 12, clock())
+        clock.advance(MS // 2)
+        slot_a.drained_ns[GPU] = clock()
+        clock.advance(10 * MS)
+        scheduler.step()
+    assert not held(region, a)
+    assert scheduler.usage()[a].gpu_seconds == pytest.approx(10 * 0.5 / 1000, abs=1e-6)
+
+
+def test_a_process_in_a_long_sync_is_busy(region: rg.Region) -> None:
+    # A burst opened after its last drain: work is queued however long ago the counter moved (taking
+    # such a process for idle let one in an 8 ms sync run beside the next group).
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 1, 1002, b)
+    slot_a.waiting[GPU] = 1
+    scheduler.step()
+    slot_a.waiting[GPU] = 0
+    slot_a.drained_ns[GPU] = clock()
+    clock.advance(1 * MS)
+    launch(slot_a, 4, clock())
+    slot_b.waiting[GPU] = 1
+    for _ in range(3):  # 12 ms in its sync: the counter stands still, the burst is open
+        clock.advance(4 * MS)
+        scheduler.step()
+        assert not held(region, a) and held(region, b)
+    slot_a.drained_ns[GPU] = clock()
+    clock.advance(1 * MS)
+    scheduler.step()  # drained: revoked at this look, b released at the next
+    clock.advance(MS // 4)
+    scheduler.step()
+    assert held(region, a) and not held(region, b)
 
 
 def test_a_group_without_processes_costs_nothing(region: rg.Region) -> None:
@@ -162,7 +248,7 @@ def test_a_group_without_processes_costs_nothing(region: rg.Region) -> None:
     grants = region.layout.control[GPU][a].grant_seq
     looks = scheduler.looks
     for _ in range(100):
-        slot_a.launches[GPU] += 5
+        launch(slot_a, 5, clock())
         clock.advance(scheduler.step() - clock())
     # One look per 20 ms slice, no switch, b never charged.
     assert scheduler.looks - looks == 100
@@ -195,7 +281,7 @@ def test_a_dead_process_does_not_hold_up_a_drain(region: rg.Region) -> None:
     slot_a.waiting[GPU] = 0
     slot_b.waiting[GPU] = 1
     for _ in range(6):  # a keeps launching past its slice end, then is held
-        slot_a.launches[GPU] += 1
+        launch(slot_a, 1, clock())
         clock.advance(2 * MS)
         scheduler.step()
     assert held(region, a) and held(region, b)
