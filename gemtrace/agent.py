@@ -61,6 +61,7 @@ ACCOUNTING_POLL_SECONDS = 1.0  # the scrape cadence: polling faster costs CPU fo
 REAPER_SCAN_SECONDS = 0.050
 # A slot claimed but never filled (its gate killed in between: microseconds) is judged after this long.
 SLOT_FILL_SECONDS = 1.0
+FULL_LOOK_SECONDS = 1.0  # the reaper looks at every slot at least this often
 TABLE_SECONDS = 1.0  # how often the group table is re-asserted: a forged limit lasts at most this long
 LOCK_FILE = "agent.lock"
 KEEPER_NICE = -10  # the keeper thread's nice value (Linux gives each thread its own)
@@ -142,15 +143,20 @@ class Reaper:
         self._last_pids: list[int] = []
         self._retry = False  # some live slot could not be looked at: look again next tick
         self._filling: dict[int, tuple[int, float]] = {}  # slot index -> (pid, when first seen unfilled)
+        self._next_full_look = 0.0
         self.fd_limit_hits = 0  # how often a look failed for want of file descriptors
 
     def tick(self) -> list[int]:
         """Free dead processes' slots; returns their pids."""
         freed: list[int] = []
         pids = self.region.slot_pids()
-        if pids != self._last_pids or self._retry:
+        now = time.monotonic()
+        # Every second a full look whatever changed: a slot claimed while a tick was freeing others
+        # could otherwise go unwatched for good (6 of 150 killed processes kept their slots, 1 run in 10).
+        if pids != self._last_pids or self._retry or now >= self._next_full_look:
             self._last_pids = pids
             self._retry = False
+            self._next_full_look = now + FULL_LOOK_SECONDS
             for index, (pid, _) in list(self._watched.items()):
                 if pids[index] != pid:
                     self._unwatch(index)  # the gate freed its own slot at exit

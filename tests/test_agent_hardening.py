@@ -162,7 +162,14 @@ def test_the_heartbeat_stays_fresh_while_hundreds_of_processes_start_and_exit(ho
         wait_until("300 slots", lambda: sum(1 for p in r.slot_pids() if p) >= 300, timeout=120)
         for c in clients[::2]:
             c.send_signal(signal.SIGKILL)
-        wait_until("150 reaped", lambda: sum(1 for p in r.slot_pids() if p) <= 150, timeout=30)
+        try:
+            wait_until("150 reaped", lambda: sum(1 for p in r.slot_pids() if p) <= 150, timeout=30)
+        except AssertionError as e:
+            killed = {c.pid for c in clients[::2]}
+            left = [(i, p) for i, p in enumerate(r.slot_pids()) if p in killed]
+            raise AssertionError(f"{e}: {len(left)} killed still in slots, e.g. {left[:5]}; flags "
+                                 f"{[r.slots[i].flags for i, _ in left[:5]]}\n"
+                                 f"{agent.log.read_text()[-3000:]}") from None
     finally:
         done.set()
         sampler.join()

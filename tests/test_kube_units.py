@@ -127,3 +127,26 @@ def test_the_webhook_patches_a_labelled_pod_and_only_it() -> None:
     bad = {"metadata": {"labels": {shares.LABEL_GROUP: "no/slash"}}, "spec": {}}
     refused = webhook.review({"request": {"uid": "u3", "object": bad}}, injection)["response"]
     assert not refused["allowed"] and "is not a group name" in refused["status"]["message"]
+
+
+def test_a_containers_util_only_grant_goes_once_its_whole_grant_is_known(tmp_path: Path) -> None:
+    """PodResources may list a container with its util devices before its memory's: the grant named
+    after the util goes as soon as the whole one is written, not after the grace (its MinUtil, counted
+    twice, took a GPU's MinUtils past 1 and got the drop-ins refused in the 30/70 e2e test)."""
+    from gemtrace.kube.grants import Grants
+    from gemtrace.kube.kubelet import ContainerDevices
+
+    uuid = "GPU-0"
+    util = tuple(f"{uuid}-u{i}" for i in range(30))
+    memory = (f"{uuid}-m0",)
+    grants = Grants(tmp_path, cgroup_root=tmp_path / "cgroup")
+    early = grants.reconcile([ContainerDevices("default", "p", "main", {shares.GPU_UTIL: util})])
+    whole = grants.reconcile([ContainerDevices("default", "p", "main",
+                                               {shares.GPU_UTIL: util, shares.GPU_MEMORY: memory})])
+    (util_group,), (group,) = early, whole
+    assert util_group != group
+    assert sorted(p.name for p in tmp_path.glob("*.conf")) == [f"{group}.conf"]
+    # Another container's fresh file (Allocate's, not yet listed) keeps its grace.
+    grants.write(shares.Grant(memory=(f"{uuid}-m1",)))
+    grants.reconcile([ContainerDevices("default", "p", "main", {shares.GPU_UTIL: util, shares.GPU_MEMORY: memory})])
+    assert len(list(tmp_path.glob("*.conf"))) == 2

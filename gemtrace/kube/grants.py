@@ -58,6 +58,8 @@ class Grants:
         self.cgroup_root = cgroup_root
         self.clock = clock
         self.writes = 0  # files written or removed so far: the agent has something to reload
+        # group -> the container (namespace, pod, name) whose grant this plugin wrote there, as known
+        self._container_of: dict[str, tuple[str, str, str]] = {}
 
     def path(self, group: str) -> Path:
         return self.dir / f"{group}.conf"
@@ -77,6 +79,8 @@ class Grants:
         temporary.write_text(text)
         temporary.replace(path)
         self.writes += 1
+        if grant.pod:
+            self._container_of[grant.group] = (grant.namespace, grant.pod, grant.container)
         log.info("grant_written", group=grant.group, namespace=grant.namespace, pod=grant.pod,
                  container=grant.container, path=str(path))
         if grant.split:
@@ -115,15 +119,23 @@ class Grants:
         for grant in grants.values():
             self.write(grant)
         now = self.clock()
+        # A container PodResources first listed with its util devices only (its memory's allocation
+        # not yet recorded) got a grant named after them; listed whole, its grant is the memory's. The
+        # first one goes at once, not after the grace: its MinUtil, counted twice, could take the
+        # GPU's MinUtils past 1 and get the whole file refused.
+        granted = {(g.namespace, g.pod, g.container): group for group, g in grants.items() if g.pod}
         for group, path in self.owned().items():
             if group in grants:
                 continue
+            moved_to = granted.get(self._container_of.get(group, ("", "", "")))
             try:
                 age = now - os.stat(path).st_mtime
             except FileNotFoundError:
                 continue
-            if age >= ALLOCATE_GRACE_S:
+            if moved_to is not None or age >= ALLOCATE_GRACE_S:
                 path.unlink(missing_ok=True)
+                self._container_of.pop(group, None)
                 self.writes += 1
-                log.info("grant_removed", group=group, reason="its pod is gone")
+                log.info("grant_removed", group=group, reason=f"its container's grant is now {moved_to}"
+                         if moved_to is not None else "its pod is gone")
         return grants
