@@ -366,6 +366,22 @@ def run(groups: tuple[Group, ...], workload: str, opts: Options) -> dict[str, An
     return out
 
 
+def publish(report: str, name: str, data: dict[str, Any], results: Path | None = None, title: str = "") -> None:
+    """Print the report; with `results`, append it there (headed by `title` when the file is new); with
+    $OUT set (the device tool's folder), write NAME.md and NAME.json there."""
+    print("\n" + report)
+    if results is not None:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        new = not results.exists()
+        with results.open("a") as f:
+            f.write((f"# {title}\n\n" if new else "\n") + report)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, f"{name}.md").write_text(report)
+        Path(out, f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
 def machine() -> str:
     """The GPU's name and the driver, from NVML (the simulated one's under --stand-in)."""
     try:
@@ -533,14 +549,8 @@ def main(argv: list[str] | None = None) -> int:
               f"processes / the mean of solo before and after; {elapsed / 60:.1f} min in all"
               f"{' (stand-in workers on the simulated GPU)' if args.stand_in else ''}.")
     report = render(header, solo, rows, cpu_rows, skipped)
-    print("\n" + report)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "models_torch.md").write_text(report)
-        Path(out, "models_torch.json").write_text(json.dumps(
-            {"header": header, "about": about, "seconds": args.seconds, "elapsed_s": elapsed, "solo": solo,
-             "rows": rows, "agent_cpu": cpu_rows, "skipped": skipped}, indent=1))
+    publish(report, "models_torch", {"header": header, "about": about, "seconds": args.seconds, "elapsed_s": elapsed,
+                                     "solo": solo, "rows": rows, "agent_cpu": cpu_rows, "skipped": skipped})
     return 2 if failed else 0 if ok else 1
 
 

@@ -44,7 +44,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from models_torch import GATE, REPO, Group, Options, RunFailed, machine, parse_list, run  # noqa: E402
+from models_torch import GATE, REPO, Group, Options, RunFailed, machine, parse_list, publish, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
 
 from gemtrace.cache_release import ENV_RELEASE_CACHE  # noqa: E402 (models_torch puts the checkout on sys.path)
@@ -218,20 +218,10 @@ def main(argv: list[str] | None = None) -> int:
               f"the jobs' need {args.oversubscription:g} x what the balloon leaves (squeezed, pair); "
               f"{(time.monotonic() - began) / 60:.1f} min in all.")
     report = render(header, before, after, rows, failures)
-    print("\n" + report)
-    if args.record:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        new = not RESULTS.exists()
-        with RESULTS.open("a") as f:
-            f.write(("# Oversubscription: PyTorch training past its MemoryLimit (bench/gpu/oversubscribe.py)\n\n"
-                     if new else "\n") + report)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "oversubscribe.md").write_text(report)
-        Path(out, "oversubscribe.json").write_text(json.dumps(
+    publish(report, "oversubscribe",
             {"header": header, "solo_before": before, "solo_after": after, "rows": rows, "failures": failures},
-            indent=1))
+            RESULTS if args.record else None,
+            "Oversubscription: PyTorch training past its MemoryLimit (bench/gpu/oversubscribe.py)")
     return 2 if failures else 0
 
 

@@ -26,8 +26,6 @@ on a machine without a GPU, as tests/test_models_torch_standin.py does for model
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import platform
 import sys
 import time
@@ -36,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models_torch import GATE, REPO, Group, Options, RunFailed, machine, run  # noqa: E402
+from models_torch import GATE, REPO, Group, Options, RunFailed, machine, publish, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "priority_latency.md"
@@ -130,20 +128,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{(time.monotonic() - began) / 60:.1f} min in all"
               f"{' (stand-in workers on the simulated GPU)' if args.stand_in else ''}.")
     report = render(header, rows, ratio, met)
-    print("\n" + report)
-    if args.record:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        new = not RESULTS.exists()
-        with RESULTS.open("a") as f:
-            f.write(("# Priority: inference latency beside a training hog (bench/gpu/priority_latency.py)\n\n"
-                     if new else "\n") + report)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "priority_latency.md").write_text(report)
-        Path(out, "priority_latency.json").write_text(json.dumps(
+    publish(report, "priority_latency",
             {"header": header, "about": about, "seconds": args.seconds, "pause_ms": args.pause_ms, "rows": rows,
-             "p99_on_over_solo": ratio, "target": TARGET, "met": met}, indent=1))
+             "p99_on_over_solo": ratio, "target": TARGET, "met": met},
+            RESULTS if args.record else None,
+            "Priority: inference latency beside a training hog (bench/gpu/priority_latency.py)")
     return 0 if met else 1
 
 
