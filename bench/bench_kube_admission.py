@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 from agent_host import Host, gemtrace, stop  # noqa: E402
-from k8s_cluster import CLUSTER_SH, K8sCluster, pod_manifest  # noqa: E402
+from k8s_cluster import CLUSTER_SH, K8sCluster, cluster_env, pod_manifest  # noqa: E402
 from simgpu_env import SimGpu  # noqa: E402
 
 from gemtrace.kube import shares  # noqa: E402
@@ -61,9 +61,7 @@ def main() -> int:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     subprocess.run([str(CLUSTER_SH), "up"], check=True, capture_output=True)
-    env = dict(line.split("=", 1) for line in subprocess.run(
-        [str(CLUSTER_SH), "env"], capture_output=True, text=True).stdout.splitlines() if "=" in line)
-    cluster = K8sCluster(env)
+    cluster = K8sCluster(cluster_env())
     tmp = Path(tempfile.mkdtemp(prefix="gt-kube-bench-"))
     host = Host(SimGpu(tmp / "sim"), tmp / "resource.conf", tmp / "state", tmp)
     host.config.write_text("")

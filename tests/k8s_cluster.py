@@ -197,11 +197,16 @@ def _cluster_sh(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(CLUSTER_SH), *args], capture_output=True, text=True, timeout=timeout)
 
 
+def cluster_env() -> dict[str, str]:
+    """What `cluster.sh env` prints: the running cluster's addresses and paths."""
+    return dict(line.split("=", 1) for line in _cluster_sh("env", timeout=60).stdout.splitlines() if "=" in line)
+
+
 @pytest.fixture(scope="session")
 def k8s_cluster() -> Iterator[K8sCluster]:
     """The cluster, up for the whole session (building Kubernetes first if the cache has no build)."""
     up = _cluster_sh("up", timeout=UP_TIMEOUT_S)
-    env = dict(line.split("=", 1) for line in _cluster_sh("env", timeout=60).stdout.splitlines() if "=" in line)
+    env = cluster_env()
     try:
         if up.returncode != 0:
             pytest.fail(f"tests/k8s/cluster.sh up failed:\n{up.stderr}\n{log_tails(Path(env['GEMTRACE_K8S_LOGS']))}")
