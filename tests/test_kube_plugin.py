@@ -111,14 +111,19 @@ class Stack:
         self.kubelet.server.stop(0)
 
 
-@pytest.fixture
-def stack(host: Host, short_dir: Path) -> Iterator[Stack]:
+def running_stack(host: Host, short_dir: Path) -> Iterator[Stack]:
+    """The agent on `host` and the plugin beside a fake kubelet, both stopped afterwards."""
     agent = host.start_agent("--config-poll", "0.1")
     s = Stack(host, short_dir, agent)
     yield s
     s.close()
     if agent.proc.poll() is None:
         stop(agent)
+
+
+@pytest.fixture
+def stack(host: Host, short_dir: Path) -> Iterator[Stack]:
+    yield from running_stack(host, short_dir)
 
 
 @pytest.fixture
@@ -126,12 +131,7 @@ def two_gpu_stack(simgpu_factory: Callable[..., SimGpu], tmp_path: Path, short_d
     config = tmp_path / "resource.conf"
     config.write_text(CONFIG)  # [train] reserves MinUtil 0.2 on every GPU
     host = Host(simgpu_factory(devices=2), config, tmp_path / "state", tmp_path)
-    agent = host.start_agent("--config-poll", "0.1")
-    s = Stack(host, short_dir, agent)
-    yield s
-    s.close()
-    if agent.proc.poll() is None:
-        stop(agent)
+    yield from running_stack(host, short_dir)
 
 
 def first_devices(stub: dp_grpc.DevicePluginStub) -> tuple[Iterator[dp.ListAndWatchResponse], list[dp.Device]]:
