@@ -180,7 +180,9 @@ class Reaper:
         for pid in freed:
             log.info("process_reaped", pid=pid)
         if freed:
-            self._last_pids = self.region.slot_pids()
+            # Look at every slot next tick: a fresh read here would also take in slots claimed since
+            # this tick's read, which then no tick would ever look at.
+            self._last_pids = []
         return freed
 
     def wait(self, timeout: float, also: int) -> None:
