@@ -36,7 +36,8 @@ DECISIONS_PER_TICK = 128
 
 
 @dataclass(frozen=True)
-class Decision:
+class Placement:
+    """The agent's choice of group for one process, and whether it refused the group asked for."""
     group: str
     refused: bool  # the process asked for a defined group its owner is not admitted to
 
@@ -53,14 +54,14 @@ def admitted_to(name: str, uid: int, gids: Iterable[int], groups: Mapping[str, G
 
 
 def decide(requested: str, uid: int, gids: Iterable[int], cgroups: Iterable[str],
-           groups: Mapping[str, GroupConfig], defined: Container[str]) -> Decision:
+           groups: Mapping[str, GroupConfig], defined: Container[str]) -> Placement:
     """The group of a process that asked for `requested` ("" or "default": no wish)."""
     gids = list(gids)
     rules = {name: g.cgroups for name, g in groups.items() if g.cgroups}
     group = group_for({ENV_GROUP: requested}, list(cgroups), rules,
                       lambda name: admitted_to(name, uid, gids, groups, defined))
     refused = bool(requested) and requested != group and requested in defined and requested != DEFAULT_GROUP
-    return Decision(group, refused)
+    return Placement(group, refused)
 
 
 class Membership:
@@ -106,7 +107,7 @@ class Membership:
         return decided
 
     def _decide(self, index: int, pid: int, groups: Mapping[str, GroupConfig],
-                defined: Mapping[str, int]) -> Decision | None:
+                defined: Mapping[str, int]) -> Placement | None:
         # A gate in a container's PID namespace stored its pid there, which here may be another
         # process: decide only once the start times agree (the reaper gives such a slot its host pid).
         recorded = self.region.slots[index].start_time

@@ -65,11 +65,11 @@ class Header(ctypes.Structure):
     ]
 
 
-class Gpu(ctypes.Structure):
+class GpuRecord(ctypes.Structure):
     _fields_ = [("uuid", ctypes.c_char * UUID_LEN), ("memory_total", u64), ("reserved", u64 * 1)]
 
 
-class Group(ctypes.Structure):
+class GroupRecord(ctypes.Structure):
     _fields_ = [
         ("name", ctypes.c_char * NAME_LEN),
         ("memory_limit", u64),
@@ -113,8 +113,8 @@ class Slot(ctypes.Structure):
 class RegionLayout(ctypes.Structure):
     _fields_ = [
         ("header", Header),
-        ("gpus", Gpu * MAX_GPUS),
-        ("groups", Group * MAX_GROUPS),
+        ("gpus", GpuRecord * MAX_GPUS),
+        ("groups", GroupRecord * MAX_GROUPS),
         ("control", (Control * MAX_GROUPS) * MAX_GPUS),
         ("assigned", Assignment * MAX_SLOTS),
     ]
@@ -158,7 +158,7 @@ def unsound(layout: RegionLayout) -> str | None:
     if header.n_gpus > MAX_GPUS:
         return f"n_gpus {header.n_gpus} is above {MAX_GPUS}"
     raw_groups = bytes(memoryview(layout.groups).cast("B"))
-    size = ctypes.sizeof(Group)
+    size = ctypes.sizeof(GroupRecord)
     for index in range(MAX_GROUPS):
         name = raw_groups[index * size : index * size + NAME_LEN]
         if b"\0" not in name:
@@ -482,7 +482,7 @@ class Region:
         """Forget an undefined group no assignment refers to, so that its entry can serve a new name."""
         group = self.layout.groups[index]
         group.name = b""  # first: no gate finds it from now on
-        ctypes.memset(ctypes.addressof(group) + NAME_LEN, 0, ctypes.sizeof(Group) - NAME_LEN)
+        ctypes.memset(ctypes.addressof(group) + NAME_LEN, 0, ctypes.sizeof(GroupRecord) - NAME_LEN)
 
     # -- assignments (the agent's decision of each process's group) --------------------------------
 

@@ -49,7 +49,7 @@ class Process:
 
 
 @dataclass(frozen=True)
-class Group:
+class GroupRow:
     name: str
     gpu: str
     share: float = 0.0  # gemtrace_group_util_ratio: the scheduler's recent window
@@ -62,12 +62,12 @@ class Group:
 
 
 @dataclass(frozen=True)
-class Gpu:
+class GpuRow:
     uuid: str
     name: str = ""
     index: str = ""
     memory_total_bytes: float | None = None
-    groups: tuple[Group, ...] = ()
+    groups: tuple[GroupRow, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Frame:
     agent_version: str = ""
     config_ok: bool | None = None
     probes_attached: float | None = None
-    gpus: tuple[Gpu, ...] = ()
+    gpus: tuple[GpuRow, ...] = ()
     error: str = ""
     shares_from_processes: bool = False  # the region has no scheduler window: share = sum of rates
 
@@ -143,7 +143,7 @@ def parse(text: str, taken_at: float) -> Frame:
                  gpus=_freeze(b))
 
 
-def _freeze(b: _Builder) -> tuple[Gpu, ...]:
+def _freeze(b: _Builder) -> tuple[GpuRow, ...]:
     procs: dict[tuple[str, str], list[Process]] = {}
     for (gpu, pid), figures in b.processes.items():
         comm, group = b.comms[(gpu, pid)]
@@ -161,7 +161,7 @@ def _freeze(b: _Builder) -> tuple[Gpu, ...]:
         for name in sorted(names):
             figures = b.groups.get((uuid, name), {})
             settings = b.settings.get(name, {})
-            groups.append(Group(
+            groups.append(GroupRow(
                 name=name, gpu=uuid,
                 share=figures.get("share", 0.0),
                 min_util=settings.get("min_util", 0.0),
@@ -171,7 +171,7 @@ def _freeze(b: _Builder) -> tuple[Gpu, ...]:
                 throttled_seconds_total=figures.get("throttled_seconds_total", 0.0),
                 processes=tuple(sorted(procs.get((uuid, name), []), key=lambda p: p.pid))))
         total = info.get("memory_total_bytes")
-        gpus.append(Gpu(uuid=uuid, name=str(info.get("name", "")), index=str(info.get("index", "")),
+        gpus.append(GpuRow(uuid=uuid, name=str(info.get("name", "")), index=str(info.get("index", "")),
                         memory_total_bytes=float(total) if total is not None else None, groups=tuple(groups)))
     return tuple(sorted(gpus, key=lambda g: (g.index == "", g.index.zfill(4), g.uuid)))
 
@@ -195,7 +195,7 @@ def with_rates(previous: Frame | None, current: Frame) -> Frame:
         return replace(p, kernel_share=(p.gpu_seconds_total - old.gpu_seconds_total) / dt,
                        launches_per_second=(p.launches_total - old.launches_total) / dt)
 
-    def group_rated(g: Group) -> Group:
+    def group_rated(g: GroupRow) -> GroupRow:
         procs = tuple(rated(p) for p in g.processes)
         if not current.shares_from_processes:
             return replace(g, processes=procs)
@@ -227,13 +227,13 @@ def from_region(layout: region.RegionLayout, table: region.SlotTableLayout, take
         for index, name in sorted(names.items(), key=lambda item: item[1]):
             g = layout.groups[index]
             mine = sorted(procs.get((gpu, index), []), key=lambda p: p.pid)
-            groups.append(Group(
+            groups.append(GroupRow(
                 name=name, gpu=uuid, min_util=g.min_util_ppm / region.UTIL_ONE,
                 max_util=g.max_util_ppm / region.UTIL_ONE,
                 memory_bytes=sum(p.memory_bytes for p in mine),
                 memory_limit_bytes=None if g.memory_limit == region.NO_LIMIT else float(g.memory_limit),
                 processes=tuple(mine)))
-        gpus.append(Gpu(uuid=uuid, index=str(gpu), memory_total_bytes=float(layout.gpus[gpu].memory_total),
+        gpus.append(GpuRow(uuid=uuid, index=str(gpu), memory_total_bytes=float(layout.gpus[gpu].memory_total),
                         groups=tuple(groups)))
     return Frame(taken_at=taken_at, agent_version="(region)", gpus=tuple(gpus), shares_from_processes=True)
 

@@ -224,7 +224,7 @@ def check_config(config: ResourceConfig) -> list[str]:
             broken.append(f"[{name}] MinUtil {g.min_util} MaxUtil {g.max_util}")
         if g.memory_limit is not None and not (
             isinstance(g.memory_limit, int) and 1 <= g.memory_limit <= rg.NO_LIMIT - 1
-            and rg.Group(memory_limit=g.memory_limit).memory_limit == g.memory_limit
+            and rg.GroupRecord(memory_limit=g.memory_limit).memory_limit == g.memory_limit
         ):
             broken.append(f"[{name}] MemoryLimit {g.memory_limit!r}")
         if g.oversubscribe_limit is not None and not (

@@ -232,7 +232,7 @@ def test_memory_limits_fit_the_regions_u64(limit: str, accepted: bool) -> None:
     if accepted:
         value = parse_text(text).groups["a"].memory_limit
         assert value is not None and 1 <= value <= rg.NO_LIMIT - 1
-        assert rg.Group(memory_limit=value).memory_limit == value  # stored as written, no wrap
+        assert rg.GroupRecord(memory_limit=value).memory_limit == value  # stored as written, no wrap
     else:
         assert error_of(text).startswith("r.conf:2: ")
 

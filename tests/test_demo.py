@@ -19,7 +19,7 @@ from dev import demo
 from gemtrace import top
 
 FRAME = top.Frame(taken_at=0.0, agent_version="0.1.0", probes_attached=0.0,
-                  gpus=(top.Gpu(uuid="GPU-1", index="0", groups=(top.Group(name="train", gpu="GPU-1"),)),))
+                  gpus=(top.GpuRow(uuid="GPU-1", index="0", groups=(top.GroupRow(name="train", gpu="GPU-1"),)),))
 UNAVAILABLE = json.dumps({"reason": "eBPF needs root: run the agent as root", "event": "ebpf_unavailable",
                           "level": "warning"})
 

@@ -26,8 +26,8 @@ GENERATOR = ROOT / "hook" / "contract_py.c"
 
 STRUCTS = {
     "gt_header": region.Header,
-    "gt_gpu": region.Gpu,
-    "gt_group": region.Group,
+    "gt_gpu": region.GpuRecord,
+    "gt_group": region.GroupRecord,
     "gt_control": region.Control,
     "gt_assignment": region.Assignment,
     "gt_region": region.RegionLayout,

@@ -93,7 +93,7 @@ def share(value: float, points: float) -> Target:
 
 
 @dataclass(frozen=True)
-class Group:
+class GroupSpec:
     name: str
     min_util: float = 0.0
     max_util: float = 1.0
@@ -122,18 +122,18 @@ class Case:
     # The groups for a workload: short kernels get 3 points (issue 13, "Short kernels"), training 2.
     points: dict[str, float]
 
-    def groups(self, workload: str) -> tuple[Group, ...]:
+    def groups(self, workload: str) -> tuple[GroupSpec, ...]:
         pts = self.points["inference" if workload in INFERENCE else "training"]
         if self.name == "caps":
-            return (Group("capped30", max_util=0.3, target=share(0.3, pts)),
-                    Group("capped70", max_util=0.7, target=share(0.7, pts)))
+            return (GroupSpec("capped30", max_util=0.3, target=share(0.3, pts)),
+                    GroupSpec("capped70", max_util=0.7, target=share(0.7, pts)))
         if self.name == "minutil":
-            return (Group("reserved60", min_util=0.6, target=Target(0.58, math.inf, "≥ 0.58")),
-                    Group("hog1", workload=HOG_WORKLOAD), Group("hog2", workload=HOG_WORKLOAD))
+            return (GroupSpec("reserved60", min_util=0.6, target=Target(0.58, math.inf, "≥ 0.58")),
+                    GroupSpec("hog1", workload=HOG_WORKLOAD), GroupSpec("hog2", workload=HOG_WORKLOAD))
         if self.name == "maxutil":
-            return (Group("capped50", max_util=0.5, target=share(0.5, pts)),)
+            return (GroupSpec("capped50", max_util=0.5, target=share(0.5, pts)),)
         if self.name == "4x2":
-            return tuple(Group(f"capped{cap}", max_util=cap / 100, processes=2, target=share(cap / 100, pts))
+            return tuple(GroupSpec(f"capped{cap}", max_util=cap / 100, processes=2, target=share(cap / 100, pts))
                          for cap in (10, 20, 30, 40))
         raise ValueError(self.name)
 
@@ -150,7 +150,7 @@ CASE = {c.name: c for c in CASES}
 PLAN = (("caps", "cnn-train"), ("minutil", "cnn-train"), ("maxutil", "cnn-train"), ("4x2", "cnn-train"),
         ("caps", "cnn-infer"), ("caps", "transformer-infer"), ("caps", "transformer-train"),
         ("minutil", "transformer-train"), ("maxutil", "transformer-train"), ("4x2", "transformer-train"))
-SOLO = Group("solo")
+SOLO = GroupSpec("solo")
 AGENT_CPU_TARGET = 2.0  # % of one core, with 8 processes in 4 capped groups (issue 13)
 
 
@@ -172,7 +172,7 @@ class RunFailed(RuntimeError):
 class Worker:
     """One `gemtrace run -- models_worker.py` process, its JSON lines read as they come."""
 
-    def __init__(self, group: Group, workload: str, state: Path, env: dict[str, str], log: Path,
+    def __init__(self, group: GroupSpec, workload: str, state: Path, env: dict[str, str], log: Path,
                  cpu: int | None, stand_in: bool) -> None:
         self.group, self.workload, self.log = group, workload, log
         cpus = set(CPUS) if cpu is None else {cpu}  # not the bench's own pin (pin_self)
@@ -233,7 +233,7 @@ class Worker:
 class Agent:
     """`gemtrace agent` on a resource file of the run's groups, in a state dir of its own."""
 
-    def __init__(self, work: Path, groups: tuple[Group, ...], env: dict[str, str], ebpf: bool) -> None:
+    def __init__(self, work: Path, groups: tuple[GroupSpec, ...], env: dict[str, str], ebpf: bool) -> None:
         self.work = work
         config = work / "resource.conf"
         config.write_text("\n".join(g.conf() for g in groups))
@@ -315,7 +315,7 @@ class Options:
     stand_in: bool
 
 
-def run(groups: tuple[Group, ...], workload: str, opts: Options) -> dict[str, Any]:
+def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str, Any]:
     """One agent, the groups' workers, one shared window. Per group: `rate` (steps/s of all its
     processes), `iters`, `charged` (GPU time charged / window), `results` (its workers' result lines),
     `memory` and `managed` (bytes held on the GPU at the window's end); and `agent_cpu` (% of one core)."""
@@ -467,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     spent: list[float] = []  # each run's time beyond its window: start-up, warm-up, settle, stop
 
-    def timed(groups: tuple[Group, ...], workload: str) -> dict[str, Any]:
+    def timed(groups: tuple[GroupSpec, ...], workload: str) -> dict[str, Any]:
         t = time.monotonic()
         result = run(groups, workload, opts)
         spent.append(time.monotonic() - t - opts.seconds)

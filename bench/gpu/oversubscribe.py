@@ -44,7 +44,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from models_torch import GATE, REPO, Group, Options, RunFailed, machine, parse_list, publish, run  # noqa: E402
+from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, machine, parse_list, publish, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
 
 from gemtrace.cache_release import ENV_RELEASE_CACHE  # noqa: E402 (models_torch puts the checkout on sys.path)
@@ -71,8 +71,8 @@ sys.stdin.read()
 
 
 @dataclass(frozen=True)
-class OversubscribedGroup(Group):
-    """A group with a MemoryLimit and Oversubscribe on (models_torch's Group writes the quota lines)."""
+class OversubscribedGroup(GroupSpec):
+    """A group with a MemoryLimit and Oversubscribe on (models_torch's GroupSpec writes the quota lines)."""
 
     memory_limit: int = 0
 
@@ -113,7 +113,7 @@ class Balloon:
 
 
 def solo(opts: Options) -> dict[str, Any]:
-    return run((Group("solo"),), WORKLOAD, opts)["groups"]["solo"]
+    return run((GroupSpec("solo"),), WORKLOAD, opts)["groups"]["solo"]
 
 
 def case_groups(case: str, need: int, ratio: float, factor: float) -> tuple[tuple[OversubscribedGroup, ...], int]:

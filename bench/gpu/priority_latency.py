@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models_torch import GATE, REPO, Group, Options, RunFailed, machine, publish, run  # noqa: E402
+from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, machine, publish, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "priority_latency.md"
@@ -43,12 +43,12 @@ HIGH = 10
 TARGET = 1.5  # p99 with Priority on, over solo p99
 
 
-def service(priority: int, pause_ms: float) -> Group:
-    return Group("infer", workload=SERVICE, priority=priority, worker_args=("--pause-ms", f"{pause_ms:g}"))
+def service(priority: int, pause_ms: float) -> GroupSpec:
+    return GroupSpec("infer", workload=SERVICE, priority=priority, worker_args=("--pause-ms", f"{pause_ms:g}"))
 
 
-def cases(pause_ms: float) -> tuple[tuple[str, tuple[Group, ...]], ...]:
-    hog = Group("train", workload=HOG)
+def cases(pause_ms: float) -> tuple[tuple[str, tuple[GroupSpec, ...]], ...]:
+    hog = GroupSpec("train", workload=HOG)
     return (("solo", (service(0, pause_ms),)),
             ("off", (service(0, pause_ms), hog)),
             ("on", (service(HIGH, pause_ms), hog)))
