@@ -31,12 +31,12 @@ from pathlib import Path
 
 import structlog
 
-from gemtrace import contract, defaults
+from gemtrace import contract, defaults, mps
 from gemtrace import region as rg
 from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.collectors.agent import AgentView
 from gemtrace.collectors.groups import GroupQuota, GroupsView
-from gemtrace.config import ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
+from gemtrace.config import ISOLATION_MPS, ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
 from gemtrace.kube.pods import NAMES_FILE, PodLabels
@@ -315,10 +315,12 @@ class Agent:
         config_poll_seconds: float = defaults.CONFIG_POLL_SECONDS,
         pod_names: Path = NAMES_FILE,
         managed_host_limit: int | None = None,
+        mps_control: str = mps.CONTROL,
     ) -> None:
         """`libcuda_paths`: probe only these libcuda files (None: ENV_PROBE_LIBCUDA's, or when it is
         unset every libcuda file on the host). `managed_host_limit`: the managed memory Oversubscribe
-        groups may hold in all (None: MANAGED_HOST_SHARE of the host's memory)."""
+        groups may hold in all (None: MANAGED_HOST_SHARE of the host's memory). `mps_control`: the
+        nvidia-cuda-mps-control program for groups with Isolation=mps (gemtrace/mps.py)."""
         self.managed_host_limit = (int(host_memory() * defaults.MANAGED_HOST_SHARE) if managed_host_limit is None
                                    else managed_host_limit)
         self.config_path = config_path
@@ -340,7 +342,12 @@ class Agent:
         self._table_lock = threading.Lock()  # _apply (reloads) against the keeper's table pass
         self._groups: dict[int, GroupConfig] = {}  # group index -> what the region must say there
         self.schedulers = [GpuScheduler(self.region, g.index) for g in self.gpus]
-        self._apply(self.config)
+        self.mps = mps.MpsDaemons(state_dir, mps_control)
+        try:
+            self._apply(self.config)
+        except BaseException:
+            self.mps.stop()
+            raise
         self.membership = Membership(self.region, lambda: self.config.groups)
         self.region.heartbeat(time.monotonic_ns())
         if libcuda_paths is None and os.environ.get(ENV_PROBE_LIBCUDA):
@@ -378,9 +385,14 @@ class Agent:
             self._groups = groups
             self._sync_table(groups)
             self.region.bump_generation()
+        # An mps group runs side by side on a GPU whose daemon serves it, so that GPU's scheduler leaves
+        # it out (its launches are never held); where no daemon could start, it takes turns as before.
+        served = self.mps.ensure(g.uuid for g in self.gpus if mps.mps_groups(config.groups.values(), g.uuid))
+        self.mps.publish(config.groups.values())
         quotas = {index: Quota(g.min_util, g.max_util, g.priority) for index, g in groups.items()}
-        for scheduler in self.schedulers:
-            scheduler.set_quotas(quotas)
+        for gpu, scheduler in zip(self.gpus, self.schedulers, strict=True):
+            scheduler.set_quotas({index: quota for index, quota in quotas.items()
+                                  if not (gpu.uuid in served and groups[index].isolation == ISOLATION_MPS)})
 
     def _sync_table(self, groups: Mapping[int, GroupConfig]) -> None:
         """Make the region's group table say `groups` and nothing else, storing only what differs: a
@@ -588,6 +600,8 @@ class Agent:
         step("watcher")
         self.accounting.close()
         step("probes")
+        self.mps.stop()
+        step("mps")
         self.reaper.close()
         self.region.close()
         self._lock.release()

@@ -90,7 +90,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode,
                       config_poll_seconds=args.config_poll, pod_names=args.pod_names,
-                      managed_host_limit=args.managed_host_limit)
+                      managed_host_limit=args.managed_host_limit, mps_control=args.mps_control)
     except GpuDiscoveryError as e:
         return _fail(f"{e} The agent cannot run without it: install the NVIDIA driver (`nvidia-smi` lists the "
                      "GPUs once it works), then `systemctl restart gemtrace`. The service does not restart the "
@@ -138,13 +138,13 @@ def cmd_check_config(args: argparse.Namespace) -> int:
         return _fail(str(e))
     print(f"{args.file}: OK, {len(config.groups)} groups")
     print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'Priority':>8} {'MemoryLimit':>26} "
-          f"{'Oversubscribe':>26}  Cgroup")
+          f"{'Oversubscribe':>26} {'Isolation':>9}  Cgroup")
     for g in sorted(config.groups.values(), key=lambda g: g.name):
         limit = "whole GPU" if g.memory_limit is None else f"{format_size(g.memory_limit)} ({g.memory_limit} B)"
         over = ("no" if not g.oversubscribe else "up to the host's bound" if g.oversubscribe_limit is None
                 else f"{format_size(g.oversubscribe_limit)} ({g.oversubscribe_limit} B)")
-        print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {g.priority:>8} {limit:>26} {over:>26}  "
-              f"{'; '.join(g.cgroups) or '-'}")
+        print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {g.priority:>8} {limit:>26} {over:>26} "
+              f"{g.isolation:>9}  {'; '.join(g.cgroups) or '-'}")
     return 0
 
 
@@ -286,6 +286,9 @@ def parser() -> argparse.ArgumentParser:
                        help="the most managed memory that Oversubscribe groups may hold in all, on every GPU "
                        f"together (default: {defaults.MANAGED_HOST_SHARE:g} of the host's memory; never more than "
                        "the host has)")
+    agent.add_argument("--mps-control", default=defaults.MPS_CONTROL, metavar="PROGRAM",
+                       help="the nvidia-cuda-mps-control program that groups with Isolation=mps run under, a "
+                       "name found in PATH or a path (default %(default)s; docs/mps.md)")
     agent.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
                        help="log events of this severity and above (default info); the log goes to stderr, "
                        "one JSON object per line unless stderr is a terminal")

@@ -11,6 +11,8 @@
     Users = alice; 1001  # who may ask for the group (GEMTRACE_GROUP, gemtrace run --group); names or uids
     UnixGroups = ml      # ... or be in one of these Unix groups (names or gids); neither: everyone
     Gpus = GPU-8f3a...   # the GPUs (UUIDs, ;-separated) its MinUtil is reserved on; default: every GPU
+    Isolation = mps      # time: launches take turns (default); mps: side by side under the GPU's MPS daemon
+                         # (docs/mps.md)
 
 Drop-ins: `*.conf` files in the directory beside it named after it (resource.d for resource.conf)
 add groups, read after the main file in name order and checked with it as one file.
@@ -48,6 +50,11 @@ class ConfigError(Exception):
     """A resource file that cannot be used; str() is "FILE:LINE: what is wrong; what to do"."""
 
 
+ISOLATION_TIME = "time"  # the scheduler gives the groups of a GPU turns (gemtrace/scheduler.py)
+ISOLATION_MPS = "mps"  # side by side through the GPU's NVIDIA MPS daemon (gemtrace/mps.py, docs/mps.md)
+ISOLATIONS = (ISOLATION_TIME, ISOLATION_MPS)
+
+
 @dataclass(frozen=True)
 class GroupConfig:
     name: str
@@ -65,6 +72,9 @@ class GroupConfig:
     # The GPUs (UUIDs) its processes run on, as a pod's CUDA_VISIBLE_DEVICES confines them: its
     # MinUtil counts against these GPUs only. Empty: every GPU. Not enforced by the agent.
     gpus: tuple[str, ...] = ()
+    # How it shares a GPU with the others: ISOLATION_TIME (the scheduler gives it turns) or ISOLATION_MPS
+    # (its processes run side by side through the GPU's MPS daemon, capped in SMs: docs/mps.md).
+    isolation: str = ISOLATION_TIME
 
     def admits(self, uid: int, gids: Iterable[int]) -> bool:
         """Whether a process of `uid` with the groups `gids` (its real gid and supplementary groups)
@@ -100,6 +110,7 @@ class _Draft:
     unix_groups: frozenset[int] | None = None
     admission_line: int = 0
     gpus: tuple[str, ...] = ()
+    isolation: str = ISOLATION_TIME
 
 
 @dataclass(frozen=True)
@@ -134,7 +145,8 @@ _SECTION = re.compile(r"\[([^\[\]]+)\]")
 _KEY = re.compile(r"([A-Za-z][A-Za-z0-9-]*)\s*=\s*(.*)", re.ASCII)
 _GROUP_NAME = re.compile(rf"[A-Za-z0-9_.:@+-]{{1,{MAX_NAME_BYTES}}}", re.ASCII)
 KEYS = ("MinUtil", "MaxUtil", "Priority", "MemoryLimit", "Oversubscribe", "Cgroup", "Users", "UnixGroups",
-        "Gpus")
+        "Gpus", "Isolation")
+
 MAX_ID = 2**32 - 2  # uid_t/gid_t; 2**32-1 is (uid_t)-1, "no id"
 # A size's decimals past this many cannot change its byte count: n / 2**40 has at most 40 decimals.
 _SIZE_DECIMALS = 40
@@ -217,6 +229,14 @@ def _priority(text: str) -> int:
     if len(digits) > len(str(MAX_PRIORITY)) or not MIN_PRIORITY <= int(text) <= MAX_PRIORITY:
         raise ValueError(f"Priority {_shown(text)} is out of range; {bounds}")
     return int(text)
+
+
+def _isolation(text: str) -> str:
+    word = text.strip().lower()
+    if word not in ISOLATIONS:
+        raise ValueError(f"Isolation {_quote(text.strip())} is neither time nor mps; give time (launches take "
+                         "turns, the default) or mps (side by side through NVIDIA MPS: docs/mps.md)")
+    return word
 
 
 def _cgroups(text: str) -> list[str]:
@@ -360,6 +380,8 @@ def _parse_sections(text: str, filename: str) -> _Parsed:
                 group.admission_line = group.admission_line or lineno
             elif key == "Gpus":
                 group.gpus = _gpus(value)
+            elif key == "Isolation":
+                group.isolation = _isolation(value)
             else:
                 group.cgroups.extend(_cgroups(value))
         except ValueError as e:
@@ -381,7 +403,8 @@ def _parse_sections(text: str, filename: str) -> _Parsed:
             raise fail(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
                                          "group runs there; remove Users/UnixGroups from it")
         result[name] = GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users,
-                                   g.unix_groups, g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus)
+                                   g.unix_groups, g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus,
+                                   g.isolation)
     return _Parsed(filename, result, {name: g.line for name, g in groups.items()},
                    {name: g.min_util_line for name, g in groups.items()})
 

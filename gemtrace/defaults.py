@@ -20,6 +20,9 @@ ENV_GROUP = contract.ENV_GROUP
 ENV_STATE_DIR = contract.ENV_STATE_DIR
 DEFAULT_GROUP = contract.DEFAULT_GROUP
 
+# The MPS control daemon's program for groups with Isolation=mps (gemtrace/mps.py): a name found in PATH.
+MPS_CONTROL = "nvidia-cuda-mps-control"
+
 # The BPF probes' modes (what each attaches: gemtrace.probes.bpf_loader; their cost: docs/accounting.md).
 PROBE_MODES = ("memory", "launches")
 PROBE_MODE = "memory"

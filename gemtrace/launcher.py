@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from gemtrace import cache_release, defaults
+from gemtrace import cache_release, defaults, mps
 from gemtrace.config import ConfigError, GroupConfig, load
 from gemtrace.contract import HEARTBEAT_STALE_NS
 from gemtrace.placement import DEFAULT_POLICY
@@ -162,6 +162,9 @@ def run(group: str, command: list[str], config: Path | None, state_dir: Path, re
     running = absent is None
     env.update(allotment.environment(group, gpus, policy, layout if running else None, config, env,
                                      table if running else None))
+    if running and layout is not None:  # an mps group's clients reach the daemon of their GPU (gemtrace/mps.py)
+        physical = [g.uuid.decode() for g in layout.gpus[: layout.header.n_gpus]]
+        env.update(mps.client_environment(state_dir, group, physical, env))
     try:
         if cache_release.wanted(release_cache, env,
                                 cache_release.group_oversubscribes(group, layout if running else None, config)):

@@ -102,6 +102,7 @@ class GroupSpec:
     target: Target | None = None  # on its throughput against solo; None: shown, not judged
     priority: int = 0
     worker_args: tuple[str, ...] = ()  # more arguments of models_worker.py (--pause-ms)
+    isolation: str = "time"  # the resource file's Isolation (bench/gpu/mps.py runs "mps")
 
     def quota(self) -> str:
         parts = ([f"MinUtil {self.min_util:g}"] if self.min_util else []) + \
@@ -111,7 +112,8 @@ class GroupSpec:
     def conf(self) -> str:
         return f"[{self.name}]\n" + (f"MinUtil = {self.min_util:g}\n" if self.min_util else "") + \
                (f"MaxUtil = {self.max_util:g}\n" if self.max_util < 1 else "") + \
-               (f"Priority = {self.priority}\n" if self.priority else "")
+               (f"Priority = {self.priority}\n" if self.priority else "") + \
+               (f"Isolation = {self.isolation}\n" if self.isolation != "time" else "")
 
 
 @dataclass(frozen=True)
