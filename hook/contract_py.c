@@ -51,6 +51,8 @@ int main(void)
     STR(GT_ENV_STATE_DIR);
     STR(GT_DEFAULT_STATE_DIR);
     STR(GT_DEFAULT_GROUP);
+    STR(GT_ENV_MANAGED_HINTS);
+    STR(GT_ENV_MANAGED_PREFETCH_MAX);
 
     puts("\n# hook/gemtrace_region.h: the region and slots files (their layout: gemtrace/region.py)");
     HEX(GT_REGION_MAGIC);

@@ -170,7 +170,17 @@ typedef enum CUmemAllocationHandleType_enum {
 
 typedef enum CUmemLocationType_enum {
     CU_MEM_LOCATION_TYPE_DEVICE = 0x1,
+    CU_MEM_LOCATION_TYPE_HOST = 0x2,
 } CUmemLocationType;
+
+typedef enum CUmem_advise_enum {
+    CU_MEM_ADVISE_SET_READ_MOSTLY = 1,
+    CU_MEM_ADVISE_UNSET_READ_MOSTLY = 2,
+    CU_MEM_ADVISE_SET_PREFERRED_LOCATION = 3,
+    CU_MEM_ADVISE_UNSET_PREFERRED_LOCATION = 4,
+    CU_MEM_ADVISE_SET_ACCESSED_BY = 5,
+    CU_MEM_ADVISE_UNSET_ACCESSED_BY = 6,
+} CUmem_advise;
 
 typedef enum CUmemAccess_flags_enum {
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 0x3,
@@ -397,6 +407,9 @@ CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flag
 CUresult cuMemFree_v2(CUdeviceptr dptr);
 CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr);
 CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr);
+CUresult cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, CUmem_advise advice, CUmemLocation location);
+CUresult cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags,
+                               CUstream hStream);
 CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream);
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);

@@ -65,6 +65,10 @@
     X(cuStreamGetCtx)                                                                               \
     X(cuCtxSetCurrent)                                                                              \
     X(cuEventCreate)                                                                                \
-    X(cuEventRecord)
+    X(cuEventRecord)                                                                                \
+    /* advice and prefetch for managed memory served in place of device memory (memory.c) */     \
+    /* the _v2 forms (CUmemLocation), CUDA 12.2's, the only ones CUDA 13's cuda.h declares */       \
+    X(cuMemAdvise_v2)                                                                               \
+    X(cuMemPrefetchAsync_v2)
 
 #endif

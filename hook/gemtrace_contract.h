@@ -14,5 +14,9 @@
 #define GT_ENV_STATE_DIR "GEMTRACE_STATE_DIR" /* where the agent's region and slots files are */
 #define GT_DEFAULT_STATE_DIR "/run/gemtrace"  /* ... when GT_ENV_STATE_DIR is unset or empty */
 #define GT_DEFAULT_GROUP "default"            /* the group of a process that asks for none, or is refused */
+/* Oversubscribe groups (hook/memory.c, docs/gate.md): "0" turns off the advice and prefetch hints for
+ * managed memory served in place of device memory; the most bytes one prefetch after a hold moves. */
+#define GT_ENV_MANAGED_HINTS "GEMTRACE_MANAGED_HINTS"
+#define GT_ENV_MANAGED_PREFETCH_MAX "GEMTRACE_MANAGED_PREFETCH_MAX"
 
 #endif /* GEMTRACE_CONTRACT_H */

@@ -161,10 +161,17 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
         return; /* no agent, or a stale one: never hang (the last limits written still apply to memory) */
     drain(gpu, stream);
     struct gt_slot *slot = gt_proc.slot;
+    bool waited = false;
     __atomic_fetch_add(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
-    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group)
+    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group) {
         gt_futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
+        waited = true;
+    }
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
+    /* Let go by the scheduler (not by a silent agent or a move to another group): bring back the
+     * managed memory that the groups which ran meanwhile evicted, ahead of this launch's kernel. */
+    if (waited && __atomic_load_n(held, __ATOMIC_ACQUIRE) != GT_HELD && gt_group() == group)
+        gt_prefetch_managed(gpu, stream, group);
 }
 
 /* Released, with a hold coming: keep what the process has queued on the GPU under about

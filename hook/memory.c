@@ -20,7 +20,9 @@
  * group's total and by what the host can back (hook/gemtrace_region.h), and freed by cuMemFree_v2 as
  * the program expects. Only cuMemAlloc_v2 falls back: it is what the CUDA runtime's cudaMalloc, hence
  * PyTorch's caching allocator, calls; the stream-ordered and virtual-memory allocators hand out memory
- * that managed memory cannot stand in for (a pool's, a handle to map).
+ * that managed memory cannot stand in for (a pool's, a handle to map), so they stay within MemoryLimit.
+ * Memory served so gets hints (hints below): the GPU as its preferred location and as a processor that
+ * accesses it, and, when the scheduler lets the group go after a hold, a prefetch back to the GPU.
  */
 #define _GNU_SOURCE
 #include "gate.h"
@@ -150,15 +152,23 @@ GT_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
 
 /* After fork: the parent's allocations are not the child's. The entries leak (malloc after fork in a
  * threaded parent is not safe to call here); the child starts with empty tables and free locks. */
+static void forget_hints_in_child(void);
+static void read_hint_options(void);
+
 static void after_fork_in_child(void)
 {
+    forget_hints_in_child();
     memset(pointers.bucket, 0, sizeof pointers.bucket);
     memset(handles.bucket, 0, sizeof handles.bucket);
     pthread_mutex_init(&pointers.lock, NULL);
     pthread_mutex_init(&handles.lock, NULL);
     pthread_mutex_init(&pools_lock, NULL);
 }
-GT_CONSTRUCTOR_MEMORY static void memory_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+GT_CONSTRUCTOR_MEMORY static void memory_init(void)
+{
+    read_hint_options();
+    pthread_atfork(NULL, NULL, after_fork_in_child);
+}
 
 /* --- the group's usage and the reservation protocol ----------------------------------------------- */
 
@@ -294,6 +304,152 @@ static CUresult reserve_managed(int gpu, uint64_t bytes)
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* --- hints for managed memory served in place of device memory ----------------------------------
+ * The program asked for device memory and its kernels use it as such: so the driver is told that the
+ * GPU is where the pages belong (CU_MEM_ADVISE_SET_PREFERRED_LOCATION: a GPU fault brings them there,
+ * and eviction is the driver's last resort) and that the GPU uses them (SET_ACCESSED_BY: kept mapped
+ * there, so an access to a page the driver left on the host reads it over the link instead of
+ * faulting). While the scheduler holds the group, the group that runs evicts those pages; when it lets
+ * the group go, the first launch that waited prefetches them back (cuMemPrefetchAsync on its own
+ * stream, before its kernel): one bulk migration instead of a fault per page. At most
+ * prefetch_max bytes a release, the oldest allocations first (a training job's weights and optimizer
+ * state come first), once per release and process (control.grant_seq). The table is taken only on
+ * these slow paths; the launch fast path never sees it. Off with GEMTRACE_MANAGED_HINTS=0. The
+ * program's own cuMemAllocManaged gets no hints: its advice is its own business. */
+
+#define GT_HINTED_MAX 1024                      /* allocations a prefetch knows of; more get advice only */
+#define GT_PREFETCH_MAX_DEFAULT (4ull << 30)   /* bytes one prefetch moves, unless GEMTRACE_MANAGED_PREFETCH_MAX */
+
+struct hinted {
+    CUdeviceptr ptr;
+    uint64_t bytes;
+    CUdevice device;
+    int gpu;
+};
+
+static struct {
+    pthread_mutex_t lock;
+    uint32_t count; /* atomic: read without the lock to skip the table when it is empty */
+    struct hinted entry[GT_HINTED_MAX];
+} hinted = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static bool hints_on = true;
+static uint64_t prefetch_max = GT_PREFETCH_MAX_DEFAULT;
+static uint64_t prefetched_seq[GT_MAX_GPUS]; /* the control word's grant_seq this process last prefetched at */
+
+static void forget_hints_in_child(void)
+{
+    hinted.count = 0;
+    memset(prefetched_seq, 0, sizeof prefetched_seq);
+    pthread_mutex_init(&hinted.lock, NULL);
+}
+
+/* "4GiB", "512M", "1073741824": bytes (powers of 1024); false when the text is no size. */
+static bool parse_bytes(const char *text, uint64_t *bytes)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, 10);
+    if (end == text || errno)
+        return false;
+    int shift = 0;
+    switch (*end) {
+    case 'K': case 'k': shift = 10; end++; break;
+    case 'M': case 'm': shift = 20; end++; break;
+    case 'G': case 'g': shift = 30; end++; break;
+    case 'T': case 't': shift = 40; end++; break;
+    default: break;
+    }
+    if (shift && (strcmp(end, "iB") == 0 || strcmp(end, "B") == 0))
+        end += strlen(end);
+    if (*end || (shift && v > (UINT64_MAX >> shift)))
+        return false;
+    *bytes = (uint64_t)v << shift;
+    return true;
+}
+
+static void read_hint_options(void)
+{
+    int saved = errno;
+    const char *on = getenv(GT_ENV_MANAGED_HINTS);
+    if (on && strcmp(on, "0") == 0)
+        hints_on = false;
+    else if (on && *on && strcmp(on, "1") != 0)
+        fprintf(stderr, "gemtrace gate: %s=%s is neither 0 nor 1; the managed memory hints stay on.\n",
+                GT_ENV_MANAGED_HINTS, on);
+    const char *max = getenv(GT_ENV_MANAGED_PREFETCH_MAX);
+    if (max && *max && !parse_bytes(max, &prefetch_max)) {
+        prefetch_max = GT_PREFETCH_MAX_DEFAULT;
+        fprintf(stderr, "gemtrace gate: %s=%s is not a size (bytes, or 512MiB, 4GiB); prefetching at most %llu "
+                "bytes after a hold.\n", GT_ENV_MANAGED_PREFETCH_MAX, max, (unsigned long long)prefetch_max);
+    }
+    errno = saved;
+}
+
+static CUmemLocation on_device(CUdevice device)
+{
+    return (CUmemLocation){.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = device};
+}
+
+/* Advice for managed memory just served in place of cuMemAlloc_v2's, and a place in the table. The
+ * driver's answers are not the program's business: an allocation without advice still works. */
+static void give_hints(int gpu, CUdeviceptr ptr, uint64_t bytes)
+{
+    CUdevice device;
+    if (!hints_on || !GT_REAL(cuCtxGetDevice) || gt_real.cuCtxGetDevice(&device) != CUDA_SUCCESS)
+        return;
+    if (GT_REAL(cuMemAdvise_v2)) {
+        gt_real.cuMemAdvise_v2(ptr, bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, on_device(device));
+        gt_real.cuMemAdvise_v2(ptr, bytes, CU_MEM_ADVISE_SET_ACCESSED_BY, on_device(device));
+    }
+    pthread_mutex_lock(&hinted.lock);
+    if (hinted.count < GT_HINTED_MAX) {
+        hinted.entry[hinted.count] = (struct hinted){.ptr = ptr, .bytes = bytes, .device = device, .gpu = gpu};
+        __atomic_store_n(&hinted.count, hinted.count + 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&hinted.lock);
+}
+
+/* Before cuMemFree_v2 frees ptr: a prefetch must never name a range the driver may hand out again. */
+static void forget_hints(CUdeviceptr ptr)
+{
+    if (!__atomic_load_n(&hinted.count, __ATOMIC_ACQUIRE))
+        return;
+    pthread_mutex_lock(&hinted.lock);
+    for (uint32_t i = 0; i < hinted.count; i++)
+        if (hinted.entry[i].ptr == ptr) { /* keep the order: the oldest are prefetched first */
+            memmove(&hinted.entry[i], &hinted.entry[i + 1], (hinted.count - i - 1) * sizeof hinted.entry[0]);
+            __atomic_store_n(&hinted.count, hinted.count - 1, __ATOMIC_RELEASE);
+            break;
+        }
+    pthread_mutex_unlock(&hinted.lock);
+}
+
+void gt_prefetch_managed(int gpu, CUstream stream, uint32_t group)
+{
+    if (!hints_on || !prefetch_max || !__atomic_load_n(&hinted.count, __ATOMIC_ACQUIRE) ||
+        !GT_REAL(cuMemPrefetchAsync_v2))
+        return;
+    /* Once per release: the first of the process's waiting threads to get here. */
+    uint64_t seq = __atomic_load_n(&gt_proc.region->control[gpu][group].grant_seq, __ATOMIC_ACQUIRE);
+    uint64_t last = __atomic_load_n(&prefetched_seq[gpu], __ATOMIC_RELAXED);
+    if (last == seq || !__atomic_compare_exchange_n(&prefetched_seq[gpu], &last, seq, false, __ATOMIC_ACQ_REL,
+                                                    __ATOMIC_RELAXED))
+        return;
+    uint64_t left = prefetch_max;
+    /* Held across the calls, which only queue the migrations: no range is freed while it is named. */
+    pthread_mutex_lock(&hinted.lock);
+    for (uint32_t i = 0; i < hinted.count && left > 0; i++) {
+        struct hinted *h = &hinted.entry[i];
+        if (h->gpu != gpu)
+            continue;
+        uint64_t bytes = h->bytes < left ? h->bytes : left;
+        if (gt_real.cuMemPrefetchAsync_v2(h->ptr, bytes, on_device(h->device), 0, stream) == CUDA_SUCCESS)
+            left -= bytes;
+    }
+    pthread_mutex_unlock(&hinted.lock);
+}
+
 /* cuMemAlloc_v2 past the group's device share, in an oversubscribing group: managed memory. */
 static CUresult allocate_managed(int gpu, CUdeviceptr *dptr, size_t bytes)
 {
@@ -308,6 +464,7 @@ static CUresult allocate_managed(int gpu, CUdeviceptr *dptr, size_t bytes)
         return r;
     }
     track(&pointers, (uint64_t)*dptr, bytes, gpu, true);
+    give_hints(gpu, *dptr, bytes);
     if (first_time(SAID_MANAGED))
         fprintf(stderr,
                 "gemtrace gate: group %s is past its device memory on GPU %d: allocations beyond it are managed "
@@ -512,6 +669,7 @@ GT_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     if (!GT_REAL(cuMemFree_v2))
         return CUDA_ERROR_NOT_FOUND;
+    forget_hints(dptr);
     GT_RELEASE(&pointers, (uint64_t)dptr, gt_real.cuMemFree_v2(dptr));
 }
 

@@ -12,7 +12,8 @@
  *     cuMemGetInfo report is exactly the sum of the allocations, so tests can compare figures.
  * Known simplifications: destroying a context or releasing a primary context does not free the
  * allocations made in it; cuMemFreeAsync and pool frees give memory back at once, not when the
- * stream reaches them; copies and memsets take no time (the synchronous ones wait for the stream).
+ * stream reaches them; copies and memsets take no time (the synchronous ones wait for the stream);
+ * cuMemAdvise and cuMemPrefetchAsync check their arguments and log themselves, but move nothing.
  *
  * Exported functions never call one another (an older or newer form of an entry point calls the
  * static *_impl behind both), so a uprobe or an interposer on one entry point sees exactly the calls
@@ -27,7 +28,9 @@
 #include "simgpu.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -1614,6 +1617,107 @@ SIM_API CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attr, CUd
     default: return CUDA_ERROR_INVALID_VALUE;
     }
     return CUDA_SUCCESS;
+}
+
+/* ---- managed memory hints: cuMemAdvise, cuMemPrefetchAsync --------------------------------- */
+
+/* As the real driver checks them: the range lies within one managed allocation of this process, the
+ * location is a visible device (or the host). Nothing moves (there are no pages to move); each call is
+ * appended to $SIMGPU_HINT_LOG, when set, as one JSON line, so that tests can see what the gate
+ * advised and prefetched, where to, and on which stream. */
+static int g_hint_log = -1;
+static pthread_once_t g_hint_log_once = PTHREAD_ONCE_INIT;
+
+static void hint_log_open(void)
+{
+    const char *path = getenv("SIMGPU_HINT_LOG");
+    if (path && *path)
+        g_hint_log = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
+}
+
+static void hint_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void hint_log(const char *fmt, ...)
+{
+    pthread_once(&g_hint_log_once, hint_log_open);
+    if (g_hint_log < 0)
+        return;
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof line - 1, fmt, ap);
+    va_end(ap);
+    if (n <= 0 || (size_t)n >= sizeof line - 1)
+        return;
+    line[n++] = '\n';
+    ssize_t written = write(g_hint_log, line, (size_t)n); /* O_APPEND: one line stays whole */
+    (void)written;
+}
+
+static CUresult managed_range(CUdeviceptr ptr, size_t count)
+{
+    struct rec r;
+    if (!count || !rec_find_containing((uintptr_t)ptr, &r) || r.kind != REC_ALLOC || !r.managed ||
+        count > r.size - ((uintptr_t)ptr - r.ptr))
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+/* The physical device a location names, -1 for the host; *err when it names neither. */
+static int location_phys(CUmemLocation location, CUresult *err)
+{
+    if (location.type == CU_MEM_LOCATION_TYPE_HOST)
+        return -1;
+    if (location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        *err = CUDA_ERROR_INVALID_VALUE;
+    else if (!valid_ordinal(location.id))
+        *err = CUDA_ERROR_INVALID_DEVICE;
+    else
+        return g_visible[location.id];
+    return -1;
+}
+
+static const char *location_name(CUmemLocation location)
+{
+    return location.type == CU_MEM_LOCATION_TYPE_HOST ? "host" : "device";
+}
+
+SIM_API CUresult cuMemAdvise_v2(CUdeviceptr ptr, size_t count, CUmem_advise advice, CUmemLocation location)
+{
+    REQUIRE_INIT();
+    CUresult err = managed_range(ptr, count);
+    if (!err && (advice < CU_MEM_ADVISE_SET_READ_MOSTLY || advice > CU_MEM_ADVISE_UNSET_ACCESSED_BY))
+        err = CUDA_ERROR_INVALID_VALUE;
+    int phys = -1;
+    /* Read-mostly advice ignores the location, as the driver does. */
+    if (!err && advice != CU_MEM_ADVISE_SET_READ_MOSTLY && advice != CU_MEM_ADVISE_UNSET_READ_MOSTLY)
+        phys = location_phys(location, &err);
+    hint_log("{\"pid\":%d,\"call\":\"cuMemAdvise\",\"ptr\":%llu,\"size\":%zu,\"advice\":%d,\"location\":\"%s\","
+             "\"device\":%d,\"phys\":%d,\"result\":%d}",
+             (int)getpid(), (unsigned long long)ptr, count, (int)advice, location_name(location), location.id, phys,
+             (int)err);
+    return err;
+}
+
+static const char *stream_name(CUstream h)
+{
+    return !h || h == CU_STREAM_LEGACY ? "legacy" : h == CU_STREAM_PER_THREAD ? "per-thread" : "created";
+}
+
+SIM_API CUresult cuMemPrefetchAsync_v2(CUdeviceptr ptr, size_t count, CUmemLocation location, unsigned int flags,
+                                       CUstream h)
+{
+    REQUIRE_INIT();
+    CUresult err = managed_range(ptr, count);
+    if (!err && flags)
+        err = CUDA_ERROR_INVALID_VALUE;
+    int phys = err ? -1 : location_phys(location, &err);
+    if (!err)
+        resolve_stream(h, false, &err);
+    hint_log("{\"pid\":%d,\"call\":\"cuMemPrefetchAsync\",\"ptr\":%llu,\"size\":%zu,\"location\":\"%s\","
+             "\"device\":%d,\"phys\":%d,\"stream\":\"%s\",\"result\":%d}",
+             (int)getpid(), (unsigned long long)ptr, count, location_name(location), location.id, phys,
+             stream_name(h), (int)err);
+    return err;
 }
 
 /* ---- stream-ordered allocation ----------------------------------------------------------- */

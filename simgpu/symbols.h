@@ -110,4 +110,6 @@
     SYM(cuMemcpyHtoDAsync, 3020, cuMemcpyHtoDAsync_v2, cuMemcpyHtoDAsync_v2_ptsz)             \
     SYM(cuMemcpyDtoHAsync, 3020, cuMemcpyDtoHAsync_v2, cuMemcpyDtoHAsync_v2_ptsz)             \
     SYM(cuMemsetD8, 3020, cuMemsetD8_v2, cuMemsetD8_v2_ptds)                                  \
-    SYM(cuPointerGetAttribute, 4000, cuPointerGetAttribute, NULL)
+    SYM(cuPointerGetAttribute, 4000, cuPointerGetAttribute, NULL)                             \
+    SYM(cuMemAdvise, 12020, cuMemAdvise_v2, NULL)                                             \
+    SYM(cuMemPrefetchAsync, 12020, cuMemPrefetchAsync_v2, NULL)

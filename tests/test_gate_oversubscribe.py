@@ -135,6 +135,108 @@ def test_device_memory_regrown_after_managed_cannot_pass_the_total(agent: Agent)
         managed.kill()
 
 
+# --- the allocators that do not switch ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["pitch", "async", "pool", "create"])
+def test_only_cu_mem_alloc_switches_the_other_allocators_stop_at_the_limit(agent: Agent, api: str) -> None:
+    """A pool's memory (cudaMallocAsync, CuPy's async pool), a handle to map (cuMemCreate: PyTorch's
+    expandable segments) or a pitched allocation cannot be managed memory: past MemoryLimit they get
+    CUDA_ERROR_OUT_OF_MEMORY, as in a group without Oversubscribe (docs/gate.md)."""
+    agent.region.set_group("train", GiB, 0, 1, oversubscribe=4 * GiB)
+    holder = agent.sim.start(["alloc", "--api", api, "--hold", "30", str(512 * MiB), str(512 * MiB), str(2 * MiB)],
+                             **agent.env("train"))
+    try:
+        lines = [holder.next_json() for _ in range(3)]
+        assert allocations(lines) == [("CUDA_SUCCESS", 0), ("CUDA_SUCCESS", 0), ("CUDA_ERROR_OUT_OF_MEMORY", None)]
+        holder.wait_for("holding")
+        assert held(agent, holder.pid) == (GiB, 0)
+    finally:
+        holder.kill()
+
+
+# --- hints: advice when managed memory stands in for device memory, a prefetch after a hold ----------
+
+
+@pytest.fixture
+def agent2(simgpu_factory, tmp_path: Path) -> Iterator[Agent]:  # type: ignore[no-untyped-def]
+    """Two GPUs: the gated programs see only the second (CUDA_VISIBLE_DEVICES=its UUID), so its CUDA
+    ordinal 0 is the simulation's device 1 and the region's GPU 1."""
+    if not GATE.exists():
+        pytest.fail(f"{GATE} is missing: run `make gate`", pytrace=False)
+    a = Agent(simgpu_factory(devices=2, memory="4GiB"), tmp_path / "state")
+    a.region.set_managed_host_limit(8 * GiB)
+    yield a
+    a.close()
+
+
+def hint_calls(log: Path) -> list[dict]:
+    """What the simulated driver was asked (SIMGPU_HINT_LOG), in order."""
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def second_gpu_env(agent: Agent, log: Path, **extra: str) -> dict[str, str]:
+    return agent.env("train", CUDA_VISIBLE_DEVICES=agent.uuids[1], SIMGPU_HINT_LOG=str(log), **extra)
+
+
+def test_managed_memory_served_for_device_memory_is_advised_to_its_gpu(agent2: Agent, tmp_path: Path) -> None:
+    agent2.region.set_group("train", GiB, 0, 1, oversubscribe=4 * GiB)
+    log = tmp_path / "hints.log"
+    lines, _ = run(["alloc", str(GiB), str(512 * MiB), str(256 * MiB)], second_gpu_env(agent2, log))
+    assert allocations(lines) == [("CUDA_SUCCESS", 0), ("CUDA_SUCCESS", 1), ("CUDA_SUCCESS", 1)]
+    managed = [(line["ptr"], line["size"]) for line in lines if line.get("managed")]
+    # Each managed allocation, whole, gets the GPU as its preferred location and as a processor that
+    # accesses it: CUDA ordinal 0, which is the simulation's device 1. The device memory gets nothing.
+    assert [(c["call"], c["ptr"], c["size"], c["advice"], c["location"], c["device"], c["phys"], c["result"])
+            for c in hint_calls(log)] == [
+        ("cuMemAdvise", ptr, size, advice, "device", 0, 1, 0)
+        for ptr, size in managed for advice in (3, 5)  # CU_MEM_ADVISE_SET_PREFERRED_LOCATION, _SET_ACCESSED_BY
+    ]
+
+
+def launch_held_then_released(agent: Agent, env: dict[str, str], sizes: list[int]) -> list[dict]:
+    """A process of train allocates `sizes`, then launches while train is held on GPU 1; released, its
+    launches run. Returns its allocation lines."""
+    group = agent.region.group_index("train")
+    assert group is not None
+    agent.region.hold(1, group)
+    loop = agent.sim.start(["launch-loop", "--kernel-ns", "1000000", "--iters", "5", "--hold", "30",
+                            *map(str, sizes)], **env)
+    try:
+        lines = [loop.next_json() for _ in sizes]
+        wait_until("the launch held", lambda: any(s.waiting[1] for s in agent.slots_of(loop.pid)))
+        assert not [c for c in hint_calls(Path(env["SIMGPU_HINT_LOG"])) if c["call"] == "cuMemPrefetchAsync"]
+        agent.region.release(1, group)
+        assert loop.wait_for("iters")["iters"] == 5
+        return lines
+    finally:
+        loop.kill()
+
+
+def test_a_release_after_a_hold_prefetches_the_managed_memory_back_to_the_gpu(agent2: Agent, tmp_path: Path) -> None:
+    agent2.region.set_group("train", GiB, 0, 1, oversubscribe=4 * GiB)
+    log = tmp_path / "hints.log"
+    # One prefetch moves at most 768 MiB: all of the first managed allocation, half of the second.
+    env = second_gpu_env(agent2, log, GEMTRACE_MANAGED_PREFETCH_MAX="768MiB")
+    lines = launch_held_then_released(agent2, env, [GiB, 512 * MiB, 512 * MiB])
+    assert allocations(lines) == [("CUDA_SUCCESS", 0), ("CUDA_SUCCESS", 1), ("CUDA_SUCCESS", 1)]
+    first, second = (line["ptr"] for line in lines if line["managed"])
+    prefetches = [(c["ptr"], c["size"], c["location"], c["device"], c["phys"], c["stream"], c["result"])
+                  for c in hint_calls(log) if c["call"] == "cuMemPrefetchAsync"]
+    # Once for the release, on the stream of the launch that waited (the legacy one), to CUDA ordinal 0.
+    assert prefetches == [(first, 512 * MiB, "device", 0, 1, "legacy", 0),
+                          (second, 256 * MiB, "device", 0, 1, "legacy", 0)]
+
+
+def test_with_hints_off_the_gate_neither_advises_nor_prefetches(agent2: Agent, tmp_path: Path) -> None:
+    agent2.region.set_group("train", GiB, 0, 1, oversubscribe=4 * GiB)
+    log = tmp_path / "hints.log"
+    lines = launch_held_then_released(agent2, second_gpu_env(agent2, log, GEMTRACE_MANAGED_HINTS="0"),
+                                      [GiB, 512 * MiB])
+    assert allocations(lines) == [("CUDA_SUCCESS", 0), ("CUDA_SUCCESS", 1)]
+    assert hint_calls(log) == []
+
+
 # --- through the agent: the resource file, the host bound, /metrics ---------------------------------
 
 

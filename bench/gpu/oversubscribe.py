@@ -18,9 +18,13 @@ Whether a run finished at all is the first result: an oversubscribed GPU that th
 as a failed run, with the worker's log. --cache-release runs each case with `gemtrace run`'s PyTorch
 cache release (on by default for these Oversubscribe groups: gemtrace/cache_release.py), without it
 (GEMTRACE_RELEASE_CACHE=0), or both ways, one after the other (issue 14's "the same without").
+--hints does the same for the gate's advice and prefetch hints on the managed memory it serves in place
+of device memory (hook/memory.c; on by default, GEMTRACE_MANAGED_HINTS=0 turns them off): each case
+runs with them, without them, or both ways.
 
     python3 bench/gpu/oversubscribe.py [--cases limited,squeezed,pair] [--limit-ratio 0.5]
-        [--oversubscription 1.5] [--cache-release on|off|both] [--seconds 20] [--settle 5] [--gpu 0] [--record]
+        [--oversubscription 1.5] [--cache-release on|off|both] [--hints on|off|both] [--seconds 20]
+        [--settle 5] [--gpu 0] [--record]
 
 Prints a markdown table; --record appends it, dated, to bench/results/oversubscribe.md; with $OUT set,
 also writes oversubscribe.md and oversubscribe.json there. Exit status 0 when every run finished, 2 on
@@ -48,10 +52,11 @@ from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, machine, par
 from scheduler_torch import pin_self  # noqa: E402
 
 from gemtrace.cache_release import ENV_RELEASE_CACHE  # noqa: E402 (models_torch puts the checkout on sys.path)
+from gemtrace.contract import ENV_MANAGED_HINTS  # noqa: E402
 
 WORKLOAD = "cnn-train"
 CASES = ("limited", "squeezed", "pair")
-CACHE_RELEASE = {"on": ("on",), "off": ("off",), "both": ("on", "off")}
+BOTH_WAYS = {"on": ("on",), "off": ("off",), "both": ("on", "off")}
 RESULTS = REPO / "bench" / "results" / "oversubscribe.md"
 GiB = 1 << 30
 # What a CUDA context of PyTorch takes outside its allocations on the H100 (FACTS.md: about 810 MB per
@@ -134,12 +139,12 @@ def render(header: str, before: dict[str, Any], after: dict[str, Any] | None, ro
     lines = [header, "",
              f"Solo (no limit): {rates}; its need (device memory at the window's end): "
              f"{before['memory'] / GiB:.2f} GiB.", "",
-             "| case | group | quota | cache release | GPU memory left to the jobs | device GiB | managed GiB | "
-             "steps/s | throughput (of solo) | one after the other |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| case | group | quota | cache release | hints | GPU memory left to the jobs | device GiB | "
+             "managed GiB | steps/s | throughput (of solo) | one after the other |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         left = f"{r['left'] / GiB:.2f} GiB (balloon)" if r["left"] else "the whole GPU"
-        lines.append(f"| {r['case']} | {r['group']} | {r['quota']} | {r['release']} | {left} | "
+        lines.append(f"| {r['case']} | {r['group']} | {r['quota']} | {r['release']} | {r['hints']} | {left} | "
                      f"{r['memory'] / GiB:.2f} | {r['managed'] / GiB:.2f} | {r['rate']:.2f} | {r['rate'] / ref:.3f} | "
                      f"{'0.5' if r['case'] == 'pair' else '-'} |")
     if failures:
@@ -156,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="limited and squeezed: MemoryLimit as a share of the solo need (default 0.5)")
     ap.add_argument("--oversubscription", type=float, default=1.5,
                     help="squeezed and pair: the jobs' need over the GPU memory the balloon leaves (default 1.5)")
-    ap.add_argument("--cache-release", choices=sorted(CACHE_RELEASE), default="on",
+    ap.add_argument("--cache-release", choices=sorted(BOTH_WAYS), default="on",
                     help="the jobs' PyTorch cache release while their group is held: on (gemtrace run's default for "
                     "Oversubscribe groups), off, or both, each case once each way (default on)")
+    ap.add_argument("--hints", choices=sorted(BOTH_WAYS), default="on",
+                    help="the gate's advice and prefetch hints on the managed memory it serves: on (the "
+                    "default), off (GEMTRACE_MANAGED_HINTS=0), or both, each case once each way (default on)")
     ap.add_argument("--seconds", type=float, default=20.0, help="the measured window of each run (default 20)")
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds after the warm-up before the window: paging settles (default 5)")
@@ -183,28 +191,31 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     for case in args.cases:
-        for release in CACHE_RELEASE[args.cache_release]:
+        for release, hints in [(r, h) for r in BOTH_WAYS[args.cache_release] for h in BOTH_WAYS[args.hints]]:
             groups, leave = case_groups(case, need, args.limit_ratio, args.oversubscription)
             balloon = None
+            what = f"cache release {release}, hints {hints}"
             # models_torch.run hands its environment to `gemtrace run`; solo (no Oversubscribe) has none.
             os.environ[ENV_RELEASE_CACHE] = "1" if release == "on" else "0"
+            os.environ[ENV_MANAGED_HINTS] = "1" if hints == "on" else "0"
             try:
                 balloon = Balloon(leave, args.gpu) if leave else None
                 result = run(groups, WORKLOAD, opts)
             except RunFailed as e:
-                failures.append(f"{case}, cache release {release} ({str(e).splitlines()[0]})")
-                print(f"{case} (cache release {release}) did not finish: {e}", file=sys.stderr)
+                failures.append(f"{case}, {what} ({str(e).splitlines()[0]})")
+                print(f"{case} ({what}) did not finish: {e}", file=sys.stderr)
                 continue
             finally:
                 del os.environ[ENV_RELEASE_CACHE]
+                del os.environ[ENV_MANAGED_HINTS]
                 if balloon is not None:
                     balloon.stop()
             left = balloon.report["free"] if balloon is not None else 0
             for g in groups:
                 got = result["groups"][g.name]
-                rows.append({"case": case, "group": g.name, "quota": g.quota(), "release": release, "left": left,
-                             **got})
-                print(f"{case} {g.name} (cache release {release}): {got['rate']:.2f} steps/s, device "
+                rows.append({"case": case, "group": g.name, "quota": g.quota(), "release": release, "hints": hints,
+                             "left": left, **got})
+                print(f"{case} {g.name} ({what}): {got['rate']:.2f} steps/s, device "
                       f"{got['memory'] / GiB:.2f} GiB, managed {got['managed'] / GiB:.2f} GiB", flush=True)
     try:
         after: dict[str, Any] | None = solo(opts)

@@ -16,9 +16,10 @@
  *       --pause-ns P: sleep P ns after each iteration (short bursts, as a service answering requests);
  *       the last line then also has "iter_p50_s","iter_p99_s","iter_max_s": each iteration's time from
  *       its first launch to its synchronisation's return (thread 0's iterations).
+ *       SIZE...: first cuMemAlloc_v2 each SIZE, one line each as alloc prints them (kept until exit).
  *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free [--hold-after S]] SIZE...
  *       one {"size","result","name"} line per allocation (with "managed": 0 or 1 when it succeeded, the
- *       driver's CU_POINTER_ATTRIBUTE_IS_MANAGED), then {"holding":S,"pid"} before holding, then
+ *       driver's CU_POINTER_ATTRIBUTE_IS_MANAGED, and "ptr", the address), then {"holding":S,"pid"} before holding, then
  *       {"freed":n} with --free, then holds S more seconds with --hold-after.
  *   meminfo [--device D]                              {"free","total"}
  *   alloc-threads --threads T --size S --count C [--hold S]  {"successes","failures","oom"}, then holds
@@ -318,6 +319,8 @@ static void *run_loop(void *arg)
 }
 
 static void hold(double seconds);
+static void report_allocation(uint64_t size, CUdeviceptr ptr);
+static void report_failure(uint64_t size, CUresult r);
 
 static int cmp_double(const void *a, const void *b)
 {
@@ -342,6 +345,14 @@ static int launch_loop(const struct opts *o)
         strcmp(o->sync, "memcpy")) {
         emit("{\"error\":\"usage\",\"message\":\"--sync is stream, ctx, event or memcpy\"}");
         return 2;
+    }
+    for (int i = 0; i < o->n_sizes; i++) { /* kept until exit: what the loop's kernels would use */
+        CUdeviceptr ptr;
+        CUresult r = D->f_cuMemAlloc(&ptr, o->sizes[i]);
+        if (r == CUDA_SUCCESS)
+            report_allocation(o->sizes[i], ptr);
+        else
+            report_failure(o->sizes[i], r);
     }
     CUcontext ctx;
     CHECK(D->f_cuCtxGetCurrent(&ctx));
@@ -488,6 +499,19 @@ static void hold(double seconds)
         ;
 }
 
+static void report_allocation(uint64_t size, CUdeviceptr ptr)
+{
+    unsigned int managed = 0;
+    CHECK(D->f_cuPointerGetAttribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr));
+    emit("{\"size\":%llu,\"result\":0,\"name\":\"CUDA_SUCCESS\",\"managed\":%u,\"ptr\":%llu}",
+         (unsigned long long)size, managed, (unsigned long long)ptr);
+}
+
+static void report_failure(uint64_t size, CUresult r)
+{
+    emit("{\"size\":%llu,\"result\":%d,\"name\":\"%s\"}", (unsigned long long)size, (int)r, err_name(r));
+}
+
 static int alloc_cmd(const struct opts *o)
 {
     enum alloc_api api = api_of(o->api ? o->api : "v2");
@@ -501,14 +525,10 @@ static int alloc_cmd(const struct opts *o)
     for (int i = 0; i < o->n_sizes; i++) {
         CUresult r = allocate(api, o->device, o->sizes[i], &held[n_held]);
         if (r != CUDA_SUCCESS) {
-            emit("{\"size\":%llu,\"result\":%d,\"name\":\"%s\"}", (unsigned long long)o->sizes[i], (int)r,
-                 err_name(r));
+            report_failure(o->sizes[i], r);
             continue;
         }
-        unsigned int managed = 0;
-        CHECK(D->f_cuPointerGetAttribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, held[n_held].ptr));
-        emit("{\"size\":%llu,\"result\":0,\"name\":\"%s\",\"managed\":%u}", (unsigned long long)o->sizes[i],
-             err_name(r), managed);
+        report_allocation(o->sizes[i], held[n_held].ptr);
         n_held++;
     }
     emit("{\"holding\":%.3f,\"pid\":%d,\"allocations\":%d}", o->hold, (int)getpid(), n_held);
