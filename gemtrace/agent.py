@@ -335,7 +335,7 @@ class Agent:
         try:
             self.region = Region.create(state_dir, on_replace=lambda reason: log.warning(
                 "region_replaced", reason=reason,
-                consequence="programs still mapping the old file run ungated until they restart"))
+                consequence="programs still mapping the old file run ungated until they restart"), log=log.info)
         except BaseException:
             self._lock.release()
             raise

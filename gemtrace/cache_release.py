@@ -61,8 +61,8 @@ def group_oversubscribes(group: str, layout: rg.RegionLayout | None, config: Pat
 
 
 def layout_description() -> str:
-    """The offsets the hook reads, as `name=value` pairs: where the pid, the group, the GPUs a slot
-    used, the GPU count and each control word's `held` lie, and the value that means held."""
+    """The offsets the hook reads, as `name=value` pairs: where an assignment's pid and group, the GPU
+    count and each control word's `held` lie, and the value that means held."""
     def offset(cls: type[ctypes.Structure], field: str) -> int:
         return int(getattr(cls, field).offset)
 
@@ -76,18 +76,13 @@ def layout_description() -> str:
         "control": control + offset(rg.Control, "held"),
         "control_gpu": ctypes.sizeof(rg.Control) * rg.MAX_GROUPS,
         "control_group": ctypes.sizeof(rg.Control),
-        "slots": rg.SlotTableLayout.slots.offset,
-        "slot": ctypes.sizeof(rg.Slot),
-        "slot_pid": offset(rg.Slot, "pid"),
-        "slot_gpu_mask": offset(rg.Slot, "gpu_mask"),
         "max_slots": rg.MAX_SLOTS,
         "max_groups": rg.MAX_GROUPS,
         "max_gpus": rg.MAX_GPUS,
         "held": rg.HELD,
         "region_size": rg.REGION_SIZE,
-        "slots_size": rg.SLOTS_SIZE,
     }
-    return ",".join(f"{k}={v}" for k, v in facts.items()) + f",region_file={rg.REGION_FILE},slots_file={rg.SLOTS_FILE}"
+    return ",".join(f"{k}={v}" for k, v in facts.items()) + f",region_file={rg.REGION_FILE}"
 
 
 def variables(environ: Mapping[str, str]) -> dict[str, str]:

@@ -108,6 +108,14 @@ def parse_uid(status: bytes) -> int | None:
     return None
 
 
+def parse_uids(status: bytes) -> set[int]:
+    """Every uid of /proc/PID/status's `Uid:` line (real, effective, saved, filesystem)."""
+    for line in status.splitlines():
+        if line.startswith(b"Uid:"):
+            return {int(f) for f in line.split()[1:] if f.isdigit()}
+    return set()
+
+
 def parse_gids(status: bytes) -> list[int] | None:
     """/proc/PID/status's real gid (`Gid:`) and supplementary groups (`Groups:`): the Unix groups a
     process is in, as the kernel checks them."""
@@ -159,6 +167,11 @@ class ProcReader:
             return None
         uid, gids = parse_uid(raw), parse_gids(raw)
         return None if uid is None or gids is None else (uid, gids)
+
+    def uids(self, pid: int) -> set[int]:
+        """Every uid the process holds (real, effective, saved, filesystem); empty when it is gone."""
+        raw = self._read(pid, "status")
+        return set() if raw is None else parse_uids(raw)
 
     def start_time(self, pid: int) -> int | None:
         """Field 22 of /proc/PID/stat (clock ticks since boot): tells a reused pid apart."""

@@ -75,6 +75,7 @@ class Membership:
         self.proc = proc or ProcReader()
         self.per_tick = per_tick
         self.refusals: Counter[str] = Counter()  # requested group -> refusals, for /metrics
+        self._foreign: dict[int, int] = {}  # slot -> the other user's pid it named, logged once
 
     def tick(self) -> int:
         """Decide for new processes; returns how many were decided."""
@@ -117,6 +118,16 @@ class Membership:
         if credentials is None:
             return None
         uid, gids = credentials
+        # A slot's pid is its gate's word, written in a chunk of the user the socket gave it to: a pid
+        # of another user's process there is forged (or the process changed user since), and is not
+        # decided for. Its slot's figures stay its writer's own; the reaper frees it when that pid exits.
+        owner = int(self.region.layout.chunk_owner[index // contract.CHUNK_SLOTS])
+        if owner != contract.NO_OWNER and owner not in self.proc.uids(pid):
+            if self._foreign.get(index) != pid:
+                self._foreign[index] = pid
+                log.warning("slot_names_another_users_process", slot=index, pid=pid, chunk_owner=owner, uid=uid,
+                            consequence="not placed in a group; only a process of the chunk's user is")
+            return None
         requested = rg.decode_name(self.region.slots[index].requested).strip()
         decision = decide(requested, uid, gids, self.proc.cgroups(pid) or [], groups, defined)
         if decision.refused:

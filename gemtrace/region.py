@@ -1,17 +1,19 @@
 """The memory shared between the agent and the gates: a ctypes mirror of hook/gemtrace_region.h.
 
-This module owns the mapping of the two files and the few operations on them that need care
-(creating them so a gate never maps a half-written file, releasing a futex word, storing an
-assignment in one word, freeing a dead process's slot). It never decides anything: the scheduler
-decides what to hold, gemtrace/membership.py which group a process is in, the agent when to reap.
+This module owns the mapping of the region file and the slot table, and the few operations on them
+that need care (creating the region so a gate never maps a half-written file, releasing a futex word,
+storing an assignment in one word, freeing a dead process's slot). It never decides anything: the
+scheduler decides what to hold, gemtrace/membership.py which group a process is in, the agent when to reap.
 
-`region` (the agent's word: header, GPUs, groups, control words, assignments) is root's, mode 0644:
-gates map it read-only. `slots` (each gated process's own figures) is mode 0666: every gated
-program writes its slot there, so nothing read back from it is trusted (names are decoded
-defensively; docs/security.md). A region whose header or tables are not sound is replaced rather
-than adopted (`unsound`). The layout is defined once, in the C header; tests/test_region_layout.py
-compiles a program that prints sizeof/offsetof of every field and compares them with the classes below.
-The header's constants come from gemtrace.contract, which `make` generates from it.
+`region` (the agent's word: header, GPUs, groups, control words, assignments, chunk owners) is root's,
+mode 0644: gates map it read-only. The slot table (each gated process's own figures) is made of
+per-user memfd chunks that the agent hands out over its socket (gemtrace/slot_space.py,
+gemtrace/slot_server.py): a process writes only its own user's slots, and nothing read back from them
+is trusted (names are decoded defensively; docs/security.md). A region whose header or tables are not
+sound is replaced rather than adopted (`unsound`). The layout is defined once, in the C header;
+tests/test_region_layout.py compiles a program that prints sizeof/offsetof of every field and
+compares them with the classes below. The header's constants come from gemtrace.contract, which
+`make` generates from it.
 """
 
 from __future__ import annotations
@@ -26,27 +28,30 @@ from functools import cached_property
 from pathlib import Path
 
 from gemtrace.contract import (
+    ATTACH_SOCKET,
+    ATTACH_VIEW,
     COMM_LEN,
     GROUP_UNASSIGNED,
     HELD,
+    MAX_CHUNKS,
     MAX_GPUS,
     MAX_GROUPS,
     MAX_SLOTS,
     NAME_LEN,
     NO_LIMIT,
+    NO_OWNER,
     REGION_FILE,
     RELEASED,
     RELEASED_SHORT_QUEUE,
-    SLOTS_FILE,
-    SLOTS_MAGIC,
     UTIL_ONE,
     UUID_LEN,
 )
 from gemtrace.contract import REGION_MAGIC as MAGIC
 from gemtrace.contract import REGION_VERSION as VERSION
+from gemtrace.slot_server import SlotServer, ask
+from gemtrace.slot_space import ChunkKeeper, SlotSpace, find_chunks, sound_chunk
 
 REGION_MODE = 0o644  # the agent's (root's) word: every user reads it, none writes it
-SLOTS_MODE = 0o666  # every gated program writes its own slot
 
 u32, i32, u64 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64
 
@@ -61,7 +66,9 @@ class Header(ctypes.Structure):
         ("heartbeat_ns", u64),
         ("config_generation", u64),
         ("managed_host_limit", u64),
-        ("reserved", u64 * 10),
+        ("chunk_generation", u64),
+        ("region_id", u64),
+        ("reserved", u64 * 8),
     ]
 
 
@@ -106,7 +113,7 @@ class Slot(ctypes.Structure):
         ("burst_start_ns", u64 * MAX_GPUS),
         ("drained_ns", u64 * MAX_GPUS),
         ("waiting", u32 * MAX_GPUS),
-        ("reserved", u64 * 4),
+        ("reserved", u64 * 63),
     ]
 
 
@@ -117,19 +124,17 @@ class RegionLayout(ctypes.Structure):
         ("groups", GroupRecord * MAX_GROUPS),
         ("control", (Control * MAX_GROUPS) * MAX_GPUS),
         ("assigned", Assignment * MAX_SLOTS),
+        ("chunk_owner", u32 * MAX_CHUNKS),
     ]
 
 
-class SlotsHeader(ctypes.Structure):
-    _fields_ = [("magic", u64), ("version", u32), ("size", u32), ("reserved", u64 * 6)]
-
-
 class SlotTableLayout(ctypes.Structure):
-    _fields_ = [("header", SlotsHeader), ("slots", Slot * MAX_SLOTS)]
+    """The slot table as both sides map it (struct gt_slot slots[GT_MAX_SLOTS]; no header: the chunks
+    come from the agent's socket, never from a file someone could have replaced)."""
+    _fields_ = [("slots", Slot * MAX_SLOTS)]
 
 
 REGION_SIZE = ctypes.sizeof(RegionLayout)
-SLOTS_SIZE = ctypes.sizeof(SlotTableLayout)
 
 
 def assignment_word(pid: int, group: int) -> int:
@@ -185,7 +190,7 @@ def unsound(layout: RegionLayout) -> str | None:
 def os_error(path: Path, e: OSError) -> RegionError:
     """One line a person can act on for the errors a host can give while the region is created."""
     if e.errno == errno.ENOSPC:
-        return RegionError(f"{path.parent}: no space left for the {REGION_SIZE + SLOTS_SIZE}-byte region and slots; "
+        return RegionError(f"{path.parent}: no space left for the {REGION_SIZE}-byte region; "
                            "free space on that "
                            "filesystem (or point --state-dir elsewhere) and start the agent again")
     if e.errno == errno.EROFS:
@@ -205,10 +210,10 @@ _INT_MAX = 2**31 - 1
 
 def _check_header(path: Path, fd: int, magic: int, size: int) -> None:
     """Refuse a file that is not of this layout before mapping it (a short one would be SIGBUS)."""
-    head = SlotsHeader.from_buffer_copy(os.pread(fd, ctypes.sizeof(SlotsHeader), 0).ljust(ctypes.sizeof(SlotsHeader),
-                                                                                           b"\0"))
+    size_of_head = ctypes.sizeof(Header)
+    head = Header.from_buffer_copy(os.pread(fd, size_of_head, 0).ljust(size_of_head, b"\0"))
     if head.magic != magic:
-        raise RegionError(f"{path}: not a gemtrace {path.name} file (bad magic); remove it or restart the agent")
+        raise RegionError(f"{path}: not a gemtrace region (bad magic); remove it or restart the agent")
     if head.version != VERSION:
         raise RegionVersionError(
             f"{path}: layout version {head.version}, this gemtrace reads version {VERSION}; "
@@ -252,33 +257,96 @@ def _new_file(state_dir: Path, name: str, size: int, mode: int) -> tuple[Path, i
         raise
 
 
-class Region:
-    """The two mapped files. `layout` is the live ctypes view of the region, `slots_layout` of the slots
-    file (a read-only opener gets copies of both)."""
+def _create_region_file(state_dir: Path, path: Path) -> tuple[int, mmap.mmap]:
+    """A new region file, every word in its initial state, renamed into place with its magic set."""
+    tmp, fd, mapping = _new_file(state_dir, REGION_FILE, REGION_SIZE, REGION_MODE)
+    try:
+        layout = RegionLayout.from_buffer(mapping)
+        layout.header.version = VERSION
+        layout.header.size = REGION_SIZE
+        layout.header.agent_pid = os.getpid()
+        layout.header.region_id = int.from_bytes(os.urandom(8), "little")
+        for gpu in range(MAX_GPUS):
+            for group in range(MAX_GROUPS):
+                layout.control[gpu][group].held = RELEASED
+        words = memoryview(layout.assigned).cast("B").cast("Q")
+        for index in range(MAX_SLOTS):
+            words[index] = assignment_word(0, GROUP_UNASSIGNED)
+        words.release()
+        for chunk in range(MAX_CHUNKS):
+            layout.chunk_owner[chunk] = NO_OWNER
+        layout.header.magic = MAGIC
+        del layout
+        mapping.flush()
+        os.rename(tmp, path)
+    except BaseException:
+        mapping.close()
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return fd, mapping
 
-    def __init__(self, path: Path, fd: int, mapping: mmap.mmap, slots_fd: int, slots_mapping: mmap.mmap) -> None:
+
+def _place_view(space: SlotSpace, state_dir: Path, region_id: int) -> int:
+    """Map every chunk the agent in `state_dir` serves, read-only; returns the view's chunk generation
+    (-1 when no agent answered). Without an agent, root still finds the chunks live gates map (as a
+    restarted agent would); anyone else then reads every slot free."""
+    try:
+        reply, fds = ask(state_dir, ATTACH_VIEW)
+    except OSError:
+        if os.geteuid() == 0:
+            for chunk, (fd, _) in find_chunks(region_id).items():
+                space.place(chunk, fd, writable=False)
+                os.close(fd)
+        return -1
+    try:
+        for k, fd in enumerate(fds):
+            if sound_chunk(fd):
+                space.place(reply.entries[k].chunk, fd, writable=False)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return int(reply.chunk_generation)
+
+
+class Region:
+    """The mapped region and the slot table. `layout` is the live ctypes view of the region,
+    `slots_layout` of the slot table (a read-only opener gets copies of both).
+
+    The agent's Region (`create`) makes the slot chunks and serves them on its socket; an observer's
+    (`open`) asks that socket for every chunk, read-only, and maps again when chunks were added."""
+
+    def __init__(self, path: Path, fd: int, mapping: mmap.mmap, space: SlotSpace,
+                 keeper: ChunkKeeper | None = None, server: SlotServer | None = None) -> None:
         self.path = path
-        self.slots_path = path.with_name(SLOTS_FILE)
         self._fd, self._map = fd, mapping
-        self._slots_fd, self._slots_map = slots_fd, slots_mapping
+        self._space: SlotSpace | None = space  # None: a read-only opener's snapshot
+        self._keeper, self._server = keeper, server
         self.layout = RegionLayout.from_buffer(mapping)
-        self.slots_layout = SlotTableLayout.from_buffer(slots_mapping)
+        self.slots_layout = space.table()
+        self._view_generation = -1
         self._assigned_words = memoryview(self.layout.assigned).cast("B").cast("Q")
 
     @property
     def slots(self) -> ctypes.Array[Slot]:
         return self.slots_layout.slots
 
+    @property
+    def slot_server(self) -> SlotServer | None:
+        return self._server
+
     # -- opening ---------------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, state_dir: Path, on_replace: Callable[[str], None] | None = None) -> Region:
-        """The agent's view: adopt sound files of this version (groups, assignments and live slots
-        survive an agent restart, so running programs keep going), or replace missing, foreign, torn
-        or unsound ones (both together); `on_replace(reason)` hears why existing files were replaced.
+    def create(cls, state_dir: Path, on_replace: Callable[[str], None] | None = None,
+               log: Callable[..., None] | None = None) -> Region:
+        """The agent's view: adopt a sound region file of this version (groups, assignments and the
+        chunks live gates still map survive an agent restart, so running programs keep going), or
+        replace a missing, foreign, torn or unsound one; `on_replace(reason)` hears why an existing
+        file was replaced. Then serve the slot chunks on the socket.
 
-        New files are written under temporary names, their blocks allocated, and renamed into place
-        with their magic already set, the slots file first: a gate that finds a region finds slots.
+        A new file is written under a temporary name, its blocks allocated, and renamed into place
+        with its magic already set.
         """
         path = state_dir / REGION_FILE
         try:
@@ -287,106 +355,103 @@ class Region:
             raise os_error(path, e) from None
         reason = None
         try:
-            region = cls.open(state_dir)
+            fd, mapping = _map_file(path, MAGIC, REGION_SIZE, True)
         except FileNotFoundError:
-            region = None
-            if path.exists() or (state_dir / SLOTS_FILE).exists():
-                reason = f"{state_dir}: the region or the slots file is missing"
+            fd = -1
         except RegionError as e:
-            region, reason = None, str(e)
+            fd, reason = -1, str(e)
         except OSError as e:
-            region, reason = None, f"{path}: {e.strerror or e}"
-        if region is not None:
-            reason = unsound(region.layout)
+            fd, reason = -1, f"{path}: {e.strerror or e}"
+        adopted = False
+        if fd >= 0:
+            layout = RegionLayout.from_buffer(mapping)
+            reason = unsound(layout)
+            del layout
             if reason is None:
                 # The region is the agent's alone, whoever left it: root's, read-only for the rest.
-                os.fchown(region._fd, os.geteuid(), os.getegid())
-                os.fchmod(region._fd, REGION_MODE)
-                os.fchmod(region._slots_fd, SLOTS_MODE)
-                region.layout.header.agent_pid = os.getpid()
-                return region
-            region.close()
-            reason = f"{path}: {reason}"
+                os.fchown(fd, os.geteuid(), os.getegid())
+                os.fchmod(fd, REGION_MODE)
+                adopted = True
+            else:
+                mapping.close()
+                os.close(fd)
+                reason = f"{path}: {reason}"
         if reason is not None and on_replace is not None:
             on_replace(reason)
+        if not adopted:
+            try:
+                fd, mapping = _create_region_file(state_dir, path)
+            except OSError as e:
+                raise os_error(path, e) from None
+        space = SlotSpace()
+        region = cls(path, fd, mapping, space)
         try:
-            return cls._create_new(state_dir, path)
+            region.layout.header.agent_pid = os.getpid()
+            region._keeper = ChunkKeeper(space, region.layout, log)
+            if adopted:
+                region._keeper.recover()
+            else:
+                region._keeper.reset()
+            region._server = SlotServer(state_dir, region._keeper)
         except OSError as e:
-            raise os_error(path, e) from None
-
-    @classmethod
-    def _create_new(cls, state_dir: Path, path: Path) -> Region:
-        slots_tmp, slots_fd, slots_map = _new_file(state_dir, SLOTS_FILE, SLOTS_SIZE, SLOTS_MODE)
-        try:
-            tmp, fd, mapping = _new_file(state_dir, REGION_FILE, REGION_SIZE, REGION_MODE)
+            region.close()
+            raise os_error(state_dir / ATTACH_SOCKET, e) from None
         except BaseException:
-            slots_map.close()
-            os.close(slots_fd)
-            slots_tmp.unlink(missing_ok=True)
+            region.close()
             raise
-        try:
-            table = SlotTableLayout.from_buffer(slots_map)
-            table.header.version, table.header.size = VERSION, SLOTS_SIZE
-            table.header.magic = SLOTS_MAGIC
-            del table
-            layout = RegionLayout.from_buffer(mapping)
-            layout.header.version = VERSION
-            layout.header.size = REGION_SIZE
-            layout.header.agent_pid = os.getpid()
-            for gpu in range(MAX_GPUS):
-                for group in range(MAX_GROUPS):
-                    layout.control[gpu][group].held = RELEASED
-            words = memoryview(layout.assigned).cast("B").cast("Q")
-            for index in range(MAX_SLOTS):
-                words[index] = assignment_word(0, GROUP_UNASSIGNED)
-            words.release()
-            layout.header.magic = MAGIC
-            del layout
-            slots_map.flush()
-            mapping.flush()
-            os.rename(slots_tmp, state_dir / SLOTS_FILE)
-            os.rename(tmp, path)
-        except BaseException:
-            for m, f, name in ((mapping, fd, tmp), (slots_map, slots_fd, slots_tmp)):
-                m.close()
-                os.close(f)
-                name.unlink(missing_ok=True)
-            raise
-        return cls(path, fd, mapping, slots_fd, slots_map)
+        return region
 
     @classmethod
     def open(cls, state_dir: Path, writable: bool = True) -> Region:
-        """Map existing files; refuse files of another layout version with a clear message. Only the
-        region's owner (root) can open it writable; a read-only opener gets snapshots of both files."""
+        """Map an existing region; refuse one of another layout version with a clear message, and ask
+        the agent's socket for the slot chunks (none when no agent answers: every slot reads free).
+        Only the region's owner (root) can open it writable, and then gets live views; a read-only
+        opener gets snapshots of both."""
         path = state_dir / REGION_FILE
         fd, mapping = _map_file(path, MAGIC, REGION_SIZE, writable)
-        try:
-            slots_fd, slots_map = _map_file(state_dir / SLOTS_FILE, SLOTS_MAGIC, SLOTS_SIZE, writable)
-        except BaseException:
-            mapping.close()
-            os.close(fd)
-            raise
-        if not writable:
-            # ctypes.from_buffer needs a writable buffer; a read-only reader takes snapshots instead.
-            region = cls.__new__(cls)
-            region.path, region.slots_path = path, state_dir / SLOTS_FILE
-            region._fd, region._map, region._slots_fd, region._slots_map = fd, mapping, slots_fd, slots_map
-            region.layout = RegionLayout.from_buffer_copy(mapping)
-            region.slots_layout = SlotTableLayout.from_buffer_copy(slots_map)
-            region._assigned_words = memoryview(region.layout.assigned).cast("B").cast("Q")
+        space = SlotSpace()
+        if writable:
+            region = cls(path, fd, mapping, space)
+            region._refresh_view()
             return region
-        return cls(path, fd, mapping, slots_fd, slots_map)
+        # ctypes.from_buffer needs a writable buffer; a read-only reader takes snapshots instead.
+        try:
+            _place_view(space, state_dir, int(RegionLayout.from_buffer_copy(mapping).header.region_id))
+            slots = SlotTableLayout.from_buffer_copy(space.snapshot())
+        finally:
+            space.close()
+        region = cls.__new__(cls)
+        region.path = path
+        region._fd, region._map, region._space, region._keeper, region._server = fd, mapping, None, None, None
+        region.layout = RegionLayout.from_buffer_copy(mapping)
+        region.slots_layout = slots
+        region._view_generation = -1
+        region._assigned_words = memoryview(region.layout.assigned).cast("B").cast("Q")
+        return region
+
+    def _refresh_view(self) -> None:
+        """An observer's live view: map the chunks again when the agent added or gave away some."""
+        if self._keeper is not None or self._space is None:
+            return
+        generation = self.layout.header.chunk_generation
+        if generation != self._view_generation:
+            self._view_generation = _place_view(self._space, self.path.parent, int(self.layout.header.region_id))
 
     def close(self) -> None:
         self.__dict__.pop("slot_columns", None)  # its views point into the mappings about to go
         self._assigned_words.release()
         del self.layout, self.slots_layout
-        for mapping, fd in ((self._map, self._fd), (self._slots_map, self._slots_fd)):
-            try:
-                mapping.close()
-            except BufferError:
-                pass  # a caller still holds a view into the mapping; the OS unmaps at exit
-            os.close(fd)
+        if self._server is not None:
+            self._server.close()
+        if self._keeper is not None:
+            self._keeper.close()
+        if self._space is not None:
+            self._space.close()
+        try:
+            self._map.close()
+        except BufferError:
+            pass  # a caller still holds a view into the mapping; the OS unmaps at exit
+        os.close(self._fd)
 
     # -- agent-owned parts -----------------------------------------------------------------------
 
@@ -506,6 +571,7 @@ class Region:
 
     def slot_groups(self) -> dict[int, int]:
         """slot index -> assigned group of every claimed slot whose assignment names its process."""
+        self._refresh_view()
         columns = self.slot_columns
         return {i: g for i, g in enumerate(columns.groups()) if g != GROUP_UNASSIGNED}
 
@@ -566,12 +632,14 @@ class Region:
 
     def live_slots(self) -> Iterator[tuple[int, Slot]]:
         """(index, slot) for every claimed slot; the slot is the live view, copy what must not move."""
+        self._refresh_view()
         slots = self.slots
         for index in self.slot_columns.live():
             yield index, slots[index]
 
     def slot_pids(self) -> list[int]:
         """The pid of every slot (0 = free), read in one strided pass: cheap enough for every tick."""
+        self._refresh_view()
         return self.slot_columns.pids()
 
     def translate_slot(self, index: int, pid: int, host_pid: int) -> bool:

@@ -5,10 +5,11 @@
  * uses CUDA sees no difference. It is O(1) in the number of live processes: the slot search starts
  * at a hash of the pid and claims with one CAS (HAMi's start-up took about a minute with hundreds of
  * processes on a node: HAMi #1662, https://github.com/Project-HAMi/HAMi/issues/1662). The region is
- * mapped read-only, the slots file read-write; the gate asks for a group (GEMTRACE_GROUP, written in
- * its slot) and the agent decides (gemtrace_region.h). Without the two files, or with files of
- * another layout version, the gate says so once on stderr and passes everything through, retrying at
- * most once a second (the agent may start after the program).
+ * mapped read-only; the slot table comes from the agent's socket, as sealed memfd chunks: our user's
+ * writable, the rest read-only (gemtrace_region.h). The gate asks for a group (GEMTRACE_GROUP, written
+ * in its slot) and the agent decides. Without the region or the socket, or with another layout
+ * version, the gate says so once on stderr and passes everything through, retrying at most once a
+ * second (the agent may start after the program).
  */
 #define _GNU_SOURCE
 #include "gate.h"
@@ -23,7 +24,9 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -34,7 +37,9 @@ static uint64_t last_attempt_ns;
 static unsigned said; /* bit per message kind already printed */
 
 enum { SAID_NO_REGION = 1, SAID_VERSION = 2, SAID_GROUP = 4, SAID_FULL = 8, SAID_FOREIGN = 16, SAID_UNASSIGNED = 32,
-       SAID_NO_DEFAULT = 64 };
+       SAID_NO_DEFAULT = 64, SAID_NO_SOCKET = 128, SAID_BAD_CHUNK = 256 };
+
+#define GT_TABLE_BYTES ((size_t)GT_MAX_SLOTS * GT_SLOT_SIZE)
 
 uint64_t gt_now_ns(void)
 {
@@ -88,31 +93,32 @@ static uint64_t read_start_time(void)
     return p ? strtoull(p, NULL, 10) : 0;
 }
 
-/* Open one of the agent's files and check its header before mapping it: a file of another layout,
- * or one shorter than its layout (a mapping past the end of a file is SIGBUS on first touch), is
- * refused. Returns the mapping or NULL. */
-static void *map_file(const char *dir, const char *name, uint64_t magic, size_t size, bool writable)
+/* Open the region and check its header before mapping it: a file of another layout, or one shorter
+ * than its layout (a mapping past the end of a file is SIGBUS on first touch), is refused. Returns the
+ * read-only mapping or NULL. */
+static const struct gt_region *map_region(const char *dir)
 {
     char path[4096];
-    snprintf(path, sizeof path, "%s/%s", dir, name);
-    int fd = open(path, (writable ? O_RDWR : O_RDONLY) | O_CLOEXEC);
+    snprintf(path, sizeof path, "%s/%s", dir, GT_REGION_FILE);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         say_once(SAID_NO_REGION, "cannot open %s (%s): is the gemtrace agent running? Running ungated for now.",
                  path, strerror(errno));
         return NULL;
     }
-    struct { uint64_t magic; uint32_t version; uint32_t size; } header; /* the head of both files' headers */
+    struct gt_header header;
     struct stat st;
     if (fstat(fd, &st) != 0 || pread(fd, &header, sizeof header, 0) != (ssize_t)sizeof header) {
         close(fd);
         return NULL;
     }
-    if (header.magic != magic) {
-        say_once(SAID_FOREIGN, "%s is not a gemtrace file of its kind; running ungated.", path);
+    if (header.magic != GT_REGION_MAGIC) {
+        say_once(SAID_FOREIGN, "%s is not a gemtrace region; running ungated.", path);
         close(fd);
         return NULL;
     }
-    if (header.version != GT_REGION_VERSION || header.size != size || (size_t)st.st_size < size) {
+    if (header.version != GT_REGION_VERSION || header.size != sizeof(struct gt_region) ||
+        (size_t)st.st_size < sizeof(struct gt_region)) {
         say_once(SAID_VERSION,
                  "%s has layout version %u, this gate speaks version %u; running ungated "
                  "(restart the program under the agent's gate of the same version).",
@@ -120,9 +126,121 @@ static void *map_file(const char *dir, const char *name, uint64_t magic, size_t 
         close(fd);
         return NULL;
     }
-    void *map = mmap(NULL, size, writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED, fd, 0);
+    void *map = mmap(NULL, sizeof(struct gt_region), PROT_READ, MAP_SHARED, fd, 0);
     close(fd);
     return map == MAP_FAILED ? NULL : map;
+}
+
+/* --- the slot table: chunks from the agent's socket ------------------------------------------------ */
+
+/* One request, one reply with a descriptor per entry. A silent agent costs at most a second. Returns
+ * the number of descriptors received (into fds[], close-on-exec), or -1. */
+static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *reply, int fds[GT_MAX_CHUNKS])
+{
+    struct sockaddr_un addr = {.sun_family = AF_UNIX};
+    if ((size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s/%s", dir, GT_ATTACH_SOCKET) >= sizeof addr.sun_path)
+        return -1;
+    int sock = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+    if (sock < 0)
+        return -1;
+    struct timeval timeout = {.tv_sec = 1};
+    setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof timeout);
+    setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
+    struct gt_attach_request request = {.version = GT_REGION_VERSION, .kind = kind};
+    if (connect(sock, (struct sockaddr *)&addr, sizeof addr) != 0 || send(sock, &request, sizeof request, 0) != sizeof request) {
+        say_once(SAID_NO_SOCKET, "cannot reach the agent at %s (%s); running ungated for now.", addr.sun_path,
+                 strerror(errno));
+        close(sock);
+        return -1;
+    }
+    union { char buf[CMSG_SPACE(sizeof(int) * GT_MAX_CHUNKS)]; struct cmsghdr align; } control;
+    struct iovec iov = {.iov_base = reply, .iov_len = sizeof *reply};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
+    memset(reply, 0, sizeof *reply);
+    ssize_t got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    close(sock);
+    int n = 0;
+    for (struct cmsghdr *c = got > 0 ? CMSG_FIRSTHDR(&msg) : NULL; c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        int count = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+        for (int k = 0; k < count; k++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof fd);
+            if (n < GT_MAX_CHUNKS)
+                fds[n++] = fd;
+            else
+                close(fd);
+        }
+    }
+    bool sound = got >= (ssize_t)offsetof(struct gt_attach_reply, entries) && !(msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) &&
+                 reply->version == GT_REGION_VERSION && reply->n_entries == (uint32_t)n;
+    for (int k = 0; sound && k < n; k++)
+        sound = reply->entries[k].chunk < GT_MAX_CHUNKS;
+    if (!sound) {
+        for (int k = 0; k < n; k++)
+            close(fds[k]);
+        return -1;
+    }
+    return n;
+}
+
+/* Map chunk descriptor `fd` over its place in the table. Only a sealed chunk of the right size is
+ * mapped: nobody can shrink it, so no read of it can fault. Closes fd. */
+static bool place_chunk(struct gt_slot *table, uint32_t chunk, int fd, bool writable)
+{
+    struct stat st;
+    int seals = fcntl(fd, F_GET_SEALS);
+    bool ok = fstat(fd, &st) == 0 && st.st_size == GT_CHUNK_BYTES && seals >= 0 &&
+              (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW);
+    if (ok)
+        ok = mmap((char *)table + (size_t)chunk * GT_CHUNK_BYTES, GT_CHUNK_BYTES,
+                  writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0) != MAP_FAILED;
+    else
+        say_once(SAID_BAD_CHUNK, "the agent sent a slot chunk that is not a sealed memfd of %d bytes; ignored.",
+                 GT_CHUNK_BYTES);
+    close(fd);
+    return ok;
+}
+
+/* A range for the whole table that reads as zeros (free slots) wherever no chunk is mapped. */
+static struct gt_slot *reserve_table(void)
+{
+    void *table = mmap(NULL, GT_TABLE_BYTES, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    return table == MAP_FAILED ? NULL : table;
+}
+
+static const char *state_dir(void)
+{
+    const char *dir = getenv(GT_ENV_STATE_DIR);
+    return dir && *dir ? dir : GT_DEFAULT_STATE_DIR;
+}
+
+static pthread_mutex_t view_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void gt_refresh_slots(void)
+{
+    const struct gt_region *r = gt_proc.region;
+    uint64_t generation = __atomic_load_n(&r->header.chunk_generation, __ATOMIC_ACQUIRE);
+    if (GT_LIKELY(generation == __atomic_load_n(&gt_proc.view_generation, __ATOMIC_ACQUIRE)))
+        return;
+    if (pthread_mutex_trylock(&view_lock) != 0)
+        return; /* another thread maps it now; this sum uses the table as it is */
+    struct gt_attach_reply reply;
+    int fds[GT_MAX_CHUNKS];
+    int n = ask_agent(state_dir(), GT_ATTACH_VIEW, &reply, fds);
+    uint32_t mine = gt_proc.slot_index / GT_CHUNK_SLOTS;
+    for (int k = 0; k < n; k++) {
+        if (reply.entries[k].chunk == mine)
+            close(fds[k]); /* ours stays as it is: writable, and never given away while our slot is live */
+        else
+            place_chunk(gt_proc.slots, reply.entries[k].chunk, fds[k], false);
+    }
+    /* On failure keep the old generation, so that the next sum asks again (at most once a second:
+     * a failed ask is quick unless the agent hangs, which its 1 s timeout bounds). */
+    if (n >= 0 && reply.status == GT_ATTACH_OK)
+        __atomic_store_n(&gt_proc.view_generation, reply.chunk_generation, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&view_lock);
 }
 
 /* Only a defined group: an entry the resource file dropped is kept only while processes still in
@@ -136,17 +254,51 @@ static int find_group(const struct gt_region *r, const char *name)
     return -1;
 }
 
-static int claim_slot(struct gt_slot_table *table, int32_t pid)
+/* Claim a free slot in one of our user's chunks (`writable` lists them), from a hash of the pid. */
+static int claim_slot(struct gt_slot *table, const uint32_t *writable, int n_writable, int32_t pid)
 {
-    uint32_t start = ((uint32_t)pid * 2654435761u) % GT_MAX_SLOTS; /* Knuth's multiplicative hash */
-    for (uint32_t k = 0; k < GT_MAX_SLOTS; k++) {
-        uint32_t index = (start + k) % GT_MAX_SLOTS;
-        struct gt_slot *slot = &table->slots[index];
-        int32_t free_pid = 0;
-        if (__atomic_load_n(&slot->pid, __ATOMIC_RELAXED) == 0 &&
-            __atomic_compare_exchange_n(&slot->pid, &free_pid, pid, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
-            return (int)index;
+    uint32_t hash = (uint32_t)pid * 2654435761u; /* Knuth's multiplicative hash */
+    for (int c = 0; c < n_writable; c++) {
+        uint32_t chunk = writable[(hash / GT_CHUNK_SLOTS + (uint32_t)c) % (uint32_t)n_writable];
+        for (uint32_t k = 0; k < GT_CHUNK_SLOTS; k++) {
+            uint32_t index = chunk * GT_CHUNK_SLOTS + (hash + k) % GT_CHUNK_SLOTS;
+            struct gt_slot *slot = &table[index];
+            int32_t free_pid = 0;
+            if (__atomic_load_n(&slot->pid, __ATOMIC_RELAXED) == 0 &&
+                __atomic_compare_exchange_n(&slot->pid, &free_pid, pid, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED))
+                return (int)index;
+        }
     }
+    return -1;
+}
+
+/* Ask to join, map what the agent sends, claim a slot in our user's chunks. The agent makes sure our
+ * user has a free slot for each of its recent asks when it answers; another process of ours may still
+ * take ours first, so a failed claim asks again (four times at most). Returns the slot index or -1. */
+static int join(const char *dir, struct gt_slot *table, int32_t pid, uint64_t *generation)
+{
+    for (int attempt = 0; attempt < 4; attempt++) {
+        struct gt_attach_reply reply;
+        int fds[GT_MAX_CHUNKS];
+        int n = ask_agent(dir, GT_ATTACH_JOIN, &reply, fds);
+        if (n < 0)
+            return -1;
+        uint32_t writable[GT_MAX_CHUNKS];
+        int n_writable = 0;
+        for (int k = 0; k < n; k++) {
+            bool mine = reply.entries[k].writable == 1;
+            if (place_chunk(table, reply.entries[k].chunk, fds[k], mine) && mine)
+                writable[n_writable++] = reply.entries[k].chunk;
+        }
+        *generation = reply.chunk_generation;
+        if (reply.status != GT_ATTACH_OK)
+            break;
+        int index = claim_slot(table, writable, n_writable, pid);
+        if (index >= 0)
+            return index;
+    }
+    say_once(SAID_FULL, "the agent has no free process slot for this user (%d slots each, %d in all); running ungated.",
+             GT_USER_CHUNKS * GT_CHUNK_SLOTS, GT_MAX_SLOTS);
     return -1;
 }
 
@@ -174,7 +326,7 @@ static void await_assignment(const struct gt_region *r, uint32_t index)
         struct gt_assignment a;
         __atomic_load(entry, &a, __ATOMIC_ACQUIRE);
         /* Our slot's pid: getpid(), or the host pid the reaper gave a slot claimed in a pod. */
-        int32_t mine = __atomic_load_n(&gt_proc.slots->slots[index].pid, __ATOMIC_RELAXED);
+        int32_t mine = __atomic_load_n(&gt_proc.slots[index].pid, __ATOMIC_RELAXED);
         if (a.pid == mine && a.group < GT_MAX_GROUPS)
             return;
         uint64_t now = gt_now_ns();
@@ -203,29 +355,27 @@ bool gt_attach_slow(bool wait)
     bool ok = gt_attached();
     if (!ok && (last_attempt_ns == 0 || now - last_attempt_ns >= 1000000000ull)) {
         last_attempt_ns = now;
-        const char *dir = getenv(GT_ENV_STATE_DIR);
+        const char *dir = state_dir();
         const char *requested = getenv(GT_ENV_GROUP);
-        if (!dir || !*dir)
-            dir = GT_DEFAULT_STATE_DIR;
         if (!requested || !*requested)
             requested = GT_DEFAULT_GROUP;
-        const struct gt_region *r = map_file(dir, GT_REGION_FILE, GT_REGION_MAGIC, sizeof *r, false);
-        struct gt_slot_table *table = r ? map_file(dir, GT_SLOTS_FILE, GT_SLOTS_MAGIC, sizeof *table, true) : NULL;
-        int fallback = table ? find_group(r, GT_DEFAULT_GROUP) : -1;
-        if (table && fallback < 0)
+        const struct gt_region *r = map_region(dir);
+        int fallback = r ? find_group(r, GT_DEFAULT_GROUP) : -1;
+        if (r && fallback < 0)
             say_once(SAID_NO_DEFAULT, "the agent's region defines no \"" GT_DEFAULT_GROUP "\" group; running ungated.");
         if (fallback >= 0 && find_group(r, requested) < 0)
             say_once(SAID_GROUP, "group '%s' is not defined by the agent's resource file; the agent places this "
                      "process in its cgroup's group or \"" GT_DEFAULT_GROUP "\".", requested);
+        struct gt_slot *table = fallback >= 0 ? reserve_table() : NULL;
         int32_t pid = (int32_t)getpid();
-        int index = fallback >= 0 ? claim_slot(table, pid) : -1;
-        if (fallback >= 0 && index < 0)
-            say_once(SAID_FULL, "all %d process slots are taken; running ungated.", GT_MAX_SLOTS);
+        uint64_t generation = 0;
+        int index = table ? join(dir, table, pid, &generation) : -1;
         if (index >= 0) {
-            struct gt_slot *slot = &table->slots[index];
+            struct gt_slot *slot = &table[index];
             fill_slot(slot, requested);
             gt_proc.region = r;
             gt_proc.slots = table;
+            gt_proc.view_generation = generation;
             gt_proc.slot = slot;
             gt_proc.slot_index = (uint32_t)index;
             gt_proc.fallback_group = (uint32_t)fallback;
@@ -234,7 +384,7 @@ bool gt_attach_slow(bool wait)
             ok = true;
         } else {
             if (table)
-                munmap(table, sizeof *table);
+                munmap(table, GT_TABLE_BYTES); /* the chunks mapped into it go with it */
             if (r)
                 munmap((void *)r, sizeof *r);
         }
@@ -378,14 +528,15 @@ static void release_slot(void)
 static void after_fork_in_child(void)
 {
     pthread_mutex_init(&attach_lock, NULL);
+    pthread_mutex_init(&view_lock, NULL);
     const struct gt_region *r = gt_proc.region;
-    struct gt_slot_table *table = gt_proc.slots;
+    struct gt_slot *table = gt_proc.slots;
     memset(&gt_proc, 0, sizeof gt_proc);
     gt_proc.single_gpu = -1;
     if (r)
         munmap((void *)r, sizeof *r);
     if (table)
-        munmap(table, sizeof *table);
+        munmap(table, GT_TABLE_BYTES);
     last_attempt_ns = 0;
     cached_ctx = NULL;
     cached_gpu = -1;

@@ -54,15 +54,21 @@ int main(void)
     STR(GT_ENV_MANAGED_HINTS);
     STR(GT_ENV_MANAGED_PREFETCH_MAX);
 
-    puts("\n# hook/gemtrace_region.h: the region and slots files (their layout: gemtrace/region.py)");
+    puts("\n# hook/gemtrace_region.h: the region and the slot table (their layout: gemtrace/region.py)");
     HEX(GT_REGION_MAGIC);
-    HEX(GT_SLOTS_MAGIC);
     INT(GT_REGION_VERSION);
     STR(GT_REGION_FILE);
-    STR(GT_SLOTS_FILE);
+    STR(GT_ATTACH_SOCKET);
+    STR(GT_SLOTS_MEMFD);
     INT(GT_MAX_GPUS);
     INT(GT_MAX_GROUPS);
     INT(GT_MAX_SLOTS);
+    INT(GT_SLOT_SIZE);
+    INT(GT_CHUNK_SLOTS);
+    INT(GT_MAX_CHUNKS);
+    INT(GT_CHUNK_BYTES);
+    INT(GT_USER_CHUNKS);
+    HEX(GT_NO_OWNER);
     INT(GT_NAME_LEN);
     INT(GT_UUID_LEN);
     INT(GT_COMM_LEN);
@@ -77,6 +83,13 @@ int main(void)
     INT(GT_RELEASED);
     INT(GT_HELD);
     INT(GT_RELEASED_SHORT_QUEUE);
+    puts("# enum gt_attach_kind: the socket's requests");
+    INT(GT_ATTACH_JOIN);
+    INT(GT_ATTACH_VIEW);
+    puts("# enum gt_attach_status: its replies");
+    INT(GT_ATTACH_OK);
+    INT(GT_ATTACH_FULL);
+    INT(GT_ATTACH_REFUSED);
     puts("# enum gt_slot_flags");
     INT(GT_SLOT_GATED);
 

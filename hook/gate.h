@@ -2,7 +2,7 @@
  * gate.h - what the gate's files share: the process's view of the region, the real entry points.
  *
  * Nothing here may block on another process: the region is mapped read-only and read with atomics;
- * the gate writes only its own slot in the slots file (hook/gemtrace_region.h says who owns what).
+ * the gate writes only its own slot, in its user's chunk of the slot table (hook/gemtrace_region.h says who owns what).
  */
 #ifndef GEMTRACE_GATE_H
 #define GEMTRACE_GATE_H
@@ -47,7 +47,8 @@ void gt_resolve_real(void);
 struct gt_process {
     int attached;                 /* 1 once region, group and slot are ours (atomic) */
     const struct gt_region *region; /* mapped PROT_READ: the gate never writes it */
-    struct gt_slot_table *slots;    /* the slots file, mapped read-write */
+    struct gt_slot *slots;          /* the slot table: GT_MAX_SLOTS slots, our user's chunks writable */
+    uint64_t view_generation;       /* region->header.chunk_generation when the table was last mapped */
     struct gt_slot *slot;
     uint32_t slot_index;
     uint32_t fallback_group;        /* "default": the group while the agent has not decided */
@@ -83,6 +84,9 @@ extern struct gt_process gt_proc;
 bool gt_attach_slow(bool wait);   /* try to attach (rate-limited); true when attached */
 static inline bool gt_attached(void) { return GT_LIKELY(__atomic_load_n(&gt_proc.attached, __ATOMIC_ACQUIRE)); }
 bool gt_agent_alive(void);
+/* Map the chunks the agent added since the table was mapped (the allocation path calls it before it
+ * sums a group's slots; a no-op while the region's chunk_generation is the table's). */
+void gt_refresh_slots(void);
 
 /* The group of slot i's process: the agent's decision when it names that process, else "default"
  * (the agent has not decided yet, or the entry is a former occupant's). Read on every use rather than

@@ -11,7 +11,7 @@
 #define GEMTRACE_CONTRACT_H
 
 #define GT_ENV_GROUP "GEMTRACE_GROUP"         /* the group a process asks for (a wish: the agent decides) */
-#define GT_ENV_STATE_DIR "GEMTRACE_STATE_DIR" /* where the agent's region and slots files are */
+#define GT_ENV_STATE_DIR "GEMTRACE_STATE_DIR" /* where the agent's region and socket are */
 #define GT_DEFAULT_STATE_DIR "/run/gemtrace"  /* ... when GT_ENV_STATE_DIR is unset or empty */
 #define GT_DEFAULT_GROUP "default"            /* the group of a process that asks for none, or is refused */
 /* Oversubscribe groups (hook/memory.c, docs/gate.md): "0" turns off the advice and prefetch hints for

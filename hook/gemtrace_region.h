@@ -1,24 +1,38 @@
 /*
  * gemtrace_region.h - the one definition of the shared memory between the agent and the gates: two files.
  *
- * The agent creates, in $GEMTRACE_STATE_DIR (gemtrace_contract.h has the default), two preallocated files:
- *   - `region` (struct gt_region), owned by root, mode 0644: what the gates obey. Gates map it
- *     PROT_READ (a futex wait works on a read-only mapping), so no user can lift a hold, raise a
- *     limit, forge the heartbeat or the group table, or truncate the file under everyone.
- *   - `slots` (struct gt_slot_table), mode 0666: one slot per gated process, written by that process
- *     (its own figures). Any gated user can write any slot here: docs/security.md says what that
- *     still allows and the planned fix (per-process pages handed over a unix socket).
+ * The agent owns two kinds of shared memory:
+ *   - `region` (struct gt_region), a preallocated file in $GEMTRACE_STATE_DIR (gemtrace_contract.h has
+ *     the default), owned by root, mode 0644: what the gates obey. Gates map it PROT_READ (a futex wait
+ *     works on a read-only mapping), so no user can lift a hold, raise a limit, forge the heartbeat or
+ *     the group table, or truncate the file under everyone.
+ *   - the slot table (struct gt_slot slots[GT_MAX_SLOTS], one slot per gated process), made of chunks of
+ *     GT_CHUNK_SLOTS slots. Each chunk is a memfd the agent creates for one user (uid) and seals against
+ *     shrinking and growing (F_SEAL_SHRINK|F_SEAL_GROW|F_SEAL_SEAL), so nobody can truncate it and no
+ *     mapping of it can fault. There is no file to open: a gate asks the agent over the unix socket
+ *     GT_ATTACH_SOCKET (SOCK_SEQPACKET) and gets the chunks as descriptors (SCM_RIGHTS): its own user's
+ *     chunks writable, every other chunk read-only (the agent reads the asker's uid from SO_PEERCRED).
+ *     So a process writes only slots of its own user, and reads every slot (group sums need them).
+ *     Both sides map chunk c at offset c * GT_CHUNK_BYTES of one reserved range (MAP_FIXED), so the
+ *     table reads as one array; a chunk not mapped there reads as zeros (free slots).
+ *     header.chunk_generation changes whenever a chunk is added or given to another user, and
+ *     chunk_owner[c] says whose chunk c is; a gate that sees a new generation asks for the view again.
+ *     The memfds are named "gemtrace-slots-<region_id in hex>-c<chunk>-u<uid>", so that a restarted
+ *     agent takes back the chunks live processes still map (from /proc/PID/map_files), its region's
+ *     only (other agents, of other state dirs, may run on the host), checking that root made them.
  * gemtrace/region.py mirrors this header with ctypes; tests/test_region_layout.py compiles a program
  * printing sizeof/offsetof of every field and compares, so the two cannot drift. The constants below
  * reach Python through gemtrace/contract.py, generated from this header (gemtrace_contract.h says
- * how). Change a field of either file: bump GT_REGION_VERSION (both files carry it).
+ * how). Change a field of the region or a slot: bump GT_REGION_VERSION (the socket's messages carry it).
  *
  * Ownership (nothing here is protected by a lock, so a process killed at any instruction blocks nobody):
  *   - region: written by the agent only. It adopts an existing file only if it is sound, and still
  *     re-asserts what it means (the heartbeat every tick, groups[] every second, each GPU's control
  *     words on every look of its scheduler), for what root itself might have scribbled.
- *   - slots[i]: written only by the process that claimed it (CAS of `pid` from 0), except that the
- *     agent frees the slot of a process that has died (it zeroes the slot, then stores pid = 0).
+ *   - slots[i]: written only by the process that claimed it (CAS of `pid` from 0, in a chunk of its own
+ *     user), except that the agent frees the slot of a process that has died (it zeroes the slot, then
+ *     stores pid = 0) and gives a process in another PID namespace its host pid. Another process of the
+ *     same user could write it too: the user's own figures, which the agent treats as a hint.
  *
  * Groups: membership is decided once, by the agent (docs/security.md). A gate claims a slot and
  * writes there the group it asks for (`requested`, from GEMTRACE_GROUP). The agent, within a tick of
@@ -79,14 +93,20 @@
 #include <stdint.h>
 
 #define GT_REGION_MAGIC 0x45434152544d4547ULL /* "GEMTRACE" read as a little-endian uint64 */
-#define GT_SLOTS_MAGIC 0x53544f4c534d4547ULL  /* "GEMSLOTS" read as a little-endian uint64 */
-#define GT_REGION_VERSION 5u
+#define GT_REGION_VERSION 6u
 #define GT_REGION_FILE "region"
-#define GT_SLOTS_FILE "slots"
+#define GT_ATTACH_SOCKET "attach.sock" /* in the state dir: where gates ask for their slots */
+#define GT_SLOTS_MEMFD "gemtrace-slots" /* the chunks' memfd names begin so */
 
 #define GT_MAX_GPUS 8
 #define GT_MAX_GROUPS 64
-#define GT_MAX_SLOTS 1024
+#define GT_MAX_SLOTS 2048
+#define GT_SLOT_SIZE 1024  /* sizeof(struct gt_slot), padded: a chunk is a whole number of pages */
+#define GT_CHUNK_SLOTS 32  /* slots per chunk: a chunk is one user's */
+#define GT_MAX_CHUNKS (GT_MAX_SLOTS / GT_CHUNK_SLOTS)
+#define GT_CHUNK_BYTES (GT_CHUNK_SLOTS * GT_SLOT_SIZE)
+#define GT_USER_CHUNKS 32  /* the most chunks one user gets: the others always find some */
+#define GT_NO_OWNER UINT32_MAX /* chunk_owner[c] of a chunk no user has */
 #define GT_NAME_LEN 64 /* group names, NUL-terminated */
 #define GT_UUID_LEN 48 /* "GPU-" + 36 characters + NUL, padded */
 #define GT_COMM_LEN 16
@@ -108,6 +128,19 @@ enum gt_held {
     GT_RELEASED_SHORT_QUEUE = 2,
 };
 
+/* The socket's two requests (struct gt_attach_request.kind). */
+enum gt_attach_kind {
+    GT_ATTACH_JOIN = 1, /* a gate: my user's chunks writable (one with a free slot at least), the rest read-only */
+    GT_ATTACH_VIEW = 2, /* an observer: every chunk read-only */
+};
+
+/* The reply's status. */
+enum gt_attach_status {
+    GT_ATTACH_OK = 0,
+    GT_ATTACH_FULL = 1,    /* the user has GT_USER_CHUNKS chunks, or there is none left: all slots taken */
+    GT_ATTACH_REFUSED = 2, /* a request of another version or kind */
+};
+
 enum gt_slot_flags {
     GT_SLOT_GATED = 1u << 0, /* the gate is loaded in this process (always set by gates) */
 };
@@ -122,7 +155,9 @@ struct gt_header {
     uint64_t config_generation;  /* bumped whenever groups[] change */
     uint64_t managed_host_limit; /* bytes of managed memory all gated processes together may hold: what
                                     the host can back (0: none; see Oversubscription below) */
-    uint64_t reserved[10];
+    uint64_t chunk_generation;   /* changes whenever chunk_owner[] does: a gate then maps the view again */
+    uint64_t region_id;          /* random, set when the file is made: names this region's chunk memfds */
+    uint64_t reserved[8];
 };
 
 struct gt_gpu {                  /* agent-owned; index = gpu index used everywhere else */
@@ -173,8 +208,10 @@ struct gt_slot {                 /* in `slots`, written only by its process (see
                                              covered every launch before it: drained_ns >= burst_start_ns
                                              means nothing is queued */
     uint32_t waiting[GT_MAX_GPUS];        /* threads blocked on control[gpu][group].held */
-    uint64_t reserved[4];
+    uint64_t reserved[63];                /* to GT_SLOT_SIZE */
 };
+_Static_assert(sizeof(struct gt_slot) == GT_SLOT_SIZE, "a slot is GT_SLOT_SIZE bytes");
+_Static_assert(GT_CHUNK_BYTES % 4096 == 0, "a chunk is a whole number of pages");
 
 struct gt_region {
     struct gt_header header;
@@ -182,18 +219,27 @@ struct gt_region {
     struct gt_group groups[GT_MAX_GROUPS];
     struct gt_control control[GT_MAX_GPUS][GT_MAX_GROUPS];
     struct gt_assignment assigned[GT_MAX_SLOTS];
+    uint32_t chunk_owner[GT_MAX_CHUNKS]; /* agent-owned: the uid whose chunk c is, or GT_NO_OWNER */
 };
 
-struct gt_slots_header {         /* agent-written when it creates `slots`; gates check it before mapping */
-    uint64_t magic;              /* GT_SLOTS_MAGIC, stored last */
+/* The socket's messages (one each way; the reply carries one descriptor per entry, in order). */
+struct gt_attach_request {
     uint32_t version;            /* GT_REGION_VERSION */
-    uint32_t size;               /* sizeof(struct gt_slot_table) */
-    uint64_t reserved[6];
+    uint32_t kind;               /* enum gt_attach_kind */
 };
 
-struct gt_slot_table {           /* the whole `slots` file */
-    struct gt_slots_header header;
-    struct gt_slot slots[GT_MAX_SLOTS];
+struct gt_attach_entry {
+    uint32_t chunk;              /* map the descriptor at offset chunk * GT_CHUNK_BYTES */
+    uint32_t writable;           /* 1: the asker's own user's chunk, sent read-write */
+};
+
+struct gt_attach_reply {
+    uint32_t version;            /* GT_REGION_VERSION */
+    uint32_t status;             /* enum gt_attach_status */
+    uint64_t chunk_generation;   /* header.chunk_generation when the view was made */
+    uint32_t n_entries;
+    uint32_t reserved;
+    struct gt_attach_entry entries[GT_MAX_CHUNKS];
 };
 
 #endif /* GEMTRACE_REGION_H */

@@ -190,7 +190,8 @@ static bool owner_gone(int32_t pid)
 /* The sum over the group's live slots of memory[gpu] (device) or managed[gpu]. */
 static uint64_t group_sum(int gpu, bool managed)
 {
-    struct gt_slot *slots = gt_proc.slots->slots;
+    gt_refresh_slots();
+    struct gt_slot *slots = gt_proc.slots;
     uint32_t group = gt_group();
     bool agent_away = !gt_agent_alive();
     uint64_t sum = 0;
@@ -212,7 +213,8 @@ static uint64_t group_usage(int gpu) { return group_sum(gpu, false); }
 /* The managed memory of every live slot on every GPU: what the host must be able to back. */
 static uint64_t host_managed_usage(void)
 {
-    struct gt_slot *slots = gt_proc.slots->slots;
+    gt_refresh_slots();
+    struct gt_slot *slots = gt_proc.slots;
     bool agent_away = !gt_agent_alive();
     uint64_t sum = 0;
     for (uint32_t i = 0; i < GT_MAX_SLOTS; i++) {

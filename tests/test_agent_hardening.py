@@ -44,10 +44,10 @@ def test_a_second_agent_on_the_same_state_dir_exits_naming_the_first(host: Host)
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A tmpfs of 64 KiB (the region needs about 1.5 MiB); root only, as the agent is."""
+    """A tmpfs of 16 KiB (the region needs about 60 KiB); root only, as the agent is."""
     mount = tmp_path / "small"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tmpfs", str(mount)], check=True)
     yield mount
     subprocess.run(["umount", str(mount)], check=True)
 
@@ -56,11 +56,10 @@ def test_a_full_filesystem_and_a_read_only_one_each_give_one_line(host: Host, sm
     out = subprocess.run(agent_command(host, small_fs / "state"), env=host.env(), capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 1
-    size = rg.REGION_SIZE + rg.SLOTS_SIZE
-    assert out.stderr == (f"gemtrace: {small_fs / 'state'}: no space left for the {size}-byte region and slots; "
+    assert out.stderr == (f"gemtrace: {small_fs / 'state'}: no space left for the {rg.REGION_SIZE}-byte region; "
                           "free space on that filesystem (or point --state-dir elsewhere) and start the agent "
                           "again\n")
-    assert not (small_fs / "state" / rg.REGION_FILE).exists() and not (small_fs / "state" / rg.SLOTS_FILE).exists()
+    assert not (small_fs / "state" / rg.REGION_FILE).exists()
     assert [p.name for p in (small_fs / "state").iterdir()] == ["agent.lock"]  # no temporary file left
     subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
     out = subprocess.run(agent_command(host, small_fs / "ro"), env=host.env(), capture_output=True, text=True,

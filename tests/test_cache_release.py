@@ -80,7 +80,7 @@ def test_the_flag_then_the_variable_then_the_groups_oversubscribe_decide() -> No
 def test_the_hook_reads_the_names_and_offsets_gemtrace_hands_it() -> None:
     assert (hook.ENV_RELEASE_CACHE, hook.ENV_LAYOUT) == (cache_release.ENV_RELEASE_CACHE, cache_release.ENV_LAYOUT)
     lay = hook.parse(cache_release.layout_description())
-    assert lay["region_file"] == "region" and lay["held"] == 1 and lay["max_slots"] == 1024
+    assert lay["region_file"] == "region" and lay["held"] == 1 and lay["max_slots"] == 2048
     variables = cache_release.variables({"PYTHONPATH": "/mine:/other"})
     assert variables["PYTHONPATH"] == f"{cache_release.HOOK_DIR}:/mine:/other"
 

@@ -107,7 +107,8 @@ ATTEMPTS = r"""
 import ctypes, errno, json, mmap, os, sys
 from gemtrace import region as rg
 state, train, infer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-region, slots = os.path.join(state, rg.REGION_FILE), os.path.join(state, rg.SLOTS_FILE)
+from gemtrace import contract, slot_server
+region, sock = os.path.join(state, rg.REGION_FILE), os.path.join(state, contract.ATTACH_SOCKET)
 out = {}
 def attempt(name, action):
     try:
@@ -117,7 +118,8 @@ def attempt(name, action):
         out[name] = errno.errorcode[e.errno]
 attempt("open_region_for_writing", lambda: os.close(os.open(region, os.O_RDWR)))
 attempt("truncate_region", lambda: os.truncate(region, 0))
-attempt("replace_region", lambda: os.rename(slots, region))
+attempt("replace_region", lambda: os.rename(sock, region))
+attempt("remove_socket", lambda: os.unlink(sock))
 attempt("remove_region", lambda: os.unlink(region))
 fd = os.open(region, os.O_RDONLY)
 attempt("map_region_shared_writable", lambda: mmap.mmap(fd, rg.REGION_SIZE, mmap.MAP_SHARED,
@@ -129,15 +131,33 @@ layout.control[0][infer].held = rg.RELEASED
 layout.groups[train].memory_limit = rg.NO_LIMIT
 layout.header.heartbeat_ns = 0
 out["read_region"] = rg.RegionLayout.from_buffer_copy(os.pread(fd, rg.REGION_SIZE, 0)).header.magic == rg.MAGIC
-attempt("open_slots_for_writing", lambda: os.close(os.open(slots, os.O_RDWR)))
+# The slot table: our own user's chunk is ours to write, nobody's to shrink; every other chunk is
+# read-only, and its descriptor cannot be made writable.
+reply, fds = slot_server.ask(__import__("pathlib").Path(state), contract.ATTACH_JOIN)
+mine = [fd for k, fd in enumerate(fds) if reply.entries[k].writable]
+others = [fd for k, fd in enumerate(fds) if not reply.entries[k].writable]
+out["own_chunks"], out["other_chunks"] = len(mine), len(others)
+attempt("truncate_own_chunk", lambda: os.ftruncate(mine[0], 0))
+attempt("grow_own_chunk", lambda: os.ftruncate(mine[0], 1 << 20))
+attempt("chmod_own_chunk", lambda: os.fchmod(mine[0], 0o666))
+for fd in others:
+    attempt("map_other_chunk_writable", lambda: mmap.mmap(fd, contract.CHUNK_BYTES, mmap.MAP_SHARED,
+                                                          mmap.PROT_READ | mmap.PROT_WRITE))
+    attempt("reopen_other_chunk_writable", lambda: os.close(os.open(f"/proc/self/fd/{fd}", os.O_RDWR)))
+    attempt("truncate_other_chunk", lambda: os.ftruncate(fd, 0))
 print(json.dumps(out))
 """
 
 
-def test_another_user_cannot_write_truncate_or_replace_the_region(adversary: Adversary, host: Host,
-                                                                  agent: Running) -> None:
+def test_another_user_cannot_write_truncate_or_replace_the_region_or_roots_slots(
+        adversary: Adversary, host: Host, agent: Running) -> None:
+    root_client = subprocess.Popen([str(RT_CLIENT), "alloc", "--api", "v2", str(256 * MiB), "--hold", "60"],
+                                   env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train",
+                                                LD_PRELOAD=str(GATE)), stdout=subprocess.PIPE, text=True)
     r = host.region()
     try:
+        assert root_client.stdout is not None and '"CUDA_SUCCESS"' in root_client.stdout.readline()
+        slot = next(i for i, s in r.live_slots() if s.pid == root_client.pid)
         train, infer = r.group_index("train"), r.group_index("infer")
         assert train is not None and infer is not None
         wait_until("infer held (nobody wants the GPU)", lambda: r.is_held(0, infer), timeout=5)
@@ -150,15 +170,26 @@ def test_another_user_cannot_write_truncate_or_replace_the_region(adversary: Adv
             "replace_region": "EACCES",  # the state dir is root's
             "remove_region": "EACCES",
             "map_region_shared_writable": "EACCES",
+            "remove_socket": "EACCES",
             "read_region": True,
-            "open_slots_for_writing": "done",  # open: docs/security.md, the slots file
+            "own_chunks": 1,
+            "other_chunks": 1,  # root's: the gated client below holds a slot there
+            "truncate_own_chunk": "EPERM",  # sealed
+            "grow_own_chunk": "EPERM",
+            "chmod_own_chunk": "EPERM",  # root's memfd, mode 0600
+            "map_other_chunk_writable": "EACCES",
+            "reopen_other_chunk_writable": "EACCES",
+            "truncate_other_chunk": "EINVAL",  # a read-only descriptor
         }
+        assert r.slots[slot].pid == root_client.pid and r.slots[slot].memory[0] == 256 * MiB
         # Nothing changed for anyone: the hold, the limit, the heartbeat, the file's size.
         assert r.is_held(0, infer)
         assert r.layout.groups[train].memory_limit == 1 << 30
         assert r.layout.header.heartbeat_ns != 0
         assert (host.state_dir / rg.REGION_FILE).stat().st_size == rg.REGION_SIZE
     finally:
+        root_client.kill()
+        root_client.wait()
         r.close()
 
 

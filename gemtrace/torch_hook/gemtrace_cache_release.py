@@ -3,11 +3,12 @@ imported: a daemon thread that, once torch has initialised CUDA, reads this proc
 word on the GPUs it uses every 10 ms and calls `torch.cuda.empty_cache()` once each time the group
 becomes held (on any of them).
 
-Stdlib only (the user's interpreter need not have gemtrace): it maps the agent's region and slots
-read-only and reads them at the offsets in GEMTRACE_CACHE_RELEASE_LAYOUT, which `gemtrace run` took
-from gemtrace/region.py. Its slot is the one whose pid is this process's (the gate claims it when
-CUDA starts) and whose assignment names this pid. Nothing it meets is raised into the program: it
-says why it stopped in one line on stderr.
+Stdlib only (the user's interpreter need not have gemtrace): it maps the agent's region read-only and
+reads it at the offsets in GEMTRACE_CACHE_RELEASE_LAYOUT, which `gemtrace run` took from
+gemtrace/region.py. Its slot is the one whose assignment names this pid (the gate claims a slot when
+CUDA starts and the agent places it). The slot's own figures (which GPUs it used) are not read: they
+live in the gate's chunk, which only the gate maps, so a hold on any of the region's GPUs counts.
+Nothing it meets is raised into the program: it says why it stopped in one line on stderr.
 """
 
 import mmap
@@ -42,30 +43,25 @@ def cuda_started(cuda):
 
 
 class Maps:
-    """The region and the slots, mapped read-only; `stale` when the agent replaced the files."""
+    """The region, mapped read-only; `stale` when the agent replaced the file."""
 
     def __init__(self, state_dir, lay):
-        self.paths = [os.path.join(state_dir, lay["region_file"]), os.path.join(state_dir, lay["slots_file"])]
-        self.inodes, self.maps = [], []
-        # Not zip(strict=): the user's interpreter may be older than 3.10.
-        for path, size in ((self.paths[0], lay["region_size"]), (self.paths[1], lay["slots_size"])):
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                self.inodes.append(os.fstat(fd).st_ino)
-                self.maps.append(mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ))
-            finally:
-                os.close(fd)
-        self.region, self.slots = self.maps
+        self.path = os.path.join(state_dir, lay["region_file"])
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self.inode = os.fstat(fd).st_ino
+            self.region = mmap.mmap(fd, lay["region_size"], mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
 
     def stale(self):
         try:
-            return [os.stat(p).st_ino for p in self.paths] != self.inodes
+            return os.stat(self.path).st_ino != self.inode
         except OSError:
             return True
 
     def close(self):
-        for m in self.maps:
-            m.close()
+        self.region.close()
 
 
 class Watcher:
@@ -81,28 +77,27 @@ class Watcher:
         return struct.unpack_from(fmt, buf, offset)[0]
 
     def find_slot(self):
-        lay, slots = self.lay, self.maps.slots
+        lay, region = self.lay, self.maps.region
         for index in range(lay["max_slots"]):
-            if self.word(slots, "<i", lay["slots"] + index * lay["slot"] + lay["slot_pid"]) == self.pid:
+            if self.word(region, "<i", lay["assigned"] + index * lay["assignment"] + lay["assigned_pid"]) == self.pid:
                 return index
         return None
 
     def held(self):
-        """Whether this process's group is held on any GPU it has used (None: no slot of ours yet)."""
-        lay, region, slots = self.lay, self.maps.region, self.maps.slots
-        if self.slot is None or self.word(slots, "<i", lay["slots"] + self.slot * lay["slot"]
-                                          + lay["slot_pid"]) != self.pid:
+        """Whether this process's group is held on any of the region's GPUs (None: not placed yet)."""
+        lay, region = self.lay, self.maps.region
+        entry = lay["assigned"] + (self.slot or 0) * lay["assignment"]
+        if self.slot is None or self.word(region, "<i", entry + lay["assigned_pid"]) != self.pid:
             self.slot = self.find_slot()
             if self.slot is None:
                 return None
-        entry = lay["assigned"] + self.slot * lay["assignment"]
+            entry = lay["assigned"] + self.slot * lay["assignment"]
         group = self.word(region, "<I", entry + lay["assigned_group"])
-        if self.word(region, "<i", entry + lay["assigned_pid"]) != self.pid or group >= lay["max_groups"]:
+        if group >= lay["max_groups"]:
             return False
-        mask = self.word(slots, "<I", lay["slots"] + self.slot * lay["slot"] + lay["slot_gpu_mask"])
         n_gpus = min(self.word(region, "<I", lay["n_gpus"]), lay["max_gpus"])
         return any(self.word(region, "<I", lay["control"] + gpu * lay["control_gpu"] + group * lay["control_group"])
-                   == lay["held"] for gpu in range(n_gpus) if mask & (1 << gpu) or not mask)
+                   == lay["held"] for gpu in range(n_gpus))
 
     def step(self, now):
         """One look; returns the seconds until the next."""
