@@ -64,17 +64,25 @@ int ctx_create_v3_enter(struct pt_regs *ctx) { return ctx_enter(PT_REGS_PARM1(ct
 int ctx_create_v4_enter(struct pt_regs *ctx) { return ctx_enter(PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM4(ctx)); }
 int primary_ctx_retain_enter(struct pt_regs *ctx) { return ctx_enter(PT_REGS_PARM1(ctx), (u32)PT_REGS_PARM2(ctx)); }
 
+/* The call this thread's return probe ends, taken out of `calls`; false when there is none (the
+ * probes attached mid-call) or the driver returned an error (nothing was made or freed). */
+static __always_inline bool finished_call(struct pt_regs *ctx, u64 id, struct gt_call *out)
+{
+    struct gt_call *call = calls.lookup(&id);
+    if (!call)
+        return false;
+    *out = *call;
+    calls.delete(&id);
+    return PT_REGS_RC(ctx) == 0;
+}
+
 /* cuCtxCreate makes the new context current in the calling thread; a retained primary context is
  * usually made current next by cuCtxSetCurrent, but the runtime allocates right after either way. */
 int ctx_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
-    struct gt_call *call = calls.lookup(&id);
-    if (!call)
-        return 0;
-    struct gt_call c = *call;
-    calls.delete(&id);
-    if (PT_REGS_RC(ctx) != 0)
+    struct gt_call c;
+    if (!finished_call(ctx, id, &c))
         return 0;
     u64 handle = 0;
     if (bpf_probe_read_user(&handle, sizeof(handle), (void *)c.out) == 0 && handle) {
@@ -153,12 +161,8 @@ int alloc_create_enter(struct pt_regs *ctx)
 int alloc_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
-    struct gt_call *call = calls.lookup(&id);
-    if (!call)
-        return 0;
-    struct gt_call c = *call;
-    calls.delete(&id);
-    if (PT_REGS_RC(ctx) != 0)
+    struct gt_call c;
+    if (!finished_call(ctx, id, &c))
         return 0;
     u64 addr = 0;
     if (bpf_probe_read_user(&addr, sizeof(addr), (void *)c.out) != 0 || !addr)
@@ -225,12 +229,8 @@ int free_handle_enter(struct pt_regs *ctx) { return release_enter(PT_REGS_PARM1(
 int free_return(struct pt_regs *ctx)
 {
     u64 id = bpf_get_current_pid_tgid();
-    struct gt_call *call = calls.lookup(&id);
-    if (!call)
-        return 0;
-    struct gt_call c = *call;
-    calls.delete(&id);
-    if (PT_REGS_RC(ctx) != 0)
+    struct gt_call c;
+    if (!finished_call(ctx, id, &c))
         return 0;
     struct gt_alloc_key key = {.tgid = id >> 32, .kind = c.kind, .addr = c.addr};
     struct gt_alloc *rec = allocs.lookup(&key);
