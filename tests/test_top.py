@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.server
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 from agent_host import wait_until
 
-from gemtrace import region, top
+from gemtrace import contract, region, slot_server, top
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = (Path(__file__).parent / "top_metrics.prom").read_text()
@@ -263,13 +264,17 @@ def test_once_reads_a_region_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     try:
         r.set_gpus([(GPU, 16 * GIB)])
         r.set_group("train", 4 * GIB, 0.2, 0.7)
-        slot = r.slots[0]
+        reply, fds = slot_server.ask(tmp_path, contract.ATTACH_JOIN)  # a gate's ask makes our user's chunk
+        for fd in fds:
+            os.close(fd)
+        index = reply.entries[0].chunk * contract.CHUNK_SLOTS
+        slot = r.slots[index]
         slot.gpu_mask, slot.comm, slot.memory[0] = 1, b"trainer", 3 * GIB
         slot.pid = 777
-        r.assign(0, 777, 0)
+        r.assign(index, 777, 0)
+        assert top.main(["--once", "--state-dir", str(tmp_path)]) == 0  # reads the chunks from the agent's socket
     finally:
         r.close()
-    assert top.main(["--once", "--state-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "train" in out and "777 trainer" in out and "3.0 GiB" in out
     assert top.main(["--once", "--state-dir", str(tmp_path / "nowhere")]) == 1
