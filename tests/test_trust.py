@@ -193,6 +193,44 @@ def test_another_user_cannot_write_truncate_or_replace_the_region_or_roots_slots
         r.close()
 
 
+# A user scribbles random bytes over every slot of their own chunk for a while: pids of anyone, flags,
+# names that are not UTF-8, counters near 2**64. Prints how many slots it wrote.
+SCRIBBLER = r"""
+import mmap, os, random, sys, time
+from pathlib import Path
+from gemtrace import contract, slot_server
+reply, fds = slot_server.ask(Path(sys.argv[1]), contract.ATTACH_JOIN)
+mine = [fd for k, fd in enumerate(fds) if reply.entries[k].writable]
+chunk = mmap.mmap(mine[0], contract.CHUNK_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+rng, writes, end = random.Random(int(sys.argv[2])), 0, time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:
+    at = rng.randrange(contract.CHUNK_SLOTS) * contract.SLOT_SIZE
+    chunk[at:at + contract.SLOT_SIZE] = rng.randbytes(contract.SLOT_SIZE)
+    if rng.random() < 0.3:  # a pid that exists: ours, root's agent, init
+        chunk[at:at + 4] = rng.choice([os.getpid(), 1, int(sys.argv[4])]).to_bytes(4, "little")
+    writes += 1
+    time.sleep(0.0005)
+print(writes)
+"""
+
+
+def test_a_user_scribbling_over_their_own_chunk_harms_nobody_else(adversary: Adversary, host: Host,
+                                                                   agent: Running) -> None:
+    out = as_user(adversary, host, sys.executable, "-c", SCRIBBLER, str(host.state_dir), "11", "3",
+                  str(agent.proc.pid), PYTHONPATH=str(REPO))
+    assert out.returncode == 0 and int(out.stdout) > 100, out.stderr
+    assert agent.proc.poll() is None
+    # Root's train group still gets its 1 GiB, and no more; the agent still answers and scrapes.
+    run = subprocess.run([str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB)],
+                         env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train",
+                                      LD_PRELOAD=str(GATE)), capture_output=True, text=True, timeout=60)
+    names = [json.loads(line)["name"] for line in run.stdout.splitlines() if line.startswith('{"size"')]
+    assert names == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"], run.stderr
+    assert "gemtrace_group_memory_limit_bytes" in agent.metrics()
+    log = agent.log.read_text()
+    assert "Traceback" not in log and '"level": "error"' not in log, log[-3000:]
+
+
 def test_a_client_cannot_raise_its_groups_limit(adversary: Adversary, host: Host, agent: Running) -> None:
     as_user(adversary, host, sys.executable, "-c", ATTEMPTS, str(host.state_dir), "1", "2", PYTHONPATH=str(REPO))
     out = as_user(adversary, host, str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB),
