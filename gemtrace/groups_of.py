@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from gemtrace.defaults import DEFAULT_GROUP, ENV_GROUP
 
@@ -108,6 +109,12 @@ def parse_uid(status: bytes) -> int | None:
     return None
 
 
+class Credentials(NamedTuple):
+    uid: int  # the real uid: who started the process (admission)
+    gids: list[int]  # the real gid, then the supplementary ones
+    uids: set[int]  # every uid it holds: real, effective, saved, filesystem
+
+
 def parse_uids(status: bytes) -> set[int]:
     """Every uid of /proc/PID/status's `Uid:` line (real, effective, saved, filesystem)."""
     for line in status.splitlines():
@@ -160,18 +167,13 @@ class ProcReader:
         raw = self._read(pid, "status")
         return None if raw is None else parse_uid(raw)
 
-    def credentials(self, pid: int) -> tuple[int, list[int]] | None:
-        """(real uid, [real gid, supplementary gids...]) from one read of /proc/PID/status."""
+    def credentials(self, pid: int) -> Credentials | None:
+        """The process's uids and gids from one read of /proc/PID/status (None: gone)."""
         raw = self._read(pid, "status")
         if raw is None:
             return None
         uid, gids = parse_uid(raw), parse_gids(raw)
-        return None if uid is None or gids is None else (uid, gids)
-
-    def uids(self, pid: int) -> set[int]:
-        """Every uid the process holds (real, effective, saved, filesystem); empty when it is gone."""
-        raw = self._read(pid, "status")
-        return set() if raw is None else parse_uids(raw)
+        return None if uid is None or gids is None else Credentials(uid, gids, parse_uids(raw))
 
     def start_time(self, pid: int) -> int | None:
         """Field 22 of /proc/PID/stat (clock ticks since boot): tells a reused pid apart."""

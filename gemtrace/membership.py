@@ -117,12 +117,12 @@ class Membership:
         credentials = self.proc.credentials(pid)
         if credentials is None:
             return None
-        uid, gids = credentials
+        uid, gids = credentials.uid, credentials.gids
         # A slot's pid is its gate's word, written in a chunk of the user the socket gave it to: a pid
         # of another user's process there is forged (or the process changed user since), and is not
         # decided for. Its slot's figures stay its writer's own; the reaper frees it when that pid exits.
         owner = int(self.region.layout.chunk_owner[index // contract.CHUNK_SLOTS])
-        if owner != contract.NO_OWNER and owner not in self.proc.uids(pid):
+        if owner != contract.NO_OWNER and owner not in credentials.uids:
             if self._foreign.get(index) != pid:
                 self._foreign[index] = pid
                 log.warning("slot_names_another_users_process", slot=index, pid=pid, chunk_owner=owner, uid=uid,
@@ -151,6 +151,7 @@ def group_of(pid: int, environ: Mapping[str, str], proc: ProcReader, region: rg.
             assigned = region.assigned_group(index, pid)
             name = region.group_names().get(assigned) if assigned is not None else None
             return (DEFAULT_GROUP, False) if name is None else (name, True)
-    uid, gids = proc.credentials(pid) or (-1, [])  # gone: admitted nowhere restricted
+    credentials = proc.credentials(pid)
+    uid, gids = (credentials.uid, credentials.gids) if credentials else (-1, [])  # gone: admitted nowhere restricted
     requested = environ.get(ENV_GROUP, "").strip()
     return decide(requested, uid, gids, proc.cgroups(pid) or [], groups, groups).group, True

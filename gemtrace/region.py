@@ -331,10 +331,6 @@ class Region:
     def slots(self) -> ctypes.Array[Slot]:
         return self.slots_layout.slots
 
-    @property
-    def slot_server(self) -> SlotServer | None:
-        return self._server
-
     # -- opening ---------------------------------------------------------------------------------
 
     @classmethod
@@ -389,9 +385,7 @@ class Region:
             region.layout.header.agent_pid = os.getpid()
             region._keeper = ChunkKeeper(space, region.layout, log)
             if adopted:
-                region._keeper.recover()
-            else:
-                region._keeper.reset()
+                region._keeper.recover()  # a new file's chunk_owner[] already says "none"
             region._server = SlotServer(state_dir, region._keeper)
         except OSError as e:
             region.close()

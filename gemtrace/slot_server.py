@@ -97,7 +97,6 @@ class SlotServer:
         self._listener.setblocking(False)
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._thread = threading.Thread(target=self._serve, name="gemtrace-slots", daemon=True)
-        self.refused = 0  # requests answered ATTACH_REFUSED or dropped (counted for /metrics and tests)
         self._thread.start()
 
     def close(self) -> None:
@@ -134,7 +133,6 @@ class SlotServer:
                     del pending[fd]
                     poll.unregister(fd)
                     conn.close()
-                    self.refused += 1
 
     def _accept(self, poll: select.poll, pending: dict[int, tuple[socket.socket, float]]) -> None:
         while True:
@@ -149,7 +147,6 @@ class SlotServer:
                 oldest = min(pending, key=lambda fd: pending[fd][1])
                 pending.pop(oldest)[0].close()
                 poll.unregister(oldest)
-                self.refused += 1
             conn.setblocking(False)
             pending[conn.fileno()] = (conn, time.monotonic())
             poll.register(conn.fileno(), select.POLLIN)
@@ -162,15 +159,12 @@ class SlotServer:
                 request = conn.recv(256)
                 reply, fds = reply_for(request, uid, self.keeper)
                 if reply.status == ATTACH_REFUSED:
-                    self.refused += 1
                     log.info("slot_request_refused", pid=pid, uid=uid, size=len(request))
                 ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
                 conn.sendmsg([bytes(reply)], ancillary)
         except OSError as e:
-            self.refused += 1
             log.info("slot_request_failed", error=e.strerror or str(e))
         except Exception:  # never let one client end the thread every gate needs
-            self.refused += 1
             log.exception("slot_request_crashed")
 
 

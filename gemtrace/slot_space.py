@@ -193,13 +193,6 @@ class ChunkKeeper:
             self._log("slot_chunk_recovered", chunk=chunk, uid=uid)
         return len(found)
 
-    def reset(self) -> None:
-        """A new region: no chunk has an owner yet."""
-        with self._lock:
-            for chunk in range(MAX_CHUNKS):
-                self.layout.chunk_owner[chunk] = NO_OWNER
-            self.layout.header.chunk_generation += 1
-
     def close(self) -> None:
         with self._lock:
             for rw, ro in self._fds.values():
@@ -215,10 +208,6 @@ class ChunkKeeper:
     def _free_slots(self, chunk: int) -> int:
         table = self.space.table()
         return sum(table.slots[i].pid == 0 for i in range(chunk * CHUNK_SLOTS, (chunk + 1) * CHUNK_SLOTS))
-
-    def _empty(self, chunk: int) -> bool:
-        table = self.space.table()
-        return all(table.slots[i].pid == 0 for i in range(chunk * CHUNK_SLOTS, (chunk + 1) * CHUNK_SLOTS))
 
     def _new_chunk(self, uid: int) -> int | None:
         free = [c for c in range(MAX_CHUNKS) if c not in self._fds]
@@ -254,7 +243,7 @@ class ChunkKeeper:
         now = time.monotonic()
         ready = []
         for chunk in sorted(self._fds):
-            if not self._empty(chunk):
+            if self._free_slots(chunk) < CHUNK_SLOTS:
                 self._empty_since.pop(chunk, None)
                 continue
             since = self._empty_since.setdefault(chunk, now)
