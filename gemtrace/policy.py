@@ -16,9 +16,12 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
   - MinUtil is time owed (accrued at MinUtil while the group wants the GPU, spent by its GPU time):
     a group that is owed time goes first, for a slice that pays the debt.
   - Priority orders the rest: a wanting group of a higher priority goes before every group of a
-    lower one, and revokes a lower-priority holder at the next look (not at its slice's end), unless
-    that holder is being paid its MinUtil debt. Caps still apply (a capped group is not eligible),
-    and a lower-priority group still gets its MinUtil, as debt paid first.
+    lower one, and revokes a lower-priority holder at once (not at its slice's end), unless that
+    holder is being paid its MinUtil debt. Caps still apply (a capped group is not eligible), and a
+    lower-priority group still gets its MinUtil, as debt paid first. A request of the higher group
+    waits for the holder's drain and for two looks: while outranked, the holder keeps at most a few
+    ms queued (Decision.outranked), and the looks come when the gates ring (Decision.wake_on_wait:
+    the request's thread blocks, then the drained holder's), not a poll later.
   - Among the wanting groups of the highest priority, the rest (unreserved, or reserved and unused)
     goes to the one with the least GPU time over a decayed window (max-min fairness):
     work-conserving, and the holder keeps the GPU without a needless switch while nobody else wants it.
@@ -124,6 +127,15 @@ class Decision:
     # because another group wants the GPU, the released group has a MaxUtil below 1, or a group of a
     # higher priority is present (its next launch revokes the holder, whose drain it then waits for).
     short_queue: bool = False
+    # The short queue is the outranked one (GT_RELEASED_OUTRANKED, a few ms at most): a group of a
+    # higher priority than the released one's is present, its next request revokes the holder and
+    # then waits for the holder's drain, the bulk of that request's added latency.
+    outranked: bool = False
+    # Look again as soon as a thread starts waiting on a held word (the gates ring the GPU's
+    # doorbell), not only at wake_at: where such a wait is news that the policy acts on at once (a
+    # group that outranks the holder asks for the GPU; the held group finished draining while
+    # another waits; a group's first launch while nobody holds the GPU).
+    wake_on_wait: bool = False
 
 
 class Phase(Enum):
@@ -247,8 +259,15 @@ class TimeSharePolicy:
         if (self._demand, self._phase, self._holder, self._charging) != before:
             self._changed_at = now
         released = self._holder if self._phase is Phase.RUNNING else None
+        outranked = released is not None and self._outranked_present(released) and not self._is_owed(released)
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
-                        released is not None and self._hold_coming(released))
+                        released is not None and self._hold_coming(released), outranked,
+                        self._wake_on_wait(now, outranked))
+
+    def _wake_on_wait(self, now: int, outranked: bool) -> bool:
+        if self._phase is Phase.DRAINING:
+            return any(g != self._holder and self._eligible(g, now) for g in self._demand)
+        return outranked or self._phase is Phase.IDLE
 
     def _hold_coming(self, holder: int) -> bool:
         return (self._accounts[holder].quota.max_util < 1.0 or any(g != holder for g in self._demand)

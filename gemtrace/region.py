@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from functools import cached_property
 from pathlib import Path
 
+from gemtrace import futex
 from gemtrace.contract import (
     ATTACH_SOCKET,
     ATTACH_VIEW,
@@ -42,12 +43,14 @@ from gemtrace.contract import (
     NO_OWNER,
     REGION_FILE,
     RELEASED,
+    RELEASED_OUTRANKED,
     RELEASED_SHORT_QUEUE,
     UTIL_ONE,
     UUID_LEN,
 )
 from gemtrace.contract import REGION_MAGIC as MAGIC
 from gemtrace.contract import REGION_VERSION as VERSION
+from gemtrace.doorbells import Doorbells
 from gemtrace.slot_server import SlotServer, ask
 from gemtrace.slot_space import ChunkKeeper, SlotSpace, find_chunks, sound_chunk
 
@@ -178,7 +181,8 @@ def unsound(layout: RegionLayout) -> str | None:
             return f"group {index} ({decode_name(name)!r}): defined/utilisation out of range"
     for gpu in range(MAX_GPUS):
         for group_index in range(MAX_GROUPS):
-            if layout.control[gpu][group_index].held not in (RELEASED, HELD, RELEASED_SHORT_QUEUE):
+            if layout.control[gpu][group_index].held not in (RELEASED, HELD, RELEASED_SHORT_QUEUE,
+                                                                  RELEASED_OUTRANKED):
                 return f"control word of GPU {gpu}, group {group_index} is {layout.control[gpu][group_index].held}"
     groups = memoryview(layout.assigned).cast("B").cast("I")[1::2].tolist()
     for slot, group in enumerate(groups):
@@ -200,12 +204,6 @@ def os_error(path: Path, e: OSError) -> RegionError:
         return RegionError(f"{path.parent}: disk quota exceeded writing the region; raise the quota or point "
                            "--state-dir elsewhere")
     return RegionError(f"{path}: cannot create the region: {e.strerror or e}")
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_SYS_futex = 202  # x86-64; the gate and the agent run on x86-64 hosts only (see packaging)
-_FUTEX_WAKE = 1
-_INT_MAX = 2**31 - 1
 
 
 def _check_header(path: Path, fd: int, magic: int, size: int) -> None:
@@ -316,12 +314,13 @@ class Region:
     The agent's Region (`create`) makes the slot chunks and serves them on its socket; an observer's
     (`open`) asks that socket for every chunk, read-only, and maps again when chunks were added."""
 
-    def __init__(self, path: Path, fd: int, mapping: mmap.mmap, space: SlotSpace,
-                 keeper: ChunkKeeper | None = None, server: SlotServer | None = None) -> None:
+    def __init__(self, path: Path, fd: int, mapping: mmap.mmap, space: SlotSpace) -> None:
         self.path = path
         self._fd, self._map = fd, mapping
         self._space: SlotSpace | None = space  # None: a read-only opener's snapshot
-        self._keeper, self._server = keeper, server
+        self._keeper: ChunkKeeper | None = None
+        self._server: SlotServer | None = None
+        self.doorbells: Doorbells | None = None  # the agent's only
         self.layout = RegionLayout.from_buffer(mapping)
         self.slots_layout = space.table()
         self._view_generation = -1
@@ -386,7 +385,8 @@ class Region:
             region._keeper = ChunkKeeper(space, region.layout, log)
             if adopted:
                 region._keeper.recover()  # a new file's chunk_owner[] already says "none"
-            region._server = SlotServer(state_dir, region._keeper)
+            region.doorbells = Doorbells(int(region.layout.header.region_id))
+            region._server = SlotServer(state_dir, region._keeper, region.doorbells.fd)
         except OSError as e:
             region.close()
             raise os_error(state_dir / ATTACH_SOCKET, e) from None
@@ -417,6 +417,7 @@ class Region:
         region = cls.__new__(cls)
         region.path = path
         region._fd, region._map, region._space, region._keeper, region._server = fd, mapping, None, None, None
+        region.doorbells = None
         region.layout = RegionLayout.from_buffer_copy(mapping)
         region.slots_layout = slots
         region._view_generation = -1
@@ -439,6 +440,8 @@ class Region:
             self._server.close()
         if self._keeper is not None:
             self._keeper.close()
+        if self.doorbells is not None:
+            self.doorbells.close()
         if self._space is not None:
             self._space.close()
         try:
@@ -588,11 +591,12 @@ class Region:
         if control.held != HELD:
             control.held = HELD
 
-    def release(self, gpu: int, group: int, short_queue: bool = False) -> None:
+    def release(self, gpu: int, group: int, short_queue: bool = False, outranked: bool = False) -> None:
         """Let the group launch; with `short_queue` its processes keep no more than GT_QUEUE_BOUND_NS
-        of work queued (a hold is coming: its drain stays short)."""
+        of work queued (a hold is coming: its drain stays short); `outranked`, no more than
+        GT_OUTRANKED_QUEUE_BOUND_NS (a group of a higher priority will wait on that drain)."""
         control = self.layout.control[gpu][group]
-        word = RELEASED_SHORT_QUEUE if short_queue else RELEASED
+        word = RELEASED_OUTRANKED if outranked else RELEASED_SHORT_QUEUE if short_queue else RELEASED
         if control.held == word:
             return
         was_held = control.held == HELD
@@ -614,8 +618,7 @@ class Region:
 
     @staticmethod
     def _wake(address: int) -> None:
-        # Not FUTEX_PRIVATE: the waiters are in other processes mapping the same file.
-        _libc.syscall(_SYS_futex, ctypes.c_void_p(address), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+        futex.wake(address)
 
     # -- slots -----------------------------------------------------------------------------------
 

@@ -16,7 +16,10 @@ and one by one only those active on its GPU or of the groups whose end it waits 
 speed: a look costs per process using this GPU, not per process of the host); it looks at the
 policy's next deadline: once a slice while one group has the GPU alone, every few ms while another
 group waits (or a group of a higher priority than the holder's has a process here), every fraction of
-a ms only during a drain, and backing off to every 32 ms while nothing changes.
+a ms only during a drain, and backing off to every 32 ms while nothing changes. Where the policy says
+a thread's wait is news (`Decision.wake_on_wait`: a group that outranks the holder asks for the GPU,
+a held group drained while another waits, nobody holds the GPU) it sleeps on the GPU's doorbell, which
+a gate rings when one of its threads starts waiting on a held word: it looks at once, not a poll later.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ log = structlog.get_logger("gemtrace.scheduler")
 # slots it knows. A scan walks 1024 slots, one cache line each: ~100 us when the table is cold, the
 # bulk of a look's cost. A new process's first launch waits at most this long for its first release.
 RESCAN_NS = 50_000_000
+# The least time between the start of a look and a look that a doorbell ring brings (any gated user
+# can ring it: a forged ring loop costs at most this many looks a second, 4000, not a core).
+RING_GAP_NS = 250_000
 
 
 class SlotTable:
@@ -99,6 +105,8 @@ class GpuScheduler:
         raw = memoryview((ctypes.c_char * ctypes.sizeof(control)).from_address(ctypes.addressof(control))).cast("B")
         self._held = raw.cast("I")[rg.Control.held.offset // 4 :: ctypes.sizeof(rg.Control) // 4]
         self._short_queue = False
+        self._outranked = False
+        self._wake_on_wait = False
         self._lock = threading.Lock()
         self._policy = TimeSharePolicy(params or PolicyParams(), now=clock())
         self._pending_quotas: dict[int, Quota] | None = None
@@ -108,7 +116,7 @@ class GpuScheduler:
         self._seen: dict[int, _SlotSeen] = {}
         self._live: list[int] = []
         self._gather = _gatherer(self._live)
-        self._expected_words: tuple[tuple[frozenset[int], int | None, bool], list[int]] | None = None
+        self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool], list[int]] | None = None
         self._rescan_ns = rescan_ns
         self._scanned_at = clock() - rescan_ns
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
@@ -138,9 +146,13 @@ class GpuScheduler:
     def run(self, stop: threading.Event) -> None:
         """Schedule until `stop` is set; every word it held is released on the way out."""
         log.info("scheduler_started", gpu=self.gpu)
+        bells = self.region.doorbells
         try:
             while not stop.is_set():
                 try:
+                    # Read before the look: a gate that rings during it makes the wait below return at once.
+                    rung = bells.rung(self.gpu) if bells is not None else 0
+                    looked = self._clock()
                     wake_at = self.step()
                 except Exception:
                     # Never leave a gate waiting on a scheduler that cannot decide: release, retry.
@@ -148,11 +160,16 @@ class GpuScheduler:
                     self._release_all()
                     stop.wait(0.1)
                     continue
-                delay = (wake_at - self._clock()) / 1e9
-                if delay > 0:
+                delay = wake_at - self._clock()
+                if self._wake_on_wait and bells is not None:
+                    bells.wait(self.gpu, rung, delay)
+                    gap = looked + RING_GAP_NS - self._clock()
+                    if gap > 0:
+                        time.sleep(gap / 1e9)
+                elif delay > 0:
                     # A plain sleep costs about half the CPU of an Event.wait wake-up; `stop` is
                     # still seen within one look (at most the policy's longest sleep, 60 ms).
-                    time.sleep(delay)
+                    time.sleep(delay / 1e9)
         finally:
             self._release_all()
             log.info("scheduler_stopped", gpu=self.gpu)
@@ -307,16 +324,19 @@ class GpuScheduler:
                 self.region.hold(self.gpu, self._released)
             self._released = decision.released
         self._short_queue = decision.short_queue
+        self._outranked = decision.outranked
+        self._wake_on_wait = decision.wake_on_wait
         if decision.released is not None:
-            # Also when only short_queue changed (a no-op when the word already says it).
-            self.region.release(self.gpu, decision.released, decision.short_queue)
+            # Also when only the queue's bound changed (a no-op when the word already says it).
+            self.region.release(self.gpu, decision.released, decision.short_queue, decision.outranked)
 
     def _assert_words(self) -> None:
         """Put back any word that says other than this scheduler means: one strided read of 64 words
         and one comparison with what they should say (kept while the decision stays) when nothing was
         forged."""
-        released = rg.RELEASED_SHORT_QUEUE if self._short_queue else rg.RELEASED
-        key = (self._scheduled, self._released, self._short_queue)
+        released = (rg.RELEASED_OUTRANKED if self._outranked else rg.RELEASED_SHORT_QUEUE if self._short_queue
+                    else rg.RELEASED)
+        key = (self._scheduled, self._released, self._short_queue, self._outranked)
         if self._expected_words is None or self._expected_words[0] != key:
             self._expected_words = (key, [rg.RELEASED if group not in self._scheduled else
                                           released if group == self._released else rg.HELD
@@ -330,7 +350,7 @@ class GpuScheduler:
                     self.region.release(self.gpu, group)
             elif group == self._released:
                 if word != released:
-                    self.region.release(self.gpu, group, self._short_queue)
+                    self.region.release(self.gpu, group, self._short_queue, self._outranked)
             elif word != rg.HELD:
                 self.region.hold(self.gpu, group)
 

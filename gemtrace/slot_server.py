@@ -1,9 +1,10 @@
 """The agent's socket where gates get their slots (hook/gemtrace_region.h: GT_ATTACH_SOCKET).
 
 One SOCK_SEQPACKET message each way: a request (join, or view), a reply carrying one descriptor per
-chunk (SCM_RIGHTS). The asker's uid comes from the kernel (SO_PEERCRED), never from the message, so a
-process gets writable chunks of its own user only. The socket is mode 0666 in the root-owned state
-dir: any local user may ask, nobody but the agent can replace it.
+chunk and then the doorbells' (SCM_RIGHTS; gemtrace/doorbells.py). The asker's uid comes from the
+kernel (SO_PEERCRED), never from the message, so a process gets writable chunks of its own user
+only. The socket is mode 0666 in the root-owned state dir: any local user may ask, nobody but the
+agent can replace it.
 
 `SlotServer` is a thread of the agent. It never blocks on one client: connections wait in a poll set,
 a silent one is dropped after CLIENT_TIMEOUT_SECONDS, and at most MAX_PENDING are kept (the oldest goes),
@@ -58,13 +59,14 @@ class AttachReply(ctypes.Structure):
         ("status", ctypes.c_uint32),
         ("chunk_generation", ctypes.c_uint64),
         ("n_entries", ctypes.c_uint32),
-        ("reserved", ctypes.c_uint32),
+        ("bells", ctypes.c_uint32),
         ("entries", AttachEntry * MAX_CHUNKS),
     ]
 
 
-def reply_for(request: bytes, uid: int, keeper: ChunkKeeper) -> tuple[AttachReply, list[int]]:
-    """The reply to one request from a process of `uid`, and the descriptors that go with it."""
+def reply_for(request: bytes, uid: int, keeper: ChunkKeeper, bells_fd: int) -> tuple[AttachReply, list[int]]:
+    """The reply to one request from a process of `uid`, and the descriptors that go with it: the
+    chunks', then the doorbells' (`bells_fd`)."""
     reply = AttachReply(version=REGION_VERSION, status=ATTACH_REFUSED)
     if len(request) != ctypes.sizeof(AttachRequest):
         return reply, []
@@ -80,15 +82,17 @@ def reply_for(request: bytes, uid: int, keeper: ChunkKeeper) -> tuple[AttachRepl
     reply.n_entries = len(chunks)
     for k, (chunk, _, writable) in enumerate(chunks):
         reply.entries[k] = AttachEntry(chunk, int(writable))
-    return reply, [fd for _, fd, _ in chunks]
+    reply.bells = 1
+    return reply, [fd for _, fd, _ in chunks] + [bells_fd]
 
 
 class SlotServer:
     """The socket and its thread."""
 
-    def __init__(self, state_dir: Path, keeper: ChunkKeeper) -> None:
+    def __init__(self, state_dir: Path, keeper: ChunkKeeper, bells_fd: int) -> None:
         self.path = state_dir / ATTACH_SOCKET
         self.keeper = keeper
+        self.bells_fd = bells_fd
         self.path.unlink(missing_ok=True)  # a dead agent's
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.bind(str(self.path))
@@ -157,7 +161,7 @@ class SlotServer:
                 pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                   struct.calcsize("3i")))
                 request = conn.recv(256)
-                reply, fds = reply_for(request, uid, self.keeper)
+                reply, fds = reply_for(request, uid, self.keeper, self.bells_fd)
                 if reply.status == ATTACH_REFUSED:
                     log.info("slot_request_refused", pid=pid, uid=uid, size=len(request))
                 ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
@@ -169,14 +173,17 @@ class SlotServer:
 
 
 def ask(state_dir: Path, kind: int = ATTACH_VIEW) -> tuple[AttachReply, list[int]]:
-    """Ask the agent in `state_dir`; returns its reply and the descriptors (the caller closes them).
-    Raises OSError when no agent answers."""
+    """Ask the agent in `state_dir`; returns its reply and the chunks' descriptors, one per entry (the
+    caller closes them; the doorbells', which only gates ring, is closed here). Raises OSError when no
+    agent answers."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC) as sock:
         sock.settimeout(CLIENT_TIMEOUT_SECONDS * 2)
         sock.connect(str(state_dir / ATTACH_SOCKET))
         sock.send(bytes(AttachRequest(REGION_VERSION, kind)))
-        data, fds, _, _ = socket.recv_fds(sock, ctypes.sizeof(AttachReply), MAX_CHUNKS)
+        data, fds, _, _ = socket.recv_fds(sock, ctypes.sizeof(AttachReply), MAX_CHUNKS + 1)
     reply = AttachReply.from_buffer_copy(data.ljust(ctypes.sizeof(AttachReply), b"\0"))
+    if reply.version == REGION_VERSION and reply.bells == 1 and len(fds) == reply.n_entries + 1:
+        os.close(fds.pop())
     if reply.version != REGION_VERSION or reply.n_entries != len(fds) or reply.n_entries > MAX_CHUNKS:
         for fd in fds:
             os.close(fd)

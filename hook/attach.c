@@ -15,6 +15,7 @@
 #include "gate.h"
 
 #include <errno.h>
+#include <linux/futex.h>
 #include <fcntl.h>
 #include <stddef.h>
 #include <pthread.h>
@@ -26,6 +27,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -37,7 +39,7 @@ static uint64_t last_attempt_ns;
 static unsigned said; /* bit per message kind already printed */
 
 enum { SAID_NO_REGION = 1, SAID_VERSION = 2, SAID_GROUP = 4, SAID_FULL = 8, SAID_FOREIGN = 16, SAID_UNASSIGNED = 32,
-       SAID_NO_DEFAULT = 64, SAID_NO_SOCKET = 128, SAID_BAD_CHUNK = 256 };
+       SAID_NO_DEFAULT = 64, SAID_NO_SOCKET = 128, SAID_BAD_CHUNK = 256, SAID_BAD_BELLS = 512 };
 
 #define GT_TABLE_BYTES ((size_t)GT_MAX_SLOTS * GT_SLOT_SIZE)
 
@@ -133,10 +135,12 @@ static const struct gt_region *map_region(const char *dir)
 
 /* --- the slot table: chunks from the agent's socket ------------------------------------------------ */
 
-/* One request, one reply with a descriptor per entry. A silent agent costs at most a second. Returns
- * the number of descriptors received (into fds[], close-on-exec), or -1. */
-static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *reply, int fds[GT_MAX_CHUNKS])
+/* One request, one reply with a descriptor per entry, then the doorbells'. A silent agent costs at most
+ * a second. Returns the number of chunk descriptors received (into fds[], close-on-exec), or -1; the
+ * doorbells' goes to *bells (-1 when the reply has none). */
+static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *reply, int fds[GT_MAX_CHUNKS], int *bells)
 {
+    *bells = -1;
     struct sockaddr_un addr = {.sun_family = AF_UNIX};
     if ((size_t)snprintf(addr.sun_path, sizeof addr.sun_path, "%s/%s", dir, GT_ATTACH_SOCKET) >= sizeof addr.sun_path)
         return -1;
@@ -153,7 +157,8 @@ static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *rep
         close(sock);
         return -1;
     }
-    union { char buf[CMSG_SPACE(sizeof(int) * GT_MAX_CHUNKS)]; struct cmsghdr align; } control;
+    int got_fds[GT_MAX_CHUNKS + 1];
+    union { char buf[CMSG_SPACE(sizeof(int) * (GT_MAX_CHUNKS + 1))]; struct cmsghdr align; } control;
     struct iovec iov = {.iov_base = reply, .iov_len = sizeof *reply};
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
     memset(reply, 0, sizeof *reply);
@@ -167,22 +172,58 @@ static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *rep
         for (int k = 0; k < count; k++) {
             int fd;
             memcpy(&fd, CMSG_DATA(c) + k * sizeof(int), sizeof fd);
-            if (n < GT_MAX_CHUNKS)
-                fds[n++] = fd;
+            if (n < GT_MAX_CHUNKS + 1)
+                got_fds[n++] = fd;
             else
                 close(fd);
         }
     }
     bool sound = got >= (ssize_t)offsetof(struct gt_attach_reply, entries) && !(msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) &&
-                 reply->version == GT_REGION_VERSION && reply->n_entries == (uint32_t)n;
-    for (int k = 0; sound && k < n; k++)
+                 reply->version == GT_REGION_VERSION && reply->bells <= 1 && reply->n_entries <= GT_MAX_CHUNKS &&
+                 reply->n_entries + reply->bells == (uint32_t)n;
+    for (uint32_t k = 0; sound && k < reply->n_entries; k++)
         sound = reply->entries[k].chunk < GT_MAX_CHUNKS;
     if (!sound) {
         for (int k = 0; k < n; k++)
-            close(fds[k]);
+            close(got_fds[k]);
         return -1;
     }
-    return n;
+    memcpy(fds, got_fds, reply->n_entries * sizeof(int));
+    if (reply->bells)
+        *bells = got_fds[n - 1];
+    return (int)reply->n_entries;
+}
+
+/* Map the doorbells' descriptor (over the old mapping: a restarted agent sends new ones), if it is a
+ * sealed page: nobody can shrink it, so no ring can fault. Closes fd. */
+static void place_bells(int fd)
+{
+    if (fd < 0)
+        return;
+    struct stat st;
+    int seals = fcntl(fd, F_GET_SEALS);
+    if (fstat(fd, &st) == 0 && st.st_size == GT_BELLS_BYTES && seals >= 0 &&
+        (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW)) {
+        struct gt_bells *old = __atomic_load_n(&gt_proc.bells, __ATOMIC_ACQUIRE);
+        void *map = mmap(old, GT_BELLS_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | (old ? MAP_FIXED : 0), fd, 0);
+        if (map != MAP_FAILED)
+            __atomic_store_n(&gt_proc.bells, (struct gt_bells *)map, __ATOMIC_RELEASE);
+    } else {
+        say_once(SAID_BAD_BELLS, "the agent sent doorbells that are not a sealed memfd of %d bytes; ignored.",
+                 GT_BELLS_BYTES);
+    }
+    close(fd);
+}
+
+void gt_ring(int gpu)
+{
+    gt_refresh_slots(); /* a restarted agent listens on new doorbells */
+    struct gt_bells *bells = __atomic_load_n(&gt_proc.bells, __ATOMIC_ACQUIRE);
+    if (!bells)
+        return;
+    __atomic_fetch_add(&bells->ring[gpu], 1, __ATOMIC_SEQ_CST);
+    /* Not FUTEX_PRIVATE: the agent sleeps on it in its own process. */
+    syscall(SYS_futex, &bells->ring[gpu], FUTEX_WAKE, 1, NULL, NULL, 0);
 }
 
 /* Map chunk descriptor `fd` over its place in the table. Only a sealed chunk of the right size is
@@ -227,8 +268,9 @@ void gt_refresh_slots(void)
     if (pthread_mutex_trylock(&view_lock) != 0)
         return; /* another thread maps it now; this sum uses the table as it is */
     struct gt_attach_reply reply;
-    int fds[GT_MAX_CHUNKS];
-    int n = ask_agent(state_dir(), GT_ATTACH_VIEW, &reply, fds);
+    int fds[GT_MAX_CHUNKS], bells;
+    int n = ask_agent(state_dir(), GT_ATTACH_VIEW, &reply, fds, &bells);
+    place_bells(bells);
     uint32_t mine = gt_proc.slot_index / GT_CHUNK_SLOTS;
     for (int k = 0; k < n; k++) {
         if (reply.entries[k].chunk == mine)
@@ -279,10 +321,11 @@ static int join(const char *dir, struct gt_slot *table, int32_t pid, uint64_t *g
 {
     for (int attempt = 0; attempt < 4; attempt++) {
         struct gt_attach_reply reply;
-        int fds[GT_MAX_CHUNKS];
-        int n = ask_agent(dir, GT_ATTACH_JOIN, &reply, fds);
+        int fds[GT_MAX_CHUNKS], bells;
+        int n = ask_agent(dir, GT_ATTACH_JOIN, &reply, fds, &bells);
         if (n < 0)
             return -1;
+        place_bells(bells);
         uint32_t writable[GT_MAX_CHUNKS];
         int n_writable = 0;
         for (int k = 0; k < n; k++) {
@@ -531,10 +574,13 @@ static void after_fork_in_child(void)
     pthread_mutex_init(&view_lock, NULL);
     const struct gt_region *r = gt_proc.region;
     struct gt_slot *table = gt_proc.slots;
+    struct gt_bells *bells = gt_proc.bells;
     memset(&gt_proc, 0, sizeof gt_proc);
     gt_proc.single_gpu = -1;
     if (r)
         munmap((void *)r, sizeof *r);
+    if (bells)
+        munmap(bells, GT_BELLS_BYTES);
     if (table)
         munmap(table, GT_TABLE_BYTES);
     last_attempt_ns = 0;

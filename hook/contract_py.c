@@ -60,6 +60,8 @@ int main(void)
     STR(GT_REGION_FILE);
     STR(GT_ATTACH_SOCKET);
     STR(GT_SLOTS_MEMFD);
+    STR(GT_BELLS_MEMFD);
+    INT(GT_BELLS_BYTES);
     INT(GT_MAX_GPUS);
     INT(GT_MAX_GROUPS);
     INT(GT_MAX_SLOTS);
@@ -77,12 +79,14 @@ int main(void)
     INT(GT_HEARTBEAT_STALE_NS);
     INT(GT_HOLD_RECHECK_NS);
     INT(GT_QUEUE_BOUND_NS);
+    INT(GT_OUTRANKED_QUEUE_BOUND_NS);
     INT(GT_ASSIGN_WAIT_NS);
     HEX(GT_GROUP_UNASSIGNED);
     puts("# enum gt_held: the values of a control word");
     INT(GT_RELEASED);
     INT(GT_HELD);
     INT(GT_RELEASED_SHORT_QUEUE);
+    INT(GT_RELEASED_OUTRANKED);
     puts("# enum gt_attach_kind: the socket's requests");
     INT(GT_ATTACH_JOIN);
     INT(GT_ATTACH_VIEW);

@@ -49,6 +49,7 @@ struct gt_process {
     const struct gt_region *region; /* mapped PROT_READ: the gate never writes it */
     struct gt_slot *slots;          /* the slot table: GT_MAX_SLOTS slots, our user's chunks writable */
     uint64_t view_generation;       /* region->header.chunk_generation when the table was last mapped */
+    struct gt_bells *bells;         /* the doorbells, read-write (NULL until the agent sent them) */
     struct gt_slot *slot;
     uint32_t slot_index;
     uint32_t fallback_group;        /* "default": the group while the agent has not decided */
@@ -71,9 +72,11 @@ struct gt_process {
     uint64_t launch_ns_weight[GT_MAX_GPUS]; /* the launches behind launch_ns, decayed (gt_close_burst) */
     /* keep_queue_short (launch.c): launches up to queue_base[gpu] are known to have run; an event
      * recorded after launch marker_launch[gpu] while marker_armed[gpu]; the launch count at which the
-     * short queue next needs a look, queue_check_at[gpu] (0: the next launch). */
+     * short queue next needs a look, queue_check_at[gpu] (0: the next launch), counted for the bound
+     * of the word queue_state[gpu]. */
     uint64_t queue_base[GT_MAX_GPUS];
     uint64_t queue_check_at[GT_MAX_GPUS];
+    uint32_t queue_state[GT_MAX_GPUS]; /* the word (its bound) queue_check_at was counted for */
     uint64_t marker_launch[GT_MAX_GPUS];
     uint32_t marker_armed[GT_MAX_GPUS];
     CUevent marker_event[GT_MAX_GPUS];
@@ -84,9 +87,12 @@ extern struct gt_process gt_proc;
 bool gt_attach_slow(bool wait);   /* try to attach (rate-limited); true when attached */
 static inline bool gt_attached(void) { return GT_LIKELY(__atomic_load_n(&gt_proc.attached, __ATOMIC_ACQUIRE)); }
 bool gt_agent_alive(void);
-/* Map the chunks the agent added since the table was mapped (the allocation path calls it before it
- * sums a group's slots; a no-op while the region's chunk_generation is the table's). */
+/* Map the chunks the agent added since the table was mapped, and its doorbells again (the allocation
+ * path calls it before it sums a group's slots, a hold before it rings; a no-op while the region's
+ * chunk_generation is the table's). */
 void gt_refresh_slots(void);
+/* Ring GPU `gpu`'s doorbell: a thread starts waiting on a held word there (gemtrace_region.h). */
+void gt_ring(int gpu);
 
 /* The group of slot i's process: the agent's decision when it names that process, else "default"
  * (the agent has not decided yet, or the entry is a former occupant's). Read on every use rather than

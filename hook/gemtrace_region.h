@@ -20,6 +20,12 @@
  *     The memfds are named "gemtrace-slots-<region_id in hex>-c<chunk>-u<uid>", so that a restarted
  *     agent takes back the chunks live processes still map (from /proc/PID/map_files), its region's
  *     only (other agents, of other state dirs, may run on the host), checking that root made them.
+ *   - the doorbells (struct gt_bells), one page: a memfd the agent seals the same way and sends with
+ *     every reply, read-write to every user. A gate rings its GPU's bell when one of its threads starts
+ *     waiting on a held word (see Launch gating); the scheduler sleeps on it where such a wait is news.
+ *     A bell is a wake-up hint and nothing more: any user may ring or scribble on it, which costs the
+ *     agent looks that it spaces (gemtrace/scheduler.py, RING_GAP_NS), and nothing reads a decision
+ *     from it. Named "gemtrace-bells-<region_id in hex>".
  * gemtrace/region.py mirrors this header with ctypes; tests/test_region_layout.py compiles a program
  * printing sizeof/offsetof of every field and compares, so the two cannot drift. The constants below
  * reach Python through gemtrace/contract.py, generated from this header (gemtrace_contract.h says
@@ -58,6 +64,10 @@
  *      where a hold is coming (another group waits, or the group has a MaxUtil), so that the
  *      hold's drain is short: a process that never synchronises (its CPU runs seconds ahead, the
  *      driver's queue full) would otherwise make each drain seconds long.
+ *   GT_RELEASED_OUTRANKED: the same with GT_OUTRANKED_QUEUE_BOUND_NS: a group of a higher priority
+ *      has a process on that GPU, and its next launch revokes this group, whose drain it then waits
+ *      for (a request's latency: docs/scheduler.md). Shorter than GT_QUEUE_BOUND_NS, which serves
+ *      holds that come at a slice's end, where a drain of a few ms more costs no one's latency.
  *   GT_HELD: a launching thread
  *   1. drains: if its process launched on that GPU since it last drained, it synchronises the
  *      launch's stream (the context, where the burst used other streams too) and stores
@@ -68,6 +78,10 @@
  *      re-check the heartbeat), and leaves when held != GT_HELD, when assigned[i] names another group
  *      (the agent moved it: the old entry may already serve a new name), or when the heartbeat is
  *      older than GT_HEARTBEAT_STALE_NS (no agent: never hang); then subtracts 1 from waiting[gpu].
+ *      Before its first wait it adds 1 to the doorbells' ring[gpu] and FUTEX_WAKEs it: the scheduler,
+ *      where a thread's wait matters at once (a group of a higher priority than the holder's asks for
+ *      the GPU; a held group finished its drain while another waits), sleeps on that word rather than
+ *      until its next look.
  * The agent stores a released value then FUTEX_WAKEs all waiters on the word; on a clean stop it
  * releases every word and stores heartbeat_ns = 0.
  *
@@ -93,10 +107,12 @@
 #include <stdint.h>
 
 #define GT_REGION_MAGIC 0x45434152544d4547ULL /* "GEMTRACE" read as a little-endian uint64 */
-#define GT_REGION_VERSION 6u
+#define GT_REGION_VERSION 7u
 #define GT_REGION_FILE "region"
 #define GT_ATTACH_SOCKET "attach.sock" /* in the state dir: where gates ask for their slots */
 #define GT_SLOTS_MEMFD "gemtrace-slots" /* the chunks' memfd names begin so */
+#define GT_BELLS_MEMFD "gemtrace-bells" /* the doorbells' memfd name begins so */
+#define GT_BELLS_BYTES 4096 /* sizeof(struct gt_bells): one page */
 
 #define GT_MAX_GPUS 8
 #define GT_MAX_GROUPS 64
@@ -116,6 +132,7 @@
 #define GT_HEARTBEAT_STALE_NS 2000000000ull        /* gates ignore `held` when the agent is silent this long */
 #define GT_HOLD_RECHECK_NS 100000000ull            /* a held launch re-checks the heartbeat this often */
 #define GT_QUEUE_BOUND_NS 10000000ull              /* GT_RELEASED_SHORT_QUEUE: the most work left queued */
+#define GT_OUTRANKED_QUEUE_BOUND_NS 2000000ull     /* GT_RELEASED_OUTRANKED: the same, while outranked */
 /* A gate waits at most this long at attach for its assignment (usually one keeper tick, 10 ms). Long
  * enough for a process in a pod, whose host pid the agent must find first (a scan of /proc): at 50 ms a
  * pod's first allocation ran as "default", without its limit, in 2 of 3 runs on a busy node. */
@@ -126,6 +143,7 @@ enum gt_held {
     GT_RELEASED = 0,
     GT_HELD = 1,
     GT_RELEASED_SHORT_QUEUE = 2,
+    GT_RELEASED_OUTRANKED = 3,
 };
 
 /* The socket's two requests (struct gt_attach_request.kind). */
@@ -222,6 +240,12 @@ struct gt_region {
     uint32_t chunk_owner[GT_MAX_CHUNKS]; /* agent-owned: the uid whose chunk c is, or GT_NO_OWNER */
 };
 
+struct gt_bells {                /* the doorbells: written by anyone, a hint to the agent only */
+    uint32_t ring[GT_MAX_GPUS];  /* futex words: a gate adds 1 and wakes when a thread starts a hold there */
+    uint32_t reserved[GT_BELLS_BYTES / 4 - GT_MAX_GPUS];
+};
+_Static_assert(sizeof(struct gt_bells) == GT_BELLS_BYTES, "the doorbells are one page");
+
 /* The socket's messages (one each way; the reply carries one descriptor per entry, in order). */
 struct gt_attach_request {
     uint32_t version;            /* GT_REGION_VERSION */
@@ -238,7 +262,7 @@ struct gt_attach_reply {
     uint32_t status;             /* enum gt_attach_status */
     uint64_t chunk_generation;   /* header.chunk_generation when the view was made */
     uint32_t n_entries;
-    uint32_t reserved;
+    uint32_t bells;              /* 1: one more descriptor follows the entries', the doorbells */
     struct gt_attach_entry entries[GT_MAX_CHUNKS];
 };
 

@@ -9,8 +9,11 @@
  * for it: docs/scheduler.md), then sleeps on the held word (a shared futex; the agent wakes it),
  * re-checking the agent's heartbeat so it never hangs without one.
  * Released with a short queue (a hold is coming): a launch that would leave more than about
- * GT_QUEUE_BOUND_NS of work queued first waits for part of it (keep_queue_short), so that the hold's
- * drain is short whatever the process queues; the launches before the next look cost a compare.
+ * GT_QUEUE_BOUND_NS of work queued (GT_OUTRANKED_QUEUE_BOUND_NS while outranked: a group of a higher
+ * priority waits on the drain) first waits for part of it (keep_queue_short), so that the hold's
+ * drain is short whatever the process queues; the launches before the next look cost two compares.
+ * A thread that starts waiting on a held word rings its GPU's doorbell (the doorbells page): the
+ * scheduler reacts at once where that wait matters.
  *
  * A burst is the time from the first launch after the process was idle to the sync that drains it;
  * its length is added to the slot's busy_ns (on a time-sliced GPU it includes other contexts' kernels
@@ -163,6 +166,10 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
     struct gt_slot *slot = gt_proc.slot;
     bool waited = false;
     __atomic_fetch_add(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
+    /* Ring the GPU's scheduler (after `waiting`, which its look reads): where this wait matters at
+     * once (a group of a higher priority asks for the GPU; a held group has drained) it sleeps on the
+     * doorbell, not until its next look. One system call, on a path that is about to sleep anyway. */
+    gt_ring(gpu);
     while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group) {
         gt_futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
         waited = true;
@@ -175,7 +182,8 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
 }
 
 /* Released, with a hold coming: keep what the process has queued on the GPU under about
- * GT_QUEUE_BOUND_NS of work, so that the hold's drain is short. A CPU that runs ahead queues the
+ * `bound` of work (GT_QUEUE_BOUND_NS, or GT_OUTRANKED_QUEUE_BOUND_NS where a group of a higher
+ * priority waits on the drain: queue_bound), so that the hold's drain is short. A CPU that runs ahead queues the
  * driver's whole queue (1024 launches, seconds of kernels) in microseconds, so the age of the burst
  * says nothing; its launches times what a launch took in the bursts drained so far does. Before the
  * first drain there is no such figure: a burst of a few launches is drained to measure one.
@@ -223,40 +231,45 @@ static bool record_marker(int gpu, CUstream stream, uint64_t launches)
 /* The launch count at which the short queue next needs a look: where half the bound is queued and
  * no event is recorded yet, or where the bound is crossed and one is. The launches between cost one
  * compare (queue_check_due); the clock, the heartbeat and the lock are read only here. */
-static uint64_t next_queue_check(int gpu, uint64_t per_launch)
+static uint64_t next_queue_check(int gpu, uint64_t per_launch, uint64_t bound_ns)
 {
-    uint64_t bound = GT_QUEUE_BOUND_NS / per_launch;                               /* queued <= the bound */
-    uint64_t half = (GT_QUEUE_BOUND_NS / 2 + per_launch - 1) / per_launch;         /* queued >= half of it */
+    uint64_t bound = bound_ns / per_launch;                               /* queued <= the bound */
+    uint64_t half = (bound_ns / 2 + per_launch - 1) / per_launch;         /* queued >= half of it */
     uint64_t base = __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED);
     return __atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) ? base + bound + 1 : base + half;
 }
 
-static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream, uint64_t launches)
+static uint64_t queue_bound(uint32_t state)
+{
+    return state == GT_RELEASED_OUTRANKED ? GT_OUTRANKED_QUEUE_BOUND_NS : GT_QUEUE_BOUND_NS;
+}
+
+static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream, uint64_t launches, uint64_t bound)
 {
     if (!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE))
         return false; /* nothing queued; open_burst starts the count again */
     uint64_t per_launch = __atomic_load_n(&gt_proc.launch_ns[gpu], __ATOMIC_RELAXED);
     if (!per_launch) { /* until the first drain: the next launch looks again */
         if (launches - gt_proc.burst_first_launch[gpu] < GT_FIRST_MEASURE_LAUNCHES &&
-            gt_now_ns() - gt_proc.burst_start_ns[gpu] <= GT_QUEUE_BOUND_NS)
+            gt_now_ns() - gt_proc.burst_start_ns[gpu] <= bound)
             return false;
         drain(gpu, stream);
         return true;
     }
-    uint64_t due = next_queue_check(gpu, per_launch);
+    uint64_t due = next_queue_check(gpu, per_launch, bound);
     if (launches < due) {
         __atomic_store_n(&gt_proc.queue_check_at[gpu], due, __ATOMIC_RELAXED);
         return false;
     }
     if (!gt_agent_alive()) { /* the word is stale: look again half a bound later, not on every launch */
-        __atomic_store_n(&gt_proc.queue_check_at[gpu], launches + GT_QUEUE_BOUND_NS / 2 / per_launch + 1, __ATOMIC_RELAXED);
+        __atomic_store_n(&gt_proc.queue_check_at[gpu], launches + bound / 2 / per_launch + 1, __ATOMIC_RELAXED);
         return false;
     }
     if (pthread_mutex_trylock(&marker_lock) != 0)
         return false; /* another thread is at it; this launch passes */
     uint64_t queued = (launches - __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED)) * per_launch;
     bool waited = false;
-    if (__atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) && queued > GT_QUEUE_BOUND_NS) {
+    if (__atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) && queued > bound) {
         /* Not through our cuEventSynchronize wrapper: this is no end of a burst. */
         if (gt_real.cuEventSynchronize(gt_proc.marker_event[gpu]) == CUDA_SUCCESS)
             __atomic_store_n(&gt_proc.queue_base[gpu], gt_proc.marker_launch[gpu], __ATOMIC_RELAXED);
@@ -265,10 +278,10 @@ static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream,
         queued = (launches - __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED)) * per_launch;
     }
     bool fallback = false;
-    if (!__atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) && queued >= GT_QUEUE_BOUND_NS / 2)
-        fallback = !record_marker(gpu, stream, launches) && queued > GT_QUEUE_BOUND_NS;
+    if (!__atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) && queued >= bound / 2)
+        fallback = !record_marker(gpu, stream, launches) && queued > bound;
     /* With no event recorded (the driver refused one) the next launch looks again, as before. */
-    __atomic_store_n(&gt_proc.queue_check_at[gpu], fallback ? 0 : next_queue_check(gpu, per_launch), __ATOMIC_RELAXED);
+    __atomic_store_n(&gt_proc.queue_check_at[gpu], fallback ? 0 : next_queue_check(gpu, per_launch, bound), __ATOMIC_RELAXED);
     pthread_mutex_unlock(&marker_lock);
     if (fallback) { /* no event to wait on: drain all of it */
         drain(gpu, stream);
@@ -277,10 +290,15 @@ static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream,
     return waited;
 }
 
-/* Released with a short queue: most launches only compare their count with the next check's. */
-static inline bool queue_check_due(int gpu, uint64_t *launches)
+/* Released with a short queue: most launches only compare their count with the next check's, and
+ * the word with the one the check was counted for (a tighter bound needs a look now). */
+static inline bool queue_check_due(int gpu, uint32_t state, uint64_t *launches)
 {
     *launches = __atomic_load_n(&gt_proc.slot->launches[gpu], __ATOMIC_RELAXED);
+    if (GT_UNLIKELY(state != __atomic_load_n(&gt_proc.queue_state[gpu], __ATOMIC_RELAXED))) {
+        __atomic_store_n(&gt_proc.queue_state[gpu], state, __ATOMIC_RELAXED);
+        return true;
+    }
     return *launches >= __atomic_load_n(&gt_proc.queue_check_at[gpu], __ATOMIC_RELAXED);
 }
 
@@ -303,7 +321,8 @@ static void gate_launch(CUstream stream)
         /* After a wait the group may have been held meanwhile: look again, or this launch would
          * queue work behind the drain the scheduler has just seen end. */
         uint64_t launches;
-        if (state == GT_RELEASED_SHORT_QUEUE && queue_check_due(gpu, &launches) && keep_queue_short(gpu, stream, launches))
+        if ((state == GT_RELEASED_SHORT_QUEUE || state == GT_RELEASED_OUTRANKED) && queue_check_due(gpu, state, &launches) &&
+            keep_queue_short(gpu, stream, launches, queue_bound(state)))
             state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
         if (state == GT_HELD)
             hold(gpu, held, stream, group);

@@ -269,6 +269,9 @@ def _launches(agent: Agent, pid: int) -> int:
 def test_held_launches_wait_without_spinning_and_resume_at_release(agent: Agent) -> None:
     group = agent.region.set_group("train", None, 0, 1)
     agent.region.hold(0, group)
+    bells = agent.region.doorbells
+    assert bells is not None
+    rung = bells.rung(0)
     loop = agent.sim.start(
         ["launch-loop", "--kernel-ns", "100000", "--seconds", "30", "--progress"], **agent.env("train")
     )
@@ -277,6 +280,8 @@ def test_held_launches_wait_without_spinning_and_resume_at_release(agent: Agent)
         while not any(s.waiting[0] for s in agent.slots_of(loop.pid)):
             assert time.monotonic() < deadline, "the launch was never held"
             time.sleep(0.01)
+        # The waiting thread rang GPU 0's doorbell (a scheduler may sleep on it), once.
+        assert bells.rung(0) == rung + 1
         cpu_before = psutil.Process(loop.pid).cpu_times()
         time.sleep(1.0)
         cpu_after = psutil.Process(loop.pid).cpu_times()
@@ -294,10 +299,12 @@ def test_held_launches_wait_without_spinning_and_resume_at_release(agent: Agent)
         loop.kill()
 
 
-def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent: Agent) -> None:
+@pytest.mark.parametrize("outranked", [False, True], ids=["short-queue", "outranked"])
+def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent: Agent, outranked: bool) -> None:
     """A loop that never synchronises fills the driver's queue (1024 launches of 2 ms here: 2 s of
     work). Released plainly its burst never ends; released with a short queue, the gate keeps no more
-    than about QUEUE_BOUND_NS queued, so that a hold's drain is short."""
+    than about QUEUE_BOUND_NS queued (OUTRANKED_QUEUE_BOUND_NS outranked), so that a hold's drain is
+    short."""
     group = agent.region.set_group("train", None, 0, 1)
     loop = agent.sim.start(["launch-loop", "--kernel-ns", "2000000", "--no-sync", "--seconds", "30"],
                            **agent.env("train"))
@@ -309,7 +316,7 @@ def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent:
         slot = agent.slots_of(loop.pid)[0]
         assert slot.drained_ns[0] == 0 and slot.busy_ns[0] == 0  # one burst, never drained
 
-        agent.region.release(0, group, short_queue=True)
+        agent.region.release(0, group, short_queue=True, outranked=outranked)
         # The first launch after the release drains the 2 s queued before (and so measures a launch:
         # 2 ms); its end is the slot's drained_ns.
         wait_until("the first drain after the release (the 2 s queued before it)",
@@ -328,7 +335,8 @@ def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent:
         while not slot.waiting[0]:
             assert time.monotonic() - held_at < 1.0, "the hold's drain took the whole queue"
             time.sleep(0.0005)
-        assert time.monotonic() - held_at < (contract.QUEUE_BOUND_NS / 1e9) + 0.05
+        bound = contract.OUTRANKED_QUEUE_BOUND_NS if outranked else contract.QUEUE_BOUND_NS
+        assert time.monotonic() - held_at < bound / 1e9 + 0.05
     finally:
         loop.kill()
 

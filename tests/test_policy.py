@@ -61,11 +61,14 @@ def bursty(on_ns: int, period_ns: int) -> Workload:
 @dataclass
 class FakeGpu:
     """One GPU shared by groups with the given workloads. A released group that has work keeps the
-    GPU busy; a held group takes `drain_ns` to finish what it had queued. It keeps the true GPU time
-    of every group, which the policy never sees."""
+    GPU busy; a held group takes `drain_ns` to finish what it had queued (`outranked_drain_ns` where
+    it was released outranked: the gate's tighter queue bound). It keeps the true GPU time of every
+    group, which the policy never sees."""
 
     workloads: dict[int, Workload]
     drain_ns: int = 1 * MS
+    outranked_drain_ns: int | None = None
+    outranked: bool = False  # the released group's word says GT_RELEASED_OUTRANKED
     released: int | None = None
     draining: int | None = None
     hold_at: int = 0
@@ -85,27 +88,42 @@ class FakeGpu:
         # Every group's process is alive all along: present, wanting the GPU or not.
         return Observation(demand, idle_since, drained_at, present=frozenset(self.workloads))
 
-    def run(self, t0: int, t1: int) -> None:
-        """GPU time between two looks, 0.1 ms at a time."""
+    def rung(self, t0: int, t: int) -> bool:
+        """Did a thread start waiting on a held word in (t0, t] (the gate rings the doorbell then):
+        work arrived for a held group that had none, or the draining group finished its queue (a hog's
+        next launch then waits)?"""
+        if self.draining is not None and t0 < self.drain_end <= t:
+            return True
+        return any(g not in (self.released, self.draining) and work.on_ns and work.pending == 0
+                   and t0 < work.arrived_until <= t for g, work in self.workloads.items())
+
+    def run(self, t0: int, t1: int, doorbell: bool = False) -> int:
+        """GPU time between two looks, 0.1 ms at a time; with `doorbell`, until a thread starts
+        waiting on a held word if that comes first. Returns when the next look is."""
         step = MS // 10
         for t in range(t0, t1, step):
+            if doorbell and t > t0 and self.rung(t0, t):
+                return t
             dt = min(step, t1 - t)
             if self.released is not None and self.workloads[self.released].wants(t):
                 used = self.workloads[self.released].run(t, dt)
                 self.busy_ns[self.released] = self.busy_ns.get(self.released, 0) + used
             if self.draining is not None and t < self.drain_end:
                 self.busy_ns[self.draining] = self.busy_ns.get(self.draining, 0) + dt
+        return t1
 
     def apply(self, t: int, decision: Decision) -> None:
         if decision.draining is not None and self.draining is None:
             self.draining, self.hold_at = decision.draining, t
             # A group held while it had work finishes what it had queued; an idle one has nothing.
             had_work = self.workloads[self.draining].wants(t)
-            self.drain_end = t + self.drain_ns if had_work else t
+            drain = self.drain_ns if self.outranked_drain_ns is None or not self.outranked else self.outranked_drain_ns
+            self.drain_end = t + drain if had_work else t
             self.switches += 1
         if decision.draining is None:
             self.draining = None
         self.released = decision.released
+        self.outranked = decision.outranked
 
     def share(self, group: int, duration: int) -> float:
         return self.busy_ns.get(group, 0) / duration
@@ -113,19 +131,21 @@ class FakeGpu:
 
 def simulate(quotas: dict[int, Quota], workloads: dict[int, Workload], duration: int = 10 * SECOND,
              drain_ns: int = 1 * MS, params: PolicyParams | None = None,
-             policy: TimeSharePolicy | None = None, start: int = 0) -> tuple[FakeGpu, TimeSharePolicy]:
+             policy: TimeSharePolicy | None = None, start: int = 0, outranked_drain_ns: int | None = None,
+             doorbell: bool = False) -> tuple[FakeGpu, TimeSharePolicy]:
+    """With `doorbell`, a look also comes when a thread starts waiting on a held word, where the
+    decision asks for it (Decision.wake_on_wait), as the scheduler sleeps on the gates' doorbell."""
     if policy is None:
         policy = TimeSharePolicy(params or PolicyParams(), now=start)
         policy.set_quotas(start, quotas)
-    gpu = FakeGpu(workloads, drain_ns)
+    gpu = FakeGpu(workloads, drain_ns, outranked_drain_ns)
     t = start
     while t < start + duration:
         decision = policy.step(t, gpu.observe(t))
         gpu.apply(t, decision)
         gpu.steps += 1
         nxt = min(max(decision.wake_at, t + 1), start + duration)
-        gpu.run(t, nxt)
-        t = nxt
+        t = gpu.run(t, nxt, doorbell and decision.wake_on_wait)
     return gpu, policy
 
 
@@ -435,3 +455,56 @@ def test_no_extra_looks_without_a_higher_priority_process() -> None:
     policy.set_quotas(0, {0: Quota(), 1: Quota(priority=5)})
     decision = policy.step(0, Observation(frozenset({0}), present=frozenset({0})))
     assert decision.wake_at == policy.params.slice_ns and not decision.short_queue
+
+
+def test_an_outranked_holder_keeps_a_tight_queue_and_its_waits_are_news() -> None:
+    """The holder of a lower priority than a present group's is released outranked (the gate keeps
+    its queue to GT_OUTRANKED_QUEUE_BOUND_NS), and the scheduler looks as soon as a thread waits;
+    not so at equal priorities, nor for a holder being paid its MinUtil debt."""
+    both = frozenset({0, 1})
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota(priority=5)})
+    decision = policy.step(0, Observation(frozenset({0}), present=both))
+    assert decision.released == 0 and decision.outranked and decision.wake_on_wait
+    decision = policy.step(1 * MS, Observation(both, present=both))  # group 1's request: revoked
+    assert decision.draining == 0 and decision.wake_on_wait  # the hog's wait after its drain is news
+    decision = policy.step(2 * MS, Observation(both, drained_at=2 * MS, present=both))
+    assert decision.released == 1 and not decision.outranked and not decision.wake_on_wait
+
+    equal = TimeSharePolicy(now=0)
+    equal.set_quotas(0, {0: Quota(priority=5), 1: Quota(priority=5)})
+    decision = equal.step(0, Observation(frozenset({0}), present=both))
+    assert decision.released == 0 and not decision.outranked and not decision.wake_on_wait
+
+    owed = TimeSharePolicy(now=0)
+    owed.set_quotas(0, {0: Quota(0.5, 1.0), 1: Quota(priority=5)})
+    t, decision = 0, owed.step(0, Observation(both, present=both))
+    while decision.released != 0:
+        t = max(t + 1, decision.wake_at)
+        decision = owed.step(t, Observation(both, drained_at=t, present=both))
+    assert not decision.outranked  # paid its debt first: no request revokes it meanwhile
+
+
+def requests_beside_a_hog(doorbell: bool, outranked_drain_ns: int | None) -> tuple[FakeGpu, Workload]:
+    """2 ms requests every 20 ms in group 0 (Priority 1) beside a hog in group 1 whose queue takes
+    10 ms to drain (GT_QUEUE_BOUND_NS), or `outranked_drain_ns` where it was released outranked."""
+    requests = bursty(2 * MS, 20 * MS)
+    gpu, _ = simulate({0: Quota(priority=1), 1: Quota()}, {0: requests, 1: hog()}, duration=3 * SECOND,
+                      drain_ns=10 * MS, outranked_drain_ns=outranked_drain_ns, doorbell=doorbell)
+    return gpu, requests
+
+
+def test_a_request_waits_the_outranked_drain_only() -> None:
+    gpu, requests = requests_beside_a_hog(doorbell=True, outranked_drain_ns=2 * MS)
+    assert len(requests.latencies) >= 149
+    # Each request: its own 2 ms and the hog's outranked drain (2 ms); the looks come at the rings
+    # (the request's wait, then the drained hog's), within one 0.1 ms step of the fake GPU each.
+    assert max(requests.latencies) <= 2 * MS + 2 * MS + 2 * MS // 10
+    # The hog keeps the rest of the GPU but the switches: after each request the GPU idles until the
+    # look that sees the service quiet (a poll at most after its release).
+    assert gpu.share(1, 3 * SECOND) >= 0.7
+    assert gpu.share(0, 3 * SECOND) == pytest.approx(2 / 20, abs=0.005)
+    # Before (a poll to see the request, the hog's 10 ms drain): the worst request waited 4x longer.
+    before, before_requests = requests_beside_a_hog(doorbell=False, outranked_drain_ns=None)
+    assert max(before_requests.latencies) > 2 * MS + 10 * MS
+    assert before.share(1, 3 * SECOND) <= gpu.share(1, 3 * SECOND) + 0.02

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gemtrace import contract, defaults, region, slot_server
+from gemtrace import contract, defaults, doorbells, region, slot_server
 from gemtrace.slot_space import SlotSpace, sound_chunk
 
 pytestmark = pytest.mark.unit
@@ -37,6 +37,7 @@ STRUCTS = {
     "gt_attach_request": slot_server.AttachRequest,
     "gt_attach_entry": slot_server.AttachEntry,
     "gt_attach_reply": slot_server.AttachReply,
+    "gt_bells": doorbells.BellsLayout,
 }
 
 
@@ -105,7 +106,7 @@ def test_every_constant_of_the_headers_reaches_python() -> None:
 
 
 def test_the_constants_mean_what_the_gate_and_the_agent_take_them_for() -> None:
-    assert region.MAGIC == contract.REGION_MAGIC and region.VERSION == contract.REGION_VERSION == 6
+    assert region.MAGIC == contract.REGION_MAGIC and region.VERSION == contract.REGION_VERSION == 7
     assert b"GEMTRACE" == region.MAGIC.to_bytes(8, "little")
     # A chunk is whole pages of whole slots, and the chunks make the table.
     assert ctypes.sizeof(region.Slot) == contract.SLOT_SIZE and contract.CHUNK_BYTES % 4096 == 0

@@ -3,6 +3,7 @@ fake clock: what it reads, which words it holds and releases, and that it never 
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gemtrace import contract
+from gemtrace import contract, futex
 from gemtrace import region as rg
 from gemtrace.policy import MS, PolicyParams
 from gemtrace.scheduler import RESCAN_NS, GpuScheduler, Quota, SlotTable
@@ -306,3 +307,50 @@ def test_run_releases_every_word_when_stopped(region: rg.Region) -> None:
     thread.join(5)
     assert not thread.is_alive()
     assert not held(region, a) and not held(region, b)
+
+
+def ring(region: rg.Region, gpu: int) -> None:
+    """What a gate does when one of its threads starts waiting on a held word: add 1 to the GPU's
+    doorbell and wake whoever sleeps on it (hook/attach.c, gt_ring)."""
+    bells = region.doorbells
+    assert bells is not None
+    bells.layout.ring[gpu] += 1
+    futex.wake(ctypes.addressof(bells.layout.ring) + 4 * gpu, 1)
+
+
+def test_a_higher_priority_wait_is_seen_at_the_ring_not_the_next_poll(region: rg.Region) -> None:
+    """Polls a second apart: the outranked holder is revoked within a fraction of that once the
+    higher-priority group's thread waits and rings, and it kept a tight queue until then."""
+    second = 1000 * MS
+    params = PolicyParams(slice_ns=second, max_slice_ns=second, poll_ns=second, steady_poll_ns=second,
+                          max_poll_ns=second)
+    scheduler = GpuScheduler(region, GPU, params=params, rescan_ns=0)
+    low, high = region.set_group("low", None, 0, 1), region.set_group("high", None, 0, 1)
+    scheduler.set_quotas({low: Quota(), high: Quota(priority=5)})
+    slot_low = claim(region, 0, 1001, low)
+    slot_low.waiting[GPU] = 1
+    slot_high = claim(region, 1, 1002, high)
+    launch(slot_high, 5, time.monotonic_ns())
+    slot_high.drained_ns[GPU] = time.monotonic_ns()  # launched before, quiet now
+    for _ in range(3):  # high (its launches are news), seen quiet and revoked, then low
+        scheduler.step()
+    assert not held(region, low) and held(region, high)
+    slot_low.waiting[GPU] = 0
+    launch(slot_low, 10, time.monotonic_ns())
+    scheduler.step()
+    assert region.layout.control[GPU][low].held == rg.RELEASED_OUTRANKED
+    stop = threading.Event()
+    thread = threading.Thread(target=scheduler.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(0.05)  # the run's first look is done: the next is a second away but for a ring
+        assert not held(region, low)
+        slot_high.waiting[GPU] = 1
+        rung = time.monotonic()
+        ring(region, GPU)
+        while not held(region, low) and time.monotonic() - rung < 2:
+            time.sleep(0.001)
+        assert held(region, low) and time.monotonic() - rung < 0.5
+    finally:
+        stop.set()
+        thread.join(5)

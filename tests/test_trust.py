@@ -231,6 +231,59 @@ def test_a_user_scribbling_over_their_own_chunk_harms_nobody_else(adversary: Adv
     assert "Traceback" not in log and '"level": "error"' not in log, log[-3000:]
 
 
+# A user writes random values into every doorbell and rings them as fast as it can for a while (the
+# doorbells are every user's to ring: gemtrace_region.h). Prints how often it rang, and what sealing
+# said to a truncate.
+BELL_RINGER = r"""
+import ctypes, errno, mmap, os, random, socket, sys, time
+from gemtrace import contract, futex, slot_server
+with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
+    sock.connect(os.path.join(sys.argv[1], contract.ATTACH_SOCKET))
+    sock.send(bytes(slot_server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_JOIN)))
+    data, fds, _, _ = socket.recv_fds(sock, ctypes.sizeof(slot_server.AttachReply), contract.MAX_CHUNKS + 1)
+reply = slot_server.AttachReply.from_buffer_copy(data)
+assert reply.bells == 1 and len(fds) == reply.n_entries + 1
+try:
+    os.ftruncate(fds[-1], 0)
+    truncate = "done"
+except OSError as e:
+    truncate = errno.errorcode[e.errno]
+bells = mmap.mmap(fds[-1], contract.BELLS_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+words = (ctypes.c_uint32 * (contract.BELLS_BYTES // 4)).from_buffer(bells)
+rng, rings, end = random.Random(7), 0, time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    gpu = rng.randrange(contract.MAX_GPUS)
+    words[gpu] = rng.randrange(2**32)
+    futex.wake(ctypes.addressof(words) + 4 * gpu, 1)
+    rings += 1
+print(rings, truncate)
+"""
+
+
+def test_a_user_ringing_the_doorbells_changes_no_decision(adversary: Adversary, host: Host, agent: Running) -> None:
+    """The doorbells are a hint: forged rings cost the agent looks, never a hold lifted or a limit."""
+    r = host.region()
+    try:
+        infer = r.group_index("infer")
+        assert infer is not None
+        wait_until("infer held (nobody wants the GPU)", lambda: r.is_held(0, infer), timeout=5)
+        out = as_user(adversary, host, sys.executable, "-c", BELL_RINGER, str(host.state_dir), "2",
+                      PYTHONPATH=str(REPO))
+        assert out.returncode == 0, out.stderr
+        rings, truncate = out.stdout.split()
+        assert int(rings) > 1000 and truncate == "EPERM"
+        assert r.is_held(0, infer) and agent.proc.poll() is None
+    finally:
+        r.close()
+    run = subprocess.run([str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB)],
+                         env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train",
+                                      LD_PRELOAD=str(GATE)), capture_output=True, text=True, timeout=60)
+    names = [json.loads(line)["name"] for line in run.stdout.splitlines() if line.startswith('{"size"')]
+    assert names == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"], run.stderr
+    log = agent.log.read_text()
+    assert "Traceback" not in log and '"level": "error"' not in log, log[-3000:]
+
+
 def test_a_client_cannot_raise_its_groups_limit(adversary: Adversary, host: Host, agent: Running) -> None:
     as_user(adversary, host, sys.executable, "-c", ATTEMPTS, str(host.state_dir), "1", "2", PYTHONPATH=str(REPO))
     out = as_user(adversary, host, str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB),

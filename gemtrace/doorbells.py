@@ -1,0 +1,62 @@
+"""The doorbells (hook/gemtrace_region.h, struct gt_bells): one futex word per GPU that a gate rings
+when one of its threads starts waiting on a held word, so that a scheduler can sleep until such a
+wait where it is news, instead of polling for it.
+
+The page is a memfd the agent makes, seals against shrinking and growing, and sends read-write with
+every answer of its socket (gemtrace/slot_server.py). Every user can ring it, or write anything there:
+a bell only wakes a scheduler up, which spaces the looks a ring brings (gemtrace/scheduler.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import mmap
+import os
+
+from gemtrace import futex
+from gemtrace.contract import BELLS_BYTES, BELLS_MEMFD, MAX_GPUS
+
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+class BellsLayout(ctypes.Structure):
+    _fields_ = [("ring", ctypes.c_uint32 * MAX_GPUS), ("reserved", ctypes.c_uint32 * (BELLS_BYTES // 4 - MAX_GPUS))]
+
+
+def bells_name(region_id: int) -> str:
+    return f"{BELLS_MEMFD}-{region_id:x}"
+
+
+class Doorbells:
+    """The agent's doorbells: the memfd (`fd`, for the socket) and its mapping."""
+
+    def __init__(self, region_id: int) -> None:
+        self.fd = os.memfd_create(bells_name(region_id), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            # Root's, like the chunks; every user gets a read-write descriptor from the socket anyway.
+            os.fchmod(self.fd, 0o600)
+            os.ftruncate(self.fd, BELLS_BYTES)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
+            self._map = mmap.mmap(self.fd, BELLS_BYTES)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.layout = BellsLayout.from_buffer(self._map)
+
+    def rung(self, gpu: int) -> int:
+        """How often GPU `gpu`'s bell rang (modulo 2**32): read it before a look, wait on it after."""
+        return int(self.layout.ring[gpu])
+
+    def wait(self, gpu: int, seen: int, timeout_ns: int) -> None:
+        """Sleep until the bell rings after it read `seen` (at once if it did since), or `timeout_ns`
+        passed; may return early."""
+        futex.wait(self._address(gpu), seen, timeout_ns)
+
+    def _address(self, gpu: int) -> int:
+        return ctypes.addressof(self.layout) + BellsLayout.ring.offset + 4 * gpu
+
+    def close(self) -> None:
+        del self.layout
+        self._map.close()
+        os.close(self.fd)
