@@ -35,21 +35,30 @@
 #include <string.h>
 #include <unistd.h>
 
-/* --- what we allocated: address or handle -> (bytes, gpu) ---------------------------------------- */
+/* --- what we allocated: address or handle -> (bytes, gpu) ----------------------------------------
+ * One entry for every allocation the gate counted, taken out by its release whichever call frees it.
+ * The managed memory that got hints (hints below) is marked in its entry and chained oldest first,
+ * so that the prefetch after a hold walks the same entries, under the same lock, that frees take out:
+ * a range leaves the chain before the driver may hand it out again. */
 
 #define GT_BUCKETS 4096
+#define GT_UNHINTED (-1) /* hinted_device of an entry without hints */
 
 struct tracked {
     uint64_t key;
     uint64_t bytes;
     int gpu;
-    bool managed; /* counted in slot->managed, not slot->memory */
-    struct tracked *next;
+    bool managed;           /* counted in slot->managed, not slot->memory */
+    CUdevice hinted_device; /* the CUDA device the hints named, GT_UNHINTED */
+    struct tracked *next;   /* in its bucket */
+    struct tracked *older, *newer; /* in the table's chain of hinted entries */
 };
 
 struct table {
     pthread_mutex_t lock;
     struct tracked *bucket[GT_BUCKETS];
+    struct tracked *oldest_hinted; /* atomic: read without the lock to skip a prefetch with nothing to do */
+    struct tracked *newest_hinted;
 };
 
 static struct table pointers = {.lock = PTHREAD_MUTEX_INITIALIZER};
@@ -57,39 +66,57 @@ static struct table handles = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static unsigned bucket_of(uint64_t key) { return (unsigned)((key >> 9) * 0x9E3779B97F4A7C15ull >> 52) % GT_BUCKETS; }
 
-static void track(struct table *t, uint64_t key, uint64_t bytes, int gpu, bool managed)
+/* A new entry, or one whose release the driver refused; a hinted one goes to the newest end. */
+static void insert(struct table *t, struct tracked *e)
+{
+    pthread_mutex_lock(&t->lock);
+    unsigned b = bucket_of(e->key);
+    e->next = t->bucket[b];
+    t->bucket[b] = e;
+    if (e->hinted_device != GT_UNHINTED) {
+        e->older = t->newest_hinted;
+        e->newer = NULL;
+        if (e->older)
+            e->older->newer = e;
+        else
+            __atomic_store_n(&t->oldest_hinted, e, __ATOMIC_RELEASE);
+        t->newest_hinted = e;
+    }
+    pthread_mutex_unlock(&t->lock);
+}
+
+static void track(struct table *t, uint64_t key, uint64_t bytes, int gpu, bool managed, CUdevice hinted_device)
 {
     struct tracked *e = malloc(sizeof *e);
     if (!e)
         return; /* the reservation stays counted: better an over-count than an underflow */
-    e->key = key;
-    e->bytes = bytes;
-    e->gpu = gpu;
-    e->managed = managed;
-    pthread_mutex_lock(&t->lock);
-    unsigned b = bucket_of(key);
-    e->next = t->bucket[b];
-    t->bucket[b] = e;
-    pthread_mutex_unlock(&t->lock);
+    *e = (struct tracked){.key = key, .bytes = bytes, .gpu = gpu, .managed = managed, .hinted_device = hinted_device};
+    insert(t, e);
 }
 
-static bool untrack(struct table *t, uint64_t key, uint64_t *bytes, int *gpu, bool *managed)
+/* The entry of key, out of the table (the caller frees it or puts it back), or NULL. */
+static struct tracked *untrack(struct table *t, uint64_t key)
 {
     pthread_mutex_lock(&t->lock);
     struct tracked **p = &t->bucket[bucket_of(key)];
     while (*p && (*p)->key != key)
         p = &(*p)->next;
     struct tracked *e = *p;
-    if (e)
+    if (e) {
         *p = e->next;
+        if (e->hinted_device != GT_UNHINTED) {
+            if (e->older)
+                e->older->newer = e->newer;
+            else
+                __atomic_store_n(&t->oldest_hinted, e->newer, __ATOMIC_RELEASE);
+            if (e->newer)
+                e->newer->older = e->older;
+            else
+                t->newest_hinted = e->older;
+        }
+    }
     pthread_mutex_unlock(&t->lock);
-    if (!e)
-        return false;
-    *bytes = e->bytes;
-    *gpu = e->gpu;
-    *managed = e->managed;
-    free(e);
-    return true;
+    return e;
 }
 
 /* --- pools: which CUDA device a pool's memory lives on ---------------------------------------------
@@ -148,26 +175,6 @@ GT_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
     if (r == CUDA_SUCCESS && pool && props && props->location.type == CU_MEM_LOCATION_TYPE_DEVICE)
         remember_pool(*pool, props->location.id);
     return r;
-}
-
-/* After fork: the parent's allocations are not the child's. The entries leak (malloc after fork in a
- * threaded parent is not safe to call here); the child starts with empty tables and free locks. */
-static void forget_hints_in_child(void);
-static void read_hint_options(void);
-
-static void after_fork_in_child(void)
-{
-    forget_hints_in_child();
-    memset(pointers.bucket, 0, sizeof pointers.bucket);
-    memset(handles.bucket, 0, sizeof handles.bucket);
-    pthread_mutex_init(&pointers.lock, NULL);
-    pthread_mutex_init(&handles.lock, NULL);
-    pthread_mutex_init(&pools_lock, NULL);
-}
-GT_CONSTRUCTOR_MEMORY static void memory_init(void)
-{
-    read_hint_options();
-    pthread_atfork(NULL, NULL, after_fork_in_child);
 }
 
 /* --- the group's usage and the reservation protocol ----------------------------------------------- */
@@ -315,36 +322,16 @@ static CUresult reserve_managed(int gpu, uint64_t bytes)
  * the group go, the first launch that waited prefetches them back (cuMemPrefetchAsync on its own
  * stream, before its kernel): one bulk migration instead of a fault per page. At most
  * prefetch_max bytes a release, the oldest allocations first (a training job's weights and optimizer
- * state come first), once per release and process (control.grant_seq). The table is taken only on
- * these slow paths; the launch fast path never sees it. Off with GEMTRACE_MANAGED_HINTS=0. The
- * program's own cuMemAllocManaged gets no hints: its advice is its own business. */
+ * state come first), once per release and process (control.grant_seq): a walk of the hinted entries
+ * of the pointers table (above), under the lock its allocations and frees take; the launch fast path
+ * never sees it. Off with GEMTRACE_MANAGED_HINTS=0. The program's own cuMemAllocManaged gets no
+ * hints: its advice is its own business. */
 
-#define GT_HINTED_MAX 1024                      /* allocations a prefetch knows of; more get advice only */
-#define GT_PREFETCH_MAX_DEFAULT (4ull << 30)   /* bytes one prefetch moves, unless GEMTRACE_MANAGED_PREFETCH_MAX */
-
-struct hinted {
-    CUdeviceptr ptr;
-    uint64_t bytes;
-    CUdevice device;
-    int gpu;
-};
-
-static struct {
-    pthread_mutex_t lock;
-    uint32_t count; /* atomic: read without the lock to skip the table when it is empty */
-    struct hinted entry[GT_HINTED_MAX];
-} hinted = {.lock = PTHREAD_MUTEX_INITIALIZER};
+#define GT_PREFETCH_MAX_DEFAULT (4ull << 30) /* bytes one prefetch moves, unless GEMTRACE_MANAGED_PREFETCH_MAX */
 
 static bool hints_on = true;
 static uint64_t prefetch_max = GT_PREFETCH_MAX_DEFAULT;
 static uint64_t prefetched_seq[GT_MAX_GPUS]; /* the control word's grant_seq this process last prefetched at */
-
-static void forget_hints_in_child(void)
-{
-    hinted.count = 0;
-    memset(prefetched_seq, 0, sizeof prefetched_seq);
-    pthread_mutex_init(&hinted.lock, NULL);
-}
 
 /* "4GiB", "512M", "1073741824": bytes (powers of 1024); false when the text is no size. */
 static bool parse_bytes(const char *text, uint64_t *bytes)
@@ -393,43 +380,24 @@ static CUmemLocation on_device(CUdevice device)
     return (CUmemLocation){.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = device};
 }
 
-/* Advice for managed memory just served in place of cuMemAlloc_v2's, and a place in the table. The
- * driver's answers are not the program's business: an allocation without advice still works. */
-static void give_hints(int gpu, CUdeviceptr ptr, uint64_t bytes)
+/* Advice for managed memory just served in place of cuMemAlloc_v2's; the CUDA device it named, for
+ * the prefetch, or GT_UNHINTED. The driver's answers are not the program's business: an allocation
+ * without advice still works. */
+static CUdevice give_hints(CUdeviceptr ptr, uint64_t bytes)
 {
     CUdevice device;
     if (!hints_on || !GT_REAL(cuCtxGetDevice) || gt_real.cuCtxGetDevice(&device) != CUDA_SUCCESS)
-        return;
+        return GT_UNHINTED;
     if (GT_REAL(cuMemAdvise_v2)) {
         gt_real.cuMemAdvise_v2(ptr, bytes, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, on_device(device));
         gt_real.cuMemAdvise_v2(ptr, bytes, CU_MEM_ADVISE_SET_ACCESSED_BY, on_device(device));
     }
-    pthread_mutex_lock(&hinted.lock);
-    if (hinted.count < GT_HINTED_MAX) {
-        hinted.entry[hinted.count] = (struct hinted){.ptr = ptr, .bytes = bytes, .device = device, .gpu = gpu};
-        __atomic_store_n(&hinted.count, hinted.count + 1, __ATOMIC_RELEASE);
-    }
-    pthread_mutex_unlock(&hinted.lock);
-}
-
-/* Before cuMemFree_v2 frees ptr: a prefetch must never name a range the driver may hand out again. */
-static void forget_hints(CUdeviceptr ptr)
-{
-    if (!__atomic_load_n(&hinted.count, __ATOMIC_ACQUIRE))
-        return;
-    pthread_mutex_lock(&hinted.lock);
-    for (uint32_t i = 0; i < hinted.count; i++)
-        if (hinted.entry[i].ptr == ptr) { /* keep the order: the oldest are prefetched first */
-            memmove(&hinted.entry[i], &hinted.entry[i + 1], (hinted.count - i - 1) * sizeof hinted.entry[0]);
-            __atomic_store_n(&hinted.count, hinted.count - 1, __ATOMIC_RELEASE);
-            break;
-        }
-    pthread_mutex_unlock(&hinted.lock);
+    return device;
 }
 
 void gt_prefetch_managed(int gpu, CUstream stream, uint32_t group)
 {
-    if (!hints_on || !prefetch_max || !__atomic_load_n(&hinted.count, __ATOMIC_ACQUIRE) ||
+    if (!prefetch_max || !__atomic_load_n(&pointers.oldest_hinted, __ATOMIC_ACQUIRE) ||
         !GT_REAL(cuMemPrefetchAsync_v2))
         return;
     /* Once per release: the first of the process's waiting threads to get here. */
@@ -440,16 +408,38 @@ void gt_prefetch_managed(int gpu, CUstream stream, uint32_t group)
         return;
     uint64_t left = prefetch_max;
     /* Held across the calls, which only queue the migrations: no range is freed while it is named. */
-    pthread_mutex_lock(&hinted.lock);
-    for (uint32_t i = 0; i < hinted.count && left > 0; i++) {
-        struct hinted *h = &hinted.entry[i];
-        if (h->gpu != gpu)
+    pthread_mutex_lock(&pointers.lock);
+    for (struct tracked *e = pointers.oldest_hinted; e && left > 0; e = e->newer) {
+        if (e->gpu != gpu)
             continue;
-        uint64_t bytes = h->bytes < left ? h->bytes : left;
-        if (gt_real.cuMemPrefetchAsync_v2(h->ptr, bytes, on_device(h->device), 0, stream) == CUDA_SUCCESS)
+        uint64_t bytes = e->bytes < left ? e->bytes : left;
+        if (gt_real.cuMemPrefetchAsync_v2(e->key, bytes, on_device(e->hinted_device), 0, stream) == CUDA_SUCCESS)
             left -= bytes;
     }
-    pthread_mutex_unlock(&hinted.lock);
+    pthread_mutex_unlock(&pointers.lock);
+}
+
+/* After fork: the parent's allocations are not the child's. The entries leak (malloc after fork in a
+ * threaded parent is not safe to call here); the child starts with empty tables and free locks, and
+ * prefetches at its own first release. */
+static void forget_table_in_child(struct table *t)
+{
+    memset(t, 0, sizeof *t);
+    pthread_mutex_init(&t->lock, NULL);
+}
+
+static void after_fork_in_child(void)
+{
+    forget_table_in_child(&pointers);
+    forget_table_in_child(&handles);
+    pthread_mutex_init(&pools_lock, NULL);
+    memset(prefetched_seq, 0, sizeof prefetched_seq);
+}
+
+GT_CONSTRUCTOR_MEMORY static void memory_init(void)
+{
+    read_hint_options();
+    pthread_atfork(NULL, NULL, after_fork_in_child);
 }
 
 /* cuMemAlloc_v2 past the group's device share, in an oversubscribing group: managed memory. */
@@ -465,8 +455,7 @@ static CUresult allocate_managed(int gpu, CUdeviceptr *dptr, size_t bytes)
         unreserve_managed(gpu, bytes);
         return r;
     }
-    track(&pointers, (uint64_t)*dptr, bytes, gpu, true);
-    give_hints(gpu, *dptr, bytes);
+    track(&pointers, (uint64_t)*dptr, bytes, gpu, true, give_hints(*dptr, bytes));
     if (first_time(SAID_MANAGED))
         fprintf(stderr,
                 "gemtrace gate: group %s is past its device memory on GPU %d: allocations beyond it are managed "
@@ -522,7 +511,7 @@ static int gpu_for_pool(CUmemoryPool pool, CUstream stream)
             return reserved_;                                                                       \
         CUresult r_ = (call);                                                                       \
         if (r_ == CUDA_SUCCESS)                                                                     \
-            track(&pointers, (uint64_t)*(dptr), (bytes), gpu_, false);                              \
+            track(&pointers, (uint64_t)*(dptr), (bytes), gpu_, false, GT_UNHINTED);                 \
         else                                                                                        \
             unreserve(gpu_, (bytes));                                                               \
         return r_;                                                                                  \
@@ -540,7 +529,7 @@ GT_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes)
     if (r == CUDA_SUCCESS) {
         r = gt_real.cuMemAlloc_v2(dptr, bytes);
         if (r == CUDA_SUCCESS) {
-            track(&pointers, (uint64_t)*dptr, bytes, gpu, false);
+            track(&pointers, (uint64_t)*dptr, bytes, gpu, false, GT_UNHINTED);
             return r;
         }
         unreserve(gpu, bytes);
@@ -564,7 +553,7 @@ GT_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned i
         return r;
     r = gt_real.cuMemAllocManaged(dptr, bytes, flags);
     if (r == CUDA_SUCCESS)
-        track(&pointers, (uint64_t)*dptr, bytes, gpu, true);
+        track(&pointers, (uint64_t)*dptr, bytes, gpu, true, GT_UNHINTED);
     else
         unreserve_managed(gpu, bytes);
     return r;
@@ -624,7 +613,7 @@ GT_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
         unreserve(gpu, estimate);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    track(&pointers, (uint64_t)*dptr, actual > estimate ? actual : estimate, gpu, false);
+    track(&pointers, (uint64_t)*dptr, actual > estimate ? actual : estimate, gpu, false, GT_UNHINTED);
     return CUDA_SUCCESS;
 }
 
@@ -641,28 +630,27 @@ GT_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t byte
         return r;
     r = gt_real.cuMemCreate(handle, bytes, prop, flags);
     if (r == CUDA_SUCCESS)
-        track(&handles, (uint64_t)*handle, bytes, gpu, false);
+        track(&handles, (uint64_t)*handle, bytes, gpu, false, GT_UNHINTED);
     else
         unreserve(gpu, bytes);
     return r;
 }
 
 /* Releases: forget first, so that an address the driver reuses for another thread's allocation at
- * once is not forgotten in its place; put it back if the driver refuses the release. */
+ * once is not forgotten in its place, and so that no prefetch names a range the driver may hand out
+ * again; put it back if the driver refuses the release. */
 #define GT_RELEASE(table, key, call)                                                                \
     do {                                                                                            \
-        uint64_t bytes_ = 0;                                                                        \
-        int gpu_ = -1;                                                                              \
-        bool managed_ = false;                                                                      \
-        bool ours_ = gt_attached() && untrack((table), (key), &bytes_, &gpu_, &managed_);           \
+        struct tracked *e_ = gt_attached() ? untrack((table), (key)) : NULL;                        \
         CUresult r_ = (call);                                                                       \
-        if (ours_) {                                                                                \
-            if (r_ != CUDA_SUCCESS)                                                                 \
-                track((table), (key), bytes_, gpu_, managed_);                                      \
-            else if (managed_)                                                                      \
-                unreserve_managed(gpu_, bytes_);                                                    \
+        if (e_ && r_ != CUDA_SUCCESS) {                                                             \
+            insert((table), e_);                                                                    \
+        } else if (e_) {                                                                            \
+            if (e_->managed)                                                                        \
+                unreserve_managed(e_->gpu, e_->bytes);                                              \
             else                                                                                    \
-                unreserve(gpu_, bytes_);                                                            \
+                unreserve(e_->gpu, e_->bytes);                                                      \
+            free(e_);                                                                               \
         }                                                                                           \
         return r_;                                                                                  \
     } while (0)
@@ -671,7 +659,6 @@ GT_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     if (!GT_REAL(cuMemFree_v2))
         return CUDA_ERROR_NOT_FOUND;
-    forget_hints(dptr);
     GT_RELEASE(&pointers, (uint64_t)dptr, gt_real.cuMemFree_v2(dptr));
 }
 

@@ -194,16 +194,18 @@ def test_managed_memory_served_for_device_memory_is_advised_to_its_gpu(agent2: A
     ]
 
 
-def launch_held_then_released(agent: Agent, env: dict[str, str], sizes: list[int]) -> list[dict]:
-    """A process of train allocates `sizes`, then launches while train is held on GPU 1; released, its
-    launches run. Returns its allocation lines."""
+def launch_held_then_released(agent: Agent, env: dict[str, str], sizes: list[int], free_first: int = 0) -> list[dict]:
+    """A process of train allocates `sizes` (and frees the first `free_first` of them), then launches
+    while train is held on GPU 1; released, its launches run. Returns its allocation lines."""
     group = agent.region.group_index("train")
     assert group is not None
     agent.region.hold(1, group)
     loop = agent.sim.start(["launch-loop", "--kernel-ns", "1000000", "--iters", "5", "--hold", "30",
-                            *map(str, sizes)], **env)
+                            "--free-first", str(free_first), *map(str, sizes)], **env)
     try:
         lines = [loop.next_json() for _ in sizes]
+        if free_first:
+            assert loop.wait_for("freed")["freed"] == free_first
         wait_until("the launch held", lambda: any(s.waiting[1] for s in agent.slots_of(loop.pid)))
         assert not [c for c in hint_calls(Path(env["SIMGPU_HINT_LOG"])) if c["call"] == "cuMemPrefetchAsync"]
         agent.region.release(1, group)
@@ -226,6 +228,19 @@ def test_a_release_after_a_hold_prefetches_the_managed_memory_back_to_the_gpu(ag
     # Once for the release, on the stream of the launch that waited (the legacy one), to CUDA ordinal 0.
     assert prefetches == [(first, 512 * MiB, "device", 0, 1, "legacy", 0),
                           (second, 256 * MiB, "device", 0, 1, "legacy", 0)]
+
+
+def test_managed_memory_freed_before_the_release_is_not_prefetched(agent2: Agent, tmp_path: Path) -> None:
+    agent2.region.set_group("train", GiB, 0, 1, oversubscribe=4 * GiB)
+    log = tmp_path / "hints.log"
+    # The device allocation and the first managed one are freed while the group is held: the prefetch
+    # names only the managed memory still allocated, oldest first, none of it cut (4 GiB by default).
+    lines = launch_held_then_released(agent2, second_gpu_env(agent2, log), [GiB, 512 * MiB, 512 * MiB, 256 * MiB],
+                                      free_first=2)
+    assert allocations(lines) == [("CUDA_SUCCESS", 0), ("CUDA_SUCCESS", 1), ("CUDA_SUCCESS", 1), ("CUDA_SUCCESS", 1)]
+    _, second, third = (line["ptr"] for line in lines if line["managed"])
+    prefetches = [(c["ptr"], c["size"], c["result"]) for c in hint_calls(log) if c["call"] == "cuMemPrefetchAsync"]
+    assert prefetches == [(second, 512 * MiB, 0), (third, 256 * MiB, 0)]
 
 
 def test_with_hints_off_the_gate_neither_advises_nor_prefetches(agent2: Agent, tmp_path: Path) -> None:

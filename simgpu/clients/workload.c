@@ -16,7 +16,8 @@
  *       --pause-ns P: sleep P ns after each iteration (short bursts, as a service answering requests);
  *       the last line then also has "iter_p50_s","iter_p99_s","iter_max_s": each iteration's time from
  *       its first launch to its synchronisation's return (thread 0's iterations).
- *       SIZE...: first cuMemAlloc_v2 each SIZE, one line each as alloc prints them (kept until exit).
+ *       SIZE...: first cuMemAlloc_v2 each SIZE, one line each as alloc prints them (kept until exit,
+ *       but for the first N, which --free-first N frees with cuMemFree_v2 before the loop: {"freed":N}).
  *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free [--hold-after S]] SIZE...
  *       one {"size","result","name"} line per allocation (with "managed": 0 or 1 when it succeeded, the
  *       driver's CU_POINTER_ATTRIBUTE_IS_MANAGED, and "ptr", the address), then {"holding":S,"pid"} before holding, then
@@ -85,7 +86,7 @@ static void emit(const char *fmt, ...)
 
 struct opts {
     uint64_t kernel_ns, pause_ns;
-    long per_iter, iters, threads, count, launches;
+    long per_iter, iters, threads, count, launches, free_first;
     double seconds, hold, hold_after;
     int device, current_device; /* current_device: -1 unless --current-device */
     const char *api, *sync;
@@ -147,6 +148,8 @@ static void parse(int argc, char **argv, struct opts *o)
             o->threads = strtol(v, NULL, 10);
         else if (OPT("--count"))
             o->count = strtol(v, NULL, 10);
+        else if (OPT("--free-first"))
+            o->free_first = strtol(v, NULL, 10);
         else if (OPT("--launches"))
             o->launches = strtol(v, NULL, 10);
         else if (OPT("--size"))
@@ -346,13 +349,20 @@ static int launch_loop(const struct opts *o)
         emit("{\"error\":\"usage\",\"message\":\"--sync is stream, ctx, event or memcpy\"}");
         return 2;
     }
+    CUdeviceptr ptrs[256];
+    int n_ptrs = 0;
     for (int i = 0; i < o->n_sizes; i++) { /* kept until exit: what the loop's kernels would use */
-        CUdeviceptr ptr;
-        CUresult r = D->f_cuMemAlloc(&ptr, o->sizes[i]);
+        CUresult r = D->f_cuMemAlloc(&ptrs[n_ptrs], o->sizes[i]);
         if (r == CUDA_SUCCESS)
-            report_allocation(o->sizes[i], ptr);
+            report_allocation(o->sizes[i], ptrs[n_ptrs++]);
         else
             report_failure(o->sizes[i], r);
+    }
+    if (o->free_first > 0) {
+        int n = o->free_first < n_ptrs ? (int)o->free_first : n_ptrs;
+        for (int i = 0; i < n; i++)
+            CHECK(D->f_cuMemFree(ptrs[i]));
+        emit("{\"freed\":%d}", n);
     }
     CUcontext ctx;
     CHECK(D->f_cuCtxGetCurrent(&ctx));
