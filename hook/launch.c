@@ -164,20 +164,18 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
         return; /* no agent, or a stale one: never hang (the last limits written still apply to memory) */
     drain(gpu, stream);
     struct gt_slot *slot = gt_proc.slot;
-    bool waited = false;
     __atomic_fetch_add(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
     /* Ring the GPU's scheduler (after `waiting`, which its look reads): where this wait matters at
      * once (a group of a higher priority asks for the GPU; a held group has drained) it sleeps on the
      * doorbell, not until its next look. One system call, on a path that is about to sleep anyway. */
     gt_ring(gpu);
-    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group) {
+    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group)
         gt_futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
-        waited = true;
-    }
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
-    /* Let go by the scheduler (not by a silent agent or a move to another group): bring back the
-     * managed memory that the groups which ran meanwhile evicted, ahead of this launch's kernel. */
-    if (waited && __atomic_load_n(held, __ATOMIC_ACQUIRE) != GT_HELD && gt_group() == group)
+    /* Held when this launch came, let go by the scheduler since (not by a silent agent or a move to
+     * another group; maybe before the first wait, while we drained or rang): bring back the managed
+     * memory that the groups which ran meanwhile evicted, ahead of this launch's kernel. */
+    if (__atomic_load_n(held, __ATOMIC_ACQUIRE) != GT_HELD && gt_group() == group)
         gt_prefetch_managed(gpu, stream, group);
 }
 
