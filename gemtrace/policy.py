@@ -87,6 +87,11 @@ class PolicyParams:
     # demand backs off to an eighth of the quiet time, up to this.
     max_poll_ns: int = 32 * MS
     drain_poll_ns: int = 250_000
+    # The gates ring when a held process's drain ends (hook/launch.c: its thread blocks on the hold,
+    # or its own sync empties its queue while held), and the scheduler sleeps on the bell: then a
+    # drain needs no fine polling, only a look now and then for the ends that do not ring (a process
+    # that died, or went off to other work with its queue full).
+    drains_ring: bool = False
     # A group owed less than this much wall time is not worth a switch.
     owed_min_ns: int = 1 * MS
 
@@ -421,7 +426,10 @@ class TimeSharePolicy:
                 # seeing it late costs nothing (and only max_overrun_ns cuts it short).
                 return min(now + p.poll_ns, self._hold_at + p.max_overrun_ns)
             # Someone waits: the GPU idles from the drain's end until this look sees it. Look once
-            # at once (a quiet holder drains at once), then from half the usual drain on, finely.
+            # at once (a quiet holder drains at once), then at the ring of its end, or else from half
+            # the usual drain on, finely.
+            if p.drains_ring and now > self._hold_at:
+                return min(now + p.poll_ns, timeout)
             fine = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
             if now - self._hold_at >= fine:
                 return min(max(now + fine, self._hold_at + int(self._drain_ns / 2)), timeout)

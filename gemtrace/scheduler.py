@@ -25,6 +25,7 @@ a gate rings when one of its threads starts waiting on a held word: it looks at 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import operator
 import threading
@@ -108,7 +109,10 @@ class GpuScheduler:
         self._outranked = False
         self._wake_on_wait = False
         self._lock = threading.Lock()
-        self._policy = TimeSharePolicy(params or PolicyParams(), now=clock())
+        params = params or PolicyParams()
+        if region.doorbells is not None:  # the agent's region: the gates ring it
+            params = dataclasses.replace(params, drains_ring=True)
+        self._policy = TimeSharePolicy(params, now=clock())
         self._pending_quotas: dict[int, Quota] | None = None
         self._scheduled: frozenset[int] = frozenset()  # groups whose words this scheduler drives
         self._released: int | None = None

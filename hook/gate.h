@@ -121,7 +121,8 @@ void gt_note_gpu(int gpu);             /* set the slot's gpu_mask bit */
 
 /* launch.c */
 void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns); /* shared futex, may wake early */
-void gt_close_burst(int gpu, bool emptied); /* a sync returned; emptied: it covered every launch of the burst */
+/* A sync returned; emptied: it covered every launch of the burst. True when it closed an open burst. */
+bool gt_close_burst(int gpu, bool emptied);
 
 /* memory.c: after a hold of `group` on `gpu` ended in a release, prefetch the managed memory served in
  * place of device memory back to the GPU, on the stream of the launch that waited (once per release) */

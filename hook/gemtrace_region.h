@@ -22,7 +22,8 @@
  *     only (other agents, of other state dirs, may run on the host), checking that root made them.
  *   - the doorbells (struct gt_bells), one page: a memfd the agent seals the same way and sends with
  *     every reply, read-write to every user. A gate rings its GPU's bell when one of its threads starts
- *     waiting on a held word (see Launch gating); the scheduler sleeps on it where such a wait is news.
+ *     waiting on a held word (see Launch gating), and when the program's own sync empties its queue
+ *     while its group is held there (a drain's end); the scheduler sleeps on it where that is news.
  *     A bell is a wake-up hint and nothing more: any user may ring or scribble on it, which costs the
  *     agent looks that it spaces (gemtrace/scheduler.py, RING_GAP_NS), and nothing reads a decision
  *     from it. Named "gemtrace-bells-<region_id in hex>".
@@ -241,7 +242,7 @@ struct gt_region {
 };
 
 struct gt_bells {                /* the doorbells: written by anyone, a hint to the agent only */
-    uint32_t ring[GT_MAX_GPUS];  /* futex words: a gate adds 1 and wakes when a thread starts a hold there */
+    uint32_t ring[GT_MAX_GPUS];  /* futex words: a gate adds 1 and wakes (a hold starts, a held drain ends) */
     uint32_t reserved[GT_BELLS_BYTES / 4 - GT_MAX_GPUS];
 };
 _Static_assert(sizeof(struct gt_bells) == GT_BELLS_BYTES, "the doorbells are one page");

@@ -80,13 +80,14 @@ static bool sync_empties(int gpu, CUstream stream)
 
 #define GT_LAUNCH_WEIGHT_MAX (1ull << 24) /* launches: keeps mean * weight within 64 bits */
 
-void gt_close_burst(int gpu, bool emptied)
+bool gt_close_burst(int gpu, bool emptied)
 {
     if (gpu < 0 || !gt_attached())
-        return;
+        return false;
     uint64_t now = gt_now_ns();
     uint32_t open = 1;
-    if (__atomic_compare_exchange_n(&gt_proc.burst_open[gpu], &open, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED)) {
+    bool closed = __atomic_compare_exchange_n(&gt_proc.burst_open[gpu], &open, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
+    if (closed) {
         if (!emptied)
             __atomic_store_n(&gt_proc.burst_left_work[gpu], 1, __ATOMIC_RELAXED);
         uint64_t start = gt_proc.burst_start_ns[gpu];
@@ -118,6 +119,7 @@ void gt_close_burst(int gpu, bool emptied)
         __atomic_store_n(&gt_proc.burst_left_work[gpu], 0, __ATOMIC_RELAXED);
         __atomic_store_n(&gt_proc.slot->drained_ns[gpu], now, __ATOMIC_RELEASE);
     }
+    return closed;
 }
 
 /* Synchronise the context `stream` belongs to (the current one may be another device's). */
@@ -415,8 +417,12 @@ static CUresult synced(CUresult r, CUstream stream, enum sync_scope scope)
 {
     if (r == CUDA_SUCCESS && gt_attached()) {
         int gpu = gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_stream_gpu(stream);
-        if (gpu >= 0)
-            gt_close_burst(gpu, scope == SYNC_CONTEXT || (scope == SYNC_STREAM && sync_empties(gpu, stream)));
+        bool emptied = scope == SYNC_CONTEXT || (scope == SYNC_STREAM && sync_empties(gpu, stream));
+        /* The program's own sync emptied its queue while its group is held: the end of a drain the
+         * scheduler may be waiting for, with no launch of ours to block and ring (hold). */
+        if (gpu >= 0 && gt_close_burst(gpu, emptied) && emptied &&
+            __atomic_load_n(&gt_proc.region->control[gpu][gt_group()].held, __ATOMIC_ACQUIRE) == GT_HELD)
+            gt_ring(gpu);
     }
     return r;
 }
