@@ -43,8 +43,10 @@ from gemtrace.contract import (
     REGION_FILE,
     RELEASED,
     RELEASED_SHORT_QUEUE,
+    SLOT_WAKES_NEXT,
     UTIL_ONE,
     UUID_LEN,
+    WAKE_FANOUT,
 )
 from gemtrace.contract import REGION_MAGIC as MAGIC
 from gemtrace.contract import REGION_VERSION as VERSION
@@ -206,6 +208,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _SYS_futex = 202  # x86-64; the gate and the agent run on x86-64 hosts only (see packaging)
 _FUTEX_WAKE = 1
 _INT_MAX = 2**31 - 1
+# Region.release's `wake` for every waiter of the word at once, from the agent's thread: the protocol
+# before the wake tree (issue 13), kept for bench/bench_release_wake.py to compare with.
+WAKE_ALL = _INT_MAX
 
 
 def _check_header(path: Path, fd: int, magic: int, size: int) -> None:
@@ -588,9 +593,12 @@ class Region:
         if control.held != HELD:
             control.held = HELD
 
-    def release(self, gpu: int, group: int, short_queue: bool = False) -> None:
+    def release(self, gpu: int, group: int, short_queue: bool = False, wake: int = WAKE_FANOUT) -> None:
         """Let the group launch; with `short_queue` its processes keep no more than GT_QUEUE_BOUND_NS
-        of work queued (a hold is coming: its drain stays short)."""
+        of work queued (a hold is coming: its drain stays short). Wakes `wake` of the threads that
+        sleep on the word; each woken one wakes WAKE_FANOUT more (the wake tree, hook/gemtrace_region.h),
+        so that this call costs the same however many wait; all of them where a gate older than the
+        tree waits on the GPU."""
         control = self.layout.control[gpu][group]
         word = RELEASED_SHORT_QUEUE if short_queue else RELEASED
         if control.held == word:
@@ -599,7 +607,21 @@ class Region:
         control.held = word
         if was_held:
             control.grant_seq += 1
-            self._wake(ctypes.addressof(control) + Control.held.offset)
+            if wake != WAKE_ALL and self._older_gate_waits(gpu):
+                wake = WAKE_ALL
+            self._wake(ctypes.addressof(control) + Control.held.offset, wake)
+
+    def _older_gate_waits(self, gpu: int) -> bool:
+        """Does a gate that passes no wake on (older than the wake tree: no SLOT_WAKES_NEXT) wait on
+        `gpu`? Gates of the last version keep running across an agent's upgrade. One of another group
+        counts too: a wake-all is only slower. One that starts to wait after this look may cut a
+        branch of the tree: its group's waiters then resume at their recheck."""
+        self._refresh_view()
+        columns = self.slot_columns
+        flags = columns.flags
+        # One pass over the waiting column in C, then the few waiting slots' flags.
+        waiters = itertools.compress(range(MAX_SLOTS), columns.waiting(gpu).tolist())
+        return any(not flags[i] & SLOT_WAKES_NEXT for i in waiters)
 
     def release_all(self) -> None:
         for gpu in range(MAX_GPUS):
@@ -613,9 +635,9 @@ class Region:
         self.layout.header.agent_pid = 0
 
     @staticmethod
-    def _wake(address: int) -> None:
+    def _wake(address: int, count: int = _INT_MAX) -> None:
         # Not FUTEX_PRIVATE: the waiters are in other processes mapping the same file.
-        _libc.syscall(_SYS_futex, ctypes.c_void_p(address), _FUTEX_WAKE, _INT_MAX, None, None, 0)
+        _libc.syscall(_SYS_futex, ctypes.c_void_p(address), _FUTEX_WAKE, count, None, None, 0)
 
     # -- slots -----------------------------------------------------------------------------------
 

@@ -312,7 +312,7 @@ static void fill_slot(struct gt_slot *slot, const char *requested)
     strncpy(slot->requested, requested, GT_NAME_LEN - 1);
     slot->start_time = read_start_time();
     /* Last, with release: the agent reads the rest once it sees the flag. */
-    __atomic_store_n(&slot->flags, GT_SLOT_GATED, __ATOMIC_RELEASE);
+    __atomic_store_n(&slot->flags, GT_SLOT_GATED | GT_SLOT_WAKES_NEXT, __ATOMIC_RELEASE);
 }
 
 /* The agent decides within a tick of seeing the slot and wakes the group word's waiters; wait for

@@ -77,6 +77,7 @@ int main(void)
     INT(GT_HEARTBEAT_STALE_NS);
     INT(GT_HOLD_RECHECK_NS);
     INT(GT_QUEUE_BOUND_NS);
+    INT(GT_WAKE_FANOUT);
     INT(GT_ASSIGN_WAIT_NS);
     HEX(GT_GROUP_UNASSIGNED);
     puts("# enum gt_held: the values of a control word");
@@ -92,6 +93,7 @@ int main(void)
     INT(GT_ATTACH_REFUSED);
     puts("# enum gt_slot_flags");
     INT(GT_SLOT_GATED);
+    INT(GT_SLOT_WAKES_NEXT);
 
     puts("\n# bpf/gemtrace_cuda.h: the BPF programs' maps and ring buffer");
     INT(GT_BPF_MAX_DEVICES);

@@ -68,8 +68,18 @@
  *      re-check the heartbeat), and leaves when held != GT_HELD, when assigned[i] names another group
  *      (the agent moved it: the old entry may already serve a new name), or when the heartbeat is
  *      older than GT_HEARTBEAT_STALE_NS (no agent: never hang); then subtracts 1 from waiting[gpu].
- * The agent stores a released value then FUTEX_WAKEs all waiters on the word; on a clean stop it
- * releases every word and stores heartbeat_ns = 0.
+ * The agent stores a released value then FUTEX_WAKEs GT_WAKE_FANOUT waiters on the word, not all of
+ * them: a wake tree. A thread that slept in step 2 and leaves it seeing a released value wakes
+ * GT_WAKE_FANOUT more on the same word before its launch proceeds (never when it leaves with the
+ * word still held: a recheck timeout, a move, a silent agent), so N waiters resume in about
+ * log2(N) rounds spread over the CPUs, and the agent's wake call costs the same however many wait,
+ * where waking all 256 of a group took it 1.3 ms (issue 13; bench/bench_release_wake.py). A word held again
+ * before the tree has run leaves the rest asleep, as it should. A woken thread killed before it
+ * wakes its share cuts its branch, and one slow to run (stopped, CPU-throttled) delays it: those
+ * waiters resume at their next recheck at the latest, within GT_HOLD_RECHECK_NS of the release.
+ * A gate older than the tree passes nothing on: while a slot without GT_SLOT_WAKES_NEXT waits on
+ * the GPU, the agent wakes every waiter of the word itself, as before.
+ * On a clean stop the agent releases every word and stores heartbeat_ns = 0.
  *
  * Memory (per GPU, per group, the limit is groups[g].memory_limit): a gate reserves optimistically:
  * it adds the size to its own slots[i].memory[gpu] (seq_cst), then sums memory[gpu] over every
@@ -116,6 +126,7 @@
 #define GT_HEARTBEAT_STALE_NS 2000000000ull        /* gates ignore `held` when the agent is silent this long */
 #define GT_HOLD_RECHECK_NS 100000000ull            /* a held launch re-checks the heartbeat this often */
 #define GT_QUEUE_BOUND_NS 10000000ull              /* GT_RELEASED_SHORT_QUEUE: the most work left queued */
+#define GT_WAKE_FANOUT 2                           /* held-word waiters a release wakes, and each woken one */
 /* A gate waits at most this long at attach for its assignment (usually one keeper tick, 10 ms). Long
  * enough for a process in a pod, whose host pid the agent must find first (a scan of /proc): at 50 ms a
  * pod's first allocation ran as "default", without its limit, in 2 of 3 runs on a busy node. */
@@ -143,6 +154,9 @@ enum gt_attach_status {
 
 enum gt_slot_flags {
     GT_SLOT_GATED = 1u << 0, /* the gate is loaded in this process (always set by gates) */
+    /* Its held launches pass a release's wake on (the wake tree, "Launch gating"); a gate older than
+     * the tree leaves it clear, and the agent then wakes every waiter itself. */
+    GT_SLOT_WAKES_NEXT = 1u << 1,
 };
 
 struct gt_header {
