@@ -47,6 +47,7 @@ from gemtrace.contract import (
     RELEASED_SHORT_QUEUE,
     UTIL_ONE,
     UUID_LEN,
+    WAKE_FANOUT,
 )
 from gemtrace.contract import REGION_MAGIC as MAGIC
 from gemtrace.contract import REGION_VERSION as VERSION
@@ -204,6 +205,11 @@ def os_error(path: Path, e: OSError) -> RegionError:
         return RegionError(f"{path.parent}: disk quota exceeded writing the region; raise the quota or point "
                            "--state-dir elsewhere")
     return RegionError(f"{path}: cannot create the region: {e.strerror or e}")
+
+
+# Region.release's `wake` for every waiter of the word at once, from the agent's thread: the protocol
+# before the wake tree (issue 13), kept for bench/bench_release_wake.py to compare with.
+WAKE_ALL = futex.EVERYONE
 
 
 def _check_header(path: Path, fd: int, magic: int, size: int) -> None:
@@ -591,10 +597,13 @@ class Region:
         if control.held != HELD:
             control.held = HELD
 
-    def release(self, gpu: int, group: int, short_queue: bool = False, outranked: bool = False) -> None:
+    def release(self, gpu: int, group: int, short_queue: bool = False, outranked: bool = False,
+                wake: int = WAKE_FANOUT) -> None:
         """Let the group launch; with `short_queue` its processes keep no more than GT_QUEUE_BOUND_NS
         of work queued (a hold is coming: its drain stays short); `outranked`, no more than
-        GT_OUTRANKED_QUEUE_BOUND_NS (a group of a higher priority will wait on that drain)."""
+        GT_OUTRANKED_QUEUE_BOUND_NS (a group of a higher priority will wait on that drain). Wakes
+        `wake` of the threads that sleep on the word; each woken one wakes WAKE_FANOUT more (the wake
+        tree, hook/gemtrace_region.h), so that this call costs the same however many wait."""
         control = self.layout.control[gpu][group]
         word = RELEASED_OUTRANKED if outranked else RELEASED_SHORT_QUEUE if short_queue else RELEASED
         if control.held == word:
@@ -603,7 +612,7 @@ class Region:
         control.held = word
         if was_held:
             control.grant_seq += 1
-            self._wake(ctypes.addressof(control) + Control.held.offset)
+            self._wake(ctypes.addressof(control) + Control.held.offset, wake)
 
     def release_all(self) -> None:
         for gpu in range(MAX_GPUS):
@@ -617,8 +626,8 @@ class Region:
         self.layout.header.agent_pid = 0
 
     @staticmethod
-    def _wake(address: int) -> None:
-        futex.wake(address)
+    def _wake(address: int, count: int = futex.EVERYONE) -> None:
+        futex.wake(address, count)
 
     # -- slots -----------------------------------------------------------------------------------
 

@@ -80,6 +80,7 @@ int main(void)
     INT(GT_HOLD_RECHECK_NS);
     INT(GT_QUEUE_BOUND_NS);
     INT(GT_OUTRANKED_QUEUE_BOUND_NS);
+    INT(GT_WAKE_FANOUT);
     INT(GT_ASSIGN_WAIT_NS);
     HEX(GT_GROUP_UNASSIGNED);
     puts("# enum gt_held: the values of a control word");

@@ -83,8 +83,17 @@
  *      where a thread's wait matters at once (a group of a higher priority than the holder's asks for
  *      the GPU; a held group finished its drain while another waits), sleeps on that word rather than
  *      until its next look.
- * The agent stores a released value then FUTEX_WAKEs all waiters on the word; on a clean stop it
- * releases every word and stores heartbeat_ns = 0.
+ * The agent stores a released value then FUTEX_WAKEs GT_WAKE_FANOUT waiters on the word, not all of
+ * them: a wake tree. A thread that leaves step 2 seeing a released value wakes GT_WAKE_FANOUT more
+ * on the same word before its launch proceeds (never when it leaves with the word still held: a
+ * recheck timeout, a move, a silent agent), so N waiters resume in about log2(N) rounds spread over
+ * the CPUs, and the agent's wake call costs the same however many wait, where waking all 256 of a
+ * group took it 1.3 ms (issue 13; bench/bench_release_wake.py). A word held again before the tree
+ * has run leaves the rest asleep, as it should. A woken thread killed before it wakes its share cuts
+ * its branch, and one slow to run (stopped, CPU-throttled) delays it: those waiters resume at their
+ * next recheck at the latest, within GT_HOLD_RECHECK_NS of the release. (Gates of an older region
+ * version, which pass nothing on, never attach: the version is part of the protocol.)
+ * On a clean stop the agent releases every word and stores heartbeat_ns = 0.
  *
  * Memory (per GPU, per group, the limit is groups[g].memory_limit): a gate reserves optimistically:
  * it adds the size to its own slots[i].memory[gpu] (seq_cst), then sums memory[gpu] over every
@@ -134,6 +143,7 @@
 #define GT_HOLD_RECHECK_NS 100000000ull            /* a held launch re-checks the heartbeat this often */
 #define GT_QUEUE_BOUND_NS 10000000ull              /* GT_RELEASED_SHORT_QUEUE: the most work left queued */
 #define GT_OUTRANKED_QUEUE_BOUND_NS 2000000ull     /* GT_RELEASED_OUTRANKED: the same, while outranked */
+#define GT_WAKE_FANOUT 2                           /* held-word waiters a release wakes, and each woken one */
 /* A gate waits at most this long at attach for its assignment (usually one keeper tick, 10 ms). Long
  * enough for a process in a pod, whose host pid the agent must find first (a scan of /proc): at 50 ms a
  * pod's first allocation ran as "default", without its limit, in 2 of 3 runs on a busy node. */

@@ -6,8 +6,9 @@
  * launch at once; docs/gate.md has the figures); no mutex, no system call, no clock.
  * Held: the launching thread first drains what the process has queued on that GPU (so the next group's
  * slice is not eaten by our backlog; Gemini's hook likewise records an event at quota expiry and waits
- * for it: docs/scheduler.md), then sleeps on the held word (a shared futex; the agent wakes it),
- * re-checking the agent's heartbeat so it never hangs without one.
+ * for it: docs/scheduler.md), then sleeps on the held word (a shared futex; the agent or an earlier
+ * waiter wakes it, and it wakes the next ones: the wake tree), re-checking the agent's heartbeat so
+ * it never hangs without one.
  * Released with a short queue (a hold is coming): a launch that would leave more than about
  * GT_QUEUE_BOUND_NS of work queued (GT_OUTRANKED_QUEUE_BOUND_NS while outranked: a group of a higher
  * priority waits on the drain) first waits for part of it (keep_queue_short), so that the hold's
@@ -40,6 +41,13 @@ void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns)
     struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull), .tv_nsec = (long)(timeout_ns % 1000000000ull)};
     /* Not FUTEX_PRIVATE: the agent wakes us from another process through the shared mapping. */
     syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, NULL, 0);
+}
+
+/* The wake tree (gemtrace_region.h, "Launch gating"): a release wakes GT_WAKE_FANOUT waiters, and
+ * each woken one GT_WAKE_FANOUT more, so that no one thread pays for waking them all. */
+static void wake_next(const uint32_t *held)
+{
+    syscall(SYS_futex, held, FUTEX_WAKE, GT_WAKE_FANOUT, NULL, NULL, 0);
 }
 
 static bool is_named_stream(CUstream stream)
@@ -174,10 +182,14 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
     while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group)
         gt_futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
-    /* Held when this launch came, let go by the scheduler since (not by a silent agent or a move to
-     * another group; maybe before the first wait, while we drained or rang): bring back the managed
-     * memory that the groups which ran meanwhile evicted, ahead of this launch's kernel. */
-    if (__atomic_load_n(held, __ATOMIC_ACQUIRE) != GT_HELD && gt_group() == group)
+    if (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD)
+        return; /* a silent agent, or a move to another group: no release to pass on */
+    /* Released (while we slept, or before the first wait, while we drained or rang): pass the wake on
+     * before anything of ours (moved or not: we may hold one of the release's wakes). */
+    wake_next(held);
+    /* Let go by the scheduler (not by a move to another group): bring back the managed memory that
+     * the groups which ran meanwhile evicted, ahead of this launch's kernel. */
+    if (gt_group() == group)
         gt_prefetch_managed(gpu, stream, group);
 }
 

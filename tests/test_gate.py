@@ -15,9 +15,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import held_waiters
 import psutil
 import pytest
 from agent_host import wait_until
+from held_waiters import Waiters
 from simgpu_env import LINKED_CLIENT, REPO, RT_CLIENT, SimGpu
 
 from gemtrace import contract
@@ -367,6 +369,59 @@ def test_a_held_process_killed_blocks_nobody(agent: Agent) -> None:
     finally:
         first.kill()
         second.kill()
+
+
+WAKE_WAITERS = 64
+RECHECK_S = contract.HOLD_RECHECK_NS / 1e9
+
+
+@pytest.fixture
+def waiters(agent: Agent) -> Iterator[Waiters]:
+    w = Waiters(agent.region, agent.env(held_waiters.GROUP), WAKE_WAITERS)
+    yield w
+    w.close()
+
+
+def test_a_release_wakes_every_waiter_long_before_its_recheck(waiters: Waiters) -> None:
+    """The agent wakes WAKE_FANOUT of 64 sleeping launches and the woken wake the rest (the wake tree,
+    issue 13). One the tree missed would resume only at its recheck: HOLD_RECHECK_NS after it began
+    to wait, and the last began a few ms before the release, so it would show as about 95 ms."""
+    for _ in range(3):
+        r = waiters.round()
+        late = sorted(t - r.released_ns for t in r.returned_ns if t - r.released_ns > contract.HOLD_RECHECK_NS / 2)
+        assert not late, (f"{len(late)} of {WAKE_WAITERS} held launches resumed {late[0] / 1e6:.1f} to "
+                          f"{late[-1] / 1e6:.1f} ms after the release: woken by their recheck, not the wake tree")
+
+
+def test_a_word_held_again_mid_tree_keeps_the_rest_waiting(agent: Agent, waiters: Waiters) -> None:
+    """Held again once the first woken launch is through, before the tree has woken the rest: whoever
+    saw the word released goes on, the rest sleep on through their rechecks, and the next release
+    wakes them all. The clients share one CPU and this thread has another: else the woken, which
+    have slept longer, take this thread's CPU and the whole tree runs before it holds again."""
+    cpus = sorted(os.sched_getaffinity(0))
+    assert len(cpus) >= 2, "this test needs two CPUs: one for the clients, one for the agent's side"
+    waiters.pin(cpus[-1])
+    os.sched_setaffinity(0, {cpus[0]})  # this thread only
+    try:
+        waiters.block()
+        waiters.release()
+        deadline = time.monotonic() + 10
+        while not waiters.launched():  # the first woken is through: the tree has begun
+            assert time.monotonic() < deadline, "no launch resumed after the release"
+        agent.region.hold(0, waiters.group)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    time.sleep(RECHECK_S / 2)  # the few woken meanwhile reach their launch
+    through = waiters.launched()
+    time.sleep(3 * RECHECK_S)  # three rechecks: nobody leaves a word that is held
+    assert waiters.launched() == through
+    assert waiters.waiting() == WAKE_WAITERS - through
+    assert 0 < through < WAKE_WAITERS, f"{through} of {WAKE_WAITERS} went through the word held again"
+    released = time.monotonic_ns()
+    waiters.release()
+    late = max(waiters.resumed()) - released
+    assert waiters.launched() == WAKE_WAITERS and waiters.waiting() == 0
+    assert late < contract.HOLD_RECHECK_NS / 2, f"the last of the rest resumed {late / 1e6:.1f} ms after the release"
 
 
 def _reap(agent: Agent) -> None:

@@ -26,6 +26,9 @@
  *   alloc-threads --threads T --size S --count C [--hold S]  {"successes","failures","oom"}, then holds
  *   fork-alloc [--hold S] SIZE                        a line from the parent and one from the child
  *   empty-launch-loop --launches N                    {"launches","elapsed_s","ns_per_launch"}
+ *   launch-per-line [--kernel-ns N] [--device D]      {"ready","pid"} once set up; then for each line read
+ *       on stdin one launch on the default stream, {"returned_ns"} (CLOCK_MONOTONIC when the launch
+ *       returned: a held one, when the gate let it go), then a synchronisation; exits at end of input
  *   devices                                           {"count","devices":[{"ordinal","uuid","name","total"}]}
  *   error-codes        results of calls made too early: before cuInit, without a context
  *   free-checks        results of freeing an unknown pointer, twice the same one, and 0
@@ -640,6 +643,22 @@ static int fork_alloc_cmd(const struct opts *o)
     return 0;
 }
 
+static int launch_per_line_cmd(const struct opts *o)
+{
+    CUfunction f = setup(o->device);
+    uint64_t ns = o->kernel_ns;
+    char line[64];
+    emit("{\"ready\":true,\"pid\":%d}", (int)getpid());
+    while (fgets(line, sizeof line, stdin)) {
+        CHECK(launch_one("launch", f, NULL, &ns));
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        emit("{\"returned_ns\":%llu}", (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec);
+        CHECK(D->f_cuStreamSynchronize(NULL));
+    }
+    return 0;
+}
+
 static int devices_cmd(void)
 {
     int n;
@@ -713,7 +732,7 @@ int workload_main(int argc, char **argv, const struct drv *d, const char *how)
         first++;
     if (first >= argc) {
         fprintf(stderr, "usage: %s [--ptsz] launch-loop|alloc|meminfo|alloc-threads|fork-alloc|"
-                        "empty-launch-loop|devices|error-codes|free-checks ... (simgpu-%s; see simgpu/clients/workload.c)\n", argv[0], how);
+                        "empty-launch-loop|launch-per-line|devices|error-codes|free-checks ... (simgpu-%s; see simgpu/clients/workload.c)\n", argv[0], how);
         return 2;
     }
     struct opts o;
@@ -731,6 +750,8 @@ int workload_main(int argc, char **argv, const struct drv *d, const char *how)
         return alloc_threads_cmd(&o);
     if (strcmp(cmd, "fork-alloc") == 0)
         return fork_alloc_cmd(&o);
+    if (strcmp(cmd, "launch-per-line") == 0)
+        return launch_per_line_cmd(&o);
     if (strcmp(cmd, "devices") == 0)
         return devices_cmd();
     if (strcmp(cmd, "error-codes") == 0)
