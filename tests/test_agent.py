@@ -116,6 +116,46 @@ def test_an_agent_restart_adopts_the_region_and_running_programs_keep_going(host
         stop(agent)
 
 
+def _bells_inode(pid: int, where: str) -> int | None:
+    """The inode of the doorbells memfd that process `pid` maps (where="map_files") or holds open
+    (where="fd"), or None."""
+    try:
+        entries = list(Path(f"/proc/{pid}/{where}").iterdir())
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            if "memfd:gemtrace-bells" in os.readlink(entry):
+                return os.stat(entry).st_ino
+        except OSError:
+            continue
+    return None
+
+
+def test_after_an_agent_restart_running_gates_ring_the_new_agents_doorbells(host: Host) -> None:
+    """The doorbells are the agent's memfd: a restarted agent makes new ones, and gates that keep
+    running map them at their next hold (the restart bumps chunk_generation)."""
+    agent = host.start_agent()
+    loops = [host.run(group, "launch-loop", "--kernel-ns", "500000", "--seconds", "60") for group in ("train", "infer")]
+    try:
+        first = _bells_inode(agent.proc.pid, "fd")
+        assert first is not None
+        wait_until("both gates map the agent's doorbells",
+                   lambda: all(_bells_inode(loop.pid, "map_files") == first for loop in loops), timeout=10)
+        assert stop(agent) == 0
+        agent = host.start_agent()
+        second = _bells_inode(agent.proc.pid, "fd")
+        assert second is not None and second != first
+        # The two groups take turns on the GPU: each loop is held, and its hold maps the new page.
+        wait_until("both gates map the restarted agent's doorbells",
+                   lambda: all(_bells_inode(loop.pid, "map_files") == second for loop in loops), timeout=10)
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+        stop(agent)
+
+
 def test_run_sets_the_environment_keeps_ld_preload_and_exits_with_the_command_status(host: Host) -> None:
     env = host.env(LD_PRELOAD="libfoo.so")
     out = subprocess.run(
