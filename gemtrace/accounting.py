@@ -226,6 +226,7 @@ class Accounting:
         group_seconds: Callable[[], Mapping[tuple[str, str], float]] | None = None,
         ebpf: AllocationSource | None = None,
         gate: Source | None = None,
+        watched: Callable[[int], int | None] | None = None,
     ) -> None:
         """The sources: `ebpf` (None: bcc's EbpfSource when `use_ebpf`, else none), `gate` (None: the
         slots of `region`), `nvml` (an NVML reader; None: the host's libnvidia-ml); tests pass the
@@ -234,7 +235,9 @@ class Accounting:
         that processes map (the demo, which must not account for, nor kill, the host's other
         programs). `group_seconds`: (GPU UUID, group) -> the GPU seconds the scheduler charged the
         group; with it, a group's gated processes together are never given more (None: the gates'
-        figures as they are)."""
+        figures as they are). `watched(pid)`: the start time of a process that something watching its
+        exit (the agent's reaper, through a pidfd) knows runs, else None; such a process needs no
+        /proc read at each poll (None: every process's liveness from /proc)."""
         self.region = region
         self.config_getter = config_getter
         self.proc = ProcReader(proc_root)
@@ -243,6 +246,7 @@ class Accounting:
         self.gate: Source = gate if gate is not None else GateSource(region)
         self.enforcer = enforcer or MemoryEnforcer()
         self.clock = clock
+        self._watched = watched
         self._info: dict[int, _Info] = {}
         self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): its account at the last poll
         self._last_poll_ns: int | None = None
@@ -453,7 +457,10 @@ class Accounting:
         pid from its own namespace not yet translated (gemtrace/agent.py's Reaper), and this pid is
         another process's. Another start time than the facts kept of it: the pid was reused, those
         facts are forgotten and read afresh."""
-        running, start = self.proc.running(pid)
+        start = self._watched(pid) if self._watched is not None else None
+        running = start is not None
+        if not running:
+            running, start = self.proc.running(pid)
         if not running:
             self._info.pop(pid, None)
             return False

@@ -138,6 +138,7 @@ class Reaper:
         self.region = region
         self.proc = ProcReader(proc_root)
         self._watched: dict[int, tuple[int, int]] = {}  # slot index -> (pid, pidfd)
+        self._start_times: dict[int, int] = {}  # pid -> start time, of every watched process
         self._poll = select.poll()
         self._index_of_fd: dict[int, int] = {}
         self._last_pids: list[int] = []
@@ -254,8 +255,9 @@ class Reaper:
             if not self.region.translate_slot(index, pid, host_pid):
                 os.close(fd)
                 return None  # the slot changed owner meanwhile: look again
-            pid = host_pid
+            pid, actual = host_pid, recorded  # host_pid() found it by that start time
         self._watched[index] = (pid, fd)
+        self._start_times[pid] = actual
         self._index_of_fd[fd] = index
         self._poll.register(fd, select.POLLIN)
         return True
@@ -287,8 +289,15 @@ class Reaper:
                         "for gone (raise LimitNOFILE in the unit)")
         self.fd_limit_hits += 1
 
+    def start_time(self, pid: int) -> int | None:
+        """The start time of `pid` if the reaper watches it (alive at the last tick: its pidfd had not
+        signalled the exit, and a pidfd names one process, never a reused pid), else None. The
+        accounting asks this instead of reading /proc/PID/stat of every gated process at every poll."""
+        return self._start_times.get(pid)
+
     def _unwatch(self, index: int) -> None:
-        _, fd = self._watched.pop(index)
+        pid, fd = self._watched.pop(index)
+        self._start_times.pop(pid, None)
         self._poll.unregister(fd)
         del self._index_of_fd[fd]
         os.close(fd)
@@ -352,12 +361,12 @@ class Agent:
         self.region.heartbeat(time.monotonic_ns())
         if libcuda_paths is None and os.environ.get(ENV_PROBE_LIBCUDA):
             libcuda_paths = [Path(p) for p in os.environ[ENV_PROBE_LIBCUDA].split(":") if p]
+        self.reaper = Reaper(self.region)
         self.accounting = Accounting(self.region, lambda: self.config, use_ebpf=use_ebpf, probe_mode=probe_mode,
                                      libcuda_paths=libcuda_paths, scan_host=libcuda_paths is None,
-                                     group_seconds=self.group_seconds)
+                                     group_seconds=self.group_seconds, watched=self.reaper.start_time)
         self.snapshot: Snapshot | None = None
         self.pod_labels = PodLabels(pod_names)
-        self.reaper = Reaper(self.region)
         self.watcher = ConfigWatcher(config_path, self.reload, config_poll_seconds)
         self._reload_lock = threading.Lock()  # one reload at a time: the thread's, or a caller's
         self._stop = threading.Event()

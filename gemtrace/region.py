@@ -692,6 +692,7 @@ class SlotColumns:
         raw_assigned = memoryview((ctypes.c_char * ctypes.sizeof(assigned)).from_address(ctypes.addressof(assigned)))
         words = raw_assigned.cast("B").cast("i")
         self._raw = (raw, raw_assigned)  # keeps the views' bases alive
+        self._assigned_bytes = raw_assigned.cast("B")
         self.pid = raw.cast("i")[Slot.pid.offset // 4 :: self._stride // 4]
         self.gpu_mask = self._col32(Slot.gpu_mask.offset)
         self.start_time = self._col64(Slot.start_time.offset)
@@ -705,6 +706,11 @@ class SlotColumns:
         (a free slot, a process the agent has not decided yet, a former occupant's entry)."""
         return [g if p and p == a else GROUP_UNASSIGNED
                 for p, a, g in zip(self.pid.tolist(), self.assigned_pid.tolist(), self.group.tolist(), strict=True)]
+
+    def assignments(self) -> bytes:
+        """Every slot's assignment as it stands, one copy of the region's assigned[] (8 KiB, a
+        microsecond): a reader that keeps it can tell, by one comparison, that no decision changed."""
+        return self._assigned_bytes.tobytes()
 
     def _col32(self, offset: int) -> memoryview:
         return self._words32[offset // 4 :: self._stride // 4]

@@ -11,15 +11,21 @@ released for every group it does not schedule), comparing first and storing only
 user can write the region, and a forged release must last one look at most, not until the next
 decision.
 
-Cost: a look reads only the live slots (a scan of the whole table for new processes every 50 ms),
-and one by one only those active on its GPU or of the groups whose end it waits for (selected at C
-speed: a look costs per process using this GPU, not per process of the host); it looks at the
-policy's next deadline: once a slice while one group has the GPU alone, every few ms while another
-group waits (or a group of a higher priority than the holder's has a process here), every fraction of
-a ms only during a drain, and backing off to every 32 ms while nothing changes. Where the policy says
-a thread's wait is news (`Decision.wake_on_wait`: a group that outranks the holder asks for the GPU,
-a held group drained while another waits, nobody holds the GPU) it sleeps on the GPU's doorbell, which
-a gate rings when one of its threads starts waiting on a held word: it looks at once, not a poll later.
+Cost: a look reads three columns (launches, waiting thread, pid) of this GPU's users only, at C
+speed: the live slots that launched, waited or were placed here at the last scan of the whole table
+(every 50 ms, which also finds new processes: a process's first launch on a GPU waits at most this
+long to be seen). It visits one by one only the users whose launches moved and the slots of the groups
+whose end the policy waits for (holder, draining, overrunning); the other users' groups come from set
+operations over the columns, with each user's group kept while no pid, assignment or quota changed.
+So a look costs per group in play and per process that launched since the last one, not per process
+of the host. It looks at the policy's next deadline: once a slice while one group has the GPU alone,
+every few ms while another group waits (or a group of a higher priority than the holder's has a
+process here), during a drain every fraction of a ms where no doorbell rings its end (else every few ms,
+as a net), and backing off to every 32 ms while nothing changes.
+Where the policy says a thread's wait is news (`Decision.wake_on_wait`: a group that outranks the
+holder asks for the GPU, a held group drained while another waits, nobody holds the GPU) it sleeps on
+the GPU's doorbell, which a gate rings when one of its threads starts waiting on a held word or a
+held process's own sync ends its drain: it looks at once, not a poll later.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import itertools
 import operator
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -65,7 +71,9 @@ class SlotTable:
         self.launches = columns.launches(gpu)
         self.drained_ns = columns.drained_ns(gpu)
         self.burst_start_ns = columns.burst_start_ns(gpu)
+        self.gpu_mask = columns.gpu_mask
         self.live = columns.live
+        self.assignments = columns.assignments
 
 
 def _gatherer(indices: Sequence[int]) -> Callable[[Sequence[int]], tuple[int, ...]]:
@@ -120,6 +128,16 @@ class GpuScheduler:
         self._seen: dict[int, _SlotSeen] = {}
         self._live: list[int] = []
         self._gather = _gatherer(self._live)
+        # What the last look read of this GPU's users (_rescan, _observe), and the slots by group.
+        self._users: list[int] = []
+        self._gather_users = _gatherer(self._users)
+        self._user_groups: tuple[int, ...] | None = None
+        self._user_pids: tuple[int, ...] = ()
+        self._user_launches: tuple[int, ...] = ()
+        self._user_assignments = b""
+        self._user_scheduled: frozenset[int] | None = None
+        self._by_group: dict[int, list[int]] | None = None
+        self._by_group_assignments = b""
         self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool], list[int]] | None = None
         self._rescan_ns = rescan_ns
         self._scanned_at = clock() - rescan_ns
@@ -221,12 +239,38 @@ class GpuScheduler:
         """
         return waiting > 0 or drained >= burst_start
 
+    def _rescan(self, now: int) -> None:
+        """Every RESCAN_NS: the live slots, and among them this GPU's users (those that launched or
+        wait on it, or were placed on it): the only slots a look reads, but for its special groups'."""
+        slots = self._slots
+        live = slots.live()
+        gather = _gatherer(live)
+        on_this_gpu = map(operator.and_, gather(slots.gpu_mask), itertools.repeat(1 << self.gpu))
+        users = list(itertools.compress(live, map(any, zip(gather(slots.launches), gather(slots.waiting),
+                                                           on_this_gpu, strict=True))))
+        if live != self._live:
+            self._live, self._gather = live, gather
+            self._by_group = None
+        if users != self._users:
+            self._users, self._gather_users = users, _gatherer(users)
+            self._user_groups = None
+        self._scanned_at = now
+
+    def _slots_of_groups(self, groups: set[int], assignments: bytes) -> list[int]:
+        """The live slots whose assignment names one of `groups` (whatever their process: the look
+        checks that), from a table by group rebuilt only when the live slots or an assignment changed."""
+        by_group = self._by_group
+        if by_group is None or assignments != self._by_group_assignments:
+            by_group = {}
+            for index, group in zip(self._live, self._gather(self._slots.group), strict=True):
+                by_group.setdefault(group, []).append(index)
+            self._by_group, self._by_group_assignments = by_group, assignments
+        return [index for group in groups for index in by_group.get(group, ())]
+
     def _observe(self, now: int) -> Observation:
         slots = self._slots
         holder = self._released
         drain = self._drain
-        demand: set[int] = set()
-        present: set[int] = set()  # groups with a live process that has launched on this GPU
         holder_busy = False
         holder_drained = 0
         holder_burst_from: int | None = None  # the earliest burst the quiet holder ran since the last look
@@ -239,19 +283,42 @@ class GpuScheduler:
         overrun_ends: dict[int, int] = {}
         seen = self._seen
         if now - self._scanned_at >= self._rescan_ns:
-            self._live, self._scanned_at = slots.live(), now
-            self._gather = _gatherer(self._live)
-        live, gather = self._live, self._gather
-        # Only the slots that can tell something are looked at one by one: those with launches or a
-        # waiting thread on this GPU, and those of the groups whose end the policy waits for. A slot
-        # with neither (a process of another GPU, or not started here) adds no demand, and its first
-        # sight is the same whenever it comes: the selection runs at C speed, so a look costs per
-        # process that uses this GPU, not per process of the host.
+            self._rescan(now)
+        assignments = slots.assignments()
+        # This GPU's users, three columns read at C speed. Each user's group (its assignment where
+        # that names its process, and scheduled here) is kept while no pid, assignment or quota
+        # changed: then a user whose launches did not move since the last look tells only that its
+        # group is present (launches or a waiting thread) and, if a thread waits, wants the GPU,
+        # which set operations over the columns say without visiting it.
+        gather = self._gather_users
+        launches, waiting, pids = gather(slots.launches), gather(slots.waiting), gather(slots.pid)
+        user_groups = self._user_groups
+        if (user_groups is None or pids != self._user_pids or assignments != self._user_assignments
+                or self._scheduled is not self._user_scheduled):
+            scheduled, unassigned = self._scheduled, rg.GROUP_UNASSIGNED
+            user_groups = tuple(group if pid and owner == pid and group in scheduled else unassigned
+                                for pid, owner, group in zip(pids, gather(slots.assigned_pid), gather(slots.group),
+                                                             strict=True))
+            self._user_groups, self._user_pids = user_groups, pids
+            self._user_assignments, self._user_scheduled = assignments, self._scheduled
+            changed: Iterable[int] = self._users  # look at each once: their first sight, or a new group
+        elif launches != self._user_launches:
+            changed = itertools.compress(self._users, map(operator.ne, launches, self._user_launches))
+        else:
+            changed = ()
+        self._user_launches = launches
+        present = set(itertools.compress(user_groups, launches))
+        waiting_groups = set(itertools.compress(user_groups, waiting))
+        present |= waiting_groups
+        demand = waiting_groups
+        present.discard(rg.GROUP_UNASSIGNED)
+        demand.discard(rg.GROUP_UNASSIGNED)
+        # One by one: the users whose launches moved (or that are new), and every slot of the groups
+        # whose end the policy waits for, on any GPU (a group with no slot at all ends otherwise).
         special = {g for g in (holder, drain.group if drain is not None else None, *overrun) if g is not None}
-        indices = set(itertools.compress(live, gather(slots.launches)))
-        indices.update(itertools.compress(live, gather(slots.waiting)))
+        indices = set(changed)
         if special:
-            indices.update(itertools.compress(live, map(special.__contains__, gather(slots.group))))
+            indices.update(self._slots_of_groups(special, assignments))
         for index in indices:
             pid = slots.pid[index]
             if not pid:
@@ -259,8 +326,8 @@ class GpuScheduler:
             group = slots.group[index] if slots.assigned_pid[index] == pid else rg.GROUP_UNASSIGNED
             if group not in self._scheduled:
                 continue
-            launches = slots.launches[index]
-            waiting = slots.waiting[index]
+            launched = slots.launches[index]
+            waits = slots.waiting[index]
             drained = slots.drained_ns[index]
             # Read after drained_ns: a burst that opens between the two reads is seen open (the gate
             # stores its start before counting its first launch).
@@ -268,18 +335,18 @@ class GpuScheduler:
             slot = seen.get(index)
             if slot is None or slot.pid != pid:
                 # First sight (a new process, or the agent restarted): work it launched may be queued.
-                slot = seen[index] = _SlotSeen(pid, launches)
-                moved = launches != 0
+                slot = seen[index] = _SlotSeen(pid, launched)
+                moved = launched != 0
             else:
-                moved = launches != slot.launches
-                slot.launches = launches
-            quiet = self._quiet(waiting, drained, burst_start)
-            if launches or waiting > 0:
+                moved = launched != slot.launches
+                slot.launches = launched
+            quiet = self._quiet(waits, drained, burst_start)
+            if launched or waits > 0:
                 present.add(group)
-            if waiting > 0 or moved:
+            if waits > 0 or moved:
                 demand.add(group)
             if group == holder:
-                if quiet and waiting == 0:
+                if quiet and waits == 0:
                     holder_drained = max(holder_drained, drained)
                     if moved and burst_start:
                         holder_burst_from = min(holder_burst_from or burst_start, burst_start)
@@ -295,8 +362,8 @@ class GpuScheduler:
                     overrun_ends[group] = max(overrun_ends.get(group, 0), drained)
                 else:
                     overrun_busy.add(group)
-        if len(seen) > len(live):
-            known = set(live)
+        if len(seen) > len(self._live):
+            known = set(self._live)
             for index in [i for i in seen if i not in known]:
                 del seen[index]
         if holder is not None and holder_busy:

@@ -117,6 +117,8 @@ void sim_managed_release(int phys, uint64_t size);
 
 /* Free the slots and memory of processes that have died. Returns how many slots were freed. */
 int sim_reap_dead(void);
+/* Whether slot i's process lives; if not, its memory and slot are given back, as sim_reap_dead would. */
+int sim_reap_if_dead(unsigned i);
 int sim_proc_alive(int32_t pid, uint64_t start_time);
 
 /* Kernel time the device has completed by `now` (the queue ahead of `now` is contiguous). */

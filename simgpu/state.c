@@ -390,6 +390,26 @@ int sim_reap_dead(void)
     return freed;
 }
 
+int sim_reap_if_dead(unsigned i)
+{
+    struct sim_state *s = sim_state();
+    if (!s || i >= SIM_MAX_PROCS)
+        return 0;
+    struct sim_proc *p = &s->proc[i];
+    int32_t pid = atomic_load(&p->pid);
+    if (pid <= 0)
+        return 0;
+    if ((int)i == __atomic_load_n(&g_slot, __ATOMIC_ACQUIRE) || sim_proc_alive(pid, atomic_load(&p->start_time)))
+        return 1;
+    if (claim_reaping(p, (int32_t)getpid())) {
+        if (atomic_load(&p->pid) == pid)
+            give_back_slot(s, p, pid);
+        else /* reaped and reused while we looked */
+            atomic_store(&p->reaper, 0);
+    }
+    return 0;
+}
+
 /* A process that exits gives its memory and its slot back at once, as the real driver tears down its
  * contexts at exit; one that is killed leaves them to the next reaper (sim_reap_dead). Only libcuda
  * claims slots, so this runs in the simulated libcuda's processes only. */
