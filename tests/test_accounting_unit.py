@@ -76,6 +76,25 @@ def test_scan_groups_pids_by_file_and_reaches_other_namespaces_through_proc_root
     assert main.reachable_path(tmp_path) == lib
 
 
+def test_a_process_without_libcuda_is_read_less_and_less_often_and_a_late_load_is_still_found(
+        tmp_path: Path) -> None:
+    now = [0.0]
+    scanner = libcuda.Scanner(tmp_path, clock=lambda: now[0])
+    _proc_tree(tmp_path, 12, "")
+    found_at = None
+    for second in range(40):  # one scan a second, as the agent's watcher does
+        now[0] = float(second)
+        if second == 20:  # the program loads CUDA late (a notebook importing torch)
+            (tmp_path / "12" / "maps").write_text(MAPS)
+        if scanner.scan() and found_at is None:
+            found_at = second
+    # Read at 0, 1, 3, 7, 15 (5 reads in 20 scans, not 20), then 23: found there, within the bound.
+    assert found_at == 23 and found_at - 20 <= libcuda.NON_USER_RECHECK_MAX_SECONDS
+    _proc_tree(tmp_path, 13, MAPS)  # a new process is read at the next scan
+    now[0] = 40.0
+    assert 13 in scanner.scan()[libcuda.FileId("fd:01", 1234)].pids
+
+
 def test_parse_ldconfig_names_the_host_libcuda() -> None:
     text = (
         "1234 libs found in cache `/etc/ld.so.cache'\n"

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,38 +86,55 @@ def _libcuda_lines(raw: bytes) -> str:
     return "\n".join(m.decode("utf-8", "replace") for m in _LIBCUDA_LINE.findall(raw))
 
 
+# A process seen without a libcuda is read again after 1 s, then 2, 4, up to this: a program that
+# loads CUDA late (a notebook importing torch) is found within it, while the host's thousand other
+# processes cost a maps read each every few seconds, not every second (+2.5 points of a core per
+# 1,000 of them, issue 13). The host's own libcuda is probed from the start (system_paths), and a
+# container's is usually that same file bind-mounted: what a late find can miss is a libcuda of
+# another inode (a container's cuda-compat), for at most this long.
+NON_USER_RECHECK_MAX_SECONDS = 8.0
+
+
 class Scanner:
     """Rescans /proc for libcuda users. A process seen mapping a libcuda is not read again while it
-    lives (the library stays mapped until it exits); the others are re-read on every scan, so a file
-    that a running process loads later is found on the next one. Reading maps is the cost of a scan:
-    most processes are dismissed by one substring test of their raw bytes before any parsing."""
+    lives (the library stays mapped until it exits); a new process is read at the next scan, and one
+    seen without a libcuda again later, less and less often (NON_USER_RECHECK_MAX_SECONDS), so a
+    file that a running process loads later is found. Reading maps is the cost of a scan: most
+    processes are dismissed by one substring test of their raw bytes before any parsing."""
 
-    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+    def __init__(self, proc_root: Path = Path("/proc"), clock: Callable[[], float] = time.monotonic) -> None:
         self.proc_root = proc_root
+        self._clock = clock
         self._users: dict[int, dict[FileId, str]] = {}
+        self._non_users: dict[int, tuple[float, float]] = {}  # pid -> (when to read it again, the wait after)
 
     def scan(self, skip: int | None = None) -> dict[FileId, LibcudaFile]:
         """Every libcuda file mapped by a live process, with the pids that map it. `skip`: the agent."""
         files: dict[FileId, LibcudaFile] = {}
         live = set(_pids(self.proc_root))
-        for pid in list(self._users):
-            if pid not in live:
-                del self._users[pid]
+        now = self._clock()
+        for known in (self._users, self._non_users):
+            for pid in [pid for pid in known if pid not in live]:
+                del known[pid]
         for pid in live:
             if pid == skip:
                 continue
             mapped = self._users.get(pid)
             if mapped is None:
+                due, wait = self._non_users.get(pid, (now, 0.5))
+                if due - now > 0.1:  # (a scan a little early for its period still reads)
+                    continue
                 try:
                     with open(f"{self.proc_root}/{pid}/maps", "rb") as f:
                         raw = f.read()
                 except OSError:
                     continue  # exited meanwhile, or not ours to read
-                if b"libcuda.so" not in raw:
-                    continue
-                mapped = parse_maps(_libcuda_lines(raw))
+                mapped = parse_maps(_libcuda_lines(raw)) if b"libcuda.so" in raw else {}
                 if not mapped:
+                    wait = min(2 * wait, NON_USER_RECHECK_MAX_SECONDS)
+                    self._non_users[pid] = (now + wait, wait)
                     continue
+                self._non_users.pop(pid, None)
                 self._users[pid] = mapped
             for file_id, path in mapped.items():
                 entry = files.setdefault(file_id, LibcudaFile(file_id, path))
