@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
 from gemtrace import top, web_config
-from gemtrace.exporter import Exporter, ListenError, listen_target, parse_mode
+from gemtrace.exporter import MIN_COLLECT_INTERVAL_SECONDS, Exporter, ListenError, listen_target, parse_mode
 from gemtrace.web_config import WebConfigError
 
 pytestmark = pytest.mark.unit
@@ -346,3 +347,23 @@ def test_the_agent_stops_at_once_on_a_bad_web_config_before_touching_a_gpu(tmp_p
     assert out.returncode == 1 and "unix: --listen only" in out.stderr
     assert not (tmp_path / "state").exists()
 
+
+
+def test_back_to_back_scrapes_share_one_collection_and_name_filters_read_it_too(serve) -> None:
+    """A scrape loop costs the agent one collection per MIN_COLLECT_INTERVAL_SECONDS, not one per
+    request (its Python runs under the GIL the schedulers need)."""
+    exporter = serve()
+    url = f"http://{exporter.address}/metrics"
+    started = time.monotonic()
+    bodies = [get(url)[1] for _ in range(20)]
+    elapsed = time.monotonic() - started
+    assert exporter.registry.collections <= 1 + elapsed / MIN_COLLECT_INTERVAL_SECONDS < 20
+    assert all(f"{SERIES} 42.0" in body for body in bodies)
+    status, body, _ = get(url + f"?name[]={SERIES}")
+    assert status == 200 and f"{SERIES} 42.0" in body
+    status, body, _ = get(url + "?name[]=no_such_metric")
+    assert status == 200 and SERIES not in body
+    time.sleep(MIN_COLLECT_INTERVAL_SECONDS)
+    before = exporter.registry.collections
+    get(url)
+    assert exporter.registry.collections == before + 1
