@@ -1,8 +1,8 @@
 """The /metrics endpoint: a small threaded HTTP server over a prometheus-client registry.
 
 Serves what the collectors yield at scrape time; scrapes closer together than
-MIN_COLLECT_INTERVAL_SECONDS share one collection (`PacedRegistry`), its only state. Uses
-prometheus-client's own handler (content negotiation, OpenMetrics) as shipped by Debian 12 (0.16),
+MIN_COLLECT_INTERVAL_SECONDS share one collection and its bytes (`PacedMetrics`), its only state.
+Uses prometheus-client's encoders and content negotiation (OpenMetrics) as shipped by Debian 12 (0.16),
 which has no TLS, no authentication and no unix socket of its own: TLS wraps the listening socket
 with the web config's ssl context, basic auth answers 401 before prometheus-client's handler runs
 (gemtrace.web_config checks both), and `unix:PATH` listens on a socket whose mode and group say who
@@ -13,21 +13,23 @@ see it, and how to narrow that.
 from __future__ import annotations
 
 import grp
+import gzip
 import os
 import socket
 import socketserver
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 import structlog
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import MetricsHandler
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
 from gemtrace.web_config import WebConfig
@@ -36,8 +38,11 @@ UNIX_PREFIX = "unix:"
 # A collection runs Python over every series under the agent's GIL, which the schedulers' looks need
 # too: back-to-back scrapes (a curl loop, a scraper misconfigured to a tight interval, any local user
 # on the default 127.0.0.1 listener) stretched the switch gap's p90 from 0.36 to 5.2 ms and cost 11%
-# of throughput (issue 13). Scrapes closer than this get the last collection again.
+# of throughput (issue 13). Scrapes closer than this get the last collection's bytes again, and a
+# request waits (asleep) until this long after the last one: a loop of requests costs the agent
+# at most one answer per gap, whatever it asks.
 MIN_COLLECT_INTERVAL_SECONDS = 0.5
+MIN_REQUEST_GAP_SECONDS = 0.01
 UNIX_SOCKET_MODE = 0o660  # the owner (root) and the socket's group; --listen-mode changes it
 
 
@@ -102,10 +107,12 @@ def parse_group(text: str) -> int:
         raise ListenError(f"--listen-group {text!r}: no such group (getent group {text})") from None
 
 
-class PacedRegistry:
-    """What prometheus-client's handler needs of a registry (`collect`, `restricted_registry`), over
-    `registry`, collecting at most once per `min_interval` seconds; thread-safe (the server answers
-    each request in a thread of its own)."""
+class PacedMetrics:
+    """The bytes of a scrape, made at most once per `min_interval` seconds per kind of answer (format,
+    gzip, name[] filter) from one collection, and handed out one request at a time at least
+    MIN_REQUEST_GAP_SECONDS apart: a scrape loop's requests wait asleep, and cost the agent the
+    collection and the encoding twice a second, not once per request. Thread-safe (the server
+    answers each request in a thread of its own)."""
 
     def __init__(self, registry: CollectorRegistry, min_interval: float = MIN_COLLECT_INTERVAL_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -113,32 +120,50 @@ class PacedRegistry:
         self._min_interval = min_interval
         self._clock = clock
         self._lock = threading.Lock()
-        self._families: list[Metric] | None = None
-        self._collected_at = 0.0
+        self._families: list[Metric] = []
+        self._outputs: dict[tuple[str, bool, tuple[str, ...]], bytes] = {}
+        self._collected_at: float | None = None
+        self._served_at = 0.0
         self.collections = 0  # how often the collectors ran, for tests
 
-    def collect(self) -> Iterator[Metric]:
+    def answer(self, accept: str | None, accept_encoding: str | None, query: str
+               ) -> tuple[list[tuple[str, str]], bytes]:
+        """The headers and body of a scrape, as prometheus-client's handler would make them."""
+        encoder, content_type = choose_encoder(accept or "")
+        gzipped = any(e.strip().lower().startswith("gzip") for e in (accept_encoding or "").split(","))
+        names = tuple(sorted(parse_qs(query).get("name[]", [])))
+        key = (content_type, gzipped, names)
         with self._lock:
-            now = self._clock()
-            if self._families is None or now - self._collected_at >= self._min_interval:
+            gap = self._served_at + MIN_REQUEST_GAP_SECONDS - self._clock()
+            if gap > 0:
+                time.sleep(gap)
+            now = self._served_at = self._clock()
+            if self._collected_at is None or now - self._collected_at >= self._min_interval:
                 self._families = list(self._registry.collect())
+                self._outputs.clear()
                 self._collected_at = now
                 self.collections += 1
-            families = self._families
-        return iter(families)
+            body = self._outputs.get(key)
+            if body is None:
+                body = encoder(_Families(self._families, frozenset(names)))
+                if gzipped:
+                    body = gzip.compress(body)
+                self._outputs[key] = body
+        return [("Content-Type", content_type), *([("Content-Encoding", "gzip")] if gzipped else [])], body
 
-    def restricted_registry(self, names: Iterable[str]) -> RestrictedView:
-        return RestrictedView(self, frozenset(names))
 
+class _Families:
+    """One collection as a registry for prometheus-client's encoders; with names (a scrape's name[]
+    parameters), the samples of those names only."""
 
-class RestrictedView:
-    """A scrape with name[] parameters: the samples of those names only, from the paced collection."""
-
-    def __init__(self, paced: PacedRegistry, names: frozenset[str]) -> None:
-        self._paced, self._names = paced, names
+    def __init__(self, families: list[Metric], names: frozenset[str]) -> None:
+        self._families, self._names = families, names
 
     def collect(self) -> Iterator[Metric]:
-        for family in self._paced.collect():
+        if not self._names:
+            yield from self._families
+            return
+        for family in self._families:
             samples = [sample for sample in family.samples if sample.name in self._names]
             if samples:
                 kept = Metric(family.name, family.documentation, family.type, family.unit)
@@ -146,9 +171,28 @@ class RestrictedView:
                 yield kept
 
 
-def _guarded_handler(registry: PacedRegistry, web: WebConfig | None) -> type:
-    """prometheus-client's handler for `registry`, behind the web config's basic auth if it has one."""
-    handler: type = MetricsHandler.factory(registry)
+class _MetricsHandler(BaseHTTPRequestHandler):
+    """Any GET path answers the scrape (as prometheus-client's handler does)."""
+
+    metrics: PacedMetrics
+
+    def do_GET(self) -> None:
+        headers, body = self.metrics.answer(self.headers.get("Accept"), self.headers.get("Accept-Encoding"),
+                                            urlparse(self.path).query)
+        self.send_response(200)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the agent logs what matters itself; a line per scrape would drown it
+
+
+def _guarded_handler(metrics: PacedMetrics, web: WebConfig | None) -> type:
+    """The handler for `metrics`, behind the web config's basic auth if it has one."""
+    handler: type = type("MetricsHandler", (_MetricsHandler,), {"metrics": metrics})
     if web is None or web.basic_auth is None:
         return handler
     auth = web.basic_auth
@@ -242,8 +286,8 @@ class Exporter:
     def __init__(self, registry: CollectorRegistry, listen: str, web: WebConfig | None = None,
                  socket_mode: int | None = None, socket_gid: int | None = None) -> None:
         where = listen_target(listen, socket_mode, socket_gid)
-        self.registry = PacedRegistry(registry)
-        handler = _guarded_handler(self.registry, web)
+        self.metrics = PacedMetrics(registry)
+        handler = _guarded_handler(self.metrics, web)
         self.server: _TcpServer | _UnixServer
         if isinstance(where, UnixListen):
             self.server = _UnixServer(where, handler)

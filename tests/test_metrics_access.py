@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import grp
+import gzip
 import http.client
 import os
 import shutil
@@ -357,13 +358,28 @@ def test_back_to_back_scrapes_share_one_collection_and_name_filters_read_it_too(
     started = time.monotonic()
     bodies = [get(url)[1] for _ in range(20)]
     elapsed = time.monotonic() - started
-    assert exporter.registry.collections <= 1 + elapsed / MIN_COLLECT_INTERVAL_SECONDS < 20
+    assert exporter.metrics.collections <= 1 + elapsed / MIN_COLLECT_INTERVAL_SECONDS < 20
     assert all(f"{SERIES} 42.0" in body for body in bodies)
     status, body, _ = get(url + f"?name[]={SERIES}")
     assert status == 200 and f"{SERIES} 42.0" in body
     status, body, _ = get(url + "?name[]=no_such_metric")
     assert status == 200 and SERIES not in body
     time.sleep(MIN_COLLECT_INTERVAL_SECONDS)
-    before = exporter.registry.collections
+    before = exporter.metrics.collections
     get(url)
-    assert exporter.registry.collections == before + 1
+    assert exporter.metrics.collections == before + 1
+
+
+def test_a_scrape_negotiates_openmetrics_and_gzip_as_prometheus_asks(serve) -> None:
+    exporter = serve()
+    request = urllib.request.Request(f"http://{exporter.address}/metrics", headers={
+        "Accept": "application/openmetrics-text; version=1.0.0,text/plain;version=0.0.4;q=0.5",
+        "Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert r.headers["Content-Encoding"] == "gzip"
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        body = gzip.decompress(r.read()).decode()
+    assert f"{SERIES} 42.0" in body and body.endswith("# EOF\n")
+    with urllib.request.urlopen(f"http://{exporter.address}/metrics", timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/plain") and "Content-Encoding" not in r.headers
+        assert f"{SERIES} 42.0" in r.read().decode()
