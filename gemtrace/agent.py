@@ -65,6 +65,7 @@ FULL_LOOK_SECONDS = 1.0  # the reaper looks at every slot at least this often
 TABLE_SECONDS = 1.0  # how often the group table is re-asserted: a forged limit lasts at most this long
 LOCK_FILE = "agent.lock"
 KEEPER_NICE = -10  # the keeper thread's nice value (Linux gives each thread its own)
+JOIN_FAST_SECONDS = 1.0  # the keeper ticks every TICK_SECONDS this long after a gate asked for a slot
 
 
 class AgentRunning(RegionError):
@@ -341,10 +342,12 @@ class Agent:
         self.gpus = discover() if gpus is None else gpus
         self.fd_limit = raise_fd_limit()
         self._lock = AgentLock(state_dir)  # before the region is touched: one agent per region
+        self._joined = threading.Event()  # a gate asked for its slot (the socket's thread sets it)
         try:
             self.region = Region.create(state_dir, on_replace=lambda reason: log.warning(
                 "region_replaced", reason=reason,
-                consequence="programs still mapping the old file run ungated until they restart"), log=log.info)
+                consequence="programs still mapping the old file run ungated until they restart"), log=log.info,
+                on_join=self._joined.set)
         except BaseException:
             self._lock.release()
             raise
@@ -448,10 +451,19 @@ class Agent:
 
     def _beat_until_stopped(self) -> None:
         next_table = time.monotonic() + TABLE_SECONDS
+        fast_until = 0.0
         while not self._stop.is_set():
-            # A plain sleep, not Event.wait: a wake-up costs half the CPU (the keeper wakes 100 times a
-            # second), and the stop is still seen within a tick.
-            time.sleep(defaults.TICK_SECONDS)
+            # Every TICK_SECONDS for a second after a gate asked for its slot (it waits for its group,
+            # GT_ASSIGN_WAIT_NS): a plain sleep, half the CPU of an Event.wait wake-up. Else every
+            # KEEPER_IDLE_SECONDS, or at once when a gate asks (the socket's thread sets _joined) or the
+            # agent stops (close() sets it too).
+            if time.monotonic() < fast_until:
+                time.sleep(defaults.TICK_SECONDS)
+            else:
+                self._joined.wait(defaults.KEEPER_IDLE_SECONDS)
+            if self._joined.is_set():
+                self._joined.clear()
+                fast_until = time.monotonic() + JOIN_FAST_SECONDS
             if self._stop.is_set():
                 break
             self.region.heartbeat(time.monotonic_ns())
@@ -579,6 +591,7 @@ class Agent:
 
     def stop(self) -> None:
         self._stop.set()
+        self._joined.set()  # the keeper sees the stop now, not at its next idle tick
 
     def close(self) -> None:
         """Clean stop, gates first: the keeper stops beating and every word is released with the
@@ -596,6 +609,7 @@ class Agent:
         if self.stop_signal_at is not None:
             steps["main_loop"] = round((started - self.stop_signal_at) * 1e3, 1)  # the signal to here
         self._stop.set()
+        self._joined.set()
         if self._keeper is not None:
             self._keeper.join(timeout=1)  # it released every word on its way out
         self.region.stop()  # (and this, for an agent never started)

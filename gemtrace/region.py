@@ -340,11 +340,12 @@ class Region:
 
     @classmethod
     def create(cls, state_dir: Path, on_replace: Callable[[str], None] | None = None,
-               log: Callable[..., None] | None = None) -> Region:
+               log: Callable[..., None] | None = None, on_join: Callable[[], None] | None = None) -> Region:
         """The agent's view: adopt a sound region file of this version (groups, assignments and the
         chunks live gates still map survive an agent restart, so running programs keep going), or
         replace a missing, foreign, torn or unsound one; `on_replace(reason)` hears why an existing
-        file was replaced. Then serve the slot chunks on the socket.
+        file was replaced. Then serve the slot chunks on the socket (`on_join()` after each gate's
+        join answered: it claims a slot next and waits for its group).
 
         A new file is written under a temporary name, its blocks allocated, and renamed into place
         with its magic already set.
@@ -392,7 +393,7 @@ class Region:
             if adopted:
                 region._keeper.recover()  # a new file's chunk_owner[] already says "none"
             region.doorbells = Doorbells(int(region.layout.header.region_id))
-            region._server = SlotServer(state_dir, region._keeper, region.doorbells.fd)
+            region._server = SlotServer(state_dir, region._keeper, region.doorbells.fd, on_join)
         except OSError as e:
             region.close()
             raise os_error(state_dir / ATTACH_SOCKET, e) from None

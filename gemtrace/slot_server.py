@@ -22,6 +22,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -89,10 +90,12 @@ def reply_for(request: bytes, uid: int, keeper: ChunkKeeper, bells_fd: int) -> t
 class SlotServer:
     """The socket and its thread."""
 
-    def __init__(self, state_dir: Path, keeper: ChunkKeeper, bells_fd: int) -> None:
+    def __init__(self, state_dir: Path, keeper: ChunkKeeper, bells_fd: int,
+                 on_join: Callable[[], None] | None = None) -> None:
         self.path = state_dir / ATTACH_SOCKET
         self.keeper = keeper
         self.bells_fd = bells_fd
+        self._on_join = on_join  # called after each join answered: a gate is about to claim a slot
         self.path.unlink(missing_ok=True)  # a dead agent's
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.bind(str(self.path))
@@ -166,6 +169,9 @@ class SlotServer:
                     log.info("slot_request_refused", pid=pid, uid=uid, size=len(request))
                 ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
                 conn.sendmsg([bytes(reply)], ancillary)
+                joined = reply.status == ATTACH_OK and AttachRequest.from_buffer_copy(request).kind == ATTACH_JOIN
+                if joined and self._on_join is not None:
+                    self._on_join()
         except OSError as e:
             log.info("slot_request_failed", error=e.strerror or str(e))
         except Exception:  # never let one client end the thread every gate needs

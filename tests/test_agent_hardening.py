@@ -17,6 +17,7 @@ import pytest
 from agent_host import CONFIG, Host, MiB, gemtrace, stop, wait_until
 from simgpu_env import RT_CLIENT
 
+from gemtrace import defaults
 from gemtrace import region as rg
 
 pytestmark = pytest.mark.e2e
@@ -177,7 +178,10 @@ def test_the_heartbeat_stays_fresh_while_hundreds_of_processes_start_and_exit(ho
             c.wait()
         stop(agent)
         r.close()
-    assert worst[0] < 100_000_000, f"heartbeat age reached {worst[0] / 1e6:.1f} ms"
+    # The keeper beats every KEEPER_IDLE_SECONDS when no gate joins (every 10 ms for a second after
+    # one does): a starved keeper shows as whole tenths of a second more.
+    bound = defaults.KEEPER_IDLE_SECONDS + 0.1
+    assert worst[0] < bound * 1e9, f"heartbeat age reached {worst[0] / 1e6:.1f} ms (bound {bound * 1e3:.0f} ms)"
 
 
 def test_a_stop_releases_the_gates_at_once_and_exits_within_2_s(host: Host) -> None:
