@@ -1,18 +1,22 @@
-"""Scheduler accuracy on the simulated GPU (issue 3, "Accuracy"): the four cases and the two-GPU one.
+"""Scheduler accuracy on the simulated GPU (issue 3, "Accuracy"): the four cases and the two-GPU one,
+loops that sync rarely or never, and launch-bound loops (issue 13).
 
 Each case runs GpuScheduler threads in this process over a private region, with gated launch loops of
-2 ms kernels as the groups' processes (tests/scheduler_harness.py is the rig; the e2e tests use the
-same one with shorter runs and looser tolerances). A group's share is its kernel throughput divided by
+2 ms kernels as the groups' processes (launch-bound: 20 us kernels after 30 us of CPU each;
+tests/scheduler_harness.py is the rig; the e2e tests use the same one with shorter runs and looser
+tolerances). A group's share is its kernel throughput divided by
 that of the same loop alone and ungated; the target is within 2 points. Prints a table and appends it,
 dated, with the machine, to bench/results/scheduler_accuracy.md.
 
     .venv/bin/python bench/bench_scheduler_accuracy.py [--seconds 10] [--warmup 2] [--no-record]
+        [--only TEXT] [--slice-ms 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import platform
 import sys
@@ -27,8 +31,11 @@ sys.path.insert(0, str(REPO / "tests"))
 import scheduler_harness as harness  # noqa: E402
 from simgpu_env import SimGpu, require_build  # noqa: E402
 
+from gemtrace.policy import MS, PolicyParams  # noqa: E402
+
 RESULTS = REPO / "bench" / "results" / "scheduler_accuracy.md"
 POINTS = 2.0
+RARE = harness.RARE_SYNC_PER_ITER
 
 
 def machine() -> str:
@@ -66,8 +73,13 @@ def main() -> int:
     parser.add_argument("--no-record", action="store_true", help=f"do not append to {RESULTS}")
     parser.add_argument("--no-rare-sync", dest="rare_sync", action="store_false",
                         help="leave out the cases of loops that sync every 100 kernels or never")
+    parser.add_argument("--no-launch-bound", dest="launch_bound", action="store_false",
+                        help="leave out the cases of launch-bound loops (20 us kernels, 30 us of CPU each)")
     parser.add_argument("--only", metavar="TEXT", help="run only the cases whose name contains TEXT")
+    parser.add_argument("--slice-ms", type=float, default=PolicyParams.slice_ns / MS,
+                        help="the schedulers' slice (PolicyParams.slice_ns), to see what switching costs")
     args = parser.parse_args()
+    params = PolicyParams(slice_ns=int(args.slice_ms * MS))
     try:
         require_build()
     except BaseException as exc:  # pytest.fail outside pytest: say what to build
@@ -76,23 +88,32 @@ def main() -> int:
     where = machine()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gemtrace-bench-") as tmp:
-        with harness.rig(SimGpu(Path(tmp) / "solo"), Path(tmp) / "solo-state") as rig:
-            solo = harness.solo_share(rig, args.warmup, args.seconds)
-            rare_solo = harness.solo_share(rig, args.warmup, args.seconds, harness.RARE_SYNC_PER_ITER)
-            never_solo = harness.solo_share(rig, args.warmup, args.seconds, syncs=False)
-        print(f"solo: one ungated launch loop keeps the simulated GPU {solo:.1%} busy "
-              f"({rare_solo:.1%} syncing every {harness.RARE_SYNC_PER_ITER} kernels, {never_solo:.1%} never)",
-              flush=True)
         cases = (*harness.CASES, harness.TWO_GPUS,
-                 *((*harness.RARE_SYNC, *harness.NEVER_SYNC, harness.ON_CUDA1_NEVER_SYNC) if args.rare_sync else ()))
+                 *((*harness.RARE_SYNC, *harness.NEVER_SYNC, harness.ON_CUDA1_NEVER_SYNC) if args.rare_sync else ()),
+                 *(harness.LAUNCH_BOUND if args.launch_bound else ()))
+        cases = tuple(case for case in cases if not args.only or args.only in case.name)
+        # Each case's 100%: its kind of loop alone and ungated (measured only for the kinds that run).
+        def kind(case: harness.Case) -> str:
+            never = case in harness.NEVER_SYNC or case is harness.ON_CUDA1_NEVER_SYNC
+            return ("rare" if case in harness.RARE_SYNC else "never" if never
+                    else "launch-bound" if case in harness.LAUNCH_BOUND else "plain")
+
+        solo_loads = {"plain": harness.Load("solo"), "rare": harness.Load("solo", launches_per_iter=RARE),
+                      "never": harness.Load("solo", syncs=False), "launch-bound": harness.LAUNCH_BOUND_CAPS.loads[0]}
+        solos = {k: float("nan") for k in solo_loads}
+        with harness.rig(SimGpu(Path(tmp) / "solo"), Path(tmp) / "solo-state") as rig:
+            for k in sorted({kind(case) for case in cases}):
+                solos[k] = harness.solo_share(rig, args.warmup, args.seconds, like=solo_loads[k])
+        solo, bound_solo = solos["plain"], solos["launch-bound"]
+        print(f"solo: one ungated launch loop keeps the simulated GPU {solo:.1%} busy "
+              f"({solos['rare']:.1%} syncing every {RARE} kernels, {solos['never']:.1%} never, "
+              f"{bound_solo:.1%} launch-bound)", flush=True)
         for n, case in enumerate(cases):
-            if args.only and args.only not in case.name:
-                continue
             devices = 1 + max(d for load in case.loads for d in load.devices)
-            with harness.rig(SimGpu(Path(tmp) / f"sim{n}", devices=devices), Path(tmp) / f"state{n}") as rig:
+            with harness.rig(SimGpu(Path(tmp) / f"sim{n}", devices=devices), Path(tmp) / f"state{n}",
+                             params=params) as rig:
                 cpu0, t0 = rig.scheduler_cpu_seconds(), time.monotonic()
-                never = case in harness.NEVER_SYNC or case is harness.ON_CUDA1_NEVER_SYNC
-                base = rare_solo if case in harness.RARE_SYNC else never_solo if never else solo
+                base = solos[kind(case)]
                 case_rows = harness.run_case(rig, case, args.warmup, args.seconds, base)
                 cpu = (rig.scheduler_cpu_seconds() - cpu0) / (time.monotonic() - t0) / devices
             for row in case_rows:
@@ -115,8 +136,14 @@ def main() -> int:
                           "Scheduler CPU = one scheduler thread's CPU time / wall time; looks/s = its wake-ups; "
                           "holds/s = groups held to switch or cap.\n")
             stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
+            # The solo device shares of the kinds that ran (nan: not measured).
+            measured = [f"2 ms kernels {solo:.3f}" * (not math.isnan(solo)),
+                        (f"launch-bound ({harness.LAUNCH_BOUND_KERNEL_NS / 1e3:g} us kernels after "
+                         f"{harness.LAUNCH_BOUND_CPU_NS / 1e3:g} us of CPU, {harness.LAUNCH_BOUND_PER_ITER} per sync) "
+                         f"{bound_solo:.3f}") * (not math.isnan(bound_solo))]
+            slices = "" if params.slice_ns == PolicyParams.slice_ns else f"; {args.slice_ms:g} ms slices"
             out.write(f"\n## {stamp}\n\n{where}; {args.seconds:g} s windows after {args.warmup:g} s, "
-                      f"2 ms kernels, solo device share {solo:.3f}.\n\n{text}\n")
+                      f"solo device share: {', '.join(filter(None, measured))}{slices}.\n\n{text}\n")
         print(f"appended to {RESULTS.relative_to(REPO)}")
     return 0 if ok else 1
 

@@ -14,6 +14,7 @@ sync to return).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -27,7 +28,7 @@ from simgpu_env import REPO, RT_CLIENT, Client, SimGpu
 
 from gemtrace import defaults
 from gemtrace.membership import Membership
-from gemtrace.policy import MS
+from gemtrace.policy import MS, PolicyParams
 from gemtrace.region import Region
 from gemtrace.scheduler import GpuScheduler, Quota
 
@@ -52,6 +53,8 @@ class Load:
     # Launch on a stream of its own while this device's context is current (PyTorch on cuda:1 keeps
     # device 0's current): None for the default stream of the load's device.
     current_device: int | None = None
+    kernel_ns: int = KERNEL_NS
+    cpu_ns: int = 0  # CPU spun before each launch (launch-loop --cpu-ns): launch-bound if above kernel_ns
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,26 @@ ON_CUDA1_NEVER_SYNC = Case(
      Load("uncapped", devices=(1,), syncs=False, current_device=0)),
     {("capped40", 1): (0.4, "="), ("uncapped", 1): (0.6, "=")},
 )
+# Batch-1 inference (docs/scheduler.md, "What a share means"): kernels of 20 us, each after 30 us of
+# the host's CPU (Python and the runtime), 12 then a sync. Alone the GPU is idle between the kernels
+# inside each burst (about half the time here). A share is time with the GPU, gaps included, so a cap
+# of c gives c of the solo throughput: a scheduler that took the gaps for idle time (revoking the
+# holder, or charging only its kernels) would give the capped group more.
+LAUNCH_BOUND_KERNEL_NS, LAUNCH_BOUND_CPU_NS, LAUNCH_BOUND_PER_ITER = 20_000, 30_000, 12
+
+
+def launch_bound(group: str, quota: Quota) -> Load:
+    return Load(group, quota, launches_per_iter=LAUNCH_BOUND_PER_ITER, kernel_ns=LAUNCH_BOUND_KERNEL_NS,
+                cpu_ns=LAUNCH_BOUND_CPU_NS)
+
+
+LAUNCH_BOUND_CAPS = Case(
+    "launch-bound: caps 0.3 / 0.7", (launch_bound("capped30", Quota(0, 0.3)), launch_bound("capped70", Quota(0, 0.7))),
+    {("capped30", 0): (0.3, "="), ("capped70", 0): (0.7, "=")})
+LAUNCH_BOUND = (
+    Case("launch-bound: MaxUtil 0.5 alone", (launch_bound("capped50", Quota(0, 0.5)),), {("capped50", 0): (0.5, "=")}),
+    LAUNCH_BOUND_CAPS,
+)
 TWO_GPUS = Case(
     "2 GPUs, each its own",
     (Load("both40", Quota(0, 0.4), devices=(0, 1)), Load("gpu0only")),
@@ -140,7 +163,8 @@ class Rig:
         extra = {defaults.ENV_STATE_DIR: str(self.state_dir), defaults.ENV_GROUP: load.group}
         if load.gated:
             extra["LD_PRELOAD"] = str(self.gate)
-        args = ["launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter", str(load.launches_per_iter),
+        args = ["launch-loop", "--kernel-ns", str(load.kernel_ns), "--launches-per-iter", str(load.launches_per_iter),
+                *(("--cpu-ns", str(load.cpu_ns)) if load.cpu_ns else ()),
                 "--seconds", f"{seconds:g}", "--progress",
                 "--device", str(device), *(() if load.syncs else ("--no-sync",)),
                 *(() if load.current_device is None else ("--stream", "--current-device", str(load.current_device)))]
@@ -148,7 +172,9 @@ class Rig:
 
 
 @contextmanager
-def rig(sim: SimGpu, state_dir: Path, gate: Path | None = None, client: Path | None = None) -> Iterator[Rig]:
+def rig(sim: SimGpu, state_dir: Path, gate: Path | None = None, client: Path | None = None,
+        params: PolicyParams | None = None) -> Iterator[Rig]:
+    """The rig over `sim`; `params`: the schedulers' (the defaults' where None)."""
     gate, client = gate or GATE, client or RT_CLIENT
     if not gate.exists():
         raise FileNotFoundError(f"{gate} is missing: run `make gate` first")
@@ -163,7 +189,7 @@ def rig(sim: SimGpu, state_dir: Path, gate: Path | None = None, client: Path | N
     region.set_group(defaults.DEFAULT_GROUP, None, 0, 1)  # the agent always defines it
     membership = Membership(region, lambda: {})
     stop = threading.Event()
-    schedulers = [GpuScheduler(region, gpu) for gpu in range(len(found))]
+    schedulers = [GpuScheduler(region, gpu, params=params) for gpu in range(len(found))]
     threads = [threading.Thread(target=s.run, args=(stop,), name=f"scheduler-gpu{s.gpu}") for s in schedulers]
 
     def beat() -> None:
@@ -187,14 +213,14 @@ def rig(sim: SimGpu, state_dir: Path, gate: Path | None = None, client: Path | N
         region.close()
 
 
-def window_share(lines: Sequence[dict[str, Any]], start: float, end: float) -> float:
+def window_share(lines: Sequence[dict[str, Any]], start: float, end: float, kernel_ns: int = KERNEL_NS) -> float:
     """Kernel time per second of one client between its progress lines nearest `start` and `end`."""
     progress = [line for line in lines if line.get("progress")]
     first = min(progress, key=lambda p: abs(p["t"] - start))
     last = min(progress, key=lambda p: abs(p["t"] - end))
     if last["t"] <= first["t"]:
         raise ValueError(f"no progress between {start} s and {end} s: {progress}")
-    return float((last["launches"] - first["launches"]) * KERNEL_NS / 1e9 / (last["t"] - first["t"]))
+    return float((last["launches"] - first["launches"]) * kernel_ns / 1e9 / (last["t"] - first["t"]))
 
 
 Shares = dict[tuple[str, int], float]
@@ -215,15 +241,17 @@ def measure(the_rig: Rig, loads: Sequence[Load], warmup: float, seconds: float,
     for load, device, client in clients:
         lines = client.finish(timeout=total + 60)
         key = (load.group, device)
-        shares[key] = shares.get(key, 0.0) + window_share(lines, warmup, warmup + seconds)
+        shares[key] = shares.get(key, 0.0) + window_share(lines, warmup, warmup + seconds, load.kernel_ns)
     return shares
 
 
 def solo_share(the_rig: Rig, warmup: float, seconds: float, launches_per_iter: int = PER_ITER,
-               syncs: bool = True) -> float:
-    """The device share of one launch loop alone on GPU 0 with no gate at all."""
-    return measure(the_rig, [Load("solo", gated=False, launches_per_iter=launches_per_iter, syncs=syncs)],
-                   warmup, seconds)[("solo", 0)]
+               syncs: bool = True, like: Load | None = None) -> float:
+    """The device share of one launch loop alone on GPU 0 with no gate at all: `like`'s loop where
+    given, else one of 2 ms kernels, `launches_per_iter` between syncs (`syncs`: or none)."""
+    load = (dataclasses.replace(like, group="solo", quota=Quota(), processes=1, devices=(0,), gated=False)
+            if like is not None else Load("solo", gated=False, launches_per_iter=launches_per_iter, syncs=syncs))
+    return measure(the_rig, [load], warmup, seconds)[("solo", 0)]
 
 
 def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: float) -> list[dict[str, Any]]:

@@ -120,6 +120,16 @@ def test_a_full_queue_makes_launches_wait(simgpu: SimGpu) -> None:
     assert full["event_s"] >= 0.2 - 1e-5
 
 
+def test_cpu_per_launch_leaves_the_gpu_idle_between_kernels(simgpu: SimGpu) -> None:
+    # Launch-bound: 30 us of CPU before each 20 us kernel, so each kernel ends before the next launch.
+    args = ["launch-loop", "--kernel-ns", "20000", "--cpu-ns", "30000", "--launches-per-iter", "12", "--iters", "200"]
+    result = simgpu.run(args)[-1]
+    assert result["launches"] == 2400
+    assert result["launch_s"] >= 2400 * 30e-6  # the CPU work is spun, never cut short
+    # The kernels fill at most 20 of every 30 us of the loop (less: each sync's wake-up adds a gap).
+    assert result["kernel_s"] / result["event_s"] <= 20 / 30 + 0.01
+
+
 def test_launch_is_cheap(simgpu: SimGpu) -> None:
     result = simgpu.run(["empty-launch-loop", "--launches", "200000"])[-1]
     assert result["ns_per_launch"] < 2000  # about 45 ns unloaded; the gate's benchmark measures it

@@ -3,7 +3,7 @@
  * Python tests can follow them. Subcommands:
  *   launch-loop --kernel-ns N [--launches-per-iter K] [--seconds S | --iters I] [--device D]
  *               [--api launch|ex|coop|extra|graph] [--stream] [--threads T] [--no-sync] [--progress]
- *               [--sync stream|ctx|event|memcpy] [--current-device C] [--pause-ns P]
+ *               [--sync stream|ctx|event|memcpy] [--current-device C] [--pause-ns P] [--cpu-ns N]
  *       K launches then a synchronisation (cuStreamSynchronize, cuCtxSynchronize, an event's, or a
  *       4-byte cuMemcpyDtoH from a 4 KiB buffer allocated for it, as PyTorch's .item() does),
  *       repeated, on the default stream (or, with --stream, on a
@@ -16,6 +16,10 @@
  *       --pause-ns P: sleep P ns after each iteration (short bursts, as a service answering requests);
  *       the last line then also has "iter_p50_s","iter_p99_s","iter_max_s": each iteration's time from
  *       its first launch to its synchronisation's return (thread 0's iterations).
+ *       --cpu-ns N: busy-spin N ns (wall clock) before each launch (before each graph launch with --api
+ *       graph), as Python and the runtime spend CPU per kernel (docs/scheduler.md, "What a share
+ *       means"): with kernels shorter than that the loop is launch-bound, the GPU idle between its
+ *       kernels inside a burst, as in batch-1 inference.
  *       SIZE...: first cuMemAlloc_v2 each SIZE, one line each as alloc prints them (kept until exit,
  *       but for the first N, which --free-first N frees with cuMemFree_v2 before the loop: {"freed":N}).
  *   alloc --api v2|pitch|managed|async|pool|create [--device D] [--hold S] [--free [--hold-after S]] SIZE...
@@ -88,7 +92,7 @@ static void emit(const char *fmt, ...)
     } while (0)
 
 struct opts {
-    uint64_t kernel_ns, pause_ns;
+    uint64_t kernel_ns, pause_ns, cpu_ns;
     long per_iter, iters, threads, count, launches, free_first;
     double seconds, hold, hold_after;
     int device, current_device; /* current_device: -1 unless --current-device */
@@ -129,6 +133,8 @@ static void parse(int argc, char **argv, struct opts *o)
             o->kernel_ns = strtoull(v, NULL, 10);
         else if (OPT("--pause-ns"))
             o->pause_ns = strtoull(v, NULL, 10);
+        else if (OPT("--cpu-ns"))
+            o->cpu_ns = strtoull(v, NULL, 10);
         else if (OPT("--launches-per-iter"))
             o->per_iter = strtol(v, NULL, 10);
         else if (OPT("--iters"))
@@ -204,6 +210,18 @@ static CUresult launch_one(const char *api, CUfunction f, CUstream h, uint64_t *
     return D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, h, params, NULL);
 }
 
+/* The host's CPU work before a launch (--cpu-ns): spun, not slept, since a thread that sleeps 30 us
+ * wakes late and gives its CPU away; wall clock, so that a loop preempted on a busy host does not
+ * spin longer than asked once it runs again. */
+static void spin_ns(uint64_t ns)
+{
+    if (!ns)
+        return;
+    double until = now_s() + (double)ns / 1e9;
+    while (now_s() < until)
+        ;
+}
+
 struct loop {
     const struct opts *o;
     const char *api;
@@ -263,10 +281,13 @@ static void *run_loop(void *arg)
     while (iters_wanted < 0 ? t - start < o->seconds : l->iters < iters_wanted) {
         double iter_start = o->pause_ns ? now_s() : 0;
         if (graph) {
+            spin_ns(o->cpu_ns);
             CHECK(D->f_cuGraphLaunch(exec, stream));
         } else {
-            for (long k = 0; k < o->per_iter; k++)
+            for (long k = 0; k < o->per_iter; k++) {
+                spin_ns(o->cpu_ns);
                 CHECK(launch_one(l->api, l->f, stream, &ns));
+            }
         }
         l->launches += o->per_iter;
         atomic_fetch_add(&g_launches_total, o->per_iter);
