@@ -566,7 +566,8 @@ class TimeSharePolicy:
 
     def _account(self, group: int) -> _Account:
         """A group's account, up to date as of the last look."""
-        return self._settle(self._accounts[group], self._last)
+        account = self._accounts[group]
+        return account if account.at >= self._last else self._settle(account, self._last)
 
     def _settle_all(self) -> None:
         for account in self._accounts.values():
