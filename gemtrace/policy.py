@@ -28,8 +28,9 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
 
 Cost: a step moves the accounts of the groups in play only (wanting the GPU, charged: the holder and
 overrunning groups); a group out of play only decays and refills, brought up to date in one go when
-next read. So a look costs per group that wants the GPU, not per group scheduled (63 scheduled, 8
-wanting: 15 us a step instead of 35 on the development VM).
+next read; a running holder's early revoke looks for one eligible waiting group, not all of them.
+So a look costs per group that wants the GPU, not per group scheduled (fake clock, 63 groups half
+capped, development VM: 8 wanting, 32 -> 12 us a step; all 63 wanting, 53 -> 42 us).
 """
 
 from __future__ import annotations
@@ -336,10 +337,10 @@ class TimeSharePolicy:
                 self._charge(holder, obs.holder_idle_since - max(obs.holder_burst_from, self._released_at))
         elif not self._charging:
             self._charging = True  # busy again (seen at this look: at most a poll late)
-        others = [g for g in self._demand if g != holder and self._eligible(g, now)]
         if not self._may_continue(holder):
             self._hold(now)
-        elif obs.holder_idle_since is not None and others:
+        elif obs.holder_idle_since is not None and any(g != holder and self._eligible(g, now)
+                                                       for g in self._demand):
             self._hold(now)  # revoke early: it does not use its slice, someone else wants the GPU
         elif self._preempted(holder, now):
             self._hold(now)  # revoke at once: a group of a higher priority wants the GPU
