@@ -486,20 +486,24 @@ class Accounting:
                     inherited.add(pid)
         shared = self._time_share.apportion(raw, self.group_seconds(), inherited)
         for key, seconds in shared.items():
-            live[key] = replace(live[key], gpu_seconds=seconds)
+            if seconds != live[key].gpu_seconds:
+                live[key] = replace(live[key], gpu_seconds=seconds)
 
     def _integrate_nvml(self, now: int, live: dict[Key, ProcessAccount], util: Mapping[str, float]) -> None:
         """GPU time of ungated processes: NVML's busy fraction x elapsed time, less what the gates
         account on that GPU, shared equally among the ungated processes on it. Coarse by nature."""
         last, self._last_poll_ns = self._last_poll_ns, now
         dt = 0.0 if last is None else (now - last) / 1e9
+        on_gpu: dict[str, list[tuple[Key, ProcessAccount]]] = {}  # one pass over the processes, not one a GPU
+        for key, acc in live.items():
+            on_gpu.setdefault(key[1], []).append((key, acc))
         for uuid, fraction in util.items():
             gated_busy = 0.0  # what the gates accounted on this GPU since the last poll
-            for key, acc in live.items():
-                if key[1] == uuid and acc.gated:
+            for key, acc in on_gpu.get(uuid, ()):
+                if acc.gated:
                     prev = self._seen.get(key)
                     gated_busy += max(0.0, acc.gpu_seconds - (prev.account.gpu_seconds if prev else acc.gpu_seconds))
-            share = [k for k, a in live.items() if k[1] == uuid and not a.gated]
+            share = [k for k, a in on_gpu.get(uuid, ()) if not a.gated]
             each = max(0.0, fraction * dt - gated_busy) / len(share) if share else 0.0
             for key in share:
                 seen = self._seen.get(key)
@@ -513,7 +517,15 @@ class Accounting:
 
     def _remember(self, now: int, live: dict[tuple[int, str], ProcessAccount]) -> Snapshot:
         """The snapshot of the live processes; what is kept of each (_seen) is dropped with it."""
-        self._seen = {key: replace(self._seen.get(key) or _Seen(acc), account=acc) for key, acc in live.items()}
+        seen = self._seen
+        self._seen = {}
+        for key, acc in live.items():
+            kept = seen.get(key)
+            if kept is None:
+                kept = _Seen(acc)
+            else:
+                kept.account = acc  # its own: no one else holds a _Seen
+            self._seen[key] = kept
         return Snapshot(now, tuple(sorted(live.values(), key=lambda a: (a.gpu, a.pid))))
 
     def stop_watching(self) -> None:

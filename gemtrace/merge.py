@@ -28,6 +28,10 @@ class Merged(NamedTuple):
     managed: int = 0  # managed memory (Oversubscribe), apart from `memory`
 
 
+# A gated process's slot on a GPU its gate never used (no gpu_mask bit): every counter 0.
+UNUSED = Figures(memory=0, launches=0, busy_ns=0, placed=False, managed=0)
+
+
 # -- memory ------------------------------------------------------------------------------------------
 
 
@@ -101,6 +105,8 @@ def merge(key: Key, ebpf: SourceReading | None, gate: SourceReading, nvml: Sourc
     gated = pid in gate.start_times
     e = ebpf.figures.get(key) if ebpf is not None else None
     s = gate.figures.get(key)
+    if s is None and gated:
+        s = UNUSED  # the gate's source makes no figure where its gate counted nothing
     n = nvml.figures.get(key)
     return Merged(
         memory=memory(gated, e, s, n, rebuilt),

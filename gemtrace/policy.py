@@ -25,6 +25,12 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
   - Among the wanting groups of the highest priority, the rest (unreserved, or reserved and unused)
     goes to the one with the least GPU time over a decayed window (max-min fairness):
     work-conserving, and the holder keeps the GPU without a needless switch while nobody else wants it.
+
+Cost: a step moves the accounts of the groups in play only (wanting the GPU, charged: the holder and
+overrunning groups); a group out of play only decays and refills, brought up to date in one go when
+next read; a running holder's early revoke looks for one eligible waiting group, not all of them.
+So a look costs per group that wants the GPU, not per group scheduled (fake clock, 63 groups half
+capped, development VM: 8 wanting, 32 -> 12 us a step; all 63 wanting, 53 -> 42 us).
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 MS = 1_000_000  # ns
+# Bucket capacities remembered for accounts out of play; at this many, every account is brought up
+# to date and the list starts again (a look then costs per group scheduled, once in this many changes).
+_MAX_CAPACITIES = 32
 
 
 @dataclass(frozen=True)
@@ -160,6 +169,10 @@ class _Account:
     last_run: int = -1  # when it was last released, for round-robin among equals
     idled: bool = False  # idled while holding the GPU, this holding (only the look cadence reads these)
     steady: bool = False  # held the GPU before and did not idle in its last holding
+    # The figures above are as of `at` (ns): a group out of play is brought up to date only when it is
+    # next read (TimeSharePolicy._account); `era`: how many past bucket capacities there were then.
+    at: int = 0
+    era: int = 0
 
 
 @dataclass
@@ -179,7 +192,9 @@ class TimeSharePolicy:
         self._hold_at = 0
         self._charging = False  # the holder is charged for the time passing
         self._demand: frozenset[int] = frozenset()
-        self._present: frozenset[int] = frozenset()  # Observation.present, of scheduled groups
+        # Observation.present as seen (unscheduled groups included: only _outranked_present reads it,
+        # and only where some group outranks the holder).
+        self._present: frozenset[int] = frozenset()
         self._drain_ns = 0.0  # decayed mean of measured drains
         self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
         self._last = self.now
@@ -189,11 +204,17 @@ class TimeSharePolicy:
         # finish (group -> when they were held). Without this, a process that syncs rarely (hundreds
         # of ms of kernels queued) ran most of its work uncharged: MaxUtil 0.5 alone gave 0.9.
         self._overrun: dict[int, int] = {}
+        self._top_priority = 0  # the highest priority scheduled: a holder of it is never outranked
+        # The MaxUtil buckets' capacity (_cap_capacity) at each change since every account was last
+        # brought up to date: (until when, capacity) for the past ones, and the one in force.
+        self._capacities: list[tuple[int, float]] = []
+        self._capacity = self._cap_capacity()
 
     # -- configuration -------------------------------------------------------------------------
 
     def set_quotas(self, now: int, quotas: Mapping[int, Quota]) -> None:
         self._advance(now)
+        self._settle_all()  # a group's past time counts under its past quota
         for group in list(self._accounts):
             if group not in quotas:
                 del self._accounts[group]
@@ -205,9 +226,11 @@ class TimeSharePolicy:
         for group, quota in quotas.items():
             account = self._accounts.get(group)
             if account is None:
-                self._accounts[group] = _Account(quota, cap_credit=self._cap_capacity())
+                self._accounts[group] = _Account(quota, cap_credit=self._cap_capacity(),
+                                                      at=self._last)
             else:
                 account.quota = quota
+        self._top_priority = max((quota.priority for quota in quotas.values()), default=0)
 
     def quotas(self) -> dict[int, Quota]:
         return {group: account.quota for group, account in self._accounts.items()}
@@ -242,7 +265,7 @@ class TimeSharePolicy:
         self._advance(now)
         before = (self._demand, self._phase, self._holder, self._charging)
         self._demand = frozenset(g for g in obs.demand if g in self._accounts)
-        self._present = frozenset(g for g in obs.present if g in self._accounts)
+        self._present = obs.present
         for group, drained in obs.overrun_drained.items():
             hold_at = self._overrun.pop(group, None)
             if hold_at is not None:
@@ -285,7 +308,9 @@ class TimeSharePolicy:
         """Is a group of a higher priority than the holder's present (or wanting the GPU)? Its next
         launch revokes the holder: look every poll, and keep the holder's queue short."""
         mine = self._priority(holder)
-        return any(self._priority(g) > mine for g in self._present | self._demand)
+        if mine >= self._top_priority:
+            return False  # the common case (one priority for all), whatever the number of groups
+        return any(g in self._accounts and self._priority(g) > mine for g in self._present | self._demand)
 
     def _preempted(self, holder: int, now: int) -> bool:
         """Does a group of a higher priority than the holder's want the GPU, and may it run (under
@@ -294,13 +319,15 @@ class TimeSharePolicy:
         if self._is_owed(holder):
             return False
         mine = self._priority(holder)
+        if mine >= self._top_priority:
+            return False
         return any(self._priority(g) > mine and self._eligible(g, now) for g in self._demand)
 
     def _step_running(self, now: int, obs: Observation) -> None:
         holder = self._holder
         assert holder is not None
         if obs.holder_idle_since is not None:
-            self._accounts[holder].idled = True
+            self._account(holder).idled = True
             if self._charging:
                 # It ran out of work at holder_idle_since: the time since was not GPU time.
                 self._refund(holder, now - max(obs.holder_idle_since, self._released_at))
@@ -310,10 +337,10 @@ class TimeSharePolicy:
                 self._charge(holder, obs.holder_idle_since - max(obs.holder_burst_from, self._released_at))
         elif not self._charging:
             self._charging = True  # busy again (seen at this look: at most a poll late)
-        others = [g for g in self._demand if g != holder and self._eligible(g, now)]
         if not self._may_continue(holder):
             self._hold(now)
-        elif obs.holder_idle_since is not None and others:
+        elif obs.holder_idle_since is not None and any(g != holder and self._eligible(g, now)
+                                                       for g in self._demand):
             self._hold(now)  # revoke early: it does not use its slice, someone else wants the GPU
         elif self._preempted(holder, now):
             self._hold(now)  # revoke at once: a group of a higher priority wants the GPU
@@ -353,7 +380,7 @@ class TimeSharePolicy:
         self._overrun.pop(pick, None)  # charged as the holder from now on
         self._phase, self._holder, self._charging = Phase.RUNNING, pick, True
         self._released_at = now
-        account = self._accounts[pick]
+        account = self._account(pick)
         account.steady, account.idled = account.last_run >= 0 and not account.idled, False
         account.last_run = now
         self._slice_end = now + self._slice_for(pick, owed_first=owed)
@@ -372,7 +399,7 @@ class TimeSharePolicy:
             return False
         if quota.max_util >= 1.0:
             return True
-        return self._accounts[group].cap_credit >= self.slice_ns() * (1.0 - quota.max_util)
+        return self._account(group).cap_credit >= self.slice_ns() * (1.0 - quota.max_util)
 
     def _may_continue(self, group: int) -> bool:
         """May the holder keep the GPU? While its credit lasts for a useful stretch more (what is
@@ -380,10 +407,10 @@ class TimeSharePolicy:
         quota = self._accounts[group].quota
         if quota.max_util >= 1.0:
             return True
-        return quota.max_util > 0.0 and self._accounts[group].cap_credit >= MS * (1.0 - quota.max_util)
+        return quota.max_util > 0.0 and self._account(group).cap_credit >= MS * (1.0 - quota.max_util)
 
     def _is_owed(self, group: int) -> bool:
-        account = self._accounts[group]
+        account = self._account(group)
         return account.quota.min_util > 0.0 and account.owed >= self.params.owed_min_ns
 
     def _choose(self, now: int) -> int | None:
@@ -396,16 +423,16 @@ class TimeSharePolicy:
             return None
         owed = [g for g in candidates if self._is_owed(g)]
         if owed:
-            return max(owed, key=lambda g: (self._accounts[g].owed / self._accounts[g].quota.min_util,
+            return max(owed, key=lambda g: (self._account(g).owed / self._accounts[g].quota.min_util,
                                             g == self._holder))
         top = max(self._priority(g) for g in candidates)
         candidates = [g for g in candidates if self._priority(g) == top]
-        return min(candidates, key=lambda g: (self._accounts[g].usage, g != self._holder,
+        return min(candidates, key=lambda g: (self._account(g).usage, g != self._holder,
                                               self._accounts[g].last_run))
 
     def _slice_for(self, group: int, owed_first: bool) -> int:
         p = self.params
-        account = self._accounts[group]
+        account = self._account(group)
         quota = account.quota
         length = float(self.slice_ns())
         if owed_first and quota.min_util < 1.0:
@@ -457,7 +484,7 @@ class TimeSharePolicy:
         for group in self._demand:
             quota = self._accounts[group].quota
             if 0.0 < quota.max_util < 1.0:
-                missing = self.slice_ns() * (1.0 - quota.max_util) - self._accounts[group].cap_credit
+                missing = self.slice_ns() * (1.0 - quota.max_util) - self._account(group).cap_credit
                 wake = min(wake, now + max(1, math.ceil(missing / quota.max_util)))
         return wake
 
@@ -472,42 +499,89 @@ class TimeSharePolicy:
         return float(max(self.slice_ns(), 2 * self._drain_ns))
 
     def _advance(self, now: int) -> None:
-        """Move every account from the last look to `now`: the holder is charged the time passing
-        (while busy); buckets refill; groups that wanted the GPU accrue what MinUtil owes them."""
+        """Move the accounts in play from the last look to `now`: the holder is charged the time
+        passing (while busy); groups that wanted the GPU accrue what MinUtil owes them. Every other
+        account only decays and refills, which `_settle` does in one go when it is next read: a look
+        costs per group in play, not per group scheduled."""
         dt = now - self._last
         if dt <= 0:
             return
-        self._last = now
+        capacity = self._cap_capacity()
+        if capacity != self._capacity:
+            # The capacity in force from the last look on (it follows the measured drains): accounts
+            # out of play refill up to each capacity in turn, as they would have look by look.
+            if len(self._capacities) >= _MAX_CAPACITIES:
+                self._settle_all()
+            self._capacities.append((self._last, self._capacity))
+            self._capacity = capacity
+        last, self._last = self._last, now
         decay = math.exp(-dt / self.params.window_ns)
         gain = self.params.window_ns * (1.0 - decay)  # decayed weight of dt of continuous time
         self._window_weight = self._window_weight * decay + gain
-        capacity = self._cap_capacity()
-        holding = self._phase in (Phase.RUNNING, Phase.DRAINING)
         for group in [g for g in self._overrun if g not in self._accounts]:
             del self._overrun[group]
-        for group, account in self._accounts.items():
-            charged = dt if (holding and self._charging and group == self._holder
-                             or group in self._overrun) else 0
-            wants = group in self._demand or charged > 0
+        charged_group = (self._holder if self._charging and self._phase in (Phase.RUNNING, Phase.DRAINING)
+                         else None)
+        in_play = self._demand.union(self._overrun)
+        if charged_group is not None:
+            in_play = in_play | {charged_group}
+        era = len(self._capacities)
+        for group in in_play:
+            if group not in self._accounts:
+                continue  # wanted the GPU at the last look, unscheduled since
+            account = self._settle(self._accounts[group], last)
+            charged = dt if group == charged_group or group in self._overrun else 0
             account.gpu_ns += charged
             account.usage = account.usage * decay + gain * charged / dt
             quota = account.quota
             if quota.max_util < 1.0:
                 account.cap_credit = min(capacity, account.cap_credit + quota.max_util * dt - charged)
-            if quota.min_util > 0.0 and wants:
+            if quota.min_util > 0.0:
                 # Never negative: time used beyond MinUtil while others did not want the GPU is not
                 # a debt against the guarantee later. Bounded: a long wait earns one long slice.
                 account.owed = min(float(self.params.max_slice_ns),
                                    max(0.0, account.owed + quota.min_util * dt - charged))
-            if wants and not (self._phase is Phase.RUNNING and group == self._holder):
+            if not (self._phase is Phase.RUNNING and group == self._holder):
                 account.throttled_ns += dt
+            account.at, account.era = now, era
+
+    def _settle(self, account: _Account, until: int) -> _Account:
+        """Bring an account that was out of play (nothing charged, not wanting the GPU) up to `until`:
+        its usage decays, its MaxUtil bucket refills under each capacity in force meanwhile. The same
+        figures as moving it look by look, but for rounding."""
+        elapsed = until - account.at
+        if elapsed <= 0:
+            return account
+        account.usage *= math.exp(-elapsed / self.params.window_ns)
+        rate = account.quota.max_util
+        if rate < 1.0:
+            credit, at = account.cap_credit, account.at
+            for end, capacity in self._capacities[account.era:]:
+                if end > at:
+                    credit, at = min(capacity, credit + rate * (end - at)), end
+            if until > at:  # (no clamp where no time passed: a look clamps at its end only)
+                credit = min(self._capacity, credit + rate * (until - at))
+            account.cap_credit = credit
+        account.at, account.era = until, len(self._capacities)
+        return account
+
+    def _account(self, group: int) -> _Account:
+        """A group's account, up to date as of the last look."""
+        account = self._accounts[group]
+        return account if account.at >= self._last else self._settle(account, self._last)
+
+    def _settle_all(self) -> None:
+        for account in self._accounts.values():
+            self._settle(account, self._last)
+            account.era = 0
+        self._capacities.clear()
 
     def _charge(self, group: int, ns: float) -> None:
         """Charge GPU time that no look saw passing (a burst between two looks): what `_advance`
         charges a busy holder, after the fact."""
         if ns <= 0 or group not in self._accounts:
             return
-        account = self._accounts[group]
+        account = self._account(group)
         account.gpu_ns += ns
         account.usage += ns
         if account.quota.max_util < 1.0:
@@ -520,7 +594,7 @@ class TimeSharePolicy:
         drain ended before this look)."""
         if ns <= 0 or group not in self._accounts:
             return
-        account = self._accounts[group]
+        account = self._account(group)
         account.gpu_ns = max(0.0, account.gpu_ns - ns)
         account.usage = max(0.0, account.usage - ns)
         if account.quota.max_util < 1.0:
@@ -530,6 +604,7 @@ class TimeSharePolicy:
 
     def usage(self, now: int) -> dict[int, GroupUsage]:
         self._advance(now)
+        self._settle_all()
         weight = self._window_weight or 1.0
         return {
             group: GroupUsage(account.gpu_ns / 1e9, account.throttled_ns / 1e9,

@@ -122,3 +122,12 @@ def test_a_process_is_where_any_source_places_it_and_a_slot_where_its_gpu_mask_s
     nvml = SourceReading({(3, GPU): Figures(memory=7)})
     assert merge.places(ebpf, gate, nvml) == {(1, GPU), (2, elsewhere), (3, GPU)}
     assert merge.places(None, gate, nvml) == {(1, GPU), (3, GPU)}
+
+
+def test_a_gated_process_on_a_gpu_its_gate_never_used_counts_zeros_there_not_nvmls_figure() -> None:
+    # The gates' source makes figures only where a slot's gpu_mask says (gemtrace/sources/gate.py):
+    # NVML listing the process on another GPU (a context, nothing launched or allocated through the
+    # gate) does not make NVML's figure, context included, its gated memory there.
+    gate = SourceReading({}, start_times={KEY[0]: 0})
+    m = merge.merge(KEY, None, gate, reading(NVML), None)
+    assert (m.memory, m.launches, m.gate_seconds, m.gated, m.slot_memory) == (0, 0, 0.0, True, 0)

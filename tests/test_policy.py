@@ -3,7 +3,7 @@ conservation, and what an idle group costs. No region, no processes, no sleeping
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 
 import pytest
 
@@ -508,3 +508,29 @@ def test_a_request_waits_the_outranked_drain_only() -> None:
     before, before_requests = requests_beside_a_hog(doorbell=False, outranked_drain_ns=None)
     assert max(before_requests.latencies) > 2 * MS + 10 * MS
     assert before.share(1, 3 * SECOND) <= gpu.share(1, 3 * SECOND) + 0.02
+
+
+def test_groups_out_of_play_are_brought_up_to_date_as_if_look_by_look() -> None:
+    """A look moves only the accounts in play; the others (40 groups here, capped and guaranteed,
+    most of them quiet between 2 ms bursts) are brought up to date when next read. The same decisions and
+    figures as a policy whose every account is brought up to date at every look (`usage` does that),
+    while the buckets' capacity follows the drains (a long drain, or none for a quiet holder)."""
+    quotas = {g: Quota(0.05 if g % 5 == 0 else 0.0, (0.05, 0.1, 1.0)[g % 3]) for g in range(40)}
+    workloads = {g: hog() if g in (2, 5, 8) else bursty(2 * MS, (60 + 13 * g) * MS) for g in range(40)}
+    lazy, eager = (TimeSharePolicy(PolicyParams(drains_ring=True)) for _ in range(2))
+    for policy in (lazy, eager):
+        policy.set_quotas(0, quotas)
+    gpu = FakeGpu(workloads, drain_ns=12 * MS)
+    t, capacities = 0, set()
+    while t < 5 * SECOND:
+        observation = gpu.observe(t)
+        decision = lazy.step(t, observation)
+        eager.usage(t)
+        assert eager.step(t, observation) == decision
+        capacities.add(eager.slice_ns())
+        gpu.apply(t, decision)
+        t = gpu.run(t, min(max(decision.wake_at, t + 1), 5 * SECOND))
+    assert len(capacities) > 10 and gpu.switches > 100  # the slice (the buckets' capacity) moved all along
+    expected = eager.usage(t)
+    for group, usage in lazy.usage(t).items():
+        assert astuple(usage) == pytest.approx(astuple(expected[group]), rel=1e-9)

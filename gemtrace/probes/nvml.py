@@ -44,6 +44,10 @@ class NvmlReader:
         self.reason = ""
         self._handles: list[tuple[str, ctypes.c_void_p]] = []
         try:
+            # Room for each device's process list, learnt from NVML's answers: a list that did not
+            # fit costs a second call, and the driver builds the whole list for each (the simulated
+            # one reads /proc for every process listed: 1024 processes on 8 devices read it twice).
+            self._room: list[int] = []
             self._lib = ctypes.CDLL(library)
             if self._lib.nvmlInit_v2() != _SUCCESS:
                 raise OSError("nvmlInit_v2 failed")
@@ -58,6 +62,7 @@ class NvmlReader:
                 if self._lib.nvmlDeviceGetUUID(handle, uuid, 96) != _SUCCESS:
                     continue
                 self._handles.append((uuid.value.decode(), handle))
+                self._room.append(64)
             self.available = True
         except (OSError, AttributeError) as e:
             self.reason = f"NVML unavailable: {e}"
@@ -67,16 +72,19 @@ class NvmlReader:
 
     def processes(self) -> list[NvmlProcess]:
         out: list[NvmlProcess] = []
-        for uuid, handle in self._handles:
-            size = 64
+        for device, (uuid, handle) in enumerate(self._handles):
+            size = self._room[device]
             while True:
                 count = ctypes.c_uint(size)
                 infos = (_ProcessInfo * size)()
                 r = self._lib.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(count), infos)
                 if r == _INSUFFICIENT_SIZE and size < 65536:
-                    size *= 4
+                    # NVML says how many there are: room for those and a quarter more (processes
+                    # that start before the next call), and for the next polls.
+                    size = min(65536, max(4 * size, count.value + count.value // 4))
                     continue
                 break
+            self._room[device] = size
             if r != _SUCCESS:
                 continue
             out.extend(NvmlProcess(infos[i].pid, uuid, infos[i].usedGpuMemory) for i in range(count.value))

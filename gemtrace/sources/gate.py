@@ -1,9 +1,12 @@
 """The gates' source: each gated process's slot, read through the region's one slot reader.
 
 Owns turning the slot columns (gemtrace/region.py's SlotColumns) into per-process figures: memory
-the gate reserved (device and managed), launches and the GPU time of finished bursts, on every GPU of the host, placed
-where the slot's gpu_mask says the process works. Never writes a slot (the agent's reaper frees
-them), never merges: a slot is the process's own word and may lie (docs/accounting.md, tampering).
+the gate reserved (device and managed), launches and the GPU time of finished bursts, on each GPU
+the slot's gpu_mask names. A gate sets a GPU's bit before it counts anything there (hook/attach.c,
+gt_note_gpu), so a slot's counters on the other GPUs are 0: no figure is made for them (the merge
+reads a gated process's missing figure as zeros), which keeps a poll at one figure per process and
+GPU it uses, not eight per slot. Never writes a slot (the agent's reaper frees them), never merges:
+a slot is the process's own word and may lie (docs/accounting.md, tampering).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ class GateSource:
             return SourceReading()
         columns = self.region.slot_columns
         physical = devices.physical()
-        per_gpu = [(g, uuid, columns.memory(g), columns.launches(g), columns.busy_ns(g), columns.managed(g))
+        per_gpu = [(1 << g, uuid, columns.memory(g), columns.launches(g), columns.busy_ns(g), columns.managed(g))
                    for g, uuid in enumerate(physical)]
         figures: dict[Key, Figures] = {}
         start_times: dict[int, int] = {}
@@ -32,14 +35,13 @@ class GateSource:
             if not pid:
                 continue  # freed since the pids were read
             mask = columns.gpu_mask[index]
-            read = {uuid: Figures(memory=memory[index], launches=launches[index], busy_ns=busy_ns[index],
-                                  placed=bool(mask >> g & 1), managed=managed[index])
-                    for g, uuid, memory, launches, busy_ns, managed in per_gpu}
+            read = [((pid, uuid), Figures(memory=memory[index], launches=launches[index], busy_ns=busy_ns[index],
+                                          managed=managed[index]))
+                    for bit, uuid, memory, launches, busy_ns, managed in per_gpu if mask & bit]
             # A slot being freed loses its flag before its counters are zeroed (hook/attach.c): read
             # after the counters, the flag says they were read whole.
             if not columns.flags[index] & SLOT_GATED or columns.pid[index] != pid:
                 continue
             start_times[pid] = columns.start_time[index]
-            for uuid, figure in read.items():
-                figures[(pid, uuid)] = figure
+            figures.update(read)
         return SourceReading(figures, start_times=start_times)
