@@ -1,7 +1,8 @@
 """The /metrics endpoint: a small threaded HTTP server over a prometheus-client registry.
 
-Serves what the collectors yield at scrape time; scrapes closer together than
-MIN_COLLECT_INTERVAL_SECONDS share one collection and its bytes (`PacedMetrics`), its only state.
+Serves what the collectors yield at scrape time, at most one collection per
+MIN_COLLECT_INTERVAL_SECONDS (`PacedMetrics`: requests that come sooner wait and share the next one),
+its only state.
 Uses prometheus-client's encoders and content negotiation (OpenMetrics) as shipped by Debian 12 (0.16),
 which has no TLS, no authentication and no unix socket of its own: TLS wraps the listening socket
 with the web config's ssl context, basic auth answers 401 before prometheus-client's handler runs
@@ -38,11 +39,10 @@ UNIX_PREFIX = "unix:"
 # A collection runs Python over every series under the agent's GIL, which the schedulers' looks need
 # too: back-to-back scrapes (a curl loop, a scraper misconfigured to a tight interval, any local user
 # on the default 127.0.0.1 listener) stretched the switch gap's p90 from 0.36 to 5.2 ms and cost 11%
-# of throughput (issue 13). Scrapes closer than this get the last collection's bytes again, and a
-# request waits (asleep) until this long after the last one: a loop of requests costs the agent
-# at most one answer per gap, whatever it asks.
-MIN_COLLECT_INTERVAL_SECONDS = 0.5
-MIN_REQUEST_GAP_SECONDS = 0.01
+# of throughput (issue 13). A scrape gets a collection made after it arrived (never an older one),
+# but no sooner than this after the last collection: a request that comes too soon waits, asleep,
+# and every request that arrived meanwhile is answered from that same collection.
+MIN_COLLECT_INTERVAL_SECONDS = 0.25
 UNIX_SOCKET_MODE = 0o660  # the owner (root) and the socket's group; --listen-mode changes it
 
 
@@ -108,11 +108,11 @@ def parse_group(text: str) -> int:
 
 
 class PacedMetrics:
-    """The bytes of a scrape, made at most once per `min_interval` seconds per kind of answer (format,
-    gzip, name[] filter) from one collection, and handed out one request at a time at least
-    MIN_REQUEST_GAP_SECONDS apart: a scrape loop's requests wait asleep, and cost the agent the
-    collection and the encoding twice a second, not once per request. Thread-safe (the server
-    answers each request in a thread of its own)."""
+    """The bytes of a scrape, from a collection made after the request arrived, at most one
+    collection per `min_interval` seconds (requests that come sooner wait for the next, asleep, and
+    share it), encoded once per kind of answer (format, gzip, name[] filter). A loop of requests
+    costs the agent one collection and encoding per interval, whatever it asks. Thread-safe (the
+    server answers each request in a thread of its own)."""
 
     def __init__(self, registry: CollectorRegistry, min_interval: float = MIN_COLLECT_INTERVAL_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -122,26 +122,24 @@ class PacedMetrics:
         self._lock = threading.Lock()
         self._families: list[Metric] = []
         self._outputs: dict[tuple[str, bool, tuple[str, ...]], bytes] = {}
-        self._collected_at: float | None = None
-        self._served_at = 0.0
+        self._collected_at: float | None = None  # when the last collection began
         self.collections = 0  # how often the collectors ran, for tests
 
     def answer(self, accept: str | None, accept_encoding: str | None, query: str
                ) -> tuple[list[tuple[str, str]], bytes]:
         """The headers and body of a scrape, as prometheus-client's handler would make them."""
+        arrived = self._clock()
         encoder, content_type = choose_encoder(accept or "")
         gzipped = any(e.strip().lower().startswith("gzip") for e in (accept_encoding or "").split(","))
         names = tuple(sorted(parse_qs(query).get("name[]", [])))
         key = (content_type, gzipped, names)
         with self._lock:
-            gap = self._served_at + MIN_REQUEST_GAP_SECONDS - self._clock()
-            if gap > 0:
-                time.sleep(gap)
-            now = self._served_at = self._clock()
-            if self._collected_at is None or now - self._collected_at >= self._min_interval:
+            if self._collected_at is None or self._collected_at < arrived:
+                if self._collected_at is not None:
+                    time.sleep(max(0.0, self._collected_at + self._min_interval - self._clock()))
+                self._collected_at = self._clock()
                 self._families = list(self._registry.collect())
                 self._outputs.clear()
-                self._collected_at = now
                 self.collections += 1
             body = self._outputs.get(key)
             if body is None:
