@@ -327,6 +327,11 @@ def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str
            "GEMTRACE_GATE": str(GATE)}
     with tempfile.TemporaryDirectory(prefix="gemtrace-models-") as tmp:
         work = Path(tmp)
+        if opts.stand_in and "SIMGPU_STATE_DIR" not in env:
+            # Run by hand (tests set up their own): a simulated GPU of this run's, from build/simgpu.
+            env["LD_LIBRARY_PATH"] = os.pathsep.join([str(REPO / "build" / "simgpu"),
+                                                      *filter(None, [env.get("LD_LIBRARY_PATH")])])
+            env["SIMGPU_STATE_DIR"] = str(work / "sim")
         agent = Agent(work, groups, env, opts.ebpf)
         workers: list[Worker] = []
         try:
