@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,6 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
+from bench_gate_overhead import machine  # noqa: E402
 from held_waiters import GATE, Waiters, agent_stand_in  # noqa: E402
 from simgpu_env import require_build  # noqa: E402
 
@@ -44,15 +43,6 @@ ROUNDS = 9
 TARGET_N = 256
 TARGET_MS = 1.0  # the last of TARGET_N resumed, median (issue 13)
 MODES = {"wake all": WAKE_ALL, "tree": WAKE_FANOUT}
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return f"{platform.node()} ({cpu}, {os.cpu_count()} cores)"
 
 
 def measure(tmp: Path, n: int, rounds: int) -> dict[str, tuple[float, float, float]]:

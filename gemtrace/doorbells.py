@@ -10,14 +10,12 @@ a bell only wakes a scheduler up, which spaces the looks a ring brings (gemtrace
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import mmap
 import os
 
 from gemtrace import futex
 from gemtrace.contract import BELLS_BYTES, BELLS_MEMFD, MAX_GPUS
-
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+from gemtrace.slot_space import sealed_memfd
 
 
 class BellsLayout(ctypes.Structure):
@@ -32,12 +30,8 @@ class Doorbells:
     """The agent's doorbells: the memfd (`fd`, for the socket) and its mapping."""
 
     def __init__(self, region_id: int) -> None:
-        self.fd = os.memfd_create(bells_name(region_id), os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = sealed_memfd(bells_name(region_id), BELLS_BYTES)
         try:
-            # Root's, like the chunks; every user gets a read-write descriptor from the socket anyway.
-            os.fchmod(self.fd, 0o600)
-            os.ftruncate(self.fd, BELLS_BYTES)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, SEALS)
             self._map = mmap.mmap(self.fd, BELLS_BYTES)
         except BaseException:
             os.close(self.fd)

@@ -72,6 +72,23 @@ def sound_chunk(fd: int) -> bool:
         return False
 
 
+def sealed_memfd(name: str, size: int) -> int:
+    """A new memfd of `size` bytes, root's and mode 0600, sealed against shrinking and growing (and
+    against new seals): no mapping of it can fault, whoever holds a descriptor. The caller closes it."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        # A memfd is made mode 0777: anyone holding a read-only descriptor could open it again
+        # writable through /proc/self/fd. The agent's (root's) alone, then; a user gets a writable
+        # descriptor from the socket where it may write, and cannot change the mode (not the owner).
+        os.fchmod(fd, CHUNK_MODE)
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def find_chunks(region_id: int, proc_root: Path = Path("/proc")) -> dict[int, tuple[int, int]]:
     """The chunks of region `region_id` that live processes map: chunk -> (read-write descriptor, uid).
     Found by the memfd's name in /proc/PID/maps, opened through /proc/PID/map_files (root only), and
@@ -217,18 +234,7 @@ class ChunkKeeper:
                 self._log("slot_chunks_full", uid=uid, chunks=MAX_CHUNKS)
                 return None
         chunk = free[0]
-        fd = os.memfd_create(chunk_name(int(self.layout.header.region_id), chunk, uid),
-                             os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            # A memfd is made mode 0777: anyone holding a read-only descriptor could open it again
-            # writable through /proc/self/fd. The agent's (root's) alone, then; its user gets a
-            # writable descriptor from the socket, and cannot change the mode (not the owner).
-            os.fchmod(fd, CHUNK_MODE)
-            os.ftruncate(fd, CHUNK_BYTES)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-        except BaseException:
-            os.close(fd)
-            raise
+        fd = sealed_memfd(chunk_name(int(self.layout.header.region_id), chunk, uid), CHUNK_BYTES)
         old = self._fds.get(chunk)
         self._adopt(chunk, fd, uid)
         if old is not None:

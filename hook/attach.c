@@ -194,16 +194,22 @@ static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *rep
     return (int)reply->n_entries;
 }
 
+/* A memfd of `size` bytes that nobody can shrink or grow: no mapping of it can fault. */
+static bool sealed_of_size(int fd, off_t size)
+{
+    struct stat st;
+    int seals = fcntl(fd, F_GET_SEALS);
+    return fstat(fd, &st) == 0 && st.st_size == size && seals >= 0 &&
+           (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW);
+}
+
 /* Map the doorbells' descriptor (over the old mapping: a restarted agent sends new ones), if it is a
- * sealed page: nobody can shrink it, so no ring can fault. Closes fd. */
+ * sealed page: no ring can fault. Closes fd. */
 static void place_bells(int fd)
 {
     if (fd < 0)
         return;
-    struct stat st;
-    int seals = fcntl(fd, F_GET_SEALS);
-    if (fstat(fd, &st) == 0 && st.st_size == GT_BELLS_BYTES && seals >= 0 &&
-        (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW)) {
+    if (sealed_of_size(fd, GT_BELLS_BYTES)) {
         struct gt_bells *old = __atomic_load_n(&gt_proc.bells, __ATOMIC_ACQUIRE);
         void *map = mmap(old, GT_BELLS_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | (old ? MAP_FIXED : 0), fd, 0);
         if (map != MAP_FAILED)
@@ -230,10 +236,7 @@ void gt_ring(int gpu)
  * mapped: nobody can shrink it, so no read of it can fault. Closes fd. */
 static bool place_chunk(struct gt_slot *table, uint32_t chunk, int fd, bool writable)
 {
-    struct stat st;
-    int seals = fcntl(fd, F_GET_SEALS);
-    bool ok = fstat(fd, &st) == 0 && st.st_size == GT_CHUNK_BYTES && seals >= 0 &&
-              (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW);
+    bool ok = sealed_of_size(fd, GT_CHUNK_BYTES);
     if (ok)
         ok = mmap((char *)table + (size_t)chunk * GT_CHUNK_BYTES, GT_CHUNK_BYTES,
                   writable ? PROT_READ | PROT_WRITE : PROT_READ, MAP_SHARED | MAP_FIXED, fd, 0) != MAP_FAILED;

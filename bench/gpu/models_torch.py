@@ -407,6 +407,17 @@ def text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def report_header(about: dict[str, str], args: argparse.Namespace, what_ran: str, began: float) -> str:
+    """The dated heading of a bench/gpu report: the machine and its software, how the agent ran,
+    `what_ran` (the bench's own words), and how long it all took."""
+    software = ", ".join(f"{k} {about[k]}" for k in ("torch", "torchvision", "cuda") if k in about)
+    return (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}"
+            f"{', ' + software if software else ''}\n\n"
+            f"`gemtrace agent{'' if args.ebpf else ' --no-ebpf'}` and `gemtrace run`, one agent per run; "
+            f"{what_ran}; {(time.monotonic() - began) / 60:.1f} min in all"
+            f"{' (stand-in workers on the simulated GPU)' if args.stand_in else ''}.")
+
+
 def render(header: str, solo: dict[str, dict[str, float]], rows: list[dict[str, Any]],
            cpu: list[dict[str, Any]], skipped: list[str]) -> str:
     lines = [header, "", "Solo: the workload alone, gated, in a group with no quota (steps/s):", "",
@@ -548,13 +559,8 @@ def main(argv: list[str] | None = None) -> int:
             "met" if target.met(row["throughput"]) else "missed"
     ok = all(row["result"] != "missed" for row in rows + cpu_rows)
     elapsed = time.monotonic() - began
-    software = ", ".join(f"{k} {about[k]}" for k in ("torch", "torchvision", "cuda") if k in about)
-    header = (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}"
-              f"{', ' + software if software else ''}\n\n"
-              f"`gemtrace agent{'' if args.ebpf else ' --no-ebpf'}` and `gemtrace run`, one agent per run; "
-              f"{args.seconds:g} s windows after {args.settle:g} s of settling; throughput = steps/s of the group's "
-              f"processes / the mean of solo before and after; {elapsed / 60:.1f} min in all"
-              f"{' (stand-in workers on the simulated GPU)' if args.stand_in else ''}.")
+    header = report_header(about, args, f"{args.seconds:g} s windows after {args.settle:g} s of settling; throughput = "
+                           "steps/s of the group's processes / the mean of solo before and after", began)
     report = render(header, solo, rows, cpu_rows, skipped)
     publish(report, "models_torch", {"header": header, "about": about, "seconds": args.seconds, "elapsed_s": elapsed,
                                      "solo": solo, "rows": rows, "agent_cpu": cpu_rows, "skipped": skipped})

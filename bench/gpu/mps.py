@@ -25,7 +25,6 @@ server to go and says so if one is left. Exit status 0, or 2 on a failed run.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models_torch import GATE, REPO, SOLO, GroupSpec, Options, RunFailed, machine, publish, run, text  # noqa: E402
+from models_torch import GATE, REPO, SOLO, GroupSpec, Options, RunFailed, publish, report_header, run, text  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "mps.md"
@@ -161,13 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:
         print(f"a run failed: {e}", file=sys.stderr)
         return 2
-    software = ", ".join(f"{k} {about[k]}" for k in ("torch", "torchvision", "cuda") if k in about)
-    header = (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}"
-              f"{', ' + software if software else ''}\n\n"
-              f"`gemtrace agent{'' if args.ebpf else ' --no-ebpf'}` and `gemtrace run`, one agent per run; "
-              f"{args.seconds:g} s windows after {args.settle:g} s of settling; throughput = the group's steps/s "
-              f"over the mean of solo before and after; {(time.monotonic() - began) / 60:.1f} min in all"
-              f"{' (stand-in workers on the simulated GPU)' if args.stand_in else ''}.")
+    header = report_header(about, args, f"{args.seconds:g} s windows after {args.settle:g} s of settling; throughput "
+                           "= the group's steps/s over the mean of solo before and after", began)
     lines = [header, "", "| workload | solo before / after (steps/s) |", "| --- | --- |"]
     lines += [f"| {w} | {s[0]:.2f} / {s[-1]:.2f} |" for w, s in solo.items()]
     lines += ["", "| workload | case | group | time charged | throughput (of solo) | sum of the pair | steps/s |",

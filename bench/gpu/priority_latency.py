@@ -26,7 +26,6 @@ on a machine without a GPU, as tests/test_models_torch_standin.py does for model
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, machine, publish, run  # noqa: E402
+from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, publish, report_header, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "priority_latency.md"
@@ -119,14 +118,9 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
     ratio = rows[2]["p99_ms"] / rows[0]["p99_ms"]
     met = ratio <= TARGET
-    software = ", ".join(f"{k} {about[k]}" for k in ("torch", "torchvision", "cuda") if k in about)
-    header = (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}"
-              f"{', ' + software if software else ''}\n\n"
-              f"`gemtrace agent{'' if args.ebpf else ' --no-ebpf'}` and `gemtrace run`, one agent per run; "
-              f"batch-1 ResNet-18 requests {args.pause_ms:g} ms apart (group infer) beside ResNet-50 bf16 training, "
-              f"batch 64 (group train); {args.seconds:g} s windows after {args.settle:g} s of settling; "
-              f"{(time.monotonic() - began) / 60:.1f} min in all"
-              f"{' (stand-in workers on the simulated GPU)' if args.stand_in else ''}.")
+    header = report_header(about, args, f"batch-1 ResNet-18 requests {args.pause_ms:g} ms apart (group infer) beside "
+                           "ResNet-50 bf16 training, batch 64 (group train); "
+                           f"{args.seconds:g} s windows after {args.settle:g} s of settling", began)
     report = render(header, rows, ratio, met)
     publish(report, "priority_latency",
             {"header": header, "about": about, "seconds": args.seconds, "pause_ms": args.pause_ms, "rows": rows,
