@@ -77,8 +77,11 @@ class PolicyParams:
     """Times in ns. The slice adapts between min and max: long enough that the measured drain
     (a held group finishing its queued work) stays a small part of it."""
 
-    slice_ns: int = 20 * MS
-    min_slice_ns: int = 5 * MS
+    # 60 ms, not 20: each hold and release costs the released group's work about 2 ms more than the
+    # time charged (its restart on a GPU gone idle; bench/results/models_torch.md, 2026-11-23 15:02):
+    # on the H100 MaxUtil 0.5 alone gave 0.44 of solo at 20 ms slices, 0.49 at 60.
+    slice_ns: int = 60 * MS
+    min_slice_ns: int = 15 * MS
     max_slice_ns: int = 60 * MS
     drain_slices: int = 4  # a slice lasts at least this many measured drains
     drain_timeout_ns: int = 50 * MS

@@ -142,7 +142,7 @@
 #define GT_HEARTBEAT_STALE_NS 2000000000ull        /* gates ignore `held` when the agent is silent this long */
 #define GT_HOLD_RECHECK_NS 100000000ull            /* a held launch re-checks the heartbeat this often */
 #define GT_QUEUE_BOUND_NS 10000000ull              /* GT_RELEASED_SHORT_QUEUE: the most work left queued */
-#define GT_OUTRANKED_QUEUE_BOUND_NS 2000000ull     /* GT_RELEASED_OUTRANKED: the same, while outranked */
+#define GT_OUTRANKED_QUEUE_BOUND_NS 500000ull      /* GT_RELEASED_OUTRANKED: the same, while outranked */
 #define GT_WAKE_FANOUT 2                           /* held-word waiters a release wakes, and each woken one */
 /* A gate waits at most this long at attach for its assignment (usually one keeper tick, 10 ms). Long
  * enough for a process in a pod, whose host pid the agent must find first (a scan of /proc): at 50 ms a
