@@ -83,6 +83,10 @@ class PolicyParams:
     slice_ns: int = 60 * MS
     min_slice_ns: int = 15 * MS
     max_slice_ns: int = 60 * MS
+    # The longest slice that pays a MinUtil debt, and the most debt a group carries: a guaranteed group
+    # beside hogs then runs in a few long slices (MinUtil 0.6 beside two hogs on the H100: 0.56 of solo
+    # with debts of at most 60 ms, 0.62 with 180).
+    max_owed_slice_ns: int = 180 * MS
     drain_slices: int = 4  # a slice lasts at least this many measured drains
     drain_timeout_ns: int = 50 * MS
     # A group whose drain outlasted the timeout is charged on until it finishes, at most this long
@@ -125,6 +129,9 @@ class Observation:
     holder_burst_from: the quiet holder ran a burst since the last look (it launched, and drained
         at holder_idle_since): when that burst opened. The time between is charged to it, also
         where no look saw it busy (a service's request shorter than a poll). None: no such burst.
+        Of a busy holder: when its open burst opened (it ran since then, before this look saw it).
+    holder_burst_ns: the length of every burst the holder closed since the last look (the gates'
+        busy_ns): where several ran between two looks, holder_burst_from tells only of the last one.
     """
 
     demand: frozenset[int] = frozenset()
@@ -133,6 +140,7 @@ class Observation:
     overrun_drained: Mapping[int, int] = field(default_factory=dict)
     present: frozenset[int] = frozenset()
     holder_burst_from: int | None = None
+    holder_burst_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -201,6 +209,7 @@ class TimeSharePolicy:
         self._drain_ns = 0.0  # decayed mean of measured drains
         self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
         self._last = self.now
+        self._looked = self.now  # the last step's time
         self._changed_at = self.now  # the last look that saw demand, phase or holder activity change
         # Groups whose drain outlasted the timeout while another group waited: that group was
         # released, but their queued work still runs (beside it) and is charged to them until they
@@ -266,7 +275,9 @@ class TimeSharePolicy:
 
     def step(self, now: int, obs: Observation) -> Decision:
         self._advance(now)
-        before = (self._demand, self._phase, self._holder, self._charging)
+        # (Not the holder going busy and quiet: each burst is charged from the gates' figures however
+        # late a look sees it, and a service alone would otherwise keep the looks at a poll apart.)
+        before = self._what_changes()
         self._demand = frozenset(g for g in obs.demand if g in self._accounts)
         self._present = obs.present
         for group, drained in obs.overrun_drained.items():
@@ -287,13 +298,17 @@ class TimeSharePolicy:
             self._step_draining(now, obs)
         if self._phase is Phase.IDLE:
             self._step_idle(now)
-        if (self._demand, self._phase, self._holder, self._charging) != before:
+        if self._what_changes() != before:
             self._changed_at = now
+        self._looked = now  # (the gates' figures at the next look tell of the time since)
         released = self._holder if self._phase is Phase.RUNNING else None
         outranked = released is not None and self._outranked_present(released) and not self._is_owed(released)
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
                         self._wake_on_wait(now, outranked))
+
+    def _what_changes(self) -> tuple[frozenset[int], Phase, int | None]:
+        return self._demand - {self._holder}, self._phase, self._holder
 
     def _wake_on_wait(self, now: int, outranked: bool) -> bool:
         if self._phase is Phase.DRAINING:
@@ -329,16 +344,34 @@ class TimeSharePolicy:
     def _step_running(self, now: int, obs: Observation) -> None:
         holder = self._holder
         assert holder is not None
+        # The gates' figures since the last look, where the holder was charged all along: the time it
+        # idled between bursts was not GPU time. (A look a slice apart sees a service's requests now
+        # and then: a batch-1 service alone was charged 0.5 of the GPU for the 0.08 it used.)
+        since = max(self._looked, self._released_at)
         if obs.holder_idle_since is not None:
             self._account(holder).idled = True
             if self._charging:
-                # It ran out of work at holder_idle_since: the time since was not GPU time.
-                self._refund(holder, now - max(obs.holder_idle_since, self._released_at))
+                # It ran out of work at holder_idle_since: the time since was not GPU time; nor were
+                # the gaps between the bursts it closed before.
+                end = max(obs.holder_idle_since, self._released_at)
+                gaps = end - since - obs.holder_burst_ns if obs.holder_burst_ns and end > since else 0
+                self._refund(holder, now - end + max(0, gaps))
                 self._charging = False
             elif obs.holder_burst_from is not None:
-                # Quiet at the last look and at this one, busy in between: charge what it ran.
-                self._charge(holder, obs.holder_idle_since - max(obs.holder_burst_from, self._released_at))
-        elif not self._charging:
+                # Quiet at the last look and at this one, busy in between: charge what it ran, every
+                # burst of it, but never more than the time since the last look.
+                last = obs.holder_idle_since - max(obs.holder_burst_from, self._released_at)
+                self._charge(holder, min(max(last, obs.holder_burst_ns), now - since))
+        elif obs.holder_burst_from is not None:
+            # Busy: it has run since its open burst opened (charged from there, not from this look),
+            # and the bursts it closed since the last look.
+            ran = obs.holder_burst_ns + now - max(obs.holder_burst_from, since)
+            if not self._charging:
+                self._charge(holder, min(ran, now - since))
+            elif obs.holder_burst_ns and ran < now - since:
+                self._refund(holder, now - since - ran)  # it idled between bursts since the last look
+            self._charging = True
+        else:
             self._charging = True  # busy again (seen at this look: at most a poll late)
         if not self._may_continue(holder):
             self._hold(now)
@@ -440,8 +473,8 @@ class TimeSharePolicy:
         length = float(self.slice_ns())
         if owed_first and quota.min_util < 1.0:
             # Long enough to pay the debt (time owed grows at min_util while it runs).
-            length = min(float(p.max_slice_ns), max(float(p.min_slice_ns),
-                                                    account.owed / (1.0 - quota.min_util)))
+            length = min(float(p.max_owed_slice_ns), max(float(p.min_slice_ns),
+                                                         account.owed / (1.0 - quota.min_util)))
         if quota.max_util < 1.0:
             # Until the MaxUtil credit is spent (it refills at max_util while it runs).
             length = min(length, max(0.0, account.cap_credit) / (1.0 - quota.max_util))
@@ -482,7 +515,7 @@ class TimeSharePolicy:
                 # look late; promptly for a capped group (its cap counts on that charge).
                 capped = self._accounts[self._holder].quota.max_util < 1.0
                 return min(self._slice_end, now + (p.poll_ns if capped else backoff))
-            return self._slice_end
+            return min(self._slice_end, now + p.max_slice_ns)  # (a debt's slice may be longer)
         wake = now + backoff
         for group in self._demand:
             quota = self._accounts[group].quota
@@ -542,7 +575,7 @@ class TimeSharePolicy:
             if quota.min_util > 0.0:
                 # Never negative: time used beyond MinUtil while others did not want the GPU is not
                 # a debt against the guarantee later. Bounded: a long wait earns one long slice.
-                account.owed = min(float(self.params.max_slice_ns),
+                account.owed = min(float(self.params.max_owed_slice_ns),
                                    max(0.0, account.owed + quota.min_util * dt - charged))
             if not (self._phase is Phase.RUNNING and group == self._holder):
                 account.throttled_ns += dt
@@ -603,7 +636,7 @@ class TimeSharePolicy:
         if account.quota.max_util < 1.0:
             account.cap_credit = min(self._cap_capacity(), account.cap_credit + ns)
         if account.quota.min_util > 0.0:
-            account.owed = min(float(self.params.max_slice_ns), account.owed + ns)
+            account.owed = min(float(self.params.max_owed_slice_ns), account.owed + ns)
 
     def usage(self, now: int) -> dict[int, GroupUsage]:
         self._advance(now)

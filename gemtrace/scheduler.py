@@ -71,6 +71,7 @@ class SlotTable:
         self.launches = columns.launches(gpu)
         self.drained_ns = columns.drained_ns(gpu)
         self.burst_start_ns = columns.burst_start_ns(gpu)
+        self.busy_ns = columns.busy_ns(gpu)
         self.gpu_mask = columns.gpu_mask
         self.live = columns.live
         self.assignments = columns.assignments
@@ -90,6 +91,7 @@ def _gatherer(indices: Sequence[int]) -> Callable[[Sequence[int]], tuple[int, ..
 class _SlotSeen:
     pid: int
     launches: int
+    busy_ns: int = 0  # the slot's busy_ns as of its last visit
 
 
 @dataclass
@@ -273,7 +275,11 @@ class GpuScheduler:
         drain = self._drain
         holder_busy = False
         holder_drained = 0
-        holder_burst_from: int | None = None  # the earliest burst the quiet holder ran since the last look
+        # The earliest burst the quiet holder ran since the last look; of a busy one, its open bursts'
+        # earliest opening. And the length of the bursts it closed since the last look (busy_ns).
+        holder_burst_from: int | None = None
+        holder_open_from: int | None = None
+        holder_burst_ns = 0
         drain_done = True
         drain_ends: list[int] = []
         # Groups still finishing work queued before a drain that timed out: held when, done so far,
@@ -332,10 +338,11 @@ class GpuScheduler:
             # Read after drained_ns: a burst that opens between the two reads is seen open (the gate
             # stores its start before counting its first launch).
             burst_start = slots.burst_start_ns[index]
+            busy = slots.busy_ns[index]
             slot = seen.get(index)
             if slot is None or slot.pid != pid:
                 # First sight (a new process, or the agent restarted): work it launched may be queued.
-                slot = seen[index] = _SlotSeen(pid, launched)
+                slot = seen[index] = _SlotSeen(pid, launched, busy)
                 moved = launched != 0
             else:
                 moved = launched != slot.launches
@@ -345,13 +352,17 @@ class GpuScheduler:
                 present.add(group)
             if waits > 0 or moved:
                 demand.add(group)
+            slot_busy, slot.busy_ns = slot.busy_ns, busy
             if group == holder:
+                holder_burst_ns += max(0, busy - slot_busy)
                 if quiet and waits == 0:
                     holder_drained = max(holder_drained, drained)
                     if moved and burst_start:
                         holder_burst_from = min(holder_burst_from or burst_start, burst_start)
                 else:
                     holder_busy = True
+                    if not quiet and burst_start:
+                        holder_open_from = min(holder_open_from or burst_start, burst_start)
             if drain is not None and group == drain.group:
                 if drained >= drain.hold_at or quiet:
                     drain_ends.append(drained)
@@ -379,7 +390,8 @@ class GpuScheduler:
                     if g not in overrun_busy}
         quiet_holder = holder is not None and not holder_busy
         return Observation(frozenset(demand), holder_drained if quiet_holder else None, drained_at, finished,
-                           frozenset(present), holder_burst_from if quiet_holder else None)
+                           frozenset(present), holder_burst_from if quiet_holder else holder_open_from,
+                           holder_burst_ns)
 
     def _carry_out(self, now: int, decision: Decision) -> None:
         if decision.draining is not None and self._drain is None:

@@ -324,12 +324,13 @@ static CUresult reserve_managed(int gpu, uint64_t bytes)
  * prefetch_max bytes a release, the oldest allocations first (a training job's weights and optimizer
  * state come first), once per release and process (control.grant_seq): a walk of the hinted entries
  * of the pointers table (above), under the lock its allocations and frees take; the launch fast path
- * never sees it. Off with GEMTRACE_MANAGED_HINTS=0. The program's own cuMemAllocManaged gets no
- * hints: its advice is its own business. */
+ * never sees it. Off unless GEMTRACE_MANAGED_HINTS=1: on the H100, two jobs that page each other's
+ * memory out at every switch did 2.4 times less with them (bench/results/oversubscribe.md). The
+ * program's own cuMemAllocManaged gets no hints: its advice is its own business. */
 
 #define GT_PREFETCH_MAX_DEFAULT (4ull << 30) /* bytes one prefetch moves, unless GEMTRACE_MANAGED_PREFETCH_MAX */
 
-static bool hints_on = true;
+static bool hints_on = false;
 static uint64_t prefetch_max = GT_PREFETCH_MAX_DEFAULT;
 static uint64_t prefetched_seq[GT_MAX_GPUS]; /* the control word's grant_seq this process last prefetched at */
 
@@ -361,10 +362,10 @@ static void read_hint_options(void)
 {
     int saved = errno;
     const char *on = getenv(GT_ENV_MANAGED_HINTS);
-    if (on && strcmp(on, "0") == 0)
-        hints_on = false;
-    else if (on && *on && strcmp(on, "1") != 0)
-        fprintf(stderr, "gemtrace gate: %s=%s is neither 0 nor 1; the managed memory hints stay on.\n",
+    if (on && strcmp(on, "1") == 0)
+        hints_on = true;
+    else if (on && *on && strcmp(on, "0") != 0)
+        fprintf(stderr, "gemtrace gate: %s=%s is neither 0 nor 1; the managed memory hints stay off.\n",
                 GT_ENV_MANAGED_HINTS, on);
     const char *max = getenv(GT_ENV_MANAGED_PREFETCH_MAX);
     if (max && *max && !parse_bytes(max, &prefetch_max)) {

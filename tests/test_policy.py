@@ -24,6 +24,8 @@ class Workload:
         self.ran_out_at = 0  # when the pending work was last used up
         self.burst_at = 0  # when the work pending now arrived (into an empty queue)
         self.latencies: list[int] = []  # per burst: from its arrival to its last kernel's end
+        self.open_ns = 0  # GPU time of the burst running now
+        self.closed_ns = 0  # of the bursts that ran out (the gate's busy_ns)
 
     def wants(self, t: int) -> bool:
         if self.on_ns is None:
@@ -40,7 +42,9 @@ class Workload:
             return dt
         used = min(dt, self.pending)
         self.pending -= used
+        self.open_ns += used
         if self.pending == 0 and used:
+            self.closed_ns, self.open_ns = self.closed_ns + self.open_ns, 0
             self.ran_out_at = t + used
             self.latencies.append(self.ran_out_at - self.burst_at)
         return used
@@ -76,17 +80,32 @@ class FakeGpu:
     busy_ns: dict[int, int] = field(default_factory=dict)
     switches: int = 0
     steps: int = 0
+    looked_at: int = 0
+    busy_seen: dict[int, int] = field(default_factory=dict)  # busy_ns at the last look
 
     def observe(self, t: int) -> Observation:
         demand = frozenset(g for g, work in self.workloads.items() if work.wants(t))
-        idle_since = None
-        if self.released is not None and self.released not in demand:
-            idle_since = self.workloads[self.released].ran_out_at
+        idle_since = burst_from = None
+        burst_ns = 0
+        if self.released is not None:
+            work = self.workloads[self.released]
+            # The gate's slot: the bursts' lengths, added as each one closes (busy_ns), and the
+            # opening of the open one, or of the last one.
+            burst_ns = work.closed_ns - self.busy_seen.get(self.released, 0)
+            if self.released not in demand:
+                idle_since = work.ran_out_at
+                if work.ran_out_at > self.looked_at:
+                    burst_from = work.burst_at  # quiet now, busy since the last look
+            elif work.on_ns:
+                burst_from = work.burst_at
+        self.looked_at = t
+        self.busy_seen = {g: work.closed_ns for g, work in self.workloads.items()}
         drained_at = None
         if self.draining is not None and t >= self.drain_end:
             drained_at = self.drain_end
         # Every group's process is alive all along: present, wanting the GPU or not.
-        return Observation(demand, idle_since, drained_at, present=frozenset(self.workloads))
+        return Observation(demand, idle_since, drained_at, present=frozenset(self.workloads),
+                           holder_burst_from=burst_from, holder_burst_ns=burst_ns)
 
     def rung(self, t0: int, t: int) -> bool:
         """Did a thread start waiting on a held word in (t0, t] (the gate rings the doorbell then):
@@ -215,6 +234,16 @@ def test_a_group_without_demand_gets_nothing_and_costs_nothing() -> None:
     assert with_idle.steps == alone.steps
     assert with_idle.switches == alone.switches
     assert with_idle.busy_ns[0] == alone.busy_ns[0]
+
+
+def test_a_service_alone_is_charged_about_what_it_runs() -> None:
+    # A batch-1 service: 3 ms of kernels, then 20 ms to its next request. The looks that see it busy
+    # come at random points of its requests; the charge from such a look must end with the request,
+    # not at the slice's end (60 ms: it was charged 0.5 of the GPU on the H100 for the 0.08 it used).
+    gpu, policy = simulate({0: Quota()}, {0: bursty(3 * MS, 23 * MS)})
+    true = gpu.busy_ns[0] / 1e9
+    assert policy.usage(10 * SECOND)[0].gpu_seconds == pytest.approx(true, rel=0.1)
+    assert gpu.steps < 10 * 150  # a look now and then, not a poll throughout
 
 
 def test_few_wakeups_for_a_group_alone() -> None:
@@ -517,7 +546,9 @@ def test_groups_out_of_play_are_brought_up_to_date_as_if_look_by_look() -> None:
     while the buckets' capacity follows the drains (a long drain, or none for a quiet holder)."""
     quotas = {g: Quota(0.05 if g % 5 == 0 else 0.0, (0.05, 0.1, 1.0)[g % 3]) for g in range(40)}
     workloads = {g: hog() if g in (2, 5, 8) else bursty(2 * MS, (60 + 13 * g) * MS) for g in range(40)}
-    lazy, eager = (TimeSharePolicy(PolicyParams(drains_ring=True)) for _ in range(2))
+    # 20 ms slices: four drains of 12 ms and more move the slice (the buckets' capacity) off it.
+    params = PolicyParams(drains_ring=True, slice_ns=20 * MS, min_slice_ns=5 * MS)
+    lazy, eager = (TimeSharePolicy(params) for _ in range(2))
     for policy in (lazy, eager):
         policy.set_quotas(0, quotas)
     gpu = FakeGpu(workloads, drain_ns=12 * MS)

@@ -103,7 +103,8 @@ def test_a_new_process_is_seen_within_a_rescan(region: rg.Region) -> None:
 
 def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    params = PolicyParams(slice_ns=20 * MS, min_slice_ns=5 * MS)  # (the slice this test walks through)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, params=params)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 5, 1002, b)

@@ -19,7 +19,7 @@ as a failed run, with the worker's log. --cache-release runs each case with `gem
 cache release (on by default for these Oversubscribe groups: gemtrace/cache_release.py), without it
 (GEMTRACE_RELEASE_CACHE=0), or both ways, one after the other (issue 14's "the same without").
 --hints does the same for the gate's advice and prefetch hints on the managed memory it serves in place
-of device memory (hook/memory.c; on by default, GEMTRACE_MANAGED_HINTS=0 turns them off): each case
+of device memory (hook/memory.c; off by default, GEMTRACE_MANAGED_HINTS=1 turns them on): each case
 runs with them, without them, or both ways.
 
     python3 bench/gpu/oversubscribe.py [--cases limited,squeezed,pair] [--limit-ratio 0.5]
@@ -164,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-release", choices=sorted(BOTH_WAYS), default="on",
                     help="the jobs' PyTorch cache release while their group is held: on (gemtrace run's default for "
                     "Oversubscribe groups), off, or both, each case once each way (default on)")
-    ap.add_argument("--hints", choices=sorted(BOTH_WAYS), default="on",
-                    help="the gate's advice and prefetch hints on the managed memory it serves: on (the "
-                    "default), off (GEMTRACE_MANAGED_HINTS=0), or both, each case once each way (default on)")
+    ap.add_argument("--hints", choices=sorted(BOTH_WAYS), default="off",
+                    help="the gate's advice and prefetch hints on the managed memory it serves: on "
+                    "(GEMTRACE_MANAGED_HINTS=1), off (the gate's default), or both, each case once each way (default off)")
     ap.add_argument("--seconds", type=float, default=20.0, help="the measured window of each run (default 20)")
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds after the warm-up before the window: paging settles (default 5)")
