@@ -166,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                     "Oversubscribe groups), off, or both, each case once each way (default on)")
     ap.add_argument("--hints", choices=sorted(BOTH_WAYS), default="off",
                     help="the gate's advice and prefetch hints on the managed memory it serves: on "
-                    "(GEMTRACE_MANAGED_HINTS=1), off (the gate's default), or both, each case once each way (default off)")
+                    "(GEMTRACE_MANAGED_HINTS=1), off (the gate's default), or both, each case once each way "
+                    "(default off)")
     ap.add_argument("--seconds", type=float, default=20.0, help="the measured window of each run (default 20)")
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds after the warm-up before the window: paging settles (default 5)")
