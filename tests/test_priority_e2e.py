@@ -86,9 +86,10 @@ def test_a_higher_priority_service_is_not_charged_through_its_pauses(host: Host)
     summary = (f"service busy {service_busy:.3f} of the GPU, p50 {served['iter_p50_s'] * 1e3:.1f} ms, p99 "
                f"{served['iter_p99_s'] * 1e3:.1f} ms; hog {hog_share:.3f} of the GPU")
     # The hog gets what the service leaves, less a switch gap each way per request (the poll that
-    # sees the service's request, the hog's drain of at most its 1 ms kernel, a wake-up): about 0.1
-    # of the GPU at 40 switches a second on a loaded 2-CPU machine.
-    assert hog_share >= 1 - service_busy - 0.25, summary
+    # sees the service idle, up to 4 ms; the hog's drain; a wake-up): 0.16-0.26 of the GPU at 40
+    # switches a second on the 2-CPU VM while CI runs (hog 0.709-0.801 in six runs, 2026-11-23). The
+    # bug this guards against left the hog 0.17.
+    assert hog_share >= 1 - service_busy - 0.35, summary
     # And a request still waits at most a poll, the hog's drain (its 4 ms between syncs) and a wake-up,
     # less than the hog's 20 ms slice that it waits at equal priorities (5-15 ms on a 2-CPU VM).
     burst = SHORT_KERNELS * SHORT_KERNEL_NS / 1e9
