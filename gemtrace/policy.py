@@ -74,8 +74,10 @@ class GroupUsage:
 
 @dataclass(frozen=True)
 class PolicyParams:
-    """Times in ns. The slice adapts between min and max: long enough that the measured drain
-    (a held group finishing its queued work) stays a small part of it."""
+    """Times in ns. A slice lasts slice_ns, or drain_slices measured drains (a held group finishing
+    its queued work) where that is longer, up to max_slice_ns: by default both are 60 ms, so the
+    drains lengthen it only where slice_ns is set lower (tests do). min_slice_ns is the shortest slice
+    that pays a MinUtil debt."""
 
     # 60 ms, not 20: each hold and release costs the released group's work about 2 ms more than the
     # time charged (its restart on a GPU gone idle; bench/results/models_torch.md, 2026-11-23 15:02):
