@@ -375,7 +375,11 @@ def test_gated_processes_use_the_slot_for_time_and_launches_and_agree_with_ebpf_
     keeper = threading.Thread(target=keep)
     keeper.start()
     enforcer = MemoryEnforcer()
-    acc = make_accounting(enforcer=enforcer, region=region)
+    # The resource file defines the region's groups, as the agent's does: a poll that sees a process
+    # before its gate filled its slot decides its group as for an ungated one, from its GEMTRACE_GROUP,
+    # and keeps that (with no groups defined it was `default`: CI failed so once, 2026-11-23).
+    config = Config({"default": group(), "train": group()})
+    acc = make_accounting(config, enforcer=enforcer, region=region)
     env = sim.env(GEMTRACE_STATE_DIR=str(state), GEMTRACE_GROUP="train", LD_PRELOAD=str(gate))
     holder = subprocess.Popen([str(REPO / "build/simgpu/simgpu-rt"), "alloc", "--api", "v2", "--hold", "30",
                                str(96 * MiB), str(32 * MiB)], env=env, stdout=subprocess.PIPE, text=True)
