@@ -213,7 +213,7 @@ class TimeSharePolicy:
         self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
         self._last = self.now
         self._looked = self.now  # the last step's time
-        self._changed_at = self.now  # the last look that saw demand, phase or holder activity change
+        self._changed_at = self.now  # the last look that saw the phase, the holder or the others' demand change
         # Groups whose drain outlasted the timeout while another group waited: that group was
         # released, but their queued work still runs (beside it) and is charged to them until they
         # finish (group -> when they were held). Without this, a process that syncs rarely (hundreds
@@ -357,8 +357,8 @@ class TimeSharePolicy:
                 # It ran out of work at holder_idle_since: the time since was not GPU time; nor were
                 # the gaps between the bursts it closed before.
                 end = max(obs.holder_idle_since, self._released_at)
-                gaps = end - since - obs.holder_burst_ns if obs.holder_burst_ns and end > since else 0
-                self._refund(holder, now - end + max(0, gaps))
+                gaps = max(0, end - since - obs.holder_burst_ns) if obs.holder_burst_ns else 0
+                self._refund(holder, now - end + gaps)
                 self._charging = False
             elif obs.holder_burst_from is not None:
                 # Quiet at the last look and at this one, busy in between: charge what it ran, every

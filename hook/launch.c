@@ -248,7 +248,9 @@ static uint64_t next_queue_check(int gpu, uint64_t per_launch, uint64_t bound_ns
     /* queued <= the bound, and at least one launch more than the marker's: a bound shorter than a
      * kernel (the outranked queue's 0.5 ms beside 2 ms kernels) would leave the GPU idle while the
      * waiting thread wakes and launches the next one. */
-    uint64_t bound = bound_ns / per_launch ? bound_ns / per_launch : 1;
+    uint64_t bound = bound_ns / per_launch;
+    if (!bound)
+        bound = 1;
     uint64_t half = (bound_ns / 2 + per_launch - 1) / per_launch;         /* queued >= half of it */
     uint64_t base = __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED);
     return __atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) ? base + bound + 1 : base + half;

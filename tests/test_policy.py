@@ -81,7 +81,7 @@ class FakeGpu:
     switches: int = 0
     steps: int = 0
     looked_at: int = 0
-    busy_seen: dict[int, int] = field(default_factory=dict)  # busy_ns at the last look
+    busy_seen: dict[int, int] = field(default_factory=dict)  # each group's closed_ns at the last look
 
     def observe(self, t: int) -> Observation:
         demand = frozenset(g for g, work in self.workloads.items() if work.wants(t))
