@@ -100,7 +100,9 @@ class PolicyParams:
     # holding nor so far in this one (a launch loop, a training step without data stalls) is looked at
     # this often; a holder that idles gets poll_ns. Halves the agent's looks with capped groups
     # waiting (bench/results/agent_cpu.md); an idle spell of a steady holder is seen this late at most.
-    # 16 ms, not 8, since slices are 60 ms: these looks were 70% of all with four capped groups.
+    # 16 ms, not 8, since slices are 60 ms: with capped groups waiting, most looks are these
+    # (bench/results/agent_cpu.md, 2026-11-23: 8 processes in 4 capped groups, 5.0 -> 3.5% of a core
+    # with this and the doorbell wait while nobody is released).
     steady_poll_ns: int = 16 * MS
     # Nothing changing (no demand; an uncapped holder idle with nobody else waiting): the look for
     # demand backs off to an eighth of the quiet time, up to this.
@@ -521,8 +523,8 @@ class TimeSharePolicy:
             return min(self._slice_end, now + p.max_slice_ns)  # (a debt's slice may be longer)
         # Nobody released: where the gates ring, a group's first launch rings (it blocks on its held
         # word), so the look for new demand is only a net for a ring that never came; the looks that
-        # matter are when a waiting capped group's credit is back. (A capped group alone made 20
-        # looks for new demand between two slices at 4-20 ms, a hundred a second in all.)
+        # matter are when a waiting capped group's credit is back. (A capped group alone was looked at
+        # every 4-20 ms between its slices for nothing: bench/results/agent_cpu.md, 2026-11-23.)
         wake = now + (p.max_poll_ns if p.drains_ring else backoff)
         for group in self._demand:
             quota = self._accounts[group].quota
