@@ -88,7 +88,7 @@ def main() -> int:
     where = machine()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gemtrace-bench-") as tmp:
-        cases = (*harness.CASES, harness.TWO_GPUS,
+        cases = (*harness.CASES, harness.FOUR_CAPPED, harness.TWO_GPUS,
                  *((*harness.RARE_SYNC, *harness.NEVER_SYNC, harness.ON_CUDA1_NEVER_SYNC) if args.rare_sync else ()),
                  *(harness.LAUNCH_BOUND if args.launch_bound else ()))
         cases = tuple(case for case in cases if not args.only or args.only in case.name)

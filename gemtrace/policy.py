@@ -13,6 +13,9 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
 
   - MaxUtil is a credit bucket per group (refilled at MaxUtil per second of wall time, spent by the
     GPU time charged): exact over the long run whatever the slice lengths, also for a group alone.
+    A capped group alone waits for a full bucket (fewer holds); where every wanting group is capped
+    and the caps fit in the GPU, the one whose bucket fills first goes first (its credit would be
+    lost), and where they fill it, a group with credit for min_slice_ns runs rather than the GPU idle.
   - MinUtil is time owed (accrued at MinUtil while the group wants the GPU, spent by its GPU time):
     a group that is owed time goes first, for a slice that pays the debt.
   - Priority orders the rest: a wanting group of a higher priority goes before every group of a
@@ -317,7 +320,7 @@ class TimeSharePolicy:
 
     def _wake_on_wait(self, now: int, outranked: bool) -> bool:
         if self._phase is Phase.DRAINING:
-            return any(g != self._holder and self._eligible(g, now) for g in self._demand)
+            return self._someone_waits(now)
         return outranked or self._phase is Phase.IDLE
 
     def _hold_coming(self, holder: int) -> bool:
@@ -399,9 +402,8 @@ class TimeSharePolicy:
         # The timeout only matters to a group waiting for the GPU: with nobody to hand it to, the
         # drain is waited out (and charged), up to max_overrun_ns (a process that queued work and went
         # off to CPU work reports no end until it next launches or syncs).
-        timed_out = now >= self._hold_at + self.drain_timeout_ns() and any(
-            g != holder and self._eligible(g, now) for g in self._demand
-        ) or now >= self._hold_at + self.params.max_overrun_ns
+        timed_out = (now >= self._hold_at + self.drain_timeout_ns() and self._someone_waits(now)
+                     or now >= self._hold_at + self.params.max_overrun_ns)
         if obs.drained_at is None and not timed_out:
             return
         end = now if obs.drained_at is None else max(min(obs.drained_at, now), self._released_at)
@@ -432,15 +434,55 @@ class TimeSharePolicy:
 
     # -- choosing ------------------------------------------------------------------------------
 
-    def _eligible(self, group: int, now: int) -> bool:
-        """May the group be released now? Under its MaxUtil with credit for a whole slice (so a
-        capped group runs in a few long slices, not many short ones)."""
+    def _eligible(self, group: int, now: int, slice_ns: int | None = None) -> bool:
+        """May the group be released now? Under its MaxUtil with the credit `_credit_to_release`
+        asks, or with credit for `slice_ns`."""
         quota = self._accounts[group].quota
         if quota.max_util <= 0.0:
             return False
         if quota.max_util >= 1.0:
             return True
-        return self._account(group).cap_credit >= self.slice_ns() * (1.0 - quota.max_util)
+        if slice_ns is not None:
+            return self._account(group).cap_credit >= slice_ns * (1.0 - quota.max_util)
+        return self._account(group).cap_credit >= self._credit_to_release(group)
+
+    def _credit_to_release(self, group: int) -> float:
+        """The MaxUtil credit a capped group waits for: a whole slice's, so that it runs in a few long
+        slices, not many short ones; alone (nobody else wants the GPU), a full bucket: it then runs
+        until the bucket is spent and rests until it is full, half as many holds as a slice's credit
+        gives (on the H100 a transformer step capped at 0.5 alone went from 0.457 to 0.509 of solo:
+        each hold and release costs it some ms of work; bench/results/models_torch.md, 17:38)."""
+        if self._demand <= {group}:
+            return self._cap_capacity() - 1.0  # (the bucket refills up to its capacity exactly)
+        return self.slice_ns() * (1.0 - self._accounts[group].quota.max_util)
+
+    def _caps_fill_gpu(self) -> bool:
+        """Do the MaxUtils of the groups that want the GPU add up to all of it? Then none of them
+        need wait for a whole slice's credit: the GPU idling meanwhile is time their caps gave them
+        and nobody gets (caps 0.1/0.2/0.3/0.4 lost 5% of the GPU that way, all of it the 0.4 group's).
+        Below that, a capped group's waits are its cap's, and it waits for a whole slice."""
+        return sum(self._accounts[g].quota.max_util for g in self._demand) >= 1.0 - 1e-9
+
+    def _caps_within_gpu(self) -> bool:
+        """Is every group that wants the GPU capped, their MaxUtils adding up to at most all of it?
+        Then max-min fairness gives each its MaxUtil."""
+        quotas = [self._accounts[g].quota for g in self._demand]
+        return (len(quotas) > 1 and all(q.max_util < 1.0 for q in quotas)
+                and sum(q.max_util for q in quotas) <= 1.0 + 1e-9)
+
+    def _short_candidates(self, now: int) -> list[int]:
+        """Nobody may be released for a whole slice: the groups that may for a shorter one, where
+        their caps fill the GPU (_caps_fill_gpu)."""
+        if not self._caps_fill_gpu():
+            return []
+        return [g for g in self._demand if self._eligible(g, now, self.params.min_slice_ns)]
+
+    def _someone_waits(self, now: int) -> bool:
+        """Does a group other than the holder wait for the GPU, and may it be released once the
+        holder drained?"""
+        others = [g for g in self._demand if g != self._holder]
+        return any(self._eligible(g, now) for g in others) or (
+            bool(others) and any(g != self._holder for g in self._short_candidates(now)))
 
     def _may_continue(self, group: int) -> bool:
         """May the holder keep the GPU? While its credit lasts for a useful stretch more (what is
@@ -459,7 +501,7 @@ class TimeSharePolicy:
         among the groups of the highest priority, the least decayed usage; on a tie the holder, then
         the one that waited longest."""
         candidates = [g for g in self._demand if g == self._holder and self._may_continue(g)
-                      or self._eligible(g, now)]
+                      or self._eligible(g, now)] or self._short_candidates(now)
         if not candidates:
             return None
         owed = [g for g in candidates if self._is_owed(g)]
@@ -468,6 +510,14 @@ class TimeSharePolicy:
                                             g == self._holder))
         top = max(self._priority(g) for g in candidates)
         candidates = [g for g in candidates if self._priority(g) == top]
+        if self._caps_within_gpu():
+            # Every group that wants the GPU can have its whole MaxUtil: the one whose bucket fills
+            # first goes first, since credit past a full bucket is lost (caps 0.2/0.3/0.4 by least
+            # usage gave the 0.4 group 0.38, its bucket full while the others ran).
+            capacity = self._cap_capacity()
+            return min(candidates, key=lambda g: ((capacity - self._account(g).cap_credit)
+                                                  / self._accounts[g].quota.max_util, g != self._holder,
+                                                  self._accounts[g].last_run))
         return min(candidates, key=lambda g: (self._account(g).usage, g != self._holder,
                                               self._accounts[g].last_run))
 
@@ -489,7 +539,7 @@ class TimeSharePolicy:
         p = self.params
         if self._phase is Phase.DRAINING:
             timeout = self._hold_at + self.drain_timeout_ns()
-            if not any(g != self._holder and self._eligible(g, now) for g in self._demand):
+            if not self._someone_waits(now):
                 # Nobody to hand the GPU to: the drain's end comes from the gate's own timestamp,
                 # seeing it late costs nothing (and only max_overrun_ns cuts it short).
                 return min(now + p.poll_ns, self._hold_at + p.max_overrun_ns)
@@ -526,10 +576,13 @@ class TimeSharePolicy:
         # matter are when a waiting capped group's credit is back. (A capped group alone was looked at
         # every 4-20 ms between its slices for nothing: bench/results/agent_cpu.md, 2026-11-23.)
         wake = now + (p.max_poll_ns if p.drains_ring else backoff)
+        short = self._caps_fill_gpu()
         for group in self._demand:
             quota = self._accounts[group].quota
             if 0.0 < quota.max_util < 1.0:
-                missing = self.slice_ns() * (1.0 - quota.max_util) - self._account(group).cap_credit
+                wanted = (self.params.min_slice_ns * (1.0 - quota.max_util) if short
+                          else self._credit_to_release(group))
+                missing = wanted - self._account(group).cap_credit
                 wake = min(wake, now + max(1, math.ceil(missing / quota.max_util)))
         return wake
 

@@ -126,6 +126,13 @@ LAUNCH_BOUND = (
     Case("launch-bound: MaxUtil 0.5 alone", (launch_bound("capped50", Quota(0, 0.5)),), {("capped50", 0): (0.5, "=")}),
     LAUNCH_BOUND_CAPS,
 )
+# The H100 benchmark's 4 x 2 (bench/gpu/models_torch.py): caps that add up to the whole GPU, so every
+# hold and release costs some group its cap, and how that loss is shared shows.
+FOUR_CAPPED = Case(
+    "4 groups capped 0.1/0.2/0.3/0.4, 2 processes each",
+    tuple(Load(f"capped{c}", Quota(0, c / 100), processes=2) for c in (10, 20, 30, 40)),
+    {(f"capped{c}", 0): (c / 100, "=") for c in (10, 20, 30, 40)},
+)
 TWO_GPUS = Case(
     "2 GPUs, each its own",
     (Load("both40", Quota(0, 0.4), devices=(0, 1)), Load("gpu0only")),

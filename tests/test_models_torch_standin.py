@@ -81,3 +81,17 @@ def test_unknown_case_is_refused_with_the_choices(tmp_path: Path) -> None:
     rc, output, _, _ = run_bench(tmp_path, "--cases", "caps,priority")
     assert rc == 2, output
     assert "case priority: choose among caps, minutil, maxutil, 4x2" in output, output
+
+
+def test_groups_of_two_processes_are_compared_with_two_processes_alone(tmp_path: Path) -> None:
+    rc, output, result, table = run_bench(tmp_path, "--cases", "4x2", "--workloads", "cnn-train")
+    assert rc in (0, 1), output
+    # Two processes of one group share the GPU by the driver's time slicing even alone: that is the
+    # reference of a group of two, not one process alone.
+    assert set(result["solo"]) == {"cnn-train, 2 processes"}, output
+    solo = result["solo"]["cnn-train, 2 processes"]
+    rows = {r["group"]: r for r in result["rows"]}
+    assert set(rows) == {"capped10", "capped20", "capped30", "capped40"}, output
+    for row in rows.values():
+        assert row["processes"] == 2 and row["throughput"] == pytest.approx(row["rate"] / solo["mean"]), output
+    assert "| cnn-train, 2 processes | " in table, table

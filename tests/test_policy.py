@@ -4,6 +4,7 @@ conservation, and what an idle group costs. No region, no processes, no sleeping
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field
+from typing import Any
 
 import pytest
 
@@ -181,6 +182,31 @@ def test_caps_split_two_saturating_groups() -> None:
     assert gpu.switches < 10 * 40
 
 
+@pytest.mark.parametrize("caps", [(0.1, 0.2, 0.3, 0.4), (0.2, 0.3, 0.4)])
+def test_caps_within_the_gpu_each_get_their_whole_max_util(caps: tuple[float, ...]) -> None:
+    # Least usage first left the largest cap behind: its bucket full while the others ran, and the GPU
+    # idle while nobody had a whole slice's credit (the 0.4 group got 0.35 and 0.38 here).
+    quotas = {g: Quota(0, cap) for g, cap in enumerate(caps)}
+    gpu, _ = simulate(quotas, {g: hog() for g in quotas}, **drains_ring_params())
+    for g, cap in enumerate(caps):
+        assert gpu.share(g, 10 * SECOND) == pytest.approx(cap, abs=0.012), (g, cap)
+    assert gpu.switches < 10 * 20
+
+
+def test_caps_beyond_the_gpu_still_share_max_min() -> None:
+    # Caps that add up to more than the GPU are ceilings, not weights: 0.5 and 0.6 get half each, as
+    # two uncapped groups would; and a capped 0.7 beside an uncapped hog gets half, not its cap.
+    gpu, _ = simulate({0: Quota(0, 0.5), 1: Quota(0, 0.6)}, {0: hog(), 1: hog()}, **drains_ring_params())
+    assert gpu.share(0, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
+    assert gpu.share(1, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
+    gpu, _ = simulate({0: Quota(0, 0.7), 1: Quota(0, 1)}, {0: hog(), 1: hog()}, **drains_ring_params())
+    assert gpu.share(0, 10 * SECOND) == pytest.approx(0.5, abs=0.02)
+
+
+def drains_ring_params() -> dict[str, Any]:
+    return {"params": PolicyParams(drains_ring=True), "doorbell": True}
+
+
 def test_min_util_holds_against_two_uncapped_hogs() -> None:
     gpu, _ = simulate({0: Quota(0.6, 1.0), 1: Quota(0, 1), 2: Quota(0, 1)}, {0: hog(), 1: hog(), 2: hog()})
     assert gpu.share(0, 10 * SECOND) >= 0.6 - 0.005
@@ -192,6 +218,9 @@ def test_min_util_holds_against_two_uncapped_hogs() -> None:
 def test_max_util_holds_for_a_group_alone() -> None:
     gpu, policy = simulate({0: Quota(0, 0.5)}, {0: hog()})
     assert gpu.share(0, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
+    # Alone it waits for a full bucket (60 ms of credit), then runs 120 ms: about 4 holds a second,
+    # not 8 (each costs a real model some ms of work).
+    assert gpu.switches <= 10 * 4.5
     assert policy.usage(10 * SECOND)[0].throttled_seconds == pytest.approx(5.0, abs=0.3)
 
 

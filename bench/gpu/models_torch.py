@@ -7,7 +7,9 @@ one window that they all share (models_worker.py's protocol), and per group the 
   time charged   the agent's gemtrace_group_gpu_seconds_total over the window / the window
   throughput     the group's steps per second (all its processes) / the same workload's solo rate
 Solo is the workload alone, gated, in a group with no quota, measured before AND after the cases (a
-GPU machine drifts: clocks, heat); the table shows both and divides by their mean.
+GPU machine drifts: clocks, heat); the table shows both and divides by their mean. A group of two
+processes (4x2) is compared with two processes alone: they share the GPU by the driver's time slicing
+even without gemtrace.
 
 Workloads (models_worker.py; random weights, nothing downloaded):
   cnn-train          ResNet-50, batch 64, 224x224, bf16 autocast, SGD
@@ -52,7 +54,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -420,7 +422,8 @@ def report_header(about: dict[str, str], args: argparse.Namespace, what_ran: str
 
 def render(header: str, solo: dict[str, dict[str, float]], rows: list[dict[str, Any]],
            cpu: list[dict[str, Any]], skipped: list[str]) -> str:
-    lines = [header, "", "Solo: the workload alone, gated, in a group with no quota (steps/s):", "",
+    lines = [header, "", "Solo: the workload alone, gated, in a group with no quota, in as many processes as the "
+             "groups compared with it (steps/s):", "",
              "| workload | before | after | after / before | mean (the reference) |", "| --- | --- | --- | --- | --- |"]
     for workload, s in solo.items():
         after = f"{s['after']:.2f}" if "after" in s else "-"
@@ -441,6 +444,11 @@ def render(header: str, solo: dict[str, dict[str, float]], rows: list[dict[str, 
     if skipped:
         lines += ["", "Not run: " + "; ".join(skipped) + "."]
     return "\n".join(lines) + "\n"
+
+
+def solo_key(workload: str, processes: int) -> str:
+    """The solo table's row: the workload, and how many processes ran it where more than one."""
+    return workload if processes == 1 else f"{workload}, {processes} processes"
 
 
 def parse_list(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -481,7 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(c, w) for c, w in PLAN if c in args.cases and w in args.workloads]
     if not plan:
         ap.error("no case covers those workloads: caps runs every workload, minutil, maxutil and 4x2 the training ones")
-    solo_workloads = [w for w in WORKLOADS if any(w == pw for _, pw in plan)]
+    # Each judged group's reference: its workload alone, in as many processes as the group has (two
+    # processes of one group share the GPU by the driver's time slicing even alone, and that is no
+    # cost of gemtrace's).
+    solo_runs = sorted({(g.workload or w, g.processes) for c, w in plan for g in CASE[c].groups(w) if g.target},
+                       key=lambda run: (WORKLOADS.index(run[0]), run[1]))
     began = time.monotonic()
     spent: list[float] = []  # each run's time beyond its window: start-up, warm-up, settle, stop
 
@@ -494,9 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     def per_run() -> float:
         return opts.seconds + (sum(spent) / len(spent) if spent else START_UP_GUESS_S)
 
-    estimate = per_run() * (len(plan) + 2 * len(solo_workloads))
-    print(f"plan: solo {', '.join(solo_workloads)}; " + "; ".join(f"{c} {w}" for c, w in plan) +
-          f"; then solo again: {len(plan) + 2 * len(solo_workloads)} runs, about {estimate / 60:.1f} min", flush=True)
+    estimate = per_run() * (len(plan) + 2 * len(solo_runs))
+    print(f"plan: solo {', '.join(solo_key(*run) for run in solo_runs)}; " + "; ".join(f"{c} {w}" for c, w in plan) +
+          f"; then solo again: {len(plan) + 2 * len(solo_runs)} runs, about {estimate / 60:.1f} min", flush=True)
     about: dict[str, Any] = {}
     solo: dict[str, dict[str, float]] = {}
     rows: list[dict[str, Any]] = []
@@ -504,12 +516,12 @@ def main(argv: list[str] | None = None) -> int:
     cpu_rows: list[dict[str, Any]] = []
     skipped: list[str] = []
     try:
-        for w in solo_workloads:
-            r = timed((SOLO,), w)
+        for w, n in solo_runs:
+            r = timed((replace(SOLO, processes=n),), w)
             about = about or r["about"]
-            solo[w] = {"before": r["groups"]["solo"]["rate"]}
-            print(f"solo before {w}: {solo[w]['before']:.2f} steps/s, charged {r['groups']['solo']['charged']:.3f}",
-                  flush=True)
+            solo[solo_key(w, n)] = {"before": r["groups"]["solo"]["rate"]}
+            print(f"solo before {solo_key(w, n)}: {r['groups']['solo']['rate']:.2f} steps/s, "
+                  f"charged {r['groups']['solo']['charged']:.3f}", flush=True)
     except RunFailed as e:
         print(f"a solo run failed, so nothing can be compared: {e}", file=sys.stderr)
         return 2
@@ -517,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     for case_name, w in plan:
         case = CASE[case_name]
         left = args.budget_s - (time.monotonic() - began)
-        if args.budget_s and per_run() * (1 + len(solo_workloads)) > left:
+        if args.budget_s and per_run() * (1 + len(solo_runs)) > left:
             skipped.append(f"{case.name} {w} (budget: {left:.0f} s left, a run takes about {per_run():.0f} s)")
             print(f"skipped: {skipped[-1]}", flush=True)
             continue
@@ -543,17 +555,18 @@ def main(argv: list[str] | None = None) -> int:
         print("  ".join(f"{row['group']}: charged {row['charged']:.3f}, {row['rate']:.2f} steps/s"
                         for row in rows[-len(groups):]) + f"; agent CPU {r['agent_cpu']:.1f}% ({case.name} {w})",
               flush=True)
-    for w in solo_workloads:
+    for w, n in solo_runs:
+        key = solo_key(w, n)
         try:
-            solo[w]["after"] = timed((SOLO,), w)["groups"]["solo"]["rate"]
-            print(f"solo after {w}: {solo[w]['after']:.2f} steps/s", flush=True)
+            solo[key]["after"] = timed((replace(SOLO, processes=n),), w)["groups"]["solo"]["rate"]
+            print(f"solo after {key}: {solo[key]['after']:.2f} steps/s", flush=True)
         except RunFailed as e:  # the reference is then solo before alone, as the table shows
             failed = True
-            print(f"solo after {w} failed: {e}", file=sys.stderr)
+            print(f"solo after {key} failed: {e}", file=sys.stderr)
     for s in solo.values():
         s["mean"] = (s["before"] + s["after"]) / 2 if "after" in s else s["before"]
     for row, target in zip(rows, targets, strict=True):
-        ref = solo.get(row["workload"])
+        ref = solo.get(solo_key(row["workload"], row["processes"]))
         row["throughput"] = row["rate"] / ref["mean"] if ref else None
         row["result"] = "-" if target is None or row["throughput"] is None else \
             "met" if target.met(row["throughput"]) else "missed"
