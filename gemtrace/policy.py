@@ -103,10 +103,10 @@ class PolicyParams:
     # holding nor so far in this one (a launch loop, a training step without data stalls) is looked at
     # this often; a holder that idles gets poll_ns. Halves the agent's looks with capped groups
     # waiting (bench/results/agent_cpu.md); an idle spell of a steady holder is seen this late at most.
-    # 16 ms, not 8, since slices are 60 ms: with capped groups waiting, most looks are these
-    # (bench/results/agent_cpu.md, 2026-11-23: 8 processes in 4 capped groups, 5.0 -> 3.5% of a core
-    # with this and the doorbell wait while nobody is released).
-    steady_poll_ns: int = 16 * MS
+    # Half a slice: with capped groups waiting, most looks are these (bench/results/agent_cpu.md,
+    # 2026-11-23: 8 processes in 4 capped groups, 5.0 -> 3.5% of a core at 16 ms with the doorbell
+    # wait while nobody is released; 8 ms before that).
+    steady_poll_ns: int = 30 * MS
     # Nothing changing (no demand; an uncapped holder idle with nobody else waiting): the look for
     # demand backs off to an eighth of the quiet time, up to this.
     max_poll_ns: int = 32 * MS
@@ -544,9 +544,9 @@ class TimeSharePolicy:
                 # seeing it late costs nothing (and only max_overrun_ns cuts it short).
                 return min(now + p.poll_ns, self._hold_at + p.max_overrun_ns)
             # Someone waits: the GPU idles from the drain's end until this look sees it. Look once
-            # at once (a quiet holder drains at once), then at the ring of its end, or else from half
-            # the usual drain on, finely.
-            if p.drains_ring and now > self._hold_at:
+            # at once where the holder was quiet (it drains at once, and may not ring), then at the
+            # ring of the drain's end, or else from half the usual drain on, finely.
+            if p.drains_ring and (now > self._hold_at or self._charging):
                 return min(now + p.poll_ns, timeout)
             fine = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
             if now - self._hold_at >= fine:
