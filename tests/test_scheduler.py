@@ -89,15 +89,28 @@ def test_a_waiting_group_is_released_and_the_others_stay_held(region: rg.Region)
     assert not region.is_held(0, a)  # the other GPU is not this scheduler's
 
 
-def test_a_new_process_is_seen_within_a_rescan(region: rg.Region) -> None:
+def test_a_new_process_is_seen_at_its_ring_or_within_a_rescan_and_the_net(region: rg.Region) -> None:
     clock = FakeClock()
     scheduler = GpuScheduler(region, GPU, clock)
     a = region.set_group("a", None, 0, 1)
     scheduler.set_quotas({a: Quota()})
     scheduler.step()
+    # Its thread waits on the held word and rings: the look the ring brings scans for it.
     claim(region, 3, 1001, a).waiting[GPU] = 1
-    while held(region, a):
-        assert clock() - 1_000 * MS <= RESCAN_NS + 32 * MS  # a scan, then at most the longest poll
+    ring(region, GPU)
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert not held(region, a)
+    # Without a ring (one lost): the next rescan after the net's look.
+    b = region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    region.slots[3].waiting[GPU] = 0
+    clock.advance(1 * MS)
+    scheduler.step()
+    start = clock()
+    claim(region, 4, 1002, b).waiting[GPU] = 1
+    while held(region, b):
+        assert clock() - start <= RESCAN_NS + PolicyParams().ring_net_ns, clock() - start
         clock.advance(scheduler.step() - clock())
 
 
