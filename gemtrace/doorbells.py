@@ -49,7 +49,7 @@ class Doorbells:
 
     def ring(self, gpu: int) -> None:
         """Ring GPU `gpu`'s bell as a gate does: its scheduler looks now, not at its next deadline."""
-        ctypes.c_uint32.from_address(self._address(gpu)).value += 1
+        self.layout.ring[gpu] += 1  # (wraps at 2**32, as the gate's atomic add does)
         futex.wake(self._address(gpu))
 
     def ring_all(self) -> None:

@@ -492,9 +492,8 @@ class TimeSharePolicy:
     def _someone_waits(self, now: int) -> bool:
         """Does a group other than the holder wait for the GPU, and may it be released once the
         holder drained?"""
-        others = [g for g in self._demand if g != self._holder]
-        return any(self._eligible(g, now) for g in others) or (
-            bool(others) and any(g != self._holder for g in self._short_candidates(now)))
+        return any(g != self._holder and self._eligible(g, now) for g in self._demand) or any(
+            g != self._holder for g in self._short_candidates(now))
 
     def _may_continue(self, group: int) -> bool:
         """May the holder keep the GPU? While its credit lasts for a useful stretch more (what is

@@ -3,7 +3,6 @@ fake clock: what it reads, which words it holds and releases, and that it never 
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gemtrace import contract, futex
+from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.policy import MS, PolicyParams
 from gemtrace.scheduler import RESCAN_NS, GpuScheduler, Quota, SlotTable
@@ -326,10 +325,8 @@ def test_run_releases_every_word_when_stopped(region: rg.Region) -> None:
 def ring(region: rg.Region, gpu: int) -> None:
     """What a gate does when one of its threads starts waiting on a held word: add 1 to the GPU's
     doorbell and wake whoever sleeps on it (hook/attach.c, gt_ring)."""
-    bells = region.doorbells
-    assert bells is not None
-    bells.layout.ring[gpu] += 1
-    futex.wake(ctypes.addressof(bells.layout.ring) + 4 * gpu, 1)
+    assert region.doorbells is not None
+    region.doorbells.ring(gpu)
 
 
 def test_a_higher_priority_wait_is_seen_at_the_ring_not_the_next_poll(region: rg.Region) -> None:
