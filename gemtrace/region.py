@@ -625,8 +625,6 @@ class Region:
         self.release_all()
         self.layout.header.heartbeat_ns = 0
         self.layout.header.agent_pid = 0
-        if self.doorbells is not None:
-            self.doorbells.ring_all()  # a scheduler asleep on its bell sees the stop now
 
     @staticmethod
     def _wake(address: int, count: int = futex.EVERYONE) -> None:

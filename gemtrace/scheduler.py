@@ -143,7 +143,6 @@ class GpuScheduler:
         self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool], list[int]] | None = None
         self._rescan_ns = rescan_ns
         self._scanned_at = clock() - rescan_ns
-        self._rung: int | None = None  # the doorbell's count at the last look
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
         self.switches = 0  # how often it held a released group to hand the GPU on (or to cap it)
 
@@ -158,8 +157,6 @@ class GpuScheduler:
             self._pending_quotas = dict(quotas)
             for group in quotas.keys() - self._scheduled:
                 self.region.hold(self.gpu, group)
-        if self.region.doorbells is not None:
-            self.region.doorbells.ring(self.gpu)  # (it may be asleep on the bell for long)
 
     def usage(self) -> dict[int, GroupUsage]:
         with self._lock:
@@ -291,13 +288,8 @@ class GpuScheduler:
         overrun_busy: set[int] = set()
         overrun_ends: dict[int, int] = {}
         seen = self._seen
-        # A ring since the last look may be a new process's first launch (its thread waits, and
-        # will not ring again): scan for it now, not at the next rescan.
-        bells = self.region.doorbells
-        rung = bells.rung(self.gpu) if bells is not None else None
-        if now - self._scanned_at >= self._rescan_ns or rung != self._rung:
+        if now - self._scanned_at >= self._rescan_ns:
             self._rescan(now)
-        self._rung = rung
         assignments = slots.assignments()
         # This GPU's users, three columns read at C speed. Each user's group (its assignment where
         # that names its process, and scheduled here) is kept while no pid, assignment or quota
