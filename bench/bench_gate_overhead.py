@@ -1,8 +1,10 @@
 """Gate overhead per launch on the simulated GPU: no gate, released, released with a short queue.
 
 Runs `simgpu-rt empty-launch-loop` (0 ns kernels: the cost is the launch path itself) without the
-gate and with LD_PRELOAD=build/libgemgate.so, the process's group released plainly (GT_RELEASED) or
-with a short queue (GT_RELEASED_SHORT_QUEUE: a hold is coming), interleaved round by round so that
+gate and with LD_PRELOAD=build/libgemgate.so, the process's group released plainly (GT_RELEASED: a
+group the agent does not schedule) or with a short queue (GT_RELEASED_SHORT_QUEUE: a hold is coming;
+a scheduled group alone, GT_RELEASED_LONG_QUEUE, takes the same path with a longer bound, so it costs
+at most this and checks its queue less often), interleaved round by round so that
 drifts of the machine hit every case alike, and reports the median ns per launch of each. The
 agent's heartbeat is kept fresh by a thread, as the agent does: the gate reads a beat older than
 GT_HEARTBEAT_STALE_NS, or one in its future (now - beat is unsigned), as no agent, and then the
@@ -37,6 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from gemtrace import region as rg  # noqa: E402
 from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
@@ -111,7 +114,7 @@ def measure(tmp: str, devices: int, gate: Path, rounds: int, launches: int) -> d
                 region.release(gpu, group)
             runs["released"].append(one_run(gated, launches))
             for gpu in range(devices):
-                region.release(gpu, group, short_queue=True)
+                region.release(gpu, group, rg.RELEASED_SHORT_QUEUE)
             runs["short queue"].append(one_run(gated, launches))
     finally:
         stop.set()

@@ -47,6 +47,15 @@ class Doorbells:
         passed; may return early."""
         futex.wait(self._address(gpu), seen, timeout_ns)
 
+    def ring(self, gpu: int) -> None:
+        """Ring GPU `gpu`'s bell as a gate does: its scheduler looks now, not at its next deadline."""
+        self.layout.ring[gpu] += 1  # (wraps at 2**32, as the gate's atomic add does)
+        futex.wake(self._address(gpu))
+
+    def ring_all(self) -> None:
+        for gpu in range(len(self.layout.ring)):
+            self.ring(gpu)
+
     def _address(self, gpu: int) -> int:
         return ctypes.addressof(self.layout) + BellsLayout.ring.offset + 4 * gpu
 

@@ -116,6 +116,11 @@ class PolicyParams:
     # drain needs no fine polling, only a look now and then for the ends that do not ring (a process
     # that died, or went off to other work with its queue full).
     drains_ring: bool = False
+    # Where the gates ring, a group's first launch rings too (it blocks on its held word): while
+    # nobody is released, or the holder is alone on the GPU, the scheduler sleeps on the bell, and
+    # looks anyway this often, a net for a ring that never came. (At 32 ms an agent with no process
+    # at all took 0.9% of a core in its scheduler thread: bench/results/agent_cpu.md.)
+    ring_net_ns: int = 250 * MS
     # A group owed less than this much wall time is not worth a switch.
     owed_min_ns: int = 1 * MS
 
@@ -321,7 +326,14 @@ class TimeSharePolicy:
     def _wake_on_wait(self, now: int, outranked: bool) -> bool:
         if self._phase is Phase.DRAINING:
             return self._someone_waits(now)
-        return outranked or self._phase is Phase.IDLE
+        return outranked or self._phase is Phase.IDLE or (self.params.drains_ring and self._holder_alone())
+
+    def _holder_alone(self) -> bool:
+        """Is the released group the only one that wants the GPU, with none of a higher priority
+        present? Then a thread that starts waiting on a held word is news: another group wants it."""
+        holder = self._holder
+        return (self._phase is Phase.RUNNING and holder is not None and self._demand <= {holder}
+                and not self._outranked_present(holder))
 
     def _hold_coming(self, holder: int) -> bool:
         return (self._accounts[holder].quota.max_util < 1.0 or any(g != holder for g in self._demand)
@@ -564,17 +576,22 @@ class TimeSharePolicy:
                 return min(self._slice_end, now + (p.steady_poll_ns if steady else p.poll_ns))
             if self._outranked_present(self._holder):
                 return min(self._slice_end, now + p.poll_ns)
+            capped = self._accounts[self._holder].quota.max_util < 1.0
             if not self._charging:
                 # The holder idles: see when it is busy again, so that its charge starts at most a
                 # look late; promptly for a capped group (its cap counts on that charge).
-                capped = self._accounts[self._holder].quota.max_util < 1.0
-                return min(self._slice_end, now + (p.poll_ns if capped else backoff))
+                return min(self._slice_end, now + (p.poll_ns if capped else
+                                                   p.ring_net_ns if p.drains_ring else backoff))
+            if not capped and p.drains_ring:
+                # Alone and uncapped: the slice's end would only renew it; the gates' figures charge
+                # it however late the next look, and another group's first launch rings.
+                return now + p.ring_net_ns
             return min(self._slice_end, now + p.max_slice_ns)  # (a debt's slice may be longer)
         # Nobody released: where the gates ring, a group's first launch rings (it blocks on its held
         # word), so the look for new demand is only a net for a ring that never came; the looks that
         # matter are when a waiting capped group's credit is back. (A capped group alone was looked at
         # every 4-20 ms between its slices for nothing: bench/results/agent_cpu.md, 2026-11-23.)
-        wake = now + (p.max_poll_ns if p.drains_ring else backoff)
+        wake = now + (p.ring_net_ns if p.drains_ring else backoff)
         short = self._caps_fill_gpu()
         for group in self._demand:
             quota = self._accounts[group].quota

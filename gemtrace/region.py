@@ -43,6 +43,7 @@ from gemtrace.contract import (
     NO_OWNER,
     REGION_FILE,
     RELEASED,
+    RELEASED_LONG_QUEUE,
     RELEASED_OUTRANKED,
     RELEASED_SHORT_QUEUE,
     UTIL_ONE,
@@ -55,6 +56,9 @@ from gemtrace.doorbells import Doorbells
 from gemtrace.slot_server import SlotServer, ask
 from gemtrace.slot_space import ChunkKeeper, SlotSpace, find_chunks, sound_chunk
 
+# A control word's states that let launches proceed: unbounded (a group not scheduled there), and
+# with the queue bounded for a hold coming, for an outranking group's wait, and with no hold in sight.
+RELEASED_WORDS = (RELEASED, RELEASED_SHORT_QUEUE, RELEASED_OUTRANKED, RELEASED_LONG_QUEUE)
 REGION_MODE = 0o644  # the agent's (root's) word: every user reads it, none writes it
 
 u32, i32, u64 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64
@@ -182,8 +186,7 @@ def unsound(layout: RegionLayout) -> str | None:
             return f"group {index} ({decode_name(name)!r}): defined/utilisation out of range"
     for gpu in range(MAX_GPUS):
         for group_index in range(MAX_GROUPS):
-            if layout.control[gpu][group_index].held not in (RELEASED, HELD, RELEASED_SHORT_QUEUE,
-                                                                  RELEASED_OUTRANKED):
+            if layout.control[gpu][group_index].held not in (HELD, *RELEASED_WORDS):
                 return f"control word of GPU {gpu}, group {group_index} is {layout.control[gpu][group_index].held}"
     groups = memoryview(layout.assigned).cast("B").cast("I")[1::2].tolist()
     for slot, group in enumerate(groups):
@@ -598,15 +601,14 @@ class Region:
         if control.held != HELD:
             control.held = HELD
 
-    def release(self, gpu: int, group: int, short_queue: bool = False, outranked: bool = False,
-                wake: int = WAKE_FANOUT) -> None:
-        """Let the group launch; with `short_queue` its processes keep no more than GT_QUEUE_BOUND_NS
-        of work queued (a hold is coming: its drain stays short); `outranked`, no more than
-        GT_OUTRANKED_QUEUE_BOUND_NS (a group of a higher priority will wait on that drain). Wakes
-        `wake` of the threads that sleep on the word; each woken one wakes WAKE_FANOUT more (the wake
-        tree, hook/gemtrace_region.h), so that this call costs the same however many wait."""
+    def release(self, gpu: int, group: int, word: int = RELEASED, wake: int = WAKE_FANOUT) -> None:
+        """Let the group launch, with `word` saying how much its processes may keep queued
+        (RELEASED_WORDS; hook/gemtrace_region.h, enum gt_held). Wakes `wake` of the threads that sleep
+        on the word; each woken one wakes WAKE_FANOUT more (the wake tree), so that this call costs
+        the same however many wait."""
+        if word not in RELEASED_WORDS:
+            raise ValueError(f"{word} is not a released state of a control word")
         control = self.layout.control[gpu][group]
-        word = RELEASED_OUTRANKED if outranked else RELEASED_SHORT_QUEUE if short_queue else RELEASED
         if control.held == word:
             return
         was_held = control.held == HELD
@@ -625,6 +627,8 @@ class Region:
         self.release_all()
         self.layout.header.heartbeat_ns = 0
         self.layout.header.agent_pid = 0
+        if self.doorbells is not None:
+            self.doorbells.ring_all()  # a scheduler asleep on its bell sees the stop now
 
     @staticmethod
     def _wake(address: int, count: int = futex.EVERYONE) -> None:

@@ -143,6 +143,7 @@ class GpuScheduler:
         self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool], list[int]] | None = None
         self._rescan_ns = rescan_ns
         self._scanned_at = clock() - rescan_ns
+        self._rung: int | None = None  # the doorbell's count at the last look
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
         self.switches = 0  # how often it held a released group to hand the GPU on (or to cap it)
 
@@ -157,6 +158,8 @@ class GpuScheduler:
             self._pending_quotas = dict(quotas)
             for group in quotas.keys() - self._scheduled:
                 self.region.hold(self.gpu, group)
+        if self.region.doorbells is not None:
+            self.region.doorbells.ring(self.gpu)  # (it may be asleep on the bell for long)
 
     def usage(self) -> dict[int, GroupUsage]:
         with self._lock:
@@ -288,8 +291,13 @@ class GpuScheduler:
         overrun_busy: set[int] = set()
         overrun_ends: dict[int, int] = {}
         seen = self._seen
-        if now - self._scanned_at >= self._rescan_ns:
+        # A ring since the last look may be a new process's first launch (its thread waits, and
+        # will not ring again): scan for it now, not at the next rescan.
+        bells = self.region.doorbells
+        rung = bells.rung(self.gpu) if bells is not None else None
+        if now - self._scanned_at >= self._rescan_ns or rung != self._rung:
             self._rescan(now)
+        self._rung = rung
         assignments = slots.assignments()
         # This GPU's users, three columns read at C speed. Each user's group (its assignment where
         # that names its process, and scheduled here) is kept while no pid, assignment or quota
@@ -411,14 +419,20 @@ class GpuScheduler:
         self._wake_on_wait = decision.wake_on_wait
         if decision.released is not None:
             # Also when only the queue's bound changed (a no-op when the word already says it).
-            self.region.release(self.gpu, decision.released, decision.short_queue, decision.outranked)
+            self.region.release(self.gpu, decision.released, self._released_word())
+
+    def _released_word(self) -> int:
+        """The released group's word: its queue bounded by how soon it may be held (a group that
+        outranks it waits on that drain; a hold is coming; none in sight, where the bound only keeps a
+        newcomer's first wait short: a process that never syncs would queue seconds)."""
+        return (rg.RELEASED_OUTRANKED if self._outranked else rg.RELEASED_SHORT_QUEUE if self._short_queue
+                else rg.RELEASED_LONG_QUEUE)
 
     def _assert_words(self) -> None:
         """Put back any word that says other than this scheduler means: one strided read of 64 words
         and one comparison with what they should say (kept while the decision stays) when nothing was
         forged."""
-        released = (rg.RELEASED_OUTRANKED if self._outranked else rg.RELEASED_SHORT_QUEUE if self._short_queue
-                    else rg.RELEASED)
+        released = self._released_word()
         key = (self._scheduled, self._released, self._short_queue, self._outranked)
         if self._expected_words is None or self._expected_words[0] != key:
             self._expected_words = (key, [rg.RELEASED if group not in self._scheduled else
@@ -433,7 +447,7 @@ class GpuScheduler:
                     self.region.release(self.gpu, group)
             elif group == self._released:
                 if word != released:
-                    self.region.release(self.gpu, group, self._short_queue, self._outranked)
+                    self.region.release(self.gpu, group, released)
             elif word != rg.HELD:
                 self.region.hold(self.gpu, group)
 

@@ -80,6 +80,7 @@ int main(void)
     INT(GT_HOLD_RECHECK_NS);
     INT(GT_QUEUE_BOUND_NS);
     INT(GT_OUTRANKED_QUEUE_BOUND_NS);
+    INT(GT_LONG_QUEUE_BOUND_NS);
     INT(GT_WAKE_FANOUT);
     INT(GT_ASSIGN_WAIT_NS);
     HEX(GT_GROUP_UNASSIGNED);
@@ -88,6 +89,7 @@ int main(void)
     INT(GT_HELD);
     INT(GT_RELEASED_SHORT_QUEUE);
     INT(GT_RELEASED_OUTRANKED);
+    INT(GT_RELEASED_LONG_QUEUE);
     puts("# enum gt_attach_kind: the socket's requests");
     INT(GT_ATTACH_JOIN);
     INT(GT_ATTACH_VIEW);

@@ -58,7 +58,8 @@
  *
  * Launch gating (per GPU, per group): control[gpu][group].held is a futex word (shared, not
  * FUTEX_PRIVATE), one of enum gt_held.
- *   GT_RELEASED: launches proceed after one atomic load.
+ *   GT_RELEASED: launches proceed after one atomic load. A group the agent does not schedule on that
+ *      GPU (and every group while no agent runs).
  *   GT_RELEASED_SHORT_QUEUE: launches proceed, but a process whose queued work on that GPU comes to
  *      more than about GT_QUEUE_BOUND_NS (its launches since it last drained, times the time a launch
  *      took in its earlier bursts) first waits until about half of that is left. The agent sets it
@@ -69,6 +70,11 @@
  *      has a process on that GPU, and its next launch revokes this group, whose drain it then waits
  *      for (a request's latency: docs/scheduler.md). Shorter than GT_QUEUE_BOUND_NS, which serves
  *      holds that come at a slice's end, where a drain of a few ms more costs no one's latency.
+ *   GT_RELEASED_LONG_QUEUE: the same with GT_LONG_QUEUE_BOUND_NS. The agent sets it for a scheduled
+ *      group that holds the GPU with no hold in sight (alone and uncapped): a group that comes later
+ *      waits at most that long for the holder's drain, not for the seconds that a process which
+ *      never synchronises queues. A CPU that pauses for less than half of it (a data loader's batch,
+ *      Python's collector) still finds work queued on the GPU when it resumes.
  *   GT_HELD: a launching thread
  *   1. drains: if its process launched on that GPU since it last drained, it synchronises the
  *      launch's stream (the context, where the burst used other streams too) and stores
@@ -143,6 +149,7 @@
 #define GT_HOLD_RECHECK_NS 100000000ull            /* a held launch re-checks the heartbeat this often */
 #define GT_QUEUE_BOUND_NS 10000000ull              /* GT_RELEASED_SHORT_QUEUE: the most work left queued */
 #define GT_OUTRANKED_QUEUE_BOUND_NS 500000ull      /* GT_RELEASED_OUTRANKED: the same, while outranked */
+#define GT_LONG_QUEUE_BOUND_NS 100000000ull        /* GT_RELEASED_LONG_QUEUE: the same, with no hold in sight */
 #define GT_WAKE_FANOUT 2                           /* held-word waiters a release wakes, and each woken one */
 /* A gate waits at most this long at attach for its assignment (usually one keeper tick, 10 ms). Long
  * enough for a process in a pod, whose host pid the agent must find first (a scan of /proc): at 50 ms a
@@ -155,6 +162,7 @@ enum gt_held {
     GT_HELD = 1,
     GT_RELEASED_SHORT_QUEUE = 2,
     GT_RELEASED_OUTRANKED = 3,
+    GT_RELEASED_LONG_QUEUE = 4,
 };
 
 /* The socket's two requests (struct gt_attach_request.kind). */

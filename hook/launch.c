@@ -13,6 +13,8 @@
  * GT_QUEUE_BOUND_NS of work queued (GT_OUTRANKED_QUEUE_BOUND_NS while outranked: a group of a higher
  * priority waits on the drain) first waits for part of it (keep_queue_short), so that the hold's
  * drain is short whatever the process queues; the launches before the next look cost two compares.
+ * Released with a long queue (the holder alone, no hold in sight): the same with GT_LONG_QUEUE_BOUND_NS,
+ * so that a group that comes later waits for at most that much of our backlog.
  * A thread that starts waiting on a held word rings its GPU's doorbell (the doorbells page): the
  * scheduler reacts at once where that wait matters.
  *
@@ -193,9 +195,10 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
         gt_prefetch_managed(gpu, stream, group);
 }
 
-/* Released, with a hold coming: keep what the process has queued on the GPU under about
- * `bound` of work (GT_QUEUE_BOUND_NS, or GT_OUTRANKED_QUEUE_BOUND_NS where a group of a higher
- * priority waits on the drain: queue_bound), so that the hold's drain is short. A CPU that runs ahead queues the
+/* Released by the scheduler: keep what the process has queued on the GPU under about `bound` of work
+ * (GT_QUEUE_BOUND_NS with a hold coming, GT_OUTRANKED_QUEUE_BOUND_NS where a group of a higher priority
+ * waits on the drain, GT_LONG_QUEUE_BOUND_NS with no hold in sight: queue_bound), so that a hold's drain
+ * is short. A CPU that runs ahead queues the
  * driver's whole queue (1024 launches, seconds of kernels) in microseconds, so the age of the burst
  * says nothing; its launches times what a launch took in the bursts drained so far does. Before the
  * first drain there is no such figure: a burst of a few launches is drained to measure one.
@@ -258,7 +261,14 @@ static uint64_t next_queue_check(int gpu, uint64_t per_launch, uint64_t bound_ns
 
 static uint64_t queue_bound(uint32_t state)
 {
-    return state == GT_RELEASED_OUTRANKED ? GT_OUTRANKED_QUEUE_BOUND_NS : GT_QUEUE_BOUND_NS;
+    return state == GT_RELEASED_OUTRANKED   ? GT_OUTRANKED_QUEUE_BOUND_NS
+           : state == GT_RELEASED_LONG_QUEUE ? GT_LONG_QUEUE_BOUND_NS
+                                             : GT_QUEUE_BOUND_NS;
+}
+
+static inline bool queue_bounded(uint32_t state)
+{
+    return state == GT_RELEASED_SHORT_QUEUE || state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_LONG_QUEUE;
 }
 
 static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream, uint64_t launches, uint64_t bound)
@@ -307,7 +317,7 @@ static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream,
     return waited;
 }
 
-/* Released with a short queue: most launches only compare their count with the next check's, and
+/* Released with a bounded queue: most launches only compare their count with the next check's, and
  * the word with the one the check was counted for (a tighter bound needs a look now). */
 static inline bool queue_check_due(int gpu, uint32_t state, uint64_t *launches)
 {
@@ -338,7 +348,7 @@ static void gate_launch(CUstream stream)
         /* After a wait the group may have been held meanwhile: look again, or this launch would
          * queue work behind the drain the scheduler has just seen end. */
         uint64_t launches;
-        if ((state == GT_RELEASED_SHORT_QUEUE || state == GT_RELEASED_OUTRANKED) && queue_check_due(gpu, state, &launches) &&
+        if (queue_bounded(state) && queue_check_due(gpu, state, &launches) &&
             keep_queue_short(gpu, stream, launches, queue_bound(state)))
             state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
         if (state == GT_HELD)

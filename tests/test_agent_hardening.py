@@ -98,7 +98,9 @@ def test_a_forged_release_lasts_one_look_and_a_forged_limit_a_second(host: Host)
         r.layout.control[0][infer].held = rg.RELEASED
         forged = time.monotonic()
         wait_until("the scheduler to hold infer again", lambda: r.is_held(0, infer), timeout=5)
-        assert time.monotonic() - forged < 0.1  # the scheduler's longest sleep is 60 ms
+        # Within a look: nobody wants the GPU, so the scheduler sleeps on its doorbell, looking at
+        # least every ring_net_ns (250 ms).
+        assert time.monotonic() - forged < 0.35
         r.layout.groups[train].memory_limit = rg.NO_LIMIT
         forged = time.monotonic()
         wait_until("the limit back", lambda: r.layout.groups[train].memory_limit == 1 << 30, timeout=5)

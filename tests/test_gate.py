@@ -301,12 +301,17 @@ def test_held_launches_wait_without_spinning_and_resume_at_release(agent: Agent)
         loop.kill()
 
 
-@pytest.mark.parametrize("outranked", [False, True], ids=["short-queue", "outranked"])
-def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent: Agent, outranked: bool) -> None:
+BOUNDED_RELEASES = {rg.RELEASED_SHORT_QUEUE: contract.QUEUE_BOUND_NS,
+                    rg.RELEASED_OUTRANKED: contract.OUTRANKED_QUEUE_BOUND_NS,
+                    rg.RELEASED_LONG_QUEUE: contract.LONG_QUEUE_BOUND_NS}
+
+
+@pytest.mark.parametrize("word", list(BOUNDED_RELEASES), ids=["short-queue", "outranked", "long-queue"])
+def test_a_bounded_release_keeps_a_process_that_never_syncs_drainable(agent: Agent, word: int) -> None:
     """A loop that never synchronises fills the driver's queue (1024 launches of 2 ms here: 2 s of
-    work). Released plainly its burst never ends; released with a short queue, the gate keeps no more
-    than about QUEUE_BOUND_NS queued (OUTRANKED_QUEUE_BOUND_NS outranked), so that a hold's drain is
-    short."""
+    work). Released plainly its burst never ends; released with a bounded queue, the gate keeps no
+    more than about the word's bound queued (QUEUE_BOUND_NS, OUTRANKED_QUEUE_BOUND_NS or
+    LONG_QUEUE_BOUND_NS), so that a hold's drain is short."""
     group = agent.region.set_group("train", None, 0, 1)
     loop = agent.sim.start(["launch-loop", "--kernel-ns", "2000000", "--no-sync", "--seconds", "30"],
                            **agent.env("train"))
@@ -318,15 +323,15 @@ def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent:
         slot = agent.slots_of(loop.pid)[0]
         assert slot.drained_ns[0] == 0 and slot.busy_ns[0] == 0  # one burst, never drained
 
-        agent.region.release(0, group, short_queue=True, outranked=outranked)
+        agent.region.release(0, group, word)
         # The first launch after the release drains the 2 s queued before (and so measures a launch:
         # 2 ms); its end is the slot's drained_ns.
         wait_until("the first drain after the release (the 2 s queued before it)",
                    lambda: slot.drained_ns[0] != 0, timeout=10)
         # From then on the queue is kept short by waiting for part of it, never all of it: the GPU
         # stays busy (500 kernels of 2 ms a second). The rate is measured over a one-second window
-        # that starts at the drain's end; refilling the short queue adds at most
-        # QUEUE_BOUND_NS / 2 ms = 5 launches to it.
+        # that starts at the drain's end; refilling the queue adds at most its bound / 2 ms (50
+        # launches for the long queue) to it.
         before, started = _launches(agent, loop.pid), time.monotonic()
         time.sleep(1.0)  # the measured window, not a wait for something
         rate = (_launches(agent, loop.pid) - before) / (time.monotonic() - started)
@@ -337,8 +342,7 @@ def test_a_short_queue_release_keeps_a_process_that_never_syncs_drainable(agent:
         while not slot.waiting[0]:
             assert time.monotonic() - held_at < 1.0, "the hold's drain took the whole queue"
             time.sleep(0.0005)
-        bound = contract.OUTRANKED_QUEUE_BOUND_NS if outranked else contract.QUEUE_BOUND_NS
-        assert time.monotonic() - held_at < bound / 1e9 + 0.05
+        assert time.monotonic() - held_at < BOUNDED_RELEASES[word] / 1e9 + 0.05
     finally:
         loop.kill()
 

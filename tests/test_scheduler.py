@@ -3,7 +3,6 @@ fake clock: what it reads, which words it holds and releases, and that it never 
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gemtrace import contract, futex
+from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.policy import MS, PolicyParams
 from gemtrace.scheduler import RESCAN_NS, GpuScheduler, Quota, SlotTable
@@ -87,17 +86,40 @@ def test_a_waiting_group_is_released_and_the_others_stay_held(region: rg.Region)
     scheduler.step()
     assert not held(region, a) and held(region, b)
     assert not region.is_held(0, a)  # the other GPU is not this scheduler's
+    # Alone and uncapped, with no hold in sight: its queue is bounded, loosely (a group that comes
+    # later waits for that backlog); a group this scheduler does not drive is released plainly.
+    assert region.layout.control[GPU][a].held == rg.RELEASED_LONG_QUEUE
+    c = region.set_group("c", None, 0, 1)
+    assert region.layout.control[GPU][c].held == rg.RELEASED
+    # Another group wants the GPU: a hold is coming, the holder's queue is kept short.
+    claim(region, 1, 1002, b).waiting[GPU] = 1
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert region.layout.control[GPU][a].held == rg.RELEASED_SHORT_QUEUE
 
 
-def test_a_new_process_is_seen_within_a_rescan(region: rg.Region) -> None:
+def test_a_new_process_is_seen_at_its_ring_or_within_a_rescan_and_the_net(region: rg.Region) -> None:
     clock = FakeClock()
     scheduler = GpuScheduler(region, GPU, clock)
     a = region.set_group("a", None, 0, 1)
     scheduler.set_quotas({a: Quota()})
     scheduler.step()
+    # Its thread waits on the held word and rings: the look the ring brings scans for it.
     claim(region, 3, 1001, a).waiting[GPU] = 1
-    while held(region, a):
-        assert clock() - 1_000 * MS <= RESCAN_NS + 32 * MS  # a scan, then at most the longest poll
+    ring(region, GPU)
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert not held(region, a)
+    # Without a ring (one lost): the next rescan after the net's look.
+    b = region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    region.slots[3].waiting[GPU] = 0
+    clock.advance(1 * MS)
+    scheduler.step()
+    start = clock()
+    claim(region, 4, 1002, b).waiting[GPU] = 1
+    while held(region, b):
+        assert clock() - start <= RESCAN_NS + PolicyParams().ring_net_ns, clock() - start
         clock.advance(scheduler.step() - clock())
 
 
@@ -313,10 +335,8 @@ def test_run_releases_every_word_when_stopped(region: rg.Region) -> None:
 def ring(region: rg.Region, gpu: int) -> None:
     """What a gate does when one of its threads starts waiting on a held word: add 1 to the GPU's
     doorbell and wake whoever sleeps on it (hook/attach.c, gt_ring)."""
-    bells = region.doorbells
-    assert bells is not None
-    bells.layout.ring[gpu] += 1
-    futex.wake(ctypes.addressof(bells.layout.ring) + 4 * gpu, 1)
+    assert region.doorbells is not None
+    region.doorbells.ring(gpu)
 
 
 def test_a_higher_priority_wait_is_seen_at_the_ring_not_the_next_poll(region: rg.Region) -> None:

@@ -5,12 +5,15 @@ a loaded 2-core machine, where a held process wakes late."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import scheduler_harness as harness
 from simgpu_env import SimGpu
+
+from gemtrace import contract
 
 pytestmark = pytest.mark.e2e
 
@@ -110,6 +113,33 @@ def test_a_process_on_gpu_1_with_device_0_current_is_held_by_gpu_1(simgpu_factor
         assert not the_rig.schedulers[0].usage() or all(
             u.gpu_seconds == 0 for u in the_rig.schedulers[0].usage().values())
     check(rows)
+
+
+def test_a_group_that_comes_later_waits_for_a_bounded_backlog_of_the_one_alone(rig: harness.Rig) -> None:
+    """An uncapped group alone whose process never synchronises: unbounded, it would queue the driver's
+    whole queue (1024 kernels of 2 ms, 2 s of work), and a group that comes later would wait for all
+    of it, the drain's timeout first. Released alone with a long queue (GT_RELEASED_LONG_QUEUE), it
+    keeps about LONG_QUEUE_BOUND_NS queued: the newcomer's first kernels run after that much of the
+    hog's, not after 2 s of them. (Its gate lets it launch once the hog's drain times out either way:
+    what it waits for is the queue its kernels join.)"""
+    hog, late = harness.Load("hog", syncs=False), harness.Load("late")
+    rig.define([hog, late])
+    hog_client = rig.start(hog, 0, 4.0)
+    try:
+        time.sleep(1.0)  # the hog alone, long enough to have filled the driver's queue
+        late_client = rig.start(late, 0, 1.0)
+        started = time.monotonic()
+        # Its first sync's end: the gate stores drained_ns when a sync covered every launch.
+        while not any(slot.pid == late_client.pid and slot.drained_ns[0] > 0 for _, slot in rig.region.live_slots()):
+            assert time.monotonic() - started < 5, "the newcomer's first kernels never ran"
+            time.sleep(0.002)
+        waited = time.monotonic() - started
+        # The bound, the newcomer's start (a process of the simulated runtime) and a loaded CI's
+        # late wake-ups; the whole queue would be 2 s.
+        assert waited < contract.LONG_QUEUE_BOUND_NS / 1e9 + 0.4, f"its first kernels ran after {waited:.2f} s"
+        late_client.finish(timeout=30)
+    finally:
+        hog_client.kill()
 
 
 def test_two_gpus_are_scheduled_independently(simgpu_factory: Callable[..., SimGpu], tmp_path: Path,
