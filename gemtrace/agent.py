@@ -7,7 +7,8 @@ the group table re-asserted, processes of dropped groups moved to default, unuse
 the config thread (reloading the resource file when it changes or on SIGHUP, so that no file can
 stall anything else), and the main loop: reaping the slots of processes that died
 (the loop sleeps on their pidfds: a watched process's exit wakes it at once, and a look
-for new slots every REAPER_SCAN_SECONDS bounds the rest) and polling the accounting at the scrape cadence. The
+for new slots, every REAPER_SCAN_SECONDS for a second after a gate joined, else every
+REAPER_IDLE_SCAN_SECONDS, bounds the rest) and polling the accounting at the scrape cadence. The
 heartbeat has its thread so that no amount of reaping or accounting delays it. It decides nothing
 itself: the schedulers decide who runs, membership which group a process is in, the enforcer whom
 to kill. On SIGTERM or
@@ -20,6 +21,7 @@ from __future__ import annotations
 import errno
 import faulthandler
 import fcntl
+import math
 import os
 import resource
 import select
@@ -55,10 +57,13 @@ ENV_PROBE_LIBCUDA = "GEMTRACE_PROBE_LIBCUDA"
 DEFAULT_GROUP = defaults.DEFAULT_GROUP
 
 ACCOUNTING_POLL_SECONDS = 1.0  # the scrape cadence: polling faster costs CPU for nothing (docs/accounting.md)
-# How often the main loop looks for slots it does not watch yet. A watched process's exit wakes the loop
-# at once (its pidfd), so this bounds only the reaping of a process that died before its first look:
-# within the promised 100 ms, at a fifth of the wake-ups of a 10 ms tick (each costs 50-100 us of CPU).
+# How often the main loop looks for slots it does not watch yet, for JOIN_FAST_SECONDS after a gate
+# asked for one (it claims it within that), and else. A watched process's exit wakes the loop at once
+# (its pidfd), so this bounds only the reaping of a process that died before its first look: within
+# 100 ms where it claimed its slot within a second of asking, a quarter second at worst. Each wake-up
+# costs 50-250 us of CPU on a VM (bench/results/agent_cpu.md): an idle agent looks 4 times a second.
 REAPER_SCAN_SECONDS = 0.050
+REAPER_IDLE_SCAN_SECONDS = 0.250
 # A slot claimed but never filled (its gate killed in between: microseconds) is judged after this long.
 SLOT_FILL_SECONDS = 1.0
 FULL_LOOK_SECONDS = 1.0  # the reaper looks at every slot at least this often
@@ -187,14 +192,16 @@ class Reaper:
             self._last_pids = []
         return freed
 
-    def wait(self, timeout: float, also: int) -> None:
-        """Sleep until a watched process exits, `also` (a descriptor: the signals' pipe) is readable,
-        or `timeout` seconds pass."""
-        self._poll.register(also, select.POLLIN)
+    def wait(self, timeout: float, *also: int) -> None:
+        """Sleep until a watched process exits, one of `also` (descriptors: the signals' pipe, the
+        joins' eventfd) is readable, or `timeout` seconds pass."""
+        for fd in also:
+            self._poll.register(fd, select.POLLIN)
         try:
             self._poll.poll(max(0, int(timeout * 1000)))
         finally:
-            self._poll.unregister(also)
+            for fd in also:
+                self._poll.unregister(fd)
 
     def _filled(self, index: int, pid: int) -> bool:
         """Whether the slot's gate has filled it (its flag is written last, hook/attach.c), so that its
@@ -343,12 +350,15 @@ class Agent:
         self.fd_limit = raise_fd_limit()
         self._lock = AgentLock(state_dir)  # before the region is touched: one agent per region
         self._joined = threading.Event()  # a gate asked for its slot (the socket's thread sets it)
+        self._joined_at = -math.inf  # when the last gate asked (time.monotonic()), for the reaper's pace
+        self._join_bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # wakes the main loop at a join
         try:
             self.region = Region.create(state_dir, on_replace=lambda reason: log.warning(
                 "region_replaced", reason=reason,
                 consequence="programs still mapping the old file run ungated until they restart"), log=log.info,
-                on_join=self._joined.set)
+                on_join=self._on_join)
         except BaseException:
+            os.close(self._join_bell)
             self._lock.release()
             raise
         self._table_lock = threading.Lock()  # _apply (reloads) against the keeper's table pass
@@ -580,7 +590,13 @@ class Agent:
         `signals` (a caller that stops the agent with stop()), a plain tick."""
         if signals is None:
             return self._stop.wait(defaults.TICK_SECONDS)
-        self.reaper.wait(min(REAPER_SCAN_SECONDS, next_poll - time.monotonic()), signals.fileno())
+        now = time.monotonic()
+        scan = REAPER_SCAN_SECONDS if now - self._joined_at < JOIN_FAST_SECONDS else REAPER_IDLE_SCAN_SECONDS
+        self.reaper.wait(min(scan, next_poll - now), signals.fileno(), self._join_bell)
+        try:
+            os.eventfd_read(self._join_bell)  # a join: the loop scans at REAPER_SCAN_SECONDS for a while
+        except BlockingIOError:
+            pass
         for signum, at in signals.take():
             if signum == signal.SIGHUP:  # systemctl reload: the resource file now, changed or not
                 self.watcher.request()
@@ -588,6 +604,15 @@ class Agent:
                 self.stop_signal, self.stop_signal_at = signum.name, at
                 self.stop()
         return self._stop.is_set()
+
+    def _on_join(self) -> None:
+        """A gate asked for its slot (the socket's thread): it claims one next and waits for its group."""
+        self._joined_at = time.monotonic()
+        self._joined.set()
+        try:
+            os.eventfd_write(self._join_bell, 1)
+        except OSError:
+            pass  # closed by a stop in progress, or full: the loop wakes anyway
 
     def stop(self) -> None:
         self._stop.set()
@@ -626,7 +651,8 @@ class Agent:
         self.mps.stop()
         step("mps")
         self.reaper.close()
-        self.region.close()
+        self.region.close()  # (its socket's thread, which rings the join bell, is gone with it)
+        os.close(self._join_bell)
         self._lock.release()
         step("region")
         log.info("agent_stopped", seconds=round(time.monotonic() - (self.stop_signal_at or started), 3),

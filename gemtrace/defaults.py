@@ -32,7 +32,7 @@ TICK_SECONDS = 0.010
 # The keeper's period while no gate asked for a slot in the last second (it then ticks every
 # TICK_SECONDS: a new gate waits for its group, GT_ASSIGN_WAIT_NS): the heartbeat (gates take the
 # agent for gone after GT_HEARTBEAT_STALE_NS, 2 s) and the membership's pass over live slots.
-KEEPER_IDLE_SECONDS = 0.100
+KEEPER_IDLE_SECONDS = 0.250
 CONFIG_POLL_SECONDS = 1.0
 LIBCUDA_RESCAN_SECONDS = 1.0
 

@@ -103,10 +103,11 @@ class PolicyParams:
     # holding nor so far in this one (a launch loop, a training step without data stalls) is looked at
     # this often; a holder that idles gets poll_ns. Halves the agent's looks with capped groups
     # waiting (bench/results/agent_cpu.md); an idle spell of a steady holder is seen this late at most.
-    # Half a slice: with capped groups waiting, most looks are these (bench/results/agent_cpu.md,
-    # 2026-11-23: 8 processes in 4 capped groups, 5.0 -> 3.5% of a core at 16 ms with the doorbell
-    # wait while nobody is released; 8 ms before that).
-    steady_poll_ns: int = 30 * MS
+    # A slice: a steady holder is looked at only at its slice's end (a debt's longer slice every
+    # 60 ms). Each look costs a wake-up, and on a VM a wake-up after a sleep of tens of ms costs
+    # 10-15 times the look's own CPU (bench/results/agent_cpu.md, 2026-11-23 19:50): with 8
+    # processes in 4 capped groups half a slice (30 ms) made 57 looks a second, a slice 42.
+    steady_poll_ns: int = 60 * MS
     # Nothing changing (no demand; an uncapped holder idle with nobody else waiting): the look for
     # demand backs off to an eighth of the quiet time, up to this.
     max_poll_ns: int = 32 * MS
@@ -116,6 +117,12 @@ class PolicyParams:
     # drain needs no fine polling, only a look now and then for the ends that do not ring (a process
     # that died, or went off to other work with its queue full).
     drains_ring: bool = False
+    # Where they ring, a drain is looked at this often besides, a net for the ends that do not ring:
+    # a process that died (its slot freed), or one that went off to CPU work with its queue full
+    # (seen only at the drain timeout, whatever the net). A drain with a short queue lasts about
+    # GT_QUEUE_BOUND_NS and rings at its end: at poll_ns the net fired in most drains of 8 processes
+    # in 4 capped groups, a fifth of the scheduler's looks.
+    drain_net_ns: int = 16 * MS
     # Where the gates ring, a group's first launch rings too (it blocks on its held word): while
     # nobody is released, or the holder is alone on the GPU, the scheduler sleeps on the bell, and
     # looks anyway this often, a net for a ring that never came. (At 32 ms an agent with no process
@@ -558,7 +565,7 @@ class TimeSharePolicy:
             # at once where the holder was quiet (it drains at once, and may not ring), then at the
             # ring of the drain's end, or else from half the usual drain on, finely.
             if p.drains_ring and (now > self._hold_at or self._charging):
-                return min(now + p.poll_ns, timeout)
+                return min(now + p.drain_net_ns, timeout)
             fine = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
             if now - self._hold_at >= fine:
                 return min(max(now + fine, self._hold_at + int(self._drain_ns / 2)), timeout)

@@ -12,9 +12,11 @@ user can write the region, and a forged release must last one look at most, not 
 decision.
 
 Cost: a look reads three columns (launches, waiting thread, pid) of this GPU's users only, at C
-speed: the live slots that launched, waited or were placed here at the last scan of the whole table
-(every 50 ms, which also finds new processes: a process's first launch on a GPU waits at most this
-long to be seen). It visits one by one only the users whose launches moved and the slots of the groups
+speed: the live slots that launched, waited or were placed here, found again among the live slots at
+each ring of the doorbell (a process's first launch on a GPU waits on its held word and rings) and
+every 50 ms (the net for a lost ring). The whole table is scanned for live slots every 50 ms, and at
+a ring only where an assignment changed since (the agent assigns a new slot before its first launch
+passes attach). It visits one by one only the users whose launches moved and the slots of the groups
 whose end the policy waits for (holder, draining, overrunning); the other users' groups come from set
 operations over the columns, with each user's group kept while no pid, assignment or quota changed.
 So a look costs per group in play and per process that launched since the last one, not per process
@@ -144,6 +146,7 @@ class GpuScheduler:
         self._rescan_ns = rescan_ns
         self._scanned_at = clock() - rescan_ns
         self._rung: int | None = None  # the doorbell's count at the last look
+        self._live_assignments = b""  # the assignments as of the last scan of the whole table
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
         self.switches = 0  # how often it held a released group to hand the GPU on (or to cap it)
 
@@ -244,12 +247,18 @@ class GpuScheduler:
         """
         return waiting > 0 or drained >= burst_start
 
-    def _rescan(self, now: int) -> None:
-        """Every RESCAN_NS: the live slots, and among them this GPU's users (those that launched or
-        wait on it, or were placed on it): the only slots a look reads, but for its special groups'."""
+    def _rescan(self, now: int, assignments: bytes) -> None:
+        """Every RESCAN_NS, and at a ring after an assignment changed: the live slots of the whole
+        table (1024 pids), and among them this GPU's users."""
+        live = self._slots.live()
+        self._live_assignments = assignments
+        self._find_users(live, _gatherer(live))
+        self._scanned_at = now
+
+    def _find_users(self, live: list[int], gather: Callable[[Sequence[int]], tuple[int, ...]]) -> None:
+        """This GPU's users among the live slots (those that launched or wait on it, or were placed
+        on it): the only slots a look reads, but for its special groups'."""
         slots = self._slots
-        live = slots.live()
-        gather = _gatherer(live)
         on_this_gpu = map(operator.and_, gather(slots.gpu_mask), itertools.repeat(1 << self.gpu))
         users = list(itertools.compress(live, map(any, zip(gather(slots.launches), gather(slots.waiting),
                                                            on_this_gpu, strict=True))))
@@ -259,7 +268,6 @@ class GpuScheduler:
         if users != self._users:
             self._users, self._gather_users = users, _gatherer(users)
             self._user_groups = None
-        self._scanned_at = now
 
     def _slots_of_groups(self, groups: set[int], assignments: bytes) -> list[int]:
         """The live slots whose assignment names one of `groups` (whatever their process: the look
@@ -291,14 +299,18 @@ class GpuScheduler:
         overrun_busy: set[int] = set()
         overrun_ends: dict[int, int] = {}
         seen = self._seen
-        # A ring since the last look may be a new process's first launch (its thread waits, and
-        # will not ring again): scan for it now, not at the next rescan.
+        # A ring since the last look may be a process's first launch here (its thread waits, and
+        # will not ring again): look for it among the users now, not at the next rescan. A slot is
+        # claimed and then assigned (the agent's keeper) before its first launch passes attach, so
+        # the whole table needs a scan only where an assignment changed since the last one.
+        assignments = slots.assignments()
         bells = self.region.doorbells
         rung = bells.rung(self.gpu) if bells is not None else None
-        if now - self._scanned_at >= self._rescan_ns or rung != self._rung:
-            self._rescan(now)
+        if now - self._scanned_at >= self._rescan_ns or (rung != self._rung and assignments != self._live_assignments):
+            self._rescan(now, assignments)
+        elif rung != self._rung:
+            self._find_users(self._live, self._gather)
         self._rung = rung
-        assignments = slots.assignments()
         # This GPU's users, three columns read at C speed. Each user's group (its assignment where
         # that names its process, and scheduled here) is kept while no pid, assignment or quota
         # changed: then a user whose launches did not move since the last look tells only that its

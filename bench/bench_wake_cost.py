@@ -1,0 +1,123 @@
+"""What a scheduler look costs after a sleep, against the same look back to back (issue 13, agent CPU).
+
+A `GpuScheduler` over a private region with 8 slots in 4 capped groups, the holder's slots launching
+before each look, as in a 4x2 run: its CPU time per look (the thread's own clock) back to back, and
+after sleeps of 1, 5, 20 and 60 ms (the scheduler's polls, drains' nets, slices), and the same for a
+trivial function (a sum of 200 integers) to tell the look's own cost from the wake-up's. A sleeping
+thread's caches and branch history go cold and a VM's idle vCPU is descheduled, so the agent's CPU
+follows its wake-ups more than its work per look. Appends the dated table to
+bench/results/agent_cpu.md.
+
+    .venv/bin/python bench/bench_wake_cost.py [--looks 300] [--no-record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gemtrace import contract  # noqa: E402
+from gemtrace import region as rg  # noqa: E402
+from gemtrace.scheduler import GpuScheduler, Quota  # noqa: E402
+
+RESULTS = REPO / "bench" / "results" / "agent_cpu.md"
+SLEEPS_MS = (0, 1, 5, 20, 60)
+GPU = 0
+
+
+def scheduler_look(state: Path) -> tuple[Callable[[], None], Callable[[], None]]:
+    """A look of a scheduler of 4 capped groups with two processes each; and the region's close."""
+    region = rg.Region.create(state)
+    region.set_gpus([("GPU-bench", 1 << 30)])
+    groups = [region.set_group(f"capped{i}", None, 0, 0.25) for i in range(4)]
+    scheduler = GpuScheduler(region, GPU)
+    scheduler.set_quotas({g: Quota(0, 0.25) for g in groups})
+    now = time.monotonic_ns()
+    for i in range(8):
+        slot = region.slots[i]
+        slot.flags = contract.SLOT_GATED
+        slot.gpu_mask = 1 << GPU
+        slot.pid = os.getpid() + 1 + i  # never read as a process: the bench only looks
+        region.assign(i, slot.pid, groups[i // 2])
+        slot.burst_start_ns[GPU] = now
+        slot.launches[GPU] = 1
+        slot.waiting[GPU] = 1
+
+    def look() -> None:
+        for i in range(8):  # the holder's processes launched since the last look
+            if groups[i // 2] == scheduler._released:
+                region.slots[i].launches[GPU] += 3
+        scheduler.step()
+
+    def close() -> None:
+        scheduler._release_all()
+        region.close()
+
+    return look, close
+
+
+def trivial() -> None:
+    sum(range(200))
+
+
+def cpu_per_call(fn: Callable[[], None], sleep_ms: float, calls: int) -> float:
+    """Median thread CPU time of one call (us), each after a sleep of `sleep_ms`."""
+    times = []
+    for _ in range(calls):
+        if sleep_ms:
+            time.sleep(sleep_ms / 1e3)
+        t = time.thread_time_ns()
+        fn()
+        times.append(time.thread_time_ns() - t)
+    times.sort()
+    return times[len(times) // 2] / 1e3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--looks", type=int, default=300, help="looks per sleep length (default 300)")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gemtrace-wake-") as tmp:
+        look, close = scheduler_look(Path(tmp))
+        try:
+            for _ in range(200):
+                look()  # warm: the interpreter specialises the code
+            rows = [(ms, cpu_per_call(look, ms, args.looks), cpu_per_call(trivial, ms, args.looks))
+                    for ms in SLEEPS_MS]
+        finally:
+            close()
+    warm_look, warm_trivial = rows[0][1], rows[0][2]
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "?"
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
+    machine = f"{platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, gemtrace {commit}"
+    table = [f"## {when} on {machine}: a look's CPU after a sleep (bench/bench_wake_cost.py)", "",
+             f"Median thread CPU of one call over {args.looks} calls per row; the load average was "
+             f"{os.getloadavg()[0]:.1f}.", "",
+             "| sleep before each call | scheduler look, us | x back to back | sum of 200 ints, us | x back to back |",
+             "| --- | --- | --- | --- | --- |"]
+    for ms, look_us, trivial_us in rows:
+        table.append(f"| {'none (back to back)' if not ms else f'{ms} ms'} | {look_us:.1f} | "
+                     f"{look_us / warm_look:.1f} | {trivial_us:.1f} | {trivial_us / warm_trivial:.1f} |")
+    text = "\n".join(table) + "\n"
+    print(text)
+    if not args.no_record:
+        with RESULTS.open("a") as f:
+            f.write("\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
