@@ -104,9 +104,9 @@ class PolicyParams:
     # this often; a holder that idles gets poll_ns. Halves the agent's looks with capped groups
     # waiting (bench/results/agent_cpu.md); an idle spell of a steady holder is seen this late at most.
     # A slice: a steady holder is looked at only at its slice's end (a debt's longer slice every
-    # 60 ms). Each look costs a wake-up, and on a VM a wake-up after a sleep of tens of ms costs
-    # 10-15 times the look's own CPU (bench/results/agent_cpu.md, 2026-11-23 19:50): with 8
-    # processes in 4 capped groups half a slice (30 ms) made 57 looks a second, a slice 42.
+    # 60 ms). On a VM a look after a sleep of 20 ms costs 18 times its CPU back to back (290 against
+    # 16 us: bench/results/agent_cpu.md, 2026-11-23 19:54), so looks count more than their work: with
+    # 8 processes in 4 capped groups half a slice (30 ms) made 57 looks a second, a slice 42.
     steady_poll_ns: int = 60 * MS
     # Nothing changing (no demand; an uncapped holder idle with nobody else waiting): the look for
     # demand backs off to an eighth of the quiet time, up to this.
