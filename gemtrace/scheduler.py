@@ -27,7 +27,9 @@ as a net), and backing off to every 32 ms while nothing changes.
 Where the policy says a thread's wait is news (`Decision.wake_on_wait`: a group that outranks the
 holder asks for the GPU, a held group drained while another waits, nobody holds the GPU) it sleeps on
 the GPU's doorbell, which a gate rings when one of its threads starts waiting on a held word or a
-held process's own sync ends its drain: it looks at once, not a poll later.
+held process's own sync ends its drain: it looks at once, not a poll later. During a drain a ring
+brings a look only once no process of the drained group has work left (each of them rings as it
+finishes: with two processes a group, one look a switch fewer).
 """
 
 from __future__ import annotations
@@ -193,6 +195,17 @@ class GpuScheduler:
                 delay = wake_at - self._clock()
                 if self._wake_on_wait and bells is not None:
                     bells.wait(self.gpu, rung, delay)
+                    # A ring during a drain while a process of the drained group still has work: the
+                    # ring was another of its processes' (each rings as it finishes) or another
+                    # group's, which the look at the drain's end sees. Sleep on without a look.
+                    while self._drain is not None and (now_rung := bells.rung(self.gpu)) != rung:
+                        with self._lock:
+                            if not self._drain_unfinished():
+                                break
+                        rung, left = now_rung, wake_at - self._clock()
+                        if left <= 0 or stop.is_set():
+                            break
+                        bells.wait(self.gpu, rung, left)
                     gap = looked + RING_GAP_NS - self._clock()
                     if gap > 0:
                         time.sleep(gap / 1e9)
@@ -268,6 +281,23 @@ class GpuScheduler:
         if users != self._users:
             self._users, self._gather_users = users, _gatherer(users)
             self._user_groups = None
+
+    def _drain_unfinished(self) -> bool:
+        """Does a process of the drained group still have work queued from before the hold (neither a
+        thread waiting on its word nor a sync since the hold, nor nothing queued)? As `_observe`
+        judges a drain's end, on the drained group's slots only."""
+        drain, slots = self._drain, self._slots
+        if drain is None:
+            return False
+        for index in self._slots_of_groups({drain.group}, slots.assignments()):
+            pid = slots.pid[index]
+            if not pid or slots.assigned_pid[index] != pid or slots.group[index] != drain.group:
+                continue
+            drained = slots.drained_ns[index]
+            if drained < drain.hold_at and not self._quiet(slots.waiting[index], drained,
+                                                           slots.burst_start_ns[index]):
+                return True
+        return False
 
     def _slots_of_groups(self, groups: set[int], assignments: bytes) -> list[int]:
         """The live slots whose assignment names one of `groups` (whatever their process: the look

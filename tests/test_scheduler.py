@@ -375,3 +375,51 @@ def test_a_higher_priority_wait_is_seen_at_the_ring_not_the_next_poll(region: rg
     finally:
         stop.set()
         thread.join(5)
+
+
+def test_a_drain_is_looked_at_when_its_last_process_finishes_not_at_each_ring(region: rg.Region) -> None:
+    """Each of a drained group's processes rings as its thread starts waiting: the ring of one that
+    finished while another still drains brings no look (the look costs a wake-up's worth of CPU and
+    could only see the drain unfinished); the last one's brings the look that releases the next group."""
+    second = 1000 * MS
+    params = PolicyParams(slice_ns=20 * MS, min_slice_ns=5 * MS, poll_ns=second, steady_poll_ns=second,
+                          drain_net_ns=second, drain_timeout_ns=2 * second)
+    scheduler = GpuScheduler(region, GPU, params=params, rescan_ns=0)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    first, second_a = claim(region, 0, 1001, a), claim(region, 1, 1003, a)
+    waiter = claim(region, 2, 1002, b)
+    first.waiting[GPU] = 1
+    scheduler.step()  # a alone wants the GPU: released
+    assert not held(region, a)
+    first.waiting[GPU] = 0
+    waiter.waiting[GPU] = 1
+    deadline = time.monotonic() + 2
+    while not held(region, a):  # a's two processes launch through its slice, then a is held
+        assert time.monotonic() < deadline, "a was never held"
+        for slot in (first, second_a):
+            launch(slot, 10, time.monotonic_ns())
+        scheduler.step()
+        time.sleep(0.002)
+    assert held(region, b)  # draining: a's processes still run what they queued
+    stop = threading.Event()
+    thread = threading.Thread(target=scheduler.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(0.05)  # the run's first look is done: the next is a second away but for a ring
+        looks = scheduler.looks
+        first.drained_ns[GPU] = time.monotonic_ns()
+        first.waiting[GPU] = 1
+        ring(region, GPU)
+        time.sleep(0.05)
+        assert scheduler.looks == looks and held(region, b)
+        second_a.drained_ns[GPU] = time.monotonic_ns()
+        second_a.waiting[GPU] = 1
+        rung = time.monotonic()
+        ring(region, GPU)
+        while held(region, b) and time.monotonic() - rung < 2:
+            time.sleep(0.001)
+        assert not held(region, b) and time.monotonic() - rung < 0.5
+    finally:
+        stop.set()
+        thread.join(5)
