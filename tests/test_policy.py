@@ -430,6 +430,22 @@ def test_a_higher_priority_group_revokes_a_lower_holder_at_the_next_look() -> No
         assert decision.released == 1
 
 
+def test_where_the_gates_ring_a_holder_outranked_by_an_idle_group_is_not_polled() -> None:
+    """A request of the higher priority rings (its thread blocks on its held word) and the scheduler
+    looks then (wake_on_wait): while the service idles, its hog is looked at once a slice, not every
+    poll."""
+    params = PolicyParams(drains_ring=True)
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {0: Quota(priority=0), 1: Quota(priority=5)})
+    decision = policy.step(0, Observation(frozenset({0}), present=frozenset({0, 1})))
+    assert decision.released == 0 and decision.outranked and decision.wake_on_wait
+    assert decision.wake_at == min(params.slice_ns, params.steady_poll_ns)
+    # Without the ring (a region with no doorbells page), polled.
+    polled = TimeSharePolicy(PolicyParams(), now=0)
+    polled.set_quotas(0, {0: Quota(priority=0), 1: Quota(priority=5)})
+    assert polled.step(0, Observation(frozenset({0}), present=frozenset({0, 1}))).wake_at == polled.params.poll_ns
+
+
 def test_equal_priorities_keep_the_slices() -> None:
     policy = TimeSharePolicy(now=0)
     policy.set_quotas(0, {0: Quota(priority=3), 1: Quota(priority=3)})
