@@ -105,8 +105,8 @@ class PolicyParams:
     # waiting (bench/results/agent_cpu.md); an idle spell of a steady holder is seen this late at most.
     # A slice: a steady holder is looked at only at its slice's end (a debt's longer slice every
     # 60 ms). On a VM a look after a sleep of 20 ms costs 18 times its CPU back to back (290 against
-    # 16 us: bench/results/agent_cpu.md, 2026-11-23 19:54), so looks count more than their work: with
-    # 8 processes in 4 capped groups half a slice (30 ms) made 57 looks a second, a slice 42.
+    # 16 us: bench/results/agent_cpu.md, 2026-11-23 19:54), so looks count more than their work; with
+    # capped groups taking turns, the looks at a steady holder were most of them.
     steady_poll_ns: int = 60 * MS
     # Nothing changing (no demand; an uncapped holder idle with nobody else waiting): the look for
     # demand backs off to an eighth of the quiet time, up to this.
@@ -120,8 +120,8 @@ class PolicyParams:
     # Where they ring, a drain is looked at this often besides, a net for the ends that do not ring:
     # a process that died (its slot freed), or one that went off to CPU work with its queue full
     # (seen only at the drain timeout, whatever the net). A drain with a short queue lasts about
-    # GT_QUEUE_BOUND_NS and rings at its end: at poll_ns the net fired in most drains of 8 processes
-    # in 4 capped groups, a fifth of the scheduler's looks.
+    # GT_QUEUE_BOUND_NS and rings at its end: a net of poll_ns (4 ms) fired before the ring in most
+    # drains of processes running 2 ms kernels.
     drain_net_ns: int = 16 * MS
     # Where the gates ring, a group's first launch rings too (it blocks on its held word): while
     # nobody is released, or the holder is alone on the GPU, the scheduler sleeps on the bell, and
