@@ -350,7 +350,7 @@ class Agent:
         self.fd_limit = raise_fd_limit()
         self._lock = AgentLock(state_dir)  # before the region is touched: one agent per region
         self._joined = threading.Event()  # a gate asked for its slot (the socket's thread sets it)
-        self._joined_at = -math.inf  # when the last gate asked (time.monotonic()), for the reaper's pace
+        self._fast_scan_until = -math.inf  # the main loop's: it scans for new slots fast until then
         self._join_bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # wakes the main loop at a join
         try:
             self.region = Region.create(state_dir, on_replace=lambda reason: log.warning(
@@ -591,10 +591,11 @@ class Agent:
         if signals is None:
             return self._stop.wait(defaults.TICK_SECONDS)
         now = time.monotonic()
-        scan = REAPER_SCAN_SECONDS if now - self._joined_at < JOIN_FAST_SECONDS else REAPER_IDLE_SCAN_SECONDS
+        scan = REAPER_SCAN_SECONDS if now < self._fast_scan_until else REAPER_IDLE_SCAN_SECONDS
         self.reaper.wait(min(scan, next_poll - now), signals.fileno(), self._join_bell)
         try:
-            os.eventfd_read(self._join_bell)  # a join: the loop scans at REAPER_SCAN_SECONDS for a while
+            os.eventfd_read(self._join_bell)
+            self._fast_scan_until = time.monotonic() + JOIN_FAST_SECONDS  # a gate joined: it claims a slot
         except BlockingIOError:
             pass
         for signum, at in signals.take():
@@ -607,7 +608,6 @@ class Agent:
 
     def _on_join(self) -> None:
         """A gate asked for its slot (the socket's thread): it claims one next and waits for its group."""
-        self._joined_at = time.monotonic()
         self._joined.set()
         try:
             os.eventfd_write(self._join_bell, 1)

@@ -454,16 +454,20 @@ class TimeSharePolicy:
     # -- choosing ------------------------------------------------------------------------------
 
     def _eligible(self, group: int, now: int, slice_ns: int | None = None) -> bool:
-        """May the group be released now? Under its MaxUtil with the credit `_credit_to_release`
-        asks, or with credit for `slice_ns`."""
+        """May the group be released now? Under its MaxUtil with the credit `_credit_needed` asks."""
         quota = self._accounts[group].quota
         if quota.max_util <= 0.0:
             return False
         if quota.max_util >= 1.0:
             return True
+        return self._account(group).cap_credit >= self._credit_needed(group, slice_ns)
+
+    def _credit_needed(self, group: int, slice_ns: int | None = None) -> float:
+        """The MaxUtil credit a capped group needs to be released: for a slice of `slice_ns`, or
+        what `_credit_to_release` asks."""
         if slice_ns is not None:
-            return self._account(group).cap_credit >= slice_ns * (1.0 - quota.max_util)
-        return self._account(group).cap_credit >= self._credit_to_release(group)
+            return slice_ns * (1.0 - self._accounts[group].quota.max_util)
+        return self._credit_to_release(group)
 
     def _credit_to_release(self, group: int) -> float:
         """The MaxUtil credit a capped group waits for: a whole slice's, so that it runs in a few long
@@ -608,8 +612,7 @@ class TimeSharePolicy:
         for group in self._demand:
             quota = self._accounts[group].quota
             if 0.0 < quota.max_util < 1.0:
-                wanted = (self.params.min_slice_ns * (1.0 - quota.max_util) if short
-                          else self._credit_to_release(group))
+                wanted = self._credit_needed(group, self.params.min_slice_ns if short else None)
                 missing = wanted - self._account(group).cap_credit
                 wake = min(wake, now + max(1, math.ceil(missing / quota.max_util)))
         return wake

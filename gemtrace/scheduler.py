@@ -336,11 +336,11 @@ class GpuScheduler:
         assignments = slots.assignments()
         bells = self.region.doorbells
         rung = bells.rung(self.gpu) if bells is not None else None
-        if now - self._scanned_at >= self._rescan_ns or (rung != self._rung and assignments != self._live_assignments):
+        rang, self._rung = rung != self._rung, rung
+        if now - self._scanned_at >= self._rescan_ns or (rang and assignments != self._live_assignments):
             self._rescan(now, assignments)
-        elif rung != self._rung:
+        elif rang:
             self._find_users(self._live, self._gather)
-        self._rung = rung
         # This GPU's users, three columns read at C speed. Each user's group (its assignment where
         # that names its process, and scheduled here) is kept while no pid, assignment or quota
         # changed: then a user whose launches did not move since the last look tells only that its
