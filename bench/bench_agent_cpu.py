@@ -7,7 +7,9 @@ through `gemtrace run`; past `--run-limit` the bench gives a process the environ
 would (launcher.child_environment: the gate preloaded, the group asked for), since a thousand Python
 launchers would take minutes of this host's CPU. After a warm-up, the agent's CPU time over a window
 (utime + stime of all its threads, /proc/PID/stat) over the window's wall time is its CPU in % of one
-core; the threads' shares come from /proc/PID/task/*/stat. The targets: <= 2% with 8 processes in 4
+core; the threads' shares come from /proc/PID/task/*/stat, and their wake-ups a second (voluntary
+context switches, /proc/PID/task/*/status) from the same window: on a VM a wake-up costs more than
+the Python it runs (bench/bench_wake_cost.py). The targets: <= 2% with 8 processes in 4
 capped groups on one GPU, <= 10% at the region's limit (1024 processes, 63 groups, 8 GPUs).
 
 With --profile, each case runs a second time with the agent's stacks sampled (agent_sampler --hz)
@@ -91,6 +93,20 @@ def thread_ticks(pid: int) -> dict[int, int]:
     return out
 
 
+def thread_wakeups(pid: int) -> dict[int, int]:
+    """Voluntary context switches of each thread (/proc/PID/task/TID/status): how often it slept and
+    was woken, which on a VM costs more than the Python between (bench/bench_wake_cost.py)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    out[int(task.name)] = int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+    return out
+
+
 def config_text(case: Case, cap: float) -> str:
     lines = []
     for g in range(case.groups):
@@ -146,12 +162,19 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
         clients.append(subprocess.Popen(cmd, env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(warmup)
     load0 = os.getloadavg()[0]
+    wakes0 = thread_wakeups(agent.pid)
     threads0, cpu0, wall0 = thread_ticks(agent.pid), cpu_ticks(Path(f"/proc/{agent.pid}/stat")), time.monotonic()
     time.sleep(seconds)
     threads1, cpu1, wall1 = thread_ticks(agent.pid), cpu_ticks(Path(f"/proc/{agent.pid}/stat")), time.monotonic()
+    wakes1 = thread_wakeups(agent.pid)
     alive = sum(c.poll() is None for c in clients)
     names = json.loads((tmp / "agent.threads.json").read_text())
     by_name: dict[str, float] = {}
+    wakes: dict[str, float] = {}
+    for tid, count in wakes1.items():
+        name = names.get(str(tid), "other")
+        name = "gemtrace-gpu*" if name.startswith("gemtrace-gpu") else name
+        wakes[name] = wakes.get(name, 0.0) + (count - wakes0.get(tid, 0)) / (wall1 - wall0)
     for tid, ticks in threads1.items():
         name = names.get(str(tid), "other")
         name = "gemtrace-gpu*" if name.startswith("gemtrace-gpu") else name
@@ -167,7 +190,7 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
     if profile_hz:
         stacks = json.loads((tmp / "agent.stacks.json").read_text())
     return {"cpu_pct": (cpu1 - cpu0) / TICKS / (wall1 - wall0) * 100, "threads": by_name, "alive": alive,
-            "load": load0, "stacks": stacks}
+            "wakes": wakes, "load": load0, "stacks": stacks}
 
 
 def main() -> int:
@@ -214,8 +237,9 @@ def main() -> int:
         f"{args.seconds:g} s windows, launch loops of {args.kernel_ns / 1e6:g} ms kernels (4 a sync), capped groups "
         f"MaxUtil {args.cap:g}, accounting {'eBPF ' + args.ebpf if args.ebpf else 'without eBPF (--no-ebpf)'}",
         "",
-        "| case | code | agent CPU (% of one core) | scheduler threads | main | keeper | other | target | load |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | code | agent CPU (% of one core) | scheduler threads | main | keeper | other | target | load "
+        "| scheduler wake-ups/s | agent wake-ups/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for case, code, r in rows:
         t = r["threads"]
@@ -224,7 +248,8 @@ def main() -> int:
         goal = target.get((case.processes, case.groups, case.gpus))
         verdict = "" if goal is None else f"<= {goal:g}%: {'met' if r['cpu_pct'] <= goal else 'NOT met'}"
         table.append(f"| {case.name} | {code} | {r['cpu_pct']:.2f} | {sched:.2f} | {main_:.2f} | {keeper:.2f} | "
-                     f"{max(0.0, other):.2f} | {verdict} | {r['load']:.1f} |")
+                     f"{max(0.0, other):.2f} | {verdict} | {r['load']:.1f} | "
+                     f"{r['wakes'].get('gemtrace-gpu*', 0.0):.0f} | {sum(r['wakes'].values()):.0f} |")
     text = "\n".join(table)
     print(text)
     if not args.no_record:

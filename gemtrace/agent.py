@@ -18,6 +18,7 @@ waiting, then the probes detached.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import faulthandler
 import fcntl
@@ -145,7 +146,10 @@ class Reaper:
         self.proc = ProcReader(proc_root)
         self._watched: dict[int, tuple[int, int]] = {}  # slot index -> (pid, pidfd)
         self._start_times: dict[int, int] = {}  # pid -> start time, of every watched process
-        self._poll = select.poll()
+        # epoll, not poll: a poll(2) of 1024 pidfds walked them all at every wait and tick, a third of
+        # the main thread's CPU at the region's limit (bench/results/agent_cpu.md, 2026-11-23).
+        self._poll = select.epoll()
+        self._also: set[int] = set()  # descriptors `wait` also watches, registered once
         self._index_of_fd: dict[int, int] = {}
         self._last_pids: list[int] = []
         self._retry = False  # some live slot could not be looked at: look again next tick
@@ -179,10 +183,12 @@ class Reaper:
                 elif not state and self.region.free_slot(index, pid):
                     freed.append(pid)
         for fd, _ in self._poll.poll(0) if self._watched else ():
-            index = self._index_of_fd[fd]
-            pid = self._watched[index][0]
-            self._unwatch(index)
-            if self.region.free_slot(index, pid):
+            if fd not in self._index_of_fd:
+                continue  # one of `wait`'s own descriptors
+            watched = self._index_of_fd[fd]
+            pid = self._watched[watched][0]
+            self._unwatch(watched)
+            if self.region.free_slot(watched, pid):
                 freed.append(pid)
         for pid in freed:
             log.info("process_reaped", pid=pid)
@@ -195,13 +201,13 @@ class Reaper:
     def wait(self, timeout: float, *also: int) -> None:
         """Sleep until a watched process exits, one of `also` (descriptors: the signals' pipe, the
         joins' eventfd) is readable, or `timeout` seconds pass."""
-        for fd in also:
-            self._poll.register(fd, select.POLLIN)
-        try:
-            self._poll.poll(max(0, int(timeout * 1000)))
-        finally:
-            for fd in also:
+        for fd in self._also - set(also):
+            with contextlib.suppress(OSError):  # (closed since: epoll forgot it)
                 self._poll.unregister(fd)
+        for fd in set(also) - self._also:
+            self._poll.register(fd, select.EPOLLIN)
+        self._also = set(also)
+        self._poll.poll(max(0.0, timeout))
 
     def _filled(self, index: int, pid: int) -> bool:
         """Whether the slot's gate has filled it (its flag is written last, hook/attach.c), so that its
@@ -267,7 +273,7 @@ class Reaper:
         self._watched[index] = (pid, fd)
         self._start_times[pid] = actual
         self._index_of_fd[fd] = index
-        self._poll.register(fd, select.POLLIN)
+        self._poll.register(fd, select.EPOLLIN)
         return True
 
     def host_pid(self, pid: int, start_time: int) -> int | None:
@@ -313,6 +319,7 @@ class Reaper:
     def close(self) -> None:
         for index in list(self._watched):
             self._unwatch(index)
+        self._poll.close()
 
 
 def host_memory() -> int:

@@ -19,7 +19,8 @@ from gemtrace.slot_space import sealed_memfd
 
 
 class BellsLayout(ctypes.Structure):
-    _fields_ = [("ring", ctypes.c_uint32 * MAX_GPUS), ("reserved", ctypes.c_uint32 * (BELLS_BYTES // 4 - MAX_GPUS))]
+    _fields_ = [("ring", ctypes.c_uint32 * MAX_GPUS), ("joined", ctypes.c_uint32 * MAX_GPUS),
+                ("reserved", ctypes.c_uint32 * (BELLS_BYTES // 4 - 2 * MAX_GPUS))]
 
 
 def bells_name(region_id: int) -> str:
@@ -41,6 +42,11 @@ class Doorbells:
     def rung(self, gpu: int) -> int:
         """How often GPU `gpu`'s bell rang (modulo 2**32): read it before a look, wait on it after."""
         return int(self.layout.ring[gpu])
+
+    def joined(self, gpu: int) -> int:
+        """How often a gate began to use GPU `gpu` (set its slot's gpu_mask bit), modulo 2**32: a
+        scheduler looks for new users among the slots only when this moved (or at its net)."""
+        return int(self.layout.joined[gpu])
 
     def wait(self, gpu: int, seen: int, timeout_ns: int) -> None:
         """Sleep until the bell rings after it read `seen` (at once if it did since), or `timeout_ns`

@@ -200,10 +200,13 @@ class _Account:
     last_run: int = -1  # when it was last released, for round-robin among equals
     idled: bool = False  # idled while holding the GPU, this holding (only the look cadence reads these)
     steady: bool = False  # held the GPU before and did not idle in its last holding
-    # The figures above are as of `at` (ns): a group out of play is brought up to date only when it is
-    # next read (TimeSharePolicy._account); `era`: how many past bucket capacities there were then.
+    # The figures above are as of `at` (ns): a group that is neither charged nor the holder is brought
+    # up to date only when it is next read (TimeSharePolicy._account); `era`: how many past bucket
+    # capacities there were then; `wanting`: whether it wanted the GPU since `at` (its MinUtil debt
+    # and its time held back grow meanwhile).
     at: int = 0
     era: int = 0
+    wanting: bool = False
 
 
 @dataclass
@@ -258,8 +261,8 @@ class TimeSharePolicy:
         for group, quota in quotas.items():
             account = self._accounts.get(group)
             if account is None:
-                self._accounts[group] = _Account(quota, cap_credit=self._cap_capacity(),
-                                                      at=self._last)
+                self._accounts[group] = _Account(quota, cap_credit=self._cap_capacity(), at=self._last,
+                                                 wanting=group in self._demand)
             else:
                 account.quota = quota
         self._top_priority = max((quota.priority for quota in quotas.values()), default=0)
@@ -298,7 +301,7 @@ class TimeSharePolicy:
         # (Not the holder going busy and quiet: each burst is charged from the gates' figures however
         # late a look sees it, and a service alone would otherwise keep the looks at a poll apart.)
         before = self._what_changes()
-        self._demand = frozenset(g for g in obs.demand if g in self._accounts)
+        self._set_demand(frozenset(obs.demand & self._accounts.keys()))
         self._present = obs.present
         for group, drained in obs.overrun_drained.items():
             hold_at = self._overrun.pop(group, None)
@@ -326,6 +329,15 @@ class TimeSharePolicy:
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
                         self._wake_on_wait(now, outranked))
+
+    def _set_demand(self, demand: frozenset[int]) -> None:
+        """The groups that want the GPU from this look on: those that start or stop wanting it are
+        brought up to date first (their debt and time held back grew until now, or did not)."""
+        for group in demand.symmetric_difference(self._demand):
+            account = self._accounts.get(group)
+            if account is not None:
+                self._settle(account, self._last).wanting = group in demand
+        self._demand = demand
 
     def _what_changes(self) -> tuple[frozenset[int], Phase, int | None]:
         return self._demand - {self._holder}, self._phase, self._holder
@@ -628,10 +640,11 @@ class TimeSharePolicy:
         return float(max(self.slice_ns(), 2 * self._drain_ns))
 
     def _advance(self, now: int) -> None:
-        """Move the accounts in play from the last look to `now`: the holder is charged the time
-        passing (while busy); groups that wanted the GPU accrue what MinUtil owes them. Every other
-        account only decays and refills, which `_settle` does in one go when it is next read: a look
-        costs per group in play, not per group scheduled."""
+        """Move the accounts in play from the last look to `now`: the holder's and those of groups
+        still finishing an overrun drain, which are charged the time passing (while busy). Every other
+        account only decays, refills and, while it wants the GPU, accrues what MinUtil owes it and its
+        time held back: `_settle` does that in one go when it is next read. A look costs per group
+        charged, not per group that waits (63 groups waiting: 62 -> 20 us a look)."""
         dt = now - self._last
         if dt <= 0:
             return
@@ -651,9 +664,11 @@ class TimeSharePolicy:
             del self._overrun[group]
         charged_group = (self._holder if self._charging and self._phase in (Phase.RUNNING, Phase.DRAINING)
                          else None)
-        in_play = self._demand.union(self._overrun)
+        in_play = set(self._overrun)
         if charged_group is not None:
-            in_play = in_play | {charged_group}
+            in_play.add(charged_group)
+        if self._holder is not None and self._holder in self._demand:
+            in_play.add(self._holder)  # (never held back while it runs: _settle counts a wait)
         era = len(self._capacities)
         for group in in_play:
             if group not in self._accounts:
@@ -675,13 +690,19 @@ class TimeSharePolicy:
             account.at, account.era = now, era
 
     def _settle(self, account: _Account, until: int) -> _Account:
-        """Bring an account that was out of play (nothing charged, not wanting the GPU) up to `until`:
-        its usage decays, its MaxUtil bucket refills under each capacity in force meanwhile. The same
-        figures as moving it look by look, but for rounding."""
+        """Bring an account that was out of play (nothing charged, not the holder) up to `until`: its
+        usage decays, its MaxUtil bucket refills under each capacity in force meanwhile and, where it
+        wanted the GPU, its MinUtil debt and its time held back grow. The same figures as moving it
+        look by look, but for rounding."""
         elapsed = until - account.at
         if elapsed <= 0:
             return account
         account.usage *= math.exp(-elapsed / self.params.window_ns)
+        if account.wanting:
+            account.throttled_ns += elapsed
+            if account.quota.min_util > 0.0:
+                account.owed = min(float(self.params.max_owed_slice_ns),
+                                   account.owed + account.quota.min_util * elapsed)
         rate = account.quota.max_util
         if rate < 1.0:
             credit, at = account.cap_credit, account.at

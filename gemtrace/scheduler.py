@@ -12,11 +12,10 @@ user can write the region, and a forged release must last one look at most, not 
 decision.
 
 Cost: a look reads three columns (launches, waiting thread, pid) of this GPU's users only, at C
-speed: the live slots that launched, waited or were placed here, found again among the live slots at
-each ring of the doorbell (a process's first launch on a GPU waits on its held word and rings) and
-every 50 ms (the net for a lost ring). The whole table is scanned for live slots every 50 ms, and at
-a ring only where an assignment changed since (the agent assigns a new slot before its first launch
-passes attach). It visits one by one only the users whose launches moved and the slots of the groups
+speed: the live slots that launched, waited or were placed here. The whole table is scanned for them
+only when a gate counted a new user of this GPU in the doorbells (`joined`: its first use of the GPU,
+before its first launch waits and rings) or an assignment changed (the agent assigns a new slot
+before its first launch passes attach), and every second as a net (every 50 ms without doorbells). It visits one by one only the users whose launches moved and the slots of the groups
 whose end the policy waits for (holder, draining, overrunning); the other users' groups come from set
 operations over the columns, with each user's group kept while no pid, assignment or quota changed.
 So a look costs per group in play and per process that launched since the last one, not per process
@@ -52,10 +51,17 @@ __all__ = ["GpuScheduler", "GroupUsage", "Quota", "SlotTable"]
 
 log = structlog.get_logger("gemtrace.scheduler")
 
-# How often a look scans the whole slot table for new processes; between scans it reads only the
-# slots it knows. A scan walks 1024 slots, one cache line each: ~100 us when the table is cold, the
-# bulk of a look's cost. A new process's first launch waits at most this long for its first release.
+# How often a look scans the whole slot table for this GPU's users where nothing tells it of new
+# ones (a region without doorbells: tests, benches); between scans it reads only the users it knows.
+# A scan of 1024 live slots costs ~100 us of Python warm, several times that after a sleep: 8 GPUs'
+# schedulers scanning every 50 ms and at every ring took most of the agent's 15% of a core at the
+# region's limit (bench/results/agent_cpu.md, 2026-11-23). A new process's first launch waits at most
+# this long for its first release.
 RESCAN_NS = 50_000_000
+# Where the gates count new users in the doorbells (gt_bells.joined: a gate's first use of a GPU),
+# the table is scanned when that count or an assignment moved, and at least this often: the net for
+# a count that a gate of an older build or a forger did not move (only its own first launch waits).
+RESCAN_NET_NS = 1_000_000_000
 # The least time between the start of a look and a look that a doorbell ring brings (any gated user
 # can ring it: a forged ring loop costs at most this many looks a second, 4000, not a core).
 RING_GAP_NS = 250_000
@@ -109,7 +115,7 @@ class GpuScheduler:
     thread; `run` (or, in tests, `step`) from one thread only."""
 
     def __init__(self, region: rg.Region, gpu: int, clock: Callable[[], int] = time.monotonic_ns,
-                 params: PolicyParams | None = None, rescan_ns: int = RESCAN_NS) -> None:
+                 params: PolicyParams | None = None, rescan_ns: int | None = None) -> None:
         if not 0 <= gpu < rg.MAX_GPUS:
             raise ValueError(f"gpu index {gpu} is outside 0..{rg.MAX_GPUS - 1}")
         self.region = region
@@ -145,11 +151,15 @@ class GpuScheduler:
         self._by_group: dict[int, list[int]] | None = None
         self._by_group_assignments = b""
         self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool], list[int]] | None = None
+        if rescan_ns is None:
+            rescan_ns = RESCAN_NS if region.doorbells is None else RESCAN_NET_NS
         self._rescan_ns = rescan_ns
         self._scanned_at = clock() - rescan_ns
-        self._rung: int | None = None  # the doorbell's count at the last look
-        self._live_assignments = b""  # the assignments as of the last scan of the whole table
+        # The assignments and the doorbells' count of new users as of the last scan of the whole table.
+        self._live_assignments = b""
+        self._joined: int | None = None
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
+        self.scans = 0  # how often a look scanned the whole slot table for users (most of a look's CPU)
         self.switches = 0  # how often it held a released group to hand the GPU on (or to cap it)
 
     # -- the agent's side --------------------------------------------------------------------------
@@ -260,11 +270,12 @@ class GpuScheduler:
         """
         return waiting > 0 or drained >= burst_start
 
-    def _rescan(self, now: int, assignments: bytes) -> None:
-        """Every RESCAN_NS, and at a ring after an assignment changed: the live slots of the whole
-        table (1024 pids), and among them this GPU's users."""
+    def _rescan(self, now: int, assignments: bytes, joined: int | None) -> None:
+        """When a gate began to use this GPU or an assignment changed, and at the net (RESCAN_NS,
+        RESCAN_NET_NS): the live slots of the whole table (1024 pids), and among them this GPU's users."""
         live = self._slots.live()
-        self._live_assignments = assignments
+        self._live_assignments, self._joined = assignments, joined
+        self.scans += 1
         self._find_users(live, _gatherer(live))
         self._scanned_at = now
 
@@ -329,18 +340,16 @@ class GpuScheduler:
         overrun_busy: set[int] = set()
         overrun_ends: dict[int, int] = {}
         seen = self._seen
-        # A ring since the last look may be a process's first launch here (its thread waits, and
-        # will not ring again): look for it among the users now, not at the next rescan. A slot is
-        # claimed and then assigned (the agent's keeper) before its first launch passes attach, so
-        # the whole table needs a scan only where an assignment changed since the last one.
+        # A process's first launch here sets its gpu_mask bit and counts itself in the doorbells'
+        # `joined` before its thread waits (and rings, once): the table is scanned for users only when
+        # that count moved, or an assignment did (a slot is claimed and assigned, by the agent's
+        # keeper, before its first launch passes attach), not at every ring (two a switch).
         assignments = slots.assignments()
         bells = self.region.doorbells
-        rung = bells.rung(self.gpu) if bells is not None else None
-        rang, self._rung = rung != self._rung, rung
-        if now - self._scanned_at >= self._rescan_ns or (rang and assignments != self._live_assignments):
-            self._rescan(now, assignments)
-        elif rang:
-            self._find_users(self._live, self._gather)
+        joined = bells.joined(self.gpu) if bells is not None else None
+        if (now - self._scanned_at >= self._rescan_ns or joined != self._joined
+                or assignments != self._live_assignments):
+            self._rescan(now, assignments, joined)
         # This GPU's users, three columns read at C speed. Each user's group (its assignment where
         # that names its process, and scheduled here) is kept while no pid, assignment or quota
         # changed: then a user whose launches did not move since the last look tells only that its

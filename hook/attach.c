@@ -552,8 +552,16 @@ int gt_stream_gpu(CUstream stream)
 
 void gt_note_gpu(int gpu)
 {
-    if (gt_attached() && !(__atomic_load_n(&gt_proc.slot->gpu_mask, __ATOMIC_RELAXED) & (1u << gpu)))
-        __atomic_fetch_or(&gt_proc.slot->gpu_mask, 1u << gpu, __ATOMIC_RELAXED);
+    uint32_t bit = 1u << gpu;
+    if (!gt_attached() || (__atomic_load_n(&gt_proc.slot->gpu_mask, __ATOMIC_RELAXED) & bit))
+        return;
+    if (__atomic_fetch_or(&gt_proc.slot->gpu_mask, bit, __ATOMIC_SEQ_CST) & bit)
+        return; /* another thread of ours was first */
+    /* A new user of the GPU: its scheduler scans the slot table for users only when this count moved
+     * (after the bit: a scan that sees the count sees the bit), not at every ring. */
+    struct gt_bells *bells = __atomic_load_n(&gt_proc.bells, __ATOMIC_ACQUIRE);
+    if (bells)
+        __atomic_fetch_add(&bells->joined[gpu], 1, __ATOMIC_SEQ_CST);
 }
 
 /* --- lifecycle ---------------------------------------------------------------------------------- */

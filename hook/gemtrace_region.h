@@ -261,7 +261,9 @@ struct gt_region {
 
 struct gt_bells {                /* the doorbells: written by anyone, a hint to the agent only */
     uint32_t ring[GT_MAX_GPUS];  /* futex words: a gate adds 1 and wakes (a hold starts, a held drain ends) */
-    uint32_t reserved[GT_BELLS_BYTES / 4 - GT_MAX_GPUS];
+    uint32_t joined[GT_MAX_GPUS]; /* a gate adds 1 after it sets its slot's gpu_mask bit g: a new user of
+                                     gpus[g], which the scheduler scans the slots for only when this moved */
+    uint32_t reserved[GT_BELLS_BYTES / 4 - 2 * GT_MAX_GPUS];
 };
 _Static_assert(sizeof(struct gt_bells) == GT_BELLS_BYTES, "the doorbells are one page");
 

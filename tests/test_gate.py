@@ -196,6 +196,9 @@ def test_a_fork_child_has_a_slot_of_its_own(agent: Agent) -> None:
 
 def test_devices_are_told_apart_by_uuid_whatever_cuda_visible_devices_says(agent2: Agent) -> None:
     agent2.region.set_group("train", GiB, 0, 1)
+    bells = agent2.region.doorbells
+    assert bells is not None
+    joined = [bells.joined(gpu) for gpu in range(2)]
     # CUDA device 0 is the second GPU here.
     holder = agent2.sim.start(
         ["alloc", "--api", "v2", str(100 * MiB), "--hold", "30"],
@@ -206,6 +209,8 @@ def test_devices_are_told_apart_by_uuid_whatever_cuda_visible_devices_says(agent
         (slot,) = agent2.slots_of(holder.pid)
         assert list(slot.memory)[:2] == [0, 100 * MiB]
         assert slot.gpu_mask == 0b10
+        # Its first use of the second GPU counted a new user there, for that GPU's scheduler.
+        assert [bells.joined(gpu) - joined[gpu] for gpu in range(2)] == [0, 1]
     finally:
         holder.kill()
 

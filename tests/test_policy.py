@@ -598,6 +598,9 @@ def test_groups_out_of_play_are_brought_up_to_date_as_if_look_by_look() -> None:
         policy.set_quotas(0, quotas)
     gpu = FakeGpu(workloads, drain_ns=12 * MS)
     t, capacities = 0, set()
+    # Time held back, counted from the decisions: a group that wanted the GPU and was not released
+    # (at least); or that, besides, was held and still draining or overrunning (at most).
+    waited, waited_or_drained = dict.fromkeys(quotas, 0), dict.fromkeys(quotas, 0)
     while t < 5 * SECOND:
         observation = gpu.observe(t)
         decision = lazy.step(t, observation)
@@ -605,8 +608,16 @@ def test_groups_out_of_play_are_brought_up_to_date_as_if_look_by_look() -> None:
         assert eager.step(t, observation) == decision
         capacities.add(eager.slice_ns())
         gpu.apply(t, decision)
-        t = gpu.run(t, min(max(decision.wake_at, t + 1), 5 * SECOND))
+        wanting, finishing = observation.demand, {decision.draining, *lazy.overrunning()}
+        after = gpu.run(t, min(max(decision.wake_at, t + 1), 5 * SECOND))
+        for group in quotas:
+            if group != decision.released:
+                waited[group] += (after - t) * (group in wanting)
+                waited_or_drained[group] += (after - t) * (group in wanting or group in finishing)
+        t = after
     assert len(capacities) > 10 and gpu.switches > 100  # the slice (the buckets' capacity) moved all along
     expected = eager.usage(t)
     for group, usage in lazy.usage(t).items():
         assert astuple(usage) == pytest.approx(astuple(expected[group]), rel=1e-9)
+        assert waited[group] / 1e9 - 1e-6 <= usage.throttled_seconds <= waited_or_drained[group] / 1e9 + 1e-6
+    assert sum(waited.values()) > 20 * SECOND  # most of the 40 groups waited most of the 5 s

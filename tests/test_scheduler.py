@@ -13,7 +13,7 @@ import pytest
 from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.policy import MS, PolicyParams
-from gemtrace.scheduler import RESCAN_NS, GpuScheduler, Quota, SlotTable
+from gemtrace.scheduler import RESCAN_NET_NS, RESCAN_NS, GpuScheduler, Quota, SlotTable
 
 pytestmark = pytest.mark.unit
 
@@ -42,10 +42,18 @@ def region(tmp_path: Path) -> Iterator[rg.Region]:
 def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
     slot = region.slots[index]
     slot.flags = contract.SLOT_GATED
-    slot.gpu_mask = 1 << GPU
     slot.pid = pid
     region.assign(index, pid, group)  # the agent's decision (gemtrace/membership.py)
+    use_gpu(region, slot)
     return slot
+
+
+def use_gpu(region: rg.Region, slot: rg.Slot, gpu: int = GPU) -> None:
+    """What a gate does on its first use of a GPU: set the slot's bit, then count a new user in the
+    doorbells (hook/attach.c, gt_note_gpu)."""
+    slot.gpu_mask |= 1 << gpu
+    if region.doorbells is not None:
+        region.doorbells.layout.joined[gpu] += 1
 
 
 def launch(slot: rg.Slot, count: int, now: int) -> None:
@@ -122,6 +130,45 @@ def test_a_new_process_is_seen_at_its_ring_or_within_a_rescan_and_the_net(region
         assert clock() - start <= RESCAN_NS + PolicyParams().ring_net_ns, clock() - start
         clock.advance(scheduler.step() - clock())
 
+
+@pytest.mark.parametrize("counted", [True, False], ids=["counted", "an-older-gate"])
+def test_the_table_is_scanned_for_users_when_a_gate_counts_a_new_one_not_at_every_ring(region: rg.Region,
+                                                                                         counted: bool) -> None:
+    """A scan of the whole table costs most of a look; rings come twice a switch. A process seen in the
+    table before (on the other GPU) that begins to use this one counts itself in the doorbells: the
+    look its ring brings finds it. A gate that did not count it (an older build): the net finds it."""
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock)
+    a = region.set_group("a", None, 0, 1)
+    scheduler.set_quotas({a: Quota()})
+    scheduler.step()
+    scans = scheduler.scans
+    for _ in range(20):  # rings with nothing new: held processes' drains ending, a forger
+        ring(region, GPU)
+        clock.advance(1 * MS)
+        scheduler.step()
+    assert scheduler.scans == scans
+    slot = region.slots[5]
+    slot.flags, slot.pid = contract.SLOT_GATED, 1005
+    region.assign(5, 1005, a)
+    use_gpu(region, slot, 0)  # the other GPU first: the scan its assignment brings passes it over
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert scheduler.scans == scans + 1 and held(region, a)
+    # It begins to use this GPU: its first launch waits on the held word and rings.
+    if counted:
+        use_gpu(region, slot)
+    else:
+        slot.gpu_mask |= 1 << GPU
+    slot.waiting[GPU] = 1
+    ring(region, GPU)
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert held(region, a) is not counted
+    start = clock()
+    while held(region, a):
+        assert clock() - start <= RESCAN_NET_NS + PolicyParams().ring_net_ns, clock() - start
+        clock.advance(scheduler.step() - clock())
 
 def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
     clock = FakeClock()
