@@ -15,8 +15,9 @@ Cost: a look reads three columns (launches, waiting thread, pid) of this GPU's u
 speed: the live slots that launched, waited or were placed here. The whole table is scanned for them
 only when a gate counted a new user of this GPU in the doorbells (`joined`: its first use of the GPU,
 before its first launch waits and rings) or an assignment changed (the agent assigns a new slot
-before its first launch passes attach), and every second as a net (every 50 ms without doorbells). It visits one by one only the users whose launches moved and the slots of the groups
-whose end the policy waits for (holder, draining, overrunning); the other users' groups come from set
+before its first launch passes attach), and every second as a net (every 50 ms without doorbells).
+It visits one by one only the users whose launches moved and the slots of the groups whose end the
+policy waits for (holder, draining, overrunning); the other users' groups come from set
 operations over the columns, with each user's group kept while no pid, assignment or quota changed.
 So a look costs per group in play and per process that launched since the last one, not per process
 of the host. It looks at the policy's next deadline: once a slice while one group has the GPU alone,
