@@ -28,8 +28,9 @@ Where the policy says a thread's wait is news (`Decision.wake_on_wait`: a group 
 holder asks for the GPU, a held group drained while another waits, nobody holds the GPU) it sleeps on
 the GPU's doorbell, which a gate rings when one of its threads starts waiting on a held word or a
 held process's own sync ends its drain: it looks at once, not a poll later. During a drain a ring
-brings a look only once no process of the drained group has work left (each of them rings as it
-finishes: with two processes a group, one look a switch fewer).
+brings a look only once no process of the drained group has work left; a gate whose group is still
+draining elsewhere does not ring at all (hook/launch.c, ring_drain_end: the last to finish rings), so
+with two processes a group a switch costs the scheduler one wake-up fewer.
 """
 
 from __future__ import annotations
@@ -207,8 +208,8 @@ class GpuScheduler:
                 if self._wake_on_wait and bells is not None:
                     bells.wait(self.gpu, rung, delay)
                     # A ring during a drain while a process of the drained group still has work: the
-                    # ring was another of its processes' (each rings as it finishes) or another
-                    # group's, which the look at the drain's end sees. Sleep on without a look.
+                    # ring was another of its processes' (two finishing at once, an older gate) or
+                    # another group's, which the look at the drain's end sees. Sleep on without a look.
                     while self._drain is not None and (now_rung := bells.rung(self.gpu)) != rung:
                         with self._lock:
                             if not self._drain_unfinished():

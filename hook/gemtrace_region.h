@@ -85,7 +85,8 @@
  *      re-check the heartbeat), and leaves when held != GT_HELD, when assigned[i] names another group
  *      (the agent moved it: the old entry may already serve a new name), or when the heartbeat is
  *      older than GT_HEARTBEAT_STALE_NS (no agent: never hang); then subtracts 1 from waiting[gpu].
- *      Before its first wait it adds 1 to the doorbells' ring[gpu] and FUTEX_WAKEs it: the scheduler,
+ *      Before its first wait it adds 1 to the doorbells' ring[gpu] and FUTEX_WAKEs it (unless another
+ *      process of its group still has a burst open there: that one rings as it finishes): the scheduler,
  *      where a thread's wait matters at once (a group of a higher priority than the holder's asks for
  *      the GPU; a held group finished its drain while another waits), sleeps on that word rather than
  *      until its next look.

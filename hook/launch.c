@@ -166,6 +166,39 @@ static void drain(int gpu, CUstream stream)
         gt_close_burst(gpu, true);
 }
 
+/* Does another process of our group still have work queued on `gpu` (a burst open, no thread of it
+ * waiting)? While our group is held, that is work from before the hold: its drain is not over, and
+ * that process rings as it finishes. Reads our own state's stores first (a fence): of two processes
+ * finishing at once, at least one sees the other done and rings. */
+static bool group_mates_busy(int gpu)
+{
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    struct gt_slot *slots = gt_proc.slots;
+    uint32_t group = gt_group();
+    for (uint32_t i = 0; i < GT_MAX_SLOTS; i++) {
+        struct gt_slot *s = &slots[i];
+        int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_ACQUIRE);
+        if (pid == 0 || s == gt_proc.slot || gt_group_of(i, pid) != group)
+            continue;
+        if (__atomic_load_n(&s->waiting[gpu], __ATOMIC_ACQUIRE) == 0 &&
+            __atomic_load_n(&s->drained_ns[gpu], __ATOMIC_ACQUIRE) < __atomic_load_n(&s->burst_start_ns[gpu], __ATOMIC_ACQUIRE))
+            return true;
+    }
+    return false;
+}
+
+/* Our drain on a held `gpu` ended: ring its scheduler, unless a process of our group is still
+ * draining there (it rings as it finishes). The scheduler looks at the drain's end only: each ring
+ * wakes its thread, and with two processes a group the first ring's wake-up found the drain
+ * unfinished and slept on (a quarter of its wake-ups at 4 groups x 2, issue 13). A forged busy slot
+ * of our group leaves the look to the scheduler's net (16 ms), a delay of our own group's switch. */
+static void ring_drain_end(int gpu)
+{
+    gt_refresh_slots();
+    if (!group_mates_busy(gpu))
+        gt_ring(gpu);
+}
+
 /* `group` is the group whose word `held` is: the wait also ends when the agent moves the process to
  * another group (its group was dropped, and the entry may already serve a new name whose word stays
  * held while nobody of it has work: waiting on there would be waiting for ever). The next launch
@@ -180,7 +213,7 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
     /* Ring the GPU's scheduler (after `waiting`, which its look reads): where this wait matters at
      * once (a group of a higher priority asks for the GPU; a held group has drained) it sleeps on the
      * doorbell, not until its next look. One system call, on a path that is about to sleep anyway. */
-    gt_ring(gpu);
+    ring_drain_end(gpu);
     while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group)
         gt_futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
@@ -449,7 +482,7 @@ static CUresult synced(CUresult r, CUstream stream, enum sync_scope scope)
          * scheduler may be waiting for, with no launch of ours to block and ring (hold). */
         if (gpu >= 0 && gt_close_burst(gpu, emptied) && emptied &&
             __atomic_load_n(&gt_proc.region->control[gpu][gt_group()].held, __ATOMIC_ACQUIRE) == GT_HELD)
-            gt_ring(gpu);
+            ring_drain_end(gpu);
     }
     return r;
 }

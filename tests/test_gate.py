@@ -273,6 +273,36 @@ def _launches(agent: Agent, pid: int) -> int:
     return slots[0].launches[0] if slots else 0
 
 
+@pytest.mark.parametrize("mate_busy", [False, True], ids=["group-drained", "a-process-of-the-group-still-draining"])
+def test_a_held_drain_rings_once_its_group_has_finished_not_at_each_process(agent: Agent, mate_busy: bool) -> None:
+    """The scheduler waits for the end of a held group's drain; each ring wakes its thread. A process
+    that finishes while another of its group still has work queued from before the hold leaves the
+    ring to that one (which rings as it finishes): one look at the drain's end, not one per process."""
+    group = agent.region.set_group("train", None, 0, 1)
+    agent.region.hold(0, group)
+    # Another process of the group, with a burst open on GPU 0 (as its gate would store it).
+    holder = agent.sim.start(["alloc", "--api", "v2", str(MiB), "--hold", "30"], **agent.env("train"))
+    loop = None
+    try:
+        assert holder.next_json()["name"] == "CUDA_SUCCESS"
+        (mate,) = agent.slots_of(holder.pid)
+        mate.burst_start_ns[0], mate.drained_ns[0] = 200, 100 if mate_busy else 300
+        bells = agent.region.doorbells
+        assert bells is not None
+        rung = bells.rung(0)
+        loop = agent.sim.start(["launch-loop", "--kernel-ns", "100000", "--seconds", "30"], **agent.env("train"))
+        deadline = time.monotonic() + 10
+        while not any(s.waiting[0] for s in agent.slots_of(loop.pid)):
+            assert time.monotonic() < deadline, "the launch was never held"
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert bells.rung(0) == rung + (not mate_busy)
+    finally:
+        holder.kill()
+        if loop is not None:
+            loop.kill()
+
+
 def test_held_launches_wait_without_spinning_and_resume_at_release(agent: Agent) -> None:
     group = agent.region.set_group("train", None, 0, 1)
     agent.region.hold(0, group)
