@@ -169,15 +169,16 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
     wakes1 = thread_wakeups(agent.pid)
     alive = sum(c.poll() is None for c in clients)
     names = json.loads((tmp / "agent.threads.json").read_text())
+    def kind(tid: int) -> str:  # the thread's name, every GPU's scheduler under one
+        name: str = names.get(str(tid), "other")
+        return "gemtrace-gpu*" if name.startswith("gemtrace-gpu") else name
+
     by_name: dict[str, float] = {}
     wakes: dict[str, float] = {}
     for tid, count in wakes1.items():
-        name = names.get(str(tid), "other")
-        name = "gemtrace-gpu*" if name.startswith("gemtrace-gpu") else name
-        wakes[name] = wakes.get(name, 0.0) + (count - wakes0.get(tid, 0)) / (wall1 - wall0)
+        wakes[kind(tid)] = wakes.get(kind(tid), 0.0) + (count - wakes0.get(tid, 0)) / (wall1 - wall0)
     for tid, ticks in threads1.items():
-        name = names.get(str(tid), "other")
-        name = "gemtrace-gpu*" if name.startswith("gemtrace-gpu") else name
+        name = kind(tid)
         by_name[name] = by_name.get(name, 0.0) + (ticks - threads0.get(tid, 0)) / TICKS / (wall1 - wall0) * 100
     for c in clients:
         c.kill()

@@ -201,12 +201,13 @@ class Reaper:
     def wait(self, timeout: float, *also: int) -> None:
         """Sleep until a watched process exits, one of `also` (descriptors: the signals' pipe, the
         joins' eventfd) is readable, or `timeout` seconds pass."""
-        for fd in self._also - set(also):
+        wanted = set(also)
+        for fd in self._also - wanted:
             with contextlib.suppress(OSError):  # (closed since: epoll forgot it)
                 self._poll.unregister(fd)
-        for fd in set(also) - self._also:
+        for fd in wanted - self._also:
             self._poll.register(fd, select.EPOLLIN)
-        self._also = set(also)
+        self._also = wanted
         self._poll.poll(max(0.0, timeout))
 
     def _filled(self, index: int, pid: int) -> bool:

@@ -275,16 +275,13 @@ class GpuScheduler:
     def _rescan(self, now: int, assignments: bytes, joined: int | None) -> None:
         """When a gate began to use this GPU or an assignment changed, and at the net (RESCAN_NS,
         RESCAN_NET_NS): the live slots of the whole table (1024 pids), and among them this GPU's users."""
-        live = self._slots.live()
-        self._live_assignments, self._joined = assignments, joined
-        self.scans += 1
-        self._find_users(live, _gatherer(live))
-        self._scanned_at = now
-
-    def _find_users(self, live: list[int], gather: Callable[[Sequence[int]], tuple[int, ...]]) -> None:
-        """This GPU's users among the live slots (those that launched or wait on it, or were placed
-        on it): the only slots a look reads, but for its special groups'."""
         slots = self._slots
+        live = slots.live()
+        gather = _gatherer(live)
+        self._live_assignments, self._joined, self._scanned_at = assignments, joined, now
+        self.scans += 1
+        # This GPU's users (those that launched or wait on it, or were placed on it): the only slots a
+        # look reads, but for its special groups'.
         on_this_gpu = map(operator.and_, gather(slots.gpu_mask), itertools.repeat(1 << self.gpu))
         users = list(itertools.compress(live, map(any, zip(gather(slots.launches), gather(slots.waiting),
                                                            on_this_gpu, strict=True))))
