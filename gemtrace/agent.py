@@ -146,8 +146,8 @@ class Reaper:
         self.proc = ProcReader(proc_root)
         self._watched: dict[int, tuple[int, int]] = {}  # slot index -> (pid, pidfd)
         self._start_times: dict[int, int] = {}  # pid -> start time, of every watched process
-        # epoll, not poll: a poll(2) of 1024 pidfds walked them all at every wait and tick, a third of
-        # the main thread's CPU at the region's limit (bench/results/agent_cpu.md, 2026-11-23).
+        # epoll, not poll: poll(2) walks every registered pidfd at each wait and tick (1024 at the
+        # region's limit, pidfd_poll in a perf profile of the main thread), epoll only the ready ones.
         self._poll = select.epoll()
         self._also: set[int] = set()  # descriptors `wait` also watches, registered once
         self._index_of_fd: dict[int, int] = {}

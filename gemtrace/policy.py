@@ -644,7 +644,7 @@ class TimeSharePolicy:
         still finishing an overrun drain, which are charged the time passing (while busy). Every other
         account only decays, refills and, while it wants the GPU, accrues what MinUtil owes it and its
         time held back: `_settle` does that in one go when it is next read. A look costs per group
-        charged, not per group that waits (63 groups waiting, on the VM: 62 -> 28 us a look)."""
+        charged, not per group that waits (bench/bench_wake_cost.py: a look at the region's limit)."""
         dt = now - self._last
         if dt <= 0:
             return
