@@ -16,10 +16,12 @@ SECOND = 1000 * MS
 
 class Workload:
     """Work arriving for a group's GPU: `on_ns` of kernels every `period_ns` (a hog: always some).
-    Work that cannot run while the group is held stays pending, as a blocked launch would."""
+    Work that cannot run while the group is held stays pending, as a blocked launch would.
+    With `gap_ns`, a training loop: steps of `on_ns` of kernels, each `gap_ns` of CPU work after the
+    last one ended (the step's sync), whenever that was."""
 
-    def __init__(self, on_ns: int | None, period_ns: int = 1) -> None:
-        self.on_ns, self.period_ns = on_ns, period_ns
+    def __init__(self, on_ns: int | None, period_ns: int = 1, gap_ns: int | None = None) -> None:
+        self.on_ns, self.period_ns, self.gap_ns = on_ns, period_ns, gap_ns
         self.pending = 0
         self.arrived_until = 0
         self.ran_out_at = 0  # when the pending work was last used up
@@ -31,6 +33,10 @@ class Workload:
     def wants(self, t: int) -> bool:
         if self.on_ns is None:
             return True
+        if self.gap_ns is not None:
+            if self.pending == 0 and self.arrived_until <= t:
+                self.burst_at, self.pending, self.arrived_until = self.arrived_until, self.on_ns, 10**18
+            return self.pending > 0
         while self.arrived_until <= t:
             if self.pending == 0 and self.on_ns:
                 self.burst_at = self.arrived_until
@@ -48,6 +54,8 @@ class Workload:
             self.closed_ns, self.open_ns = self.closed_ns + self.open_ns, 0
             self.ran_out_at = t + used
             self.latencies.append(self.ran_out_at - self.burst_at)
+            if self.gap_ns is not None:
+                self.arrived_until = self.ran_out_at + self.gap_ns
         return used
 
 
@@ -61,6 +69,10 @@ def idle() -> Workload:
 
 def bursty(on_ns: int, period_ns: int) -> Workload:
     return Workload(on_ns, period_ns)
+
+
+def steps(step_ns: int, gap_ns: int) -> Workload:
+    return Workload(step_ns, gap_ns=gap_ns)
 
 
 @dataclass
@@ -129,7 +141,16 @@ class FakeGpu:
                 used = self.workloads[self.released].run(t, dt)
                 self.busy_ns[self.released] = self.busy_ns.get(self.released, 0) + used
             if self.draining is not None and t < self.drain_end:
-                self.busy_ns[self.draining] = self.busy_ns.get(self.draining, 0) + dt
+                work = self.workloads[self.draining]
+                if work.gap_ns is None:
+                    self.busy_ns[self.draining] = self.busy_ns.get(self.draining, 0) + dt
+                else:
+                    # A step's queued kernels: where the step ends within the drain, its sync ends the
+                    # drain, and the loop's CPU work follows (it wants the GPU again only after).
+                    used = work.run(t, dt)
+                    self.busy_ns[self.draining] = self.busy_ns.get(self.draining, 0) + used
+                    if work.pending == 0:
+                        self.drain_end = t + used
         return t1
 
     def apply(self, t: int, decision: Decision) -> None:
@@ -222,6 +243,41 @@ def test_max_util_holds_for_a_group_alone() -> None:
     # not 8 (each costs a real model some ms of work).
     assert gpu.switches <= 10 * 4.5
     assert policy.usage(10 * SECOND)[0].throttled_seconds == pytest.approx(5.0, abs=0.3)
+
+
+@pytest.mark.parametrize("doorbell", [True, False])
+@pytest.mark.parametrize("gap_ns", [300_000, 1 * MS, 5 * MS, 20 * MS])
+def test_min_util_holds_for_a_training_loop_that_pauses_between_steps(gap_ns: int, doorbell: bool) -> None:
+    """A training loop's step ends in a sync and CPU work before the next step's first launch.
+    - Held at its slice's end, it drains, often to its step's sync, and blocks on its word only after
+      the CPU work: the look that saw the drain end saw it want nothing. Its wait rings, and its debt
+      runs from the look the ring brings, not from a look a hog's slice later (on the H100, ResNet-50
+      at MinUtil 0.6 beside two hogs was charged 0.57: the debt missed the hogs' slices).
+    - Paid its debt, it keeps the GPU over a short pause; revoked at a long one, it goes before the
+      next holder's slice ends once it is owed a slice (else one step of debt was paid a slice).
+    MinUtil counts the time it wants the GPU, not its CPU work: of its solo throughput it gets 0.6."""
+    step_ns = 33 * MS
+    params = PolicyParams(drains_ring=doorbell)
+    gpu, _ = simulate({0: Quota(0.6, 1.0), 1: Quota(0, 1), 2: Quota(0, 1)},
+                      {0: steps(step_ns, gap_ns), 1: hog(), 2: hog()}, drain_ns=5 * MS, params=params,
+                      doorbell=doorbell)
+    of_solo = gpu.share(0, 10 * SECOND) * (step_ns + gap_ns) / step_ns
+    assert of_solo >= 0.6 - 0.01
+    assert gpu.share(1, 10 * SECOND) == pytest.approx(gpu.share(2, 10 * SECOND), abs=0.02)
+    if gap_ns <= PolicyParams().owed_pause_ns:
+        assert gpu.switches < 10 * 15  # no switch at each pause: a few tens a second, as with hogs only
+
+
+def test_a_guaranteed_service_owed_a_slice_goes_before_the_holder_s_slice_ends() -> None:
+    """A service with MinUtil 0.5 answers 2 ms requests every 20 ms beside a hog. Waiting out the
+    hog's slices, each request took 50 ms and the debt grew to its bound, never paid (a request
+    cannot use it). Owed a slice, a request now goes first: half the GPU while it has work."""
+    gpu, _ = simulate({0: Quota(0.5, 1.0), 1: Quota(0, 1.0)}, {0: bursty(2 * MS, 20 * MS), 1: hog()},
+                      **drains_ring_params())
+    latencies = sorted(gpu.workloads[0].latencies)
+    assert gpu.share(0, 10 * SECOND) == pytest.approx(0.1, abs=0.005)
+    assert latencies[len(latencies) // 2] <= 5 * MS
+    assert sum(gpu.busy_ns.values()) / (10 * SECOND) > 0.85
 
 
 def test_min_util_alone_runs_at_full_speed_without_switches() -> None:
