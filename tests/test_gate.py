@@ -585,6 +585,28 @@ def test_no_region_or_unknown_group_or_other_version_says_so_once(agent: Agent, 
     agent.region.layout.header.version = rg.VERSION
 
 
+def test_a_program_started_before_the_agent_is_gated_within_seconds_of_it(simgpu: SimGpu, tmp_path: Path) -> None:
+    """Launches before there is an agent (or a free slot) run ungated; the gate asks again at most once a
+    second, every few launches, so a loop of slow kernels is gated soon after the agent comes (asked every
+    4096 launches, a loop of 2 ms kernels ran ungated for minutes)."""
+    state = tmp_path / "late"
+    env = simgpu.env(GEMTRACE_STATE_DIR=str(state), GEMTRACE_GROUP="train", LD_PRELOAD=str(GATE))
+    loop = simgpu.start(["launch-loop", "--kernel-ns", "2000000", "--launches-per-iter", "4", "--seconds", "6"], **env)
+    try:
+        time.sleep(0.5)  # ungated meanwhile: no region in `state` yet
+        late = Agent(simgpu, state)
+        try:
+            late.region.set_group("train", None, 0, 1)
+            deadline = time.monotonic() + 3.0
+            while not any(s.launches[0] for s in late.slots_of(loop.pid)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert any(s.launches[0] for s in late.slots_of(loop.pid)), "still ungated 3 s after the agent came"
+        finally:
+            late.close()
+    finally:
+        loop.kill()
+
+
 def test_a_program_that_never_uses_cuda_sees_no_difference(agent: Agent) -> None:
     env = agent.env("train")
     out = subprocess.run(["/bin/echo", "plain"], env=env, capture_output=True, text=True, check=True)
