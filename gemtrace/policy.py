@@ -234,7 +234,8 @@ class TimeSharePolicy:
         # Observation.present as seen (unscheduled groups included: only _outranked_present reads it,
         # and only where some group outranks the holder).
         self._present: frozenset[int] = frozenset()
-        self._drain_ns = 0.0  # decayed mean of measured drains
+        self._drain_ns = 0.0  # decayed mean of measured drains (_measured_drain)
+        self._slice_ns = int(min(self.params.max_slice_ns, self.params.slice_ns))  # slice_ns(), as of the drains
         self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
         self._last = self.now
         self._looked = self.now  # the last step's time
@@ -298,8 +299,13 @@ class TimeSharePolicy:
         return int(max(p.drain_timeout_ns, min(p.max_overrun_ns, 2 * self._drain_ns)))
 
     def slice_ns(self) -> int:
+        return self._slice_ns
+
+    def _measured_drain(self, drain: float) -> None:
+        """A drain's length joins the decayed mean of drains, and the slice follows it."""
         p = self.params
-        return int(min(p.max_slice_ns, max(p.slice_ns, p.drain_slices * self._drain_ns)))
+        self._drain_ns = 0.75 * self._drain_ns + 0.25 * drain
+        self._slice_ns = int(min(p.max_slice_ns, max(p.slice_ns, p.drain_slices * self._drain_ns)))
 
     # -- the decision ----------------------------------------------------------------------------
 
@@ -317,7 +323,7 @@ class TimeSharePolicy:
                 self._refund(group, now - end)
                 # Learn how long drains really take: the next one is given that long (see
                 # drain_timeout) before another group runs beside it.
-                self._drain_ns = 0.75 * self._drain_ns + 0.25 * (end - hold_at)
+                self._measured_drain(end - hold_at)
         for group, hold_at in list(self._overrun.items()):
             if now - hold_at >= self.params.max_overrun_ns:
                 del self._overrun[group]
@@ -480,7 +486,7 @@ class TimeSharePolicy:
         if self._charging and end < now:
             self._refund(holder, now - end)
         drain = max(0, end - self._hold_at)
-        self._drain_ns = 0.75 * self._drain_ns + 0.25 * drain
+        self._measured_drain(drain)
         if obs.drained_at is None and self._charging and now < self._hold_at + self.params.max_overrun_ns:
             self._overrun[holder] = self._hold_at  # charged on until the adapter sees it finish
         self._phase, self._holder, self._charging = Phase.IDLE, None, False
@@ -566,8 +572,9 @@ class TimeSharePolicy:
         return quota.max_util > 0.0 and self._account(group).cap_credit >= MS * (1.0 - quota.max_util)
 
     def _is_owed(self, group: int) -> bool:
-        account = self._account(group)
-        return account.quota.min_util > 0.0 and account.owed >= self.params.owed_min_ns
+        if self._accounts[group].quota.min_util <= 0.0:
+            return False  # (not brought up to date for nothing: a release asks it of every candidate)
+        return self._account(group).owed >= self.params.owed_min_ns
 
     def _long_slice_debt(self, group: int) -> float:
         """The debt that pays a longest owed slice (max_owed_slice_ns): a waiting group goes first for
