@@ -235,7 +235,7 @@ class TimeSharePolicy:
         # and only where some group outranks the holder).
         self._present: frozenset[int] = frozenset()
         self._drain_ns = 0.0  # decayed mean of measured drains (_measured_drain)
-        self._slice_ns = int(min(self.params.max_slice_ns, self.params.slice_ns))  # slice_ns(), as of the drains
+        self._slice_ns = self._slice_of_drains()  # slice_ns(), kept as the drains move it
         self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
         self._last = self.now
         self._looked = self.now  # the last step's time
@@ -303,9 +303,12 @@ class TimeSharePolicy:
 
     def _measured_drain(self, drain: float) -> None:
         """A drain's length joins the decayed mean of drains, and the slice follows it."""
-        p = self.params
         self._drain_ns = 0.75 * self._drain_ns + 0.25 * drain
-        self._slice_ns = int(min(p.max_slice_ns, max(p.slice_ns, p.drain_slices * self._drain_ns)))
+        self._slice_ns = self._slice_of_drains()
+
+    def _slice_of_drains(self) -> int:
+        p = self.params
+        return int(min(p.max_slice_ns, max(p.slice_ns, p.drain_slices * self._drain_ns)))
 
     # -- the decision ----------------------------------------------------------------------------
 
@@ -585,9 +588,6 @@ class TimeSharePolicy:
         the least used goes first anyway."""
         return (1.0 - self._accounts[group].quota.min_util) * self.params.max_owed_slice_ns
 
-    def _owes_long_slice(self, group: int) -> bool:
-        return self._is_owed(group) and self._account(group).owed >= self._long_slice_debt(group)
-
     def _choose(self, now: int) -> int | None:
         """MinUtil debt first (most behind, relative to its MinUtil), whatever the priorities; then,
         among the groups of the highest priority, the least decayed usage; on a tie the holder, then
@@ -596,7 +596,8 @@ class TimeSharePolicy:
                       or self._eligible(g, now)] or self._short_candidates(now)
         if not candidates:
             return None
-        owed = [g for g in candidates if self._is_owed(g) if g == self._holder or self._owes_long_slice(g)]
+        owed = [g for g in candidates if self._is_owed(g) and (
+            g == self._holder or self._account(g).owed >= self._long_slice_debt(g))]
         if owed:
             return max(owed, key=lambda g: (self._account(g).owed / self._accounts[g].quota.min_util,
                                             g == self._holder))
