@@ -502,6 +502,7 @@ class TimeSharePolicy:
         self._overrun.pop(pick, None)  # charged as the holder from now on
         self._phase, self._holder, self._charging = Phase.RUNNING, pick, True
         self._released_at = now
+        self._holder_idle_since = None  # (the last holder's: this one's comes with its first look)
         account = self._account(pick)
         account.steady, account.idled = account.last_run >= 0 and not account.idled, False
         account.last_run = now

@@ -283,6 +283,21 @@ def test_a_guaranteed_service_owed_a_slice_goes_before_the_holder_s_slice_ends()
     assert sum(gpu.busy_ns.values()) / (10 * SECOND) > 0.85
 
 
+def test_a_new_holder_is_not_looked_at_for_the_last_holder_s_pause() -> None:
+    """The owed holder's pause (owed_pause_ns) is its own: a group released after a holder that went
+    quiet is looked at a poll on, not at the end of the other's pause."""
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, {0: Quota(0.6, 1.0), 1: Quota()})
+    assert policy.step(0, Observation(demand=frozenset({1}))).released == 1
+    policy.step(50 * MS, Observation(demand=frozenset({0, 1})))  # 0 waits: owed from here
+    quiet = Observation(demand=frozenset({0}), holder_idle_since=99_500_000)
+    assert policy.step(100 * MS, quiet).draining == 1  # 1 went quiet: revoked early
+    now = 100_200_000
+    decision = policy.step(now, Observation(demand=frozenset({0, 1}), drained_at=100_100_000))
+    assert decision.released == 0
+    assert decision.wake_at == now + PolicyParams().poll_ns
+
+
 def test_min_util_alone_runs_at_full_speed_without_switches() -> None:
     gpu, _ = simulate({0: Quota(0.2, 1.0)}, {0: hog()})
     assert gpu.share(0, 10 * SECOND) > 0.999
