@@ -40,6 +40,7 @@ from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.collectors.agent import AgentView
 from gemtrace.collectors.groups import GroupQuota, GroupsView
 from gemtrace.config import ISOLATION_MPS, ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
+from gemtrace.gang import GangTurns
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
 from gemtrace.kube.pods import NAMES_FILE, PodLabels
@@ -371,7 +372,10 @@ class Agent:
             raise
         self._table_lock = threading.Lock()  # _apply (reloads) against the keeper's table pass
         self._groups: dict[int, GroupConfig] = {}  # group index -> what the region must say there
-        self.schedulers = [GpuScheduler(self.region, g.index) for g in self.gpus]
+        # One set of turns for the groups that span GPUs; a change of turn rings the GPUs' doorbells.
+        bells = self.region.doorbells
+        self.gang = GangTurns(bells.ring if bells is not None else lambda gpu: None)
+        self.schedulers = [GpuScheduler(self.region, g.index, gang=self.gang) for g in self.gpus]
         self.mps = mps.MpsDaemons(state_dir, mps_control)
         try:
             self._apply(self.config)

@@ -134,6 +134,10 @@ class PolicyParams:
     # A holder paid its MinUtil debt that goes quiet keeps the GPU this long (the CPU work between a
     # training loop's steps), then is revoked early as any quiet holder is.
     owed_pause_ns: int = 2 * MS
+    # Two looks further apart than this mean the agent did not run (stopped, or starved of CPU): the
+    # holder ran unwatched meanwhile, and a MaxUtil bucket charged all of it would hold its group for
+    # many times the stall (a group capped at 0.3 after 10 s: 23 s). Its bucket starts again from empty.
+    stall_ns: int = 2000 * MS
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,13 @@ class Observation:
         Of a busy holder: when its open burst opened (it ran since then, before this look saw it).
     holder_burst_ns: the length of every burst the holder closed since the last look (the gates'
         busy_ns): where several ran between two looks, holder_burst_from tells only of the last one.
+    barred: groups that span several GPUs and whose turn is not open (gemtrace/gang.py): never
+        released here, and never a reason to hold the holder; the policy says in `Decision.ready` which
+        of them it would release now.
+    clearing: groups whose turn across GPUs opens: the holder is held (unless paid its MinUtil debt)
+        and nobody is released, so that the turn starts on all its GPUs at once (`Decision.clear`).
+    due: groups that span several GPUs and whose turn is open: released here as soon as they want the
+        GPU, before any other group, unless the holder is being paid its MinUtil debt.
     """
 
     demand: frozenset[int] = frozenset()
@@ -165,6 +176,9 @@ class Observation:
     present: frozenset[int] = frozenset()
     holder_burst_from: int | None = None
     holder_burst_ns: int = 0
+    barred: frozenset[int] = frozenset()
+    clearing: frozenset[int] = frozenset()
+    due: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -185,6 +199,11 @@ class Decision:
     # group that outranks the holder asks for the GPU; the held group finished draining while
     # another waits; a group's first launch while nobody holds the GPU).
     wake_on_wait: bool = False
+    # The barred groups (Observation.barred) this GPU would release now if their turn were open: each
+    # would be this GPU's choice beside the holder and every group it may release.
+    ready: frozenset[int] = frozenset()
+    # Nobody is released or draining here: a turn that is clearing (Observation.clearing) may start.
+    clear: bool = False
 
 
 class Phase(Enum):
@@ -245,6 +264,12 @@ class TimeSharePolicy:
         # finish (group -> when they were held). Without this, a process that syncs rarely (hundreds
         # of ms of kernels queued) ran most of its work uncharged: MaxUtil 0.5 alone gave 0.9.
         self._overrun: dict[int, int] = {}
+        # Groups that span several GPUs (gemtrace/gang.py): barred while their turn is closed, due while
+        # it is open; ready: the barred ones this GPU chose at its last choice (Decision.ready).
+        self._barred: frozenset[int] = frozenset()
+        self._clearing: frozenset[int] = frozenset()
+        self._due: frozenset[int] = frozenset()
+        self._ready: frozenset[int] = frozenset()
         self._top_priority = 0  # the highest priority scheduled: a holder of it is never outranked
         self._guaranteed: frozenset[int] = frozenset()  # the groups with a MinUtil
         # The MaxUtil buckets' capacity (_cap_capacity) at each change since every account was last
@@ -319,6 +344,7 @@ class TimeSharePolicy:
         before = self._what_changes()
         self._set_demand(frozenset(obs.demand & self._accounts.keys()))
         self._present = obs.present
+        self._barred, self._clearing, self._due = obs.barred, obs.clearing, obs.due
         for group, drained in obs.overrun_drained.items():
             hold_at = self._overrun.pop(group, None)
             if hold_at is not None:
@@ -331,6 +357,7 @@ class TimeSharePolicy:
             if now - hold_at >= self.params.max_overrun_ns:
                 del self._overrun[group]
                 self._refund(group, now - (hold_at + self.params.max_overrun_ns))
+        self._ready = self._gang_readiness(now) if self._barred else frozenset()
         if self._phase is Phase.RUNNING:
             self._step_running(now, obs)
         if self._phase is Phase.DRAINING:
@@ -344,7 +371,31 @@ class TimeSharePolicy:
         outranked = released is not None and self._outranked_present(released) and not self._is_owed(released)
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
-                        self._wake_on_wait(now, outranked))
+                        self._wake_on_wait(now, outranked), self._ready, self._phase is Phase.IDLE)
+
+    # -- groups that span several GPUs -----------------------------------------------------------
+
+    def _gang_readiness(self, now: int) -> frozenset[int]:
+        """The barred groups this GPU would release now if their turn were open: each wanting barred
+        group that `_choose` picks beside the holder and every group it may release (MinUtil debts,
+        priorities, MaxUtil credit and fairness decide, as for any group). A holder keeps the GPU for
+        min_slice_ns first, so that turns opening do not cut it shorter. A turn opens only where every
+        GPU on which the group wants time consents: no GPU gives a group spanning GPUs more than its
+        own rules would, and none keeps it waiting for a slice's end that another GPU does not share."""
+        wanting = [g for g in self._barred if g in self._demand and self._eligible(g, now, gang_ok=True)]
+        if not wanting:
+            return frozenset()
+        if (self._phase is Phase.RUNNING and self._holder not in self._barred
+                and now - self._released_at < self.params.min_slice_ns):
+            return self._ready.intersection(wanting)
+        return frozenset(g for g in wanting if self._choose(now, admit=g) == g)
+
+    def _due_waits(self, holder: int, now: int) -> bool:
+        """Does a group whose turn across GPUs is open want this GPU, held by another group that is
+        not being paid its MinUtil debt? Then the holder is held at once: the group's processes on its
+        other GPUs are running, and a collective among them waits for this one."""
+        return (not self._is_owed(holder)
+                and any(g != holder and g in self._demand and self._eligible(g, now) for g in self._due))
 
     def _set_demand(self, demand: frozenset[int]) -> None:
         """The groups that want the GPU from this look on: those that start or stop wanting it are
@@ -451,7 +502,11 @@ class TimeSharePolicy:
             self._charging = True
         else:
             self._charging = True  # busy again (seen at this look: at most a poll late)
-        if not self._may_continue(holder):
+        if not self._may_continue(holder) or holder in self._barred:
+            self._hold(now)  # (barred: its turn across GPUs closed on another of them)
+        elif self._clearing and not self._is_owed(holder):
+            self._hold(now)  # a turn across GPUs starts here and on its other GPUs together
+        elif self._due and self._due_waits(holder, now):
             self._hold(now)
         elif (obs.holder_idle_since is not None and not self._owed_pause(holder, now)
               and any(g != holder and self._eligible(g, now) for g in self._demand)):
@@ -460,8 +515,10 @@ class TimeSharePolicy:
             self._hold(now)  # revoke at once: a group of a higher priority wants the GPU
         elif now >= self._slice_end:
             pick = self._choose(now)
-            if pick is None or pick == holder:
-                # Nobody else (or the holder again): keep it, no needless switch.
+            if (pick is None or pick == holder) and not (holder in self._due and self._ready):
+                # Nobody else (or the holder again): keep it, no needless switch. (A holder in its turn
+                # across GPUs that another such group would have here ends its turn: only then can the
+                # other's open.)
                 self._slice_end = now + self._slice_for(holder, owed_first=self._is_owed(holder))
             else:
                 self._hold(now)
@@ -495,6 +552,8 @@ class TimeSharePolicy:
         self._phase, self._holder, self._charging = Phase.IDLE, None, False
 
     def _step_idle(self, now: int) -> None:
+        if self._clearing:
+            return  # (Decision.clear: the turn starts once every GPU of it is clear)
         pick = self._choose(now)
         if pick is None:
             return
@@ -514,8 +573,11 @@ class TimeSharePolicy:
 
     # -- choosing ------------------------------------------------------------------------------
 
-    def _eligible(self, group: int, now: int, slice_ns: int | None = None) -> bool:
-        """May the group be released now? Under its MaxUtil with the credit `_credit_needed` asks."""
+    def _eligible(self, group: int, now: int, slice_ns: int | None = None, gang_ok: bool = False) -> bool:
+        """May the group be released now? Under its MaxUtil with the credit `_credit_needed` asks, and
+        not barred (a group spanning GPUs whose turn is closed) unless `gang_ok`."""
+        if group in self._barred and not gang_ok:
+            return False
         quota = self._accounts[group].quota
         if quota.max_util <= 0.0:
             return False
@@ -564,7 +626,7 @@ class TimeSharePolicy:
     def _someone_waits(self, now: int) -> bool:
         """Does a group other than the holder wait for the GPU, and may it be released once the
         holder drained?"""
-        return any(g != self._holder and self._eligible(g, now) for g in self._demand) or any(
+        return bool(self._clearing) or any(g != self._holder and self._eligible(g, now) for g in self._demand) or any(
             g != self._holder for g in self._short_candidates(now))
 
     def _may_continue(self, group: int) -> bool:
@@ -589,12 +651,16 @@ class TimeSharePolicy:
         the least used goes first anyway."""
         return (1.0 - self._accounts[group].quota.min_util) * self.params.max_owed_slice_ns
 
-    def _choose(self, now: int) -> int | None:
-        """MinUtil debt first (most behind, relative to its MinUtil), whatever the priorities; then,
-        among the groups of the highest priority, the least decayed usage; on a tie the holder, then
-        the one that waited longest."""
-        candidates = [g for g in self._demand if g == self._holder and self._may_continue(g)
+    def _choose(self, now: int, admit: int | None = None) -> int | None:
+        """MinUtil debt first (most behind, relative to its MinUtil), whatever the priorities; then a
+        group whose turn across GPUs is open; then, among the groups of the highest priority, the least
+        decayed usage; on a tie the holder, then the one that waited longest (a holder whose turn is open
+        goes on by these rules, not by its turn). `admit`: a barred group
+        counted as if it might run (would this GPU choose it: `_gang_readiness`)."""
+        candidates = [g for g in self._demand if g == self._holder and g not in self._barred and self._may_continue(g)
                       or self._eligible(g, now)] or self._short_candidates(now)
+        if admit is not None:
+            candidates.append(admit)
         if not candidates:
             return None
         owed = [g for g in candidates if self._is_owed(g) and (
@@ -602,6 +668,9 @@ class TimeSharePolicy:
         if owed:
             return max(owed, key=lambda g: (self._account(g).owed / self._accounts[g].quota.min_util,
                                             g == self._holder))
+        due = [g for g in candidates if g in self._due and g != self._holder]
+        if due:
+            return min(due, key=lambda g: self._account(g).usage)
         top = max(self._priority(g) for g in candidates)
         candidates = [g for g in candidates if self._priority(g) == top]
         if self._caps_within_gpu():
@@ -721,6 +790,7 @@ class TimeSharePolicy:
             self._capacities.append((self._last, self._capacity))
             self._capacity = capacity
         last, self._last = self._last, now
+        stalled = dt > self.params.stall_ns
         decay = math.exp(-dt / self.params.window_ns)
         gain = self.params.window_ns * (1.0 - decay)  # decayed weight of dt of continuous time
         self._window_weight = self._window_weight * decay + gain
@@ -744,6 +814,8 @@ class TimeSharePolicy:
             quota = account.quota
             if quota.max_util < 1.0:
                 account.cap_credit = min(capacity, account.cap_credit + quota.max_util * dt - charged)
+                if stalled:
+                    account.cap_credit = max(0.0, account.cap_credit)
             if quota.min_util > 0.0:
                 # Never negative: time used beyond MinUtil while others did not want the GPU is not
                 # a debt against the guarantee later. Bounded: a long wait earns one long slice.

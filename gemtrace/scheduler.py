@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import structlog
 
 from gemtrace import region as rg
+from gemtrace.gang import GangTurns, GpuReport
 from gemtrace.policy import Decision, GroupUsage, Observation, PolicyParams, Quota, TimeSharePolicy
 
 __all__ = ["GpuScheduler", "GroupUsage", "Quota", "SlotTable"]
@@ -117,7 +118,8 @@ class GpuScheduler:
     thread; `run` (or, in tests, `step`) from one thread only."""
 
     def __init__(self, region: rg.Region, gpu: int, clock: Callable[[], int] = time.monotonic_ns,
-                 params: PolicyParams | None = None, rescan_ns: int | None = None) -> None:
+                 params: PolicyParams | None = None, rescan_ns: int | None = None,
+                 gang: GangTurns | None = None) -> None:
         if not 0 <= gpu < rg.MAX_GPUS:
             raise ValueError(f"gpu index {gpu} is outside 0..{rg.MAX_GPUS - 1}")
         self.region = region
@@ -130,6 +132,10 @@ class GpuScheduler:
         self._short_queue = False
         self._outranked = False
         self._wake_on_wait = False
+        # The turns of groups that span GPUs, shared with the other GPUs' schedulers (gemtrace/gang.py);
+        # while a group here spans GPUs, this scheduler sleeps on its doorbell, which a turn's change rings.
+        self._gang = gang
+        self._gang_here = False
         self._lock = threading.Lock()
         params = params or PolicyParams()
         if region.doorbells is not None:  # the agent's region: the gates ring it
@@ -204,7 +210,7 @@ class GpuScheduler:
                     stop.wait(0.1)
                     continue
                 delay = wake_at - self._clock()
-                if self._wake_on_wait and bells is not None:
+                if (self._wake_on_wait or self._gang_here) and bells is not None:
                     bells.wait(self.gpu, rung, delay)
                     # A ring during a drain while a process of the drained group still has work: the
                     # ring was another of its processes' (two finishing at once, an older gate) or
@@ -225,6 +231,8 @@ class GpuScheduler:
                     # still seen within one look (at most the policy's longest sleep, 60 ms).
                     time.sleep(delay / 1e9)
         finally:
+            if self._gang is not None:
+                self._gang.forget(self.gpu)
             self._release_all()
             log.info("scheduler_stopped", gpu=self.gpu)
 
@@ -237,11 +245,31 @@ class GpuScheduler:
             if self._pending_quotas is not None:
                 self._apply_quotas(now, self._pending_quotas)
                 self._pending_quotas = None
-            decision = self._policy.step(now, self._observe(now))
+            observation = self._observe(now)
+            decision = self._policy.step(now, self._with_turns(observation))
+            # A turn across GPUs that opened, went or closed at this look: decide again before carrying
+            # out (a few times at most: each report moves a turn on by one state).
+            for _ in range(3):
+                if self._gang is None or not self._gang.report(self.gpu, GpuReport(
+                        observation.present, observation.demand, decision.ready, decision.released, decision.clear)):
+                    break
+                decision = self._policy.step(now, self._with_turns(observation))
             self._carry_out(now, decision)
             self._assert_words()
             self.looks += 1
             return decision.wake_at
+
+    def _with_turns(self, observation: Observation) -> Observation:
+        """The observation with the groups spanning GPUs that are barred and due here (gang.py)."""
+        if self._gang is None:
+            return observation
+        turns = self._gang.view(self.gpu)
+        self._gang_here = bool(turns)
+        if not turns:
+            return observation
+        scheduled = self._scheduled
+        return dataclasses.replace(observation, barred=turns.barred & scheduled, clearing=turns.clearing & scheduled,
+                                   due=turns.due & scheduled)
 
     def _apply_quotas(self, now: int, quotas: dict[int, Quota]) -> None:
         self._policy.set_quotas(now, quotas)

@@ -1,0 +1,190 @@
+"""A data-parallel job across two GPUs under gemtrace's quotas, through the product only (issue 29).
+
+Each case starts `gemtrace agent --no-ebpf` (its own state dir and resource file), then the job as a user
+would: `gemtrace run --group ddp -- torchrun --standalone --nproc_per_node 2 bench/gpu/ddp_worker.py
+--ddp` (ResNet-50, bf16, batch 64 a rank, NCCL), and beside it single-GPU ResNet-50 training jobs, each
+`gemtrace run --group hogN` with CUDA_VISIBLE_DEVICES naming its GPU. Every process counts the steps it
+ends within one shared window (ddp_worker.py). Per group it prints steps/s against its solo rate, and
+the time the agent charged it on each GPU (gemtrace_group_gpu_seconds_total over the window). The
+"without gemtrace" rows run the same processes with no agent and no gate: the driver's own time slicing.
+
+Cases (issue 29's targets on two H100s):
+  solo          the job alone, gated, no quota (before and after the cases: the table divides by their mean)
+  cap30         MaxUtil 0.3, a single-GPU job on each GPU       the job >= 0.28 of solo
+  min60         MinUtil 0.6, a single-GPU job on each GPU       the job >= 0.57 of solo
+  equal         no quota, a single-GPU job on each GPU          >= 0.45 and >= the same without gemtrace
+  one-busy      no quota, a single-GPU job on GPU 0 only        shown
+  two-jobs      two jobs in two groups, no quota                shown
+  raw-equal     `equal` without gemtrace
+  raw-solo      the job alone without gemtrace, and a single-GPU job alone (the hogs' solo)
+
+    python3 bench/gpu/gang_ddp.py [--cases solo,cap30,...] [--seconds 10] [--warmup 25]
+
+Prints a markdown table; with $OUT set writes gang_ddp.md and gang_ddp.json there. Needs two GPUs,
+torch with CUDA and torchvision, build/libgemgate.so, and the agent's Python dependencies on PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from models_torch import GATE, Agent, GroupSpec, gemtrace, publish, report_header  # noqa: E402
+
+WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+# Leave NVLink multicast off (the device machine's notes: NCCL's NVLS and torch's symmetric memory).
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@dataclass(frozen=True)
+class Job:
+    group: str
+    ddp: bool  # across both GPUs (torchrun), or one process on `gpu`
+    gpu: int = 0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    title: str
+    groups: tuple[GroupSpec, ...]
+    jobs: tuple[Job, ...]
+    gated: bool = True
+    target: dict[str, float] = field(default_factory=dict)  # group -> least share of its solo
+
+
+DDP = Job("ddp", True)
+HOGS = (Job("hog0", False, 0), Job("hog1", False, 1))
+UNCAPPED = (GroupSpec("hog0"), GroupSpec("hog1"))
+CASES = {c.name: c for c in (
+    Case("solo", "the job alone, no quota", (GroupSpec("ddp"),), (DDP,)),
+    Case("cap30", "MaxUtil 0.3, a single-GPU job on each GPU", (GroupSpec("ddp", max_util=0.3), *UNCAPPED),
+         (DDP, *HOGS), target={"ddp": 0.28}),
+    Case("min60", "MinUtil 0.6, a single-GPU job on each GPU", (GroupSpec("ddp", min_util=0.6), *UNCAPPED),
+         (DDP, *HOGS), target={"ddp": 0.57}),
+    Case("equal", "no quota, a single-GPU job on each GPU", (GroupSpec("ddp"), *UNCAPPED), (DDP, *HOGS),
+         target={"ddp": 0.45}),
+    Case("one-busy", "no quota, a single-GPU job on GPU 0 only", (GroupSpec("ddp"), GroupSpec("hog0")),
+         (DDP, HOGS[0])),
+    Case("two-jobs", "two jobs in two groups, no quota", (GroupSpec("ddp"), GroupSpec("ddp2")),
+         (DDP, Job("ddp2", True))),
+    Case("raw-equal", "without gemtrace: a single-GPU job on each GPU", (), (DDP, *HOGS), gated=False),
+    Case("raw-solo", "without gemtrace: the job alone, then a single-GPU job alone", (), (DDP,), gated=False),
+)}
+PLAN = ("raw-solo", "solo", "cap30", "min60", "equal", "raw-equal", "one-busy", "two-jobs", "solo")
+
+
+def start_job(job: Job, window: tuple[float, float], env: dict[str, str], state: Path | None,
+              log: Path) -> subprocess.Popen[str]:
+    worker = [sys.executable, str(WORKER)]
+    if job.ddp:
+        worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                  str(WORKER), "--ddp"]
+    env = {**env, **NCCL_ENV, "BENCH_WINDOW": f"{window[0]:.3f},{window[1]:.3f}"}
+    if not job.ddp:
+        env["CUDA_VISIBLE_DEVICES"] = str(job.gpu)
+    argv = worker if state is None else gemtrace("run", "--group", job.group, "--state-dir", str(state),
+                                                 "--require-agent", "--", *worker)
+    return subprocess.Popen(argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=log.open("w"))
+
+
+def result_of(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=180)
+    for line in out.splitlines():
+        if line.startswith("{") and '"result"' in line:
+            return dict(json.loads(line))
+    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+    raise RuntimeError(f"a job gave no result (exit {proc.returncode}); its stderr ends:\n{tail}")
+
+
+def run_case(case: Case, seconds: float, warmup: float) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "GEMTRACE_GATE": str(GATE)}
+    with tempfile.TemporaryDirectory(prefix="gemtrace-ddp-") as tmp:
+        work = Path(tmp)
+        agent = Agent(work, case.groups, env, ebpf=False) if case.gated else None
+        procs = []
+        try:
+            uuids = [agent.gpu_uuid(i) for i in (0, 1)] if agent else []
+            window = (time.monotonic() + warmup, time.monotonic() + warmup + seconds)
+            for n, job in enumerate(case.jobs):
+                log = work / f"{job.group}-{n}.log"
+                procs.append((job, start_job(job, window, env, agent.state if agent else None, log), log))
+            time.sleep(max(0.0, window[0] - time.monotonic()))
+            charged0 = [agent.charged(u) for u in uuids] if agent else []
+            time.sleep(max(0.0, window[1] - time.monotonic()))
+            charged1 = [agent.charged(u) for u in uuids] if agent else []
+            results = {job.group: result_of(proc, log) for job, proc, log in procs}
+        finally:
+            for _, proc, _ in procs:
+                if proc.poll() is None:
+                    proc.kill()
+            if agent:
+                agent.stop()
+    charged = {}
+    for (t0, c0), (t1, c1) in zip(charged0, charged1, strict=True):
+        for group in c1:
+            charged.setdefault(group, []).append((c1[group] - c0.get(group, 0.0)) / (t1 - t0))
+    return {"results": results, "charged": charged}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(PLAN))
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=25.0)
+    args = parser.parse_args()
+    names = args.cases.split(",")
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        print(f"unknown case {unknown[0]!r}: choose among {', '.join(CASES)}", file=sys.stderr)
+        return 2
+    began = time.monotonic()
+    runs: list[tuple[str, dict[str, Any]]] = []
+    hog_solo = None
+    for name in names:
+        print(f"# {name}", file=sys.stderr, flush=True)
+        runs.append((name, run_case(CASES[name], args.seconds, args.warmup)))
+        if name == "raw-solo":
+            hog_solo = run_case(Case("hog-solo", "", (), (HOGS[0],), gated=False), args.seconds, args.warmup)
+    solos = [r["results"]["ddp"]["rate"] for n, r in runs if n == "solo"]
+    solo = sum(solos) / len(solos) if solos else None
+    raw_solo = next((r["results"]["ddp"]["rate"] for n, r in runs if n == "raw-solo"), None)
+    hog_rate = hog_solo["results"]["hog0"]["rate"] if hog_solo else None
+    rows = ["| case | group | steps/s | of solo | target | charged GPU 0 / GPU 1 |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    missed = 0
+    for name, run in runs:
+        case = CASES[name]
+        for group, result in run["results"].items():
+            base = (solo if case.gated else raw_solo) if group.startswith("ddp") else hog_rate
+            ratio = result["rate"] / base if base else float("nan")
+            least = case.target.get(group)
+            verdict = "" if least is None else (f"≥ {least:.2f} " + ("met" if ratio >= least else "**missed**"))
+            missed += least is not None and ratio < least
+            charged = " / ".join(f"{c:.3f}" for c in run["charged"].get(group, [])) or "-"
+            rows.append(f"| {name}: {case.title} | {group} | {result['rate']:.2f} | {ratio:.3f} | {verdict} "
+                        f"| {charged} |")
+    about = next(iter(runs[0][1]["results"].values())) if runs else {}
+    header = report_header(about, argparse.Namespace(ebpf=False, stand_in=False),
+                           f"solo through gemtrace {', '.join(f'{s:.2f}' for s in solos)} steps/s, without "
+                           f"{raw_solo and f'{raw_solo:.2f}'}; a single-GPU job alone {hog_rate and f'{hog_rate:.2f}'}"
+                           f" steps/s; windows of {args.seconds:g} s after {args.warmup:g} s", began)
+    publish(header + "\n\n" + "\n".join(rows) + "\n", "gang_ddp", {"runs": runs, "hog_solo": hog_solo})
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

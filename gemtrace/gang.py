@@ -1,0 +1,194 @@
+"""Gang turns: a group whose processes use several GPUs takes its turns on all of them at once.
+
+Each GPU has its own scheduler and policy (gemtrace/scheduler.py, gemtrace/policy.py). A job spread over
+GPUs (a DistributedDataParallel run: one rank per GPU, an all-reduce at every step) makes progress only
+while all its ranks run: a rank released on one GPU reaches its collective and spins there, charged, until
+the rank held back on another GPU runs. Scheduled on independent clocks, such a job did under 1% of its
+work at MaxUtil 0.3 (docs/scheduler.md, "Groups that span GPUs").
+
+This module owns which such groups' turns are open. The unit is the group: a group present on two GPUs or
+more (a live process of it launched or waits there) is a gang on those GPUs. Its turn is closed (barred on
+every GPU of it: no policy releases it) until every GPU on which it wants time would choose it by its own
+rules (`Decision.ready`); then it opens. First it clears: each GPU on which it wants time holds its holder
+and releases nobody until it is clear (`Decision.clear`: the holder drained); then it goes (due on every
+GPU of it: released there at once). So the group's processes start together: one released first would run
+into its collective and spin there, charged, while its peer's GPU still drains. It stays open until one of
+its GPUs holds it again, for any of its own reasons (its slice ended, its MaxUtil credit ran out, it went
+quiet while another group waits). A GPU is in one open turn at a time. So each GPU's MinUtil, MaxUtil,
+Priority and fairness still decide how much time the group gets there, and the turns only line up in
+time. A group present on one GPU is never barred nor due: its scheduling is the single GPU's, unchanged.
+
+Pure bookkeeping behind one lock: the schedulers report after each look (`report`) and read their barred and
+due groups before the next (`view`); it never touches the region. A change of turn is announced through
+`wake(gpu)`, the GPU's doorbell, so that a scheduler asleep on it looks at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+__all__ = ["GangTurns", "GpuReport", "Turns"]
+
+
+@dataclass(frozen=True)
+class GpuReport:
+    """What one GPU's scheduler saw and decided at its last look."""
+
+    present: frozenset[int] = frozenset()  # groups with a live process on this GPU
+    demand: frozenset[int] = frozenset()  # groups that want this GPU now
+    ready: frozenset[int] = frozenset()  # barred groups this GPU would release now (Decision.ready)
+    released: int | None = None  # the group released here (None: all held)
+    clear: bool = False  # nobody released or draining here (Decision.clear)
+
+
+@dataclass(frozen=True)
+class Turns:
+    """One GPU's view of the groups that span GPUs (Observation.barred, .clearing and .due)."""
+
+    barred: frozenset[int] = frozenset()
+    clearing: frozenset[int] = frozenset()
+    due: frozenset[int] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.barred or self.clearing or self.due)
+
+
+NO_TURNS = Turns()
+
+
+@dataclass
+class _Turn:
+    gpus: frozenset[int]  # the gang's GPUs when the turn opened (a GPU it starts to use joins)
+    clearing_on: frozenset[int]  # the GPUs on which it wanted time when it opened: they clear first
+    go: bool = False  # every one of them cleared: the group is due on all its GPUs
+    released_on: set[int] = field(default_factory=set)  # GPUs that released the group in this turn
+
+
+class GangTurns:
+    """The open turns of the groups that span GPUs, shared by every GPU's scheduler. Thread-safe."""
+
+    def __init__(self, wake: Callable[[int], None] = lambda gpu: None) -> None:
+        self._wake = wake
+        self._lock = threading.Lock()
+        self._reports: dict[int, GpuReport] = {}
+        self._open: dict[int, _Turn] = {}
+        self._opened = 0
+        self._last_opened: dict[int, int] = {}  # group -> the count of turns opened when it last had one
+        self._views: dict[int, Turns] = {}
+        self.turns = 0  # turns opened so far, for tests and benches
+
+    def view(self, gpu: int) -> Turns:
+        """The groups spanning GPUs barred on this GPU (turn closed), clearing and due (turn open)."""
+        with self._lock:
+            return self._views.get(gpu, NO_TURNS)
+
+    def report(self, gpu: int, report: GpuReport) -> bool:
+        """A GPU's look: closes the turns it ended, opens those every GPU consents to. True if this
+        GPU's view changed (the caller decides again before carrying out its decision)."""
+        with self._lock:
+            previous = self._reports.get(gpu)
+            self._reports[gpu] = report
+            if previous == report and not self._open:
+                return False
+            before = dict(self._views)
+            members = self._members()
+            changed: set[int] = set()
+            for group, turn in list(self._open.items()):
+                if self._turn_over(group, turn, members.get(group, frozenset())):
+                    del self._open[group]
+                    changed |= turn.gpus | members.get(group, frozenset())
+                    continue
+                turn.gpus |= members.get(group, frozenset())
+                if not turn.go and all(self._reports[g].clear for g in turn.clearing_on if g in self._reports):
+                    turn.go = True
+                    changed |= turn.gpus
+            changed |= self._open_turns(members)
+            self._views = self._compute_views(members)
+            changed |= {g for g in self._views.keys() | before.keys() if self._views.get(g) != before.get(g)}
+        for other in changed - {gpu}:
+            self._wake(other)
+        return gpu in changed
+
+    def forget(self, gpu: int) -> None:
+        """A scheduler stopped: its GPU no longer counts in any gang."""
+        with self._lock:
+            self._reports.pop(gpu, None)
+            self._views.pop(gpu, None)
+
+    def open_turns(self) -> dict[int, frozenset[int]]:
+        """Each group whose turn is open (clearing or going) and its GPUs."""
+        with self._lock:
+            return {group: turn.gpus for group, turn in self._open.items()}
+
+    # -- under the lock ----------------------------------------------------------------------------
+
+    def _members(self) -> dict[int, frozenset[int]]:
+        """Each group present on two GPUs or more, and those GPUs."""
+        where: dict[int, set[int]] = {}
+        for gpu, report in self._reports.items():
+            for group in report.present | report.demand:
+                where.setdefault(group, set()).add(gpu)
+        return {group: frozenset(gpus) for group, gpus in where.items() if len(gpus) > 1}
+
+    def _turn_over(self, group: int, turn: _Turn, gpus: frozenset[int]) -> bool:
+        """Is the group's open turn over? It no longer spans GPUs; or a GPU that released it in this
+        turn holds it again; or it wants none of its GPUs and none holds it (its processes went to
+        CPU work, or exited)."""
+        if len(gpus) < 2:
+            return True
+        if not turn.go:
+            return not any(group in self._reports[gpu].demand for gpu in gpus if gpu in self._reports)
+        released_now = set()
+        for gpu in turn.gpus:
+            report = self._reports.get(gpu)
+            if report is not None and report.released == group:
+                released_now.add(gpu)
+        if turn.released_on - released_now:
+            return True
+        turn.released_on |= released_now
+        return not released_now and not any(
+            group in self._reports[gpu].demand for gpu in gpus if gpu in self._reports)
+
+    def _open_turns(self, members: dict[int, frozenset[int]]) -> set[int]:
+        """Open the turn of each closed gang that every GPU on which it wants time would release now,
+        on GPUs in no other open turn: the one whose last turn is oldest first. Returns the GPUs whose
+        view changed."""
+        busy = set().union(*(turn.gpus for turn in self._open.values())) if self._open else set()
+        candidates = []
+        for group, gpus in members.items():
+            if group in self._open or gpus & busy:
+                continue
+            wanting = [gpu for gpu in gpus if group in self._reports[gpu].demand]
+            if wanting and all(group in self._reports[gpu].ready for gpu in wanting):
+                candidates.append(group)
+        changed: set[int] = set()
+        for group in sorted(candidates, key=lambda g: self._last_opened.get(g, -1)):
+            gpus = members[group]
+            if gpus & busy:
+                continue
+            self._open[group] = _Turn(gpus, frozenset(gpu for gpu in gpus if group in self._reports[gpu].demand))
+            self._opened += 1
+            self._last_opened[group] = self._opened
+            self.turns += 1
+            busy |= gpus
+            changed |= gpus
+        return changed
+
+    def _compute_views(self, members: dict[int, frozenset[int]]) -> dict[int, Turns]:
+        """Per GPU: a gang with no open turn is barred; one whose turn clears, clearing on the GPUs that
+        clear (and barred, not yet released, on its others); one whose turn goes, due."""
+        barred: dict[int, set[int]] = {}
+        clearing: dict[int, set[int]] = {}
+        due: dict[int, set[int]] = {}
+        for group, gpus in members.items():
+            turn = self._open.get(group)
+            for gpu in gpus | (turn.gpus if turn is not None else frozenset()):
+                if turn is None or not turn.go and gpu not in turn.clearing_on:
+                    barred.setdefault(gpu, set()).add(group)
+                else:
+                    (due if turn.go else clearing).setdefault(gpu, set()).add(group)
+        return {gpu: Turns(frozenset(barred.get(gpu, ())), frozenset(clearing.get(gpu, ())),
+                           frozenset(due.get(gpu, ())))
+                for gpu in barred.keys() | clearing.keys() | due.keys()}

@@ -1,0 +1,275 @@
+"""Gang turns (gemtrace/gang.py) with the policies of several fake GPUs on one fake clock: a job whose
+ranks meet at a collective every step makes progress only while all of them run, so its turns must
+line up across its GPUs, while each GPU's own quotas and fairness still hold. No region, no sleeping:
+the simulated GPU's collectives through the real agent are in tests/test_gang_e2e.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from gemtrace.gang import GangTurns, GpuReport, Turns
+from gemtrace.policy import MS, Decision, Observation, PolicyParams, Quota, TimeSharePolicy
+
+pytestmark = pytest.mark.unit
+
+SECOND = 1000 * MS
+TICK = MS // 10
+
+
+@dataclass
+class Job:
+    """A data-parallel job: each step, on each of its GPUs, a rank runs `segments` times
+    `compute_ns / segments` of kernels, each followed by a collective (the gradients' buckets) that
+    needs `collective_ns / segments` with every rank running at once; a rank that reached it first
+    spins (busy, charged, no progress) until the others run too."""
+
+    gpus: tuple[int, ...]
+    compute_ns: int = 20 * MS
+    collective_ns: int = 2 * MS
+    segments: int = 4
+    steps: int = 0
+    done: int = 0  # segments done this step
+    left: dict[int, int] = field(default_factory=dict)  # each rank's compute left this segment
+    collective_left: int = 0
+
+    def __post_init__(self) -> None:
+        self._next_segment()
+
+    def _next_segment(self) -> None:
+        self.left = {gpu: self.compute_ns // self.segments for gpu in self.gpus}
+        self.collective_left = self.collective_ns // self.segments
+
+    def run(self, running: set[int], dt: int) -> None:
+        """`running`: the GPUs on which the job's rank runs during this tick."""
+        for gpu in running:
+            self.left[gpu] = max(0, self.left[gpu] - dt)
+        if all(self.left[gpu] == 0 for gpu in self.gpus) and running >= set(self.gpus):
+            self.collective_left -= dt
+            if self.collective_left <= 0:
+                self.done += 1
+                if self.done == self.segments:
+                    self.steps, self.done = self.steps + 1, 0
+                self._next_segment()
+
+    def solo_steps_per_second(self) -> float:
+        return SECOND / (self.compute_ns + self.collective_ns)
+
+
+@dataclass
+class Gpu:
+    """One fake GPU's groups (each a hog, or a rank of a Job) and its policy; the held group drains
+    in `drain_ns`. Keeps every group's true GPU time."""
+
+    index: int
+    policy: TimeSharePolicy
+    groups: set[int]
+    drain_ns: int = 1 * MS
+    released: int | None = None
+    draining: int | None = None
+    drain_end: int = 0
+    next_look: int = 0
+    busy_ns: dict[int, int] = field(default_factory=dict)
+    switches: int = 0
+
+    def observe(self, t: int) -> Observation:
+        drained = self.drain_end if self.draining is not None and t >= self.drain_end else None
+        # Hogs and ranks always have work (a spinning rank is busy): they want the GPU all along.
+        return Observation(frozenset(self.groups), None, drained, present=frozenset(self.groups))
+
+    def apply(self, t: int, decision: Decision) -> None:
+        if decision.draining is not None and self.draining is None:
+            self.draining, self.drain_end = decision.draining, t + self.drain_ns
+            self.switches += 1
+        if decision.draining is None:
+            self.draining = None
+        self.released = decision.released
+        self.next_look = max(t + TICK, decision.wake_at)
+
+    def running(self, t: int) -> set[int]:
+        """The groups whose kernels run during this tick: the released one, and a drain's."""
+        out = set()
+        if self.released is not None:
+            out.add(self.released)
+        if self.draining is not None and t < self.drain_end:
+            out.add(self.draining)
+        return out
+
+
+def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds: float = 10,
+             gang: bool = True, params: PolicyParams | None = None) -> tuple[list[Gpu], GangTurns]:
+    """`layout`: GPU -> {group: quota}; `jobs`: group -> Job for the groups that are jobs (the rest are
+    hogs). Looks come at each policy's wake_at, and at once where a turn changes (the doorbell). Each
+    GPU's first look is half a slice after the last one's, and their drains differ (1, 1.7, 2.4 ms...):
+    their clocks are apart, as real ones are."""
+    params = params or PolicyParams(drains_ring=True)
+    woken: set[int] = set()
+    turns = GangTurns(woken.add)
+    gpus = []
+    for index, quotas in layout.items():
+        policy = TimeSharePolicy(params, now=index * 30 * MS)
+        policy.set_quotas(index * 30 * MS, quotas)
+        gpus.append(Gpu(index, policy, set(quotas), drain_ns=1 * MS + index * 7 * TICK, next_look=index * 30 * MS))
+    end = int(seconds * SECOND)
+    for t in range(0, end, TICK):
+        for gpu in gpus:
+            drain_ended = gpu.draining is not None and gpu.drain_end == t
+            if t < gpu.next_look and gpu.index not in woken and not drain_ended:
+                continue
+            woken.discard(gpu.index)
+            obs = gpu.observe(t)
+            if gang:
+                decision = gpu.policy.step(t, with_turns(obs, turns.view(gpu.index)))
+                for _ in range(3):  # as GpuScheduler.step does
+                    if not turns.report(gpu.index, GpuReport(obs.present, obs.demand, decision.ready,
+                                                             decision.released, decision.clear)):
+                        break
+                    decision = gpu.policy.step(t, with_turns(obs, turns.view(gpu.index)))
+            else:
+                decision = gpu.policy.step(t, obs)
+            gpu.apply(t, decision)
+        running_jobs: dict[int, set[int]] = {}
+        for gpu in gpus:
+            for group in gpu.running(t):
+                gpu.busy_ns[group] = gpu.busy_ns.get(group, 0) + TICK
+                if group in jobs:
+                    running_jobs.setdefault(group, set()).add(gpu.index)
+        for group, job in jobs.items():
+            job.run(running_jobs.get(group, set()), TICK)
+    return gpus, turns
+
+
+def with_turns(obs: Observation, turns: Turns) -> Observation:
+    return replace(obs, barred=turns.barred, clearing=turns.clearing, due=turns.due)
+
+
+def share(gpu: Gpu, group: int, seconds: float = 10) -> float:
+    return gpu.busy_ns.get(group, 0) / (seconds * SECOND)
+
+
+def ddp_beside_hogs(job_quota: Quota, seconds: float = 10, gang: bool = True) -> tuple[Job, list[Gpu]]:
+    """The job (group 0) on GPUs 0 and 1, an uncapped single-GPU hog on each (groups 1 and 2)."""
+    job = Job((0, 1))
+    gpus, _ = simulate({0: {0: job_quota, 1: Quota()}, 1: {0: job_quota, 2: Quota()}}, {0: job},
+                       seconds=seconds, gang=gang)
+    return job, gpus
+
+
+def test_a_capped_job_does_its_cap_of_its_solo_work_only_with_gang_turns() -> None:
+    job, gpus = ddp_beside_hogs(Quota(0, 0.3))
+    done = job.steps / 10 / job.solo_steps_per_second()
+    assert done >= 0.28
+    for gpu in gpus:
+        assert share(gpu, 0) == pytest.approx(0.3, abs=0.02)
+    assert share(gpus[0], 1) == pytest.approx(0.7, abs=0.02)
+    assert share(gpus[1], 2) == pytest.approx(0.7, abs=0.02)
+    # Each GPU on its own clock: the job's ranks take turns that rarely meet.
+    alone, _ = ddp_beside_hogs(Quota(0, 0.3), gang=False)
+    assert alone.steps < job.steps / 2
+
+
+def test_a_guaranteed_job_gets_its_min_util_of_its_solo_work() -> None:
+    job, gpus = ddp_beside_hogs(Quota(0.6, 1.0))
+    assert job.steps / 10 / job.solo_steps_per_second() >= 0.57
+    for gpu in gpus:
+        assert share(gpu, 0) >= 0.59
+
+
+def test_an_unlimited_job_shares_each_gpu_evenly_with_the_single_gpu_jobs() -> None:
+    job, gpus = ddp_beside_hogs(Quota())
+    assert job.steps / 10 / job.solo_steps_per_second() >= 0.45
+    for gpu, hog in zip(gpus, (1, 2), strict=True):
+        assert share(gpu, hog) == pytest.approx(0.5, abs=0.03)
+
+
+def test_a_job_beside_work_on_one_of_its_gpus_gets_that_gpus_fair_share() -> None:
+    # GPU 0 is shared with a hog; GPU 1 is the job's alone. The job runs half the time on both (its
+    # rank on GPU 1 could do nothing more: it would spin), and the hog keeps its half of GPU 0.
+    job = Job((0, 1))
+    gpus, _ = simulate({0: {0: Quota(), 1: Quota()}, 1: {0: Quota()}}, {0: job})
+    assert job.steps / 10 / job.solo_steps_per_second() >= 0.45
+    assert share(gpus[0], 1) == pytest.approx(0.5, abs=0.03)
+
+
+def test_two_jobs_on_the_same_two_gpus_take_whole_turns_evenly() -> None:
+    first, second = Job((0, 1)), Job((0, 1))
+    gpus, turns = simulate({0: {0: Quota(), 1: Quota()}, 1: {0: Quota(), 1: Quota()}}, {0: first, 1: second})
+    for job in (first, second):
+        assert job.steps / 10 / job.solo_steps_per_second() >= 0.45
+    assert turns.turns > 50  # they alternate, each in whole turns on both GPUs
+
+
+def test_caps_of_two_jobs_hold_on_each_gpu() -> None:
+    first, second = Job((0, 1)), Job((0, 1))
+    quotas = {0: Quota(0, 0.3), 1: Quota(0, 0.7)}
+    gpus, _ = simulate({0: dict(quotas), 1: dict(quotas)}, {0: first, 1: second})
+    for gpu in gpus:
+        assert share(gpu, 0) == pytest.approx(0.3, abs=0.02)
+        assert share(gpu, 1) == pytest.approx(0.7, abs=0.03)
+    assert first.steps / 10 / first.solo_steps_per_second() >= 0.28
+    assert second.steps / 10 / second.solo_steps_per_second() >= 0.65
+
+
+def test_a_group_on_one_gpu_is_neither_barred_nor_due() -> None:
+    turns = GangTurns()
+    turns.report(0, GpuReport(present=frozenset({1, 2}), demand=frozenset({1, 2})))
+    turns.report(1, GpuReport(present=frozenset({2, 3}), demand=frozenset({2})))
+    assert turns.view(0) == Turns(barred=frozenset({2}))
+    assert turns.view(1) == Turns(barred=frozenset({2}))
+    turns.report(1, GpuReport(present=frozenset({3}), demand=frozenset()))
+    assert not turns.view(0)
+
+
+def test_a_turn_opens_when_every_gpu_that_wants_it_consents_starts_when_all_are_clear_and_closes_when_one_holds_it(
+        ) -> None:
+    woken: list[int] = []
+    turns = GangTurns(woken.append)
+    both = frozenset({7})
+    turns.report(1, GpuReport(both, both, ready=frozenset()))
+    turns.report(0, GpuReport(both, both, ready=both, clear=True))
+    assert turns.view(0) == Turns(barred=both)  # GPU 1 has not consented yet
+    assert turns.open_turns() == {}
+    assert turns.report(1, GpuReport(both, both, ready=both))
+    # Open: GPU 0 is clear already, GPU 1 still holds another group (it drains).
+    assert turns.view(0) == Turns(clearing=both) and turns.view(1) == Turns(clearing=both)
+    assert 0 in woken  # the other GPU's scheduler is told at once
+    turns.report(0, GpuReport(both, both, clear=True))
+    assert turns.view(0) == Turns(clearing=both)
+    turns.report(1, GpuReport(both, both, clear=True))
+    assert turns.view(0) == Turns(due=both) and turns.view(1) == Turns(due=both)
+    turns.report(0, GpuReport(both, both, released=7))
+    turns.report(1, GpuReport(both, both, released=7))
+    woken.clear()
+    turns.report(0, GpuReport(both, both, released=None))  # GPU 0's slice ended
+    assert turns.view(1) == Turns(barred=both) and woken == [1]
+
+
+def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
+    # A rank blocked on the CPU (a barrier waiting for the held rank) wants nothing on its GPU.
+    both = frozenset({7})
+    turns = GangTurns()
+    turns.report(1, GpuReport(both, frozenset()))
+    turns.report(0, GpuReport(both, both, ready=both))
+    assert turns.open_turns() == {7: frozenset({0, 1})}
+
+
+def test_a_stall_of_the_agent_leaves_no_group_held_for_long() -> None:
+    # The agent stopped (SIGSTOP) for 10 s while a capped group held the GPU: charged all of it, its
+    # bucket would take 23 s to refill.
+    policy = TimeSharePolicy(PolicyParams(drains_ring=True), now=0)
+    policy.set_quotas(0, {0: Quota(0, 0.3), 1: Quota()})
+    busy = frozenset({0, 1})
+    t = 0
+    while policy.holder != 0:
+        t = policy.step(t, Observation(busy, present=busy)).wake_at
+    resumed = t + 10 * SECOND
+    t, held, released_again = resumed, False, None
+    while t < resumed + 5 * SECOND:
+        decision = policy.step(t, Observation(busy, present=busy, drained_at=t))
+        held = held or decision.released != 0
+        if held and decision.released == 0:
+            released_again = t
+            break
+        t = max(t + TICK, decision.wake_at)
+    assert released_again is not None and released_again - resumed < 1 * SECOND
