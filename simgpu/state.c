@@ -266,6 +266,8 @@ static uint64_t proc_start_time(int32_t pid)
     return p ? strtoull(p, NULL, 10) : 0;
 }
 
+uint64_t sim_proc_start_time(int32_t pid) { return pid > 0 ? proc_start_time(pid) : 0; }
+
 int sim_proc_alive(int32_t pid, uint64_t start_time)
 {
     if (pid <= 0)
@@ -501,8 +503,19 @@ uint64_t sim_busy_done(struct sim_device *d, uint64_t now)
      * busy_until is queued kernel time: what is not done yet is exactly busy_until - now. */
     uint64_t total = atomic_load(&d->busy_total);
     uint64_t until = atomic_load(&d->busy_until);
+    uint64_t spun = 0;
+    if (until & SIM_SPINNING) {
+        /* busy_total covers the kernels queued before the spin, which end at its start; the spin is
+         * busy from then to now. Until spin_pid names the spinner, its start is not stored yet. */
+        int32_t pid = atomic_load(&d->spin_pid);
+        uint64_t start = atomic_load(&d->spin_start);
+        if (pid != (int32_t)(uint32_t)until)
+            start = now;
+        until = start;
+        spun = now > start ? now - start : 0;
+    }
     uint64_t ahead = until > now ? until - now : 0;
-    return total > ahead ? total - ahead : 0;
+    return (total > ahead ? total - ahead : 0) + spun;
 }
 
 double sim_utilisation(struct sim_device *d)
