@@ -7,9 +7,18 @@
  * starts first holds its device until then: its launch sets the device's busy_until to
  * SIM_SPINNING | pid, so that every launch on that device, of any process, waits until the spin is
  * placed (no other kernel runs beside a spinning one), and the launching thread blocks until the last
- * peer has started (sim_comm_rendezvous). Only then is the end known: the spin and the duration go
- * onto the timeline and into the busy time together. While it spins, NVML counts it busy
- * (sim_busy_done) and the process's queue is not empty (its launch has not returned).
+ * peer has started (sim_collective). Only then is the end known: the spin and the duration go onto
+ * the timeline and into the busy time together. While it spins, NVML counts it busy (sim_busy_done)
+ * and the process's queue is not empty (its launch has not returned).
+ *
+ * One exception keeps two communicators on the same devices from waiting for each other for ever
+ * (A's rank 0 spinning on GPU 0 for A's rank 1, whose launch waits behind B's rank 1 spinning on
+ * GPU 1 for B's rank 0, whose launch waits behind A's spin): a spin whose missing peer is itself
+ * blocked behind a spin gives its device up (the spin so far stays busy time), as the real driver
+ * time-slices contexts, and takes it again once every rank has started. A peer held back by
+ * gemtrace's gate is not blocked so: the spin holds its device, as on the GPU. A peer is known from
+ * its first collective on: a job's ranks start with one, as DDP's constructor broadcasts the model
+ * and NCCL's initialisation is itself a rendezvous (the ddp-loop client does).
  *
  * As everything in simgpu.h, no lock: a process killed at any instruction leaves at worst a spin
  * whose owner is dead, which the next launch on that device ends (sim_spin_wait), or a rank whose
@@ -64,7 +73,8 @@ static uint64_t my_start_time(void)
 
 /* ---- spins: a device held by a collective ------------------------------------------------- */
 
-uint64_t sim_spin_begin(struct sim_device *d, uint64_t not_before)
+/* Hold device d's timeline from when it is free, and not before `not_before`; returns the start. */
+static uint64_t spin_begin(struct sim_device *d, uint64_t not_before)
 {
     int32_t me = my_pid();
     uint64_t owner_start = my_start_time();
@@ -88,7 +98,8 @@ uint64_t sim_spin_begin(struct sim_device *d, uint64_t not_before)
     return start;
 }
 
-void sim_spin_end(struct sim_device *d, uint64_t start, uint64_t end)
+/* Give d up at `end`: the spin from `start` to `end` is busy time. */
+static void spin_end(struct sim_device *d, uint64_t start, uint64_t end)
 {
     uint64_t spinning = SIM_SPINNING | (uint32_t)my_pid();
     atomic_store(&d->spin_pid, 0);
@@ -108,7 +119,14 @@ void sim_spin_wait(struct sim_device *d, uint64_t busy)
     bool stored = atomic_load(&d->spin_pid) == pid;
     uint64_t start = stored ? atomic_load(&d->spin_start) : 0;
     if (pid == my_pid() || sim_proc_alive(pid, stored ? atomic_load(&d->spin_owner_start) : 0)) {
+        /* Counted while it waits, so that a spin waiting for this process gives its device up. */
+        int slot = pid == my_pid() ? -1 : sim_my_slot();
+        struct sim_state *s = sim_state();
+        if (slot >= 0)
+            atomic_fetch_add(&s->proc[slot].blocked, 1);
         futex_wait(&d->spin_bell, bell, POLL_NS);
+        if (slot >= 0)
+            atomic_fetch_sub(&s->proc[slot].blocked, 1);
         return;
     }
     /* Its process died while it spun: the spin ends now; what was queued before it ends at its start. */
@@ -191,6 +209,7 @@ enum sim_comm_result sim_comm_join(uint64_t id, unsigned world, unsigned rank, s
         if (w && rank_alive(r, w))
             return SIM_COMM_TAKEN;
         atomic_store(&r->owner_start_time, my_start_time());
+        atomic_store(&r->owner_slot, sim_my_slot());
         if (atomic_compare_exchange_strong(&r->word, &w, (uint64_t)(uint32_t)me << 32)) {
             w = (uint64_t)(uint32_t)me << 32;
             break;
@@ -215,21 +234,37 @@ static double timeout_s(void)
     return v > 0 ? v : DEFAULT_TIMEOUT_S;
 }
 
-enum sim_comm_result sim_comm_rendezvous(struct sim_member *m, uint64_t start, uint64_t *latest)
+/* Is the process holding rank q waiting behind another process's spin? */
+static bool rank_blocked(struct sim_state *s, struct sim_rank *q, uint64_t word)
 {
-    struct sim_comm *c = &sim_state()->comm[m->comm];
+    int32_t slot = atomic_load(&q->owner_slot);
+    if (slot < 0 || slot >= SIM_MAX_PROCS || !word)
+        return false;
+    struct sim_proc *p = &s->proc[slot];
+    return atomic_load(&p->pid) == (int32_t)(word >> 32) && atomic_load(&p->blocked) > 0;
+}
+
+enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, uint64_t not_before, uint64_t ns,
+                                   uint64_t *pstart, uint64_t *pend)
+{
+    struct sim_state *s = sim_state();
+    struct sim_comm *c = &s->comm[m->comm];
     unsigned world = (unsigned)(m->key & 0xffff);
     uint64_t k = m->round++, seq = (k + 1) & SEQ_MASK;
+    uint64_t start = spin_begin(d, not_before), held_from = start;
+    bool held = true;
     struct sim_rank *mine = &c->rank[m->rank];
     atomic_store(&mine->start[k & 1], start); /* before the count that publishes it */
     atomic_store(&mine->word, (uint64_t)(uint32_t)m->pid << 32 | seq);
     ring(&c->bell);
+    *pstart = start;
     double limit = timeout_s();
     uint64_t bound = (uint64_t)(limit * 1e9), since = sim_now();
     for (;;) {
         uint32_t bell = atomic_load(&c->bell);
         uint64_t late = start;
         int missing = -1;
+        bool blocked = false;
         for (unsigned p = 0; p < world; p++) {
             struct sim_rank *q = &c->rank[p];
             uint64_t w = atomic_load(&q->word);
@@ -238,27 +273,38 @@ enum sim_comm_result sim_comm_rendezvous(struct sim_member *m, uint64_t start, u
             if (w && (uint32_t)((w & SEQ_MASK) - seq) < 2) {
                 uint64_t t = atomic_load(&q->start[k & 1]);
                 late = t > late ? t : late;
-            } else if (missing < 0) {
-                missing = (int)p;
+            } else {
+                missing = missing < 0 ? (int)p : missing;
+                blocked = blocked || (held && rank_blocked(s, q, w));
             }
         }
+        uint64_t now = sim_now();
         if (missing < 0) {
-            *latest = late;
+            if (!held) /* it gave its device up: it finishes once it has it again */
+                held_from = spin_begin(d, now);
+            *pend = (late > held_from ? late : held_from) + ns;
+            spin_end(d, held_from, *pend);
             return SIM_COMM_OK;
         }
-        uint64_t now = sim_now();
+        struct sim_rank *q = &c->rank[missing];
+        uint64_t w = atomic_load(&q->word);
         if (now - since >= bound) {
-            struct sim_rank *q = &c->rank[missing];
-            uint64_t w = atomic_load(&q->word);
             fprintf(stderr,
                     "simgpu: collective %llu of communicator %llu (rank %u of %u) waited %.0f s for rank %d, "
                     "which has not started it (%s); start one process per rank, or set "
                     "SIMGPU_COLLECTIVE_TIMEOUT to wait longer\n",
                     (unsigned long long)k, (unsigned long long)(m->key >> 16), m->rank, world, limit, missing,
                     rank_alive(q, w) ? "its process lives: held back, or behind another collective on its device"
-                                     : "no live process holds that rank");
+                                     : "no live process has reached a collective as that rank");
             m->failed = 1;
+            *pend = held ? (now > held_from ? now : held_from) : now;
+            if (held)
+                spin_end(d, held_from, *pend);
             return SIM_COMM_PEER_LATE;
+        }
+        if (blocked) {
+            spin_end(d, held_from, now > held_from ? now : held_from);
+            held = false;
         }
         uint64_t left = bound - (now - since);
         futex_wait(&c->bell, bell, left < POLL_NS ? left : POLL_NS);

@@ -1085,15 +1085,8 @@ static CUresult launch_collective(struct CUstream_st *s, void **params, void **e
     struct sim_device *d = &g_sim->dev[c->phys];
     uint64_t now = sim_now();
     _Atomic uint64_t *slot = queue_slot(s, &now);
-    uint64_t after = atomic_load(&s->last_end);
-    uint64_t start = sim_spin_begin(d, after > now ? after : now), latest = start;
-    enum sim_comm_result r = sim_comm_rendezvous(m, start, &latest);
-    uint64_t end = latest + a[0];
-    if (r != SIM_COMM_OK) { /* spun until now, then failed */
-        now = sim_now();
-        end = now > start ? now : start;
-    }
-    sim_spin_end(d, start, end);
+    uint64_t after = atomic_load(&s->last_end), start, end;
+    enum sim_comm_result r = sim_collective(m, d, after > now ? after : now, a[0], &start, &end);
     atomic_store(slot, end);
     atomic_max_u64(&s->last_end, end);
     atomic_max_u64(&c->last_end, end);

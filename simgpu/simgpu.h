@@ -80,7 +80,7 @@ struct sim_proc {
     _Atomic int32_t pid;          /* 0 free, else the owner (alive or not yet reaped) */
     _Atomic int32_t reaper;       /* 0, or the process giving back a dead owner's memory */
     _Atomic uint32_t ctx_devices; /* bit per physical device on which the process made a context */
-    uint32_t pad;
+    _Atomic uint32_t blocked;     /* its threads whose launch waits behind another's spinning collective */
     _Atomic uint64_t start_time;  /* /proc/<pid>/stat start time; tells a reused pid apart */
     _Atomic uint64_t used[SIM_MAX_DEVICES];
     _Atomic uint64_t managed[SIM_MAX_DEVICES];
@@ -93,6 +93,8 @@ struct sim_rank {
     _Atomic uint64_t word;             /* 0 free */
     _Atomic uint64_t owner_start_time; /* /proc start time of the word's pid */
     _Atomic uint64_t start[2];
+    _Atomic int32_t owner_slot;        /* the word's pid's sim_proc slot, or -1 */
+    uint32_t pad;
 };
 
 struct sim_comm {
@@ -160,10 +162,6 @@ double sim_utilisation(struct sim_device *d);
 
 /* ---- collectives (collective.c; libcuda only) ---- */
 
-/* A spin: a collective holds device d's timeline from when the device is free (and not before
- * `not_before`) until sim_spin_end; launches of every process on d wait meanwhile. Returns its start. */
-uint64_t sim_spin_begin(struct sim_device *d, uint64_t not_before);
-void sim_spin_end(struct sim_device *d, uint64_t start, uint64_t end);
 /* Wait while `busy` (a busy_until holding SIM_SPINNING) is still d's; a spin whose process died is
  * ended for it. */
 void sim_spin_wait(struct sim_device *d, uint64_t busy);
@@ -189,9 +187,13 @@ enum sim_comm_result {
 
 /* Join communicator `id` as `rank` of `world`: peers' entries left by dead processes are cleared. */
 enum sim_comm_result sim_comm_join(uint64_t id, unsigned world, unsigned rank, struct sim_member *m);
-/* Publish that m's next collective started at `start`, wait until every rank's has started, and
- * give the latest start. Waits at most SIMGPU_COLLECTIVE_TIMEOUT seconds (10) for a peer; then
- * prints why on stderr and returns SIM_COMM_PEER_LATE. */
-enum sim_comm_result sim_comm_rendezvous(struct sim_member *m, uint64_t start, uint64_t *latest);
+/* Run m's next collective on device d: it starts when d is free and not before `not_before`, holds d
+ * (spins) until every rank's has started, then runs `ns`. The spin gives d up while the peer it
+ * waits for is itself blocked behind a spin (two communicators each spinning on the device the other
+ * needs: the real driver time-slices them), and takes it again to finish. Gives the start and the
+ * end (on failure, when it gave up). Waits at most SIMGPU_COLLECTIVE_TIMEOUT seconds (10) for a peer;
+ * then prints why on stderr and returns SIM_COMM_PEER_LATE. */
+enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, uint64_t not_before, uint64_t ns,
+                                   uint64_t *start, uint64_t *end);
 
 #endif

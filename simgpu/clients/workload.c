@@ -35,19 +35,20 @@
  *       returned: a held one, when the gate let it go), then a synchronisation; exits at end of input
  *   ddp-loop --rank R --world W --comm ID [--device D] --kernel-ns N [--launches-per-iter K]
  *            --collective-ns C [--seconds S | --iters I] [--progress]
- *       one rank of a data-parallel training job, one process per rank as torchrun starts them: each
- *       step launches K kernels of N ns, then one collective of C ns (the driver's "simgpu_collective"
- *       kernel: simgpu/README.md) in communicator ID as rank R of W, then synchronises the stream.
+ *       one rank of a data-parallel training job, one process per rank as torchrun starts them: a
+ *       collective of C ns first (DDP's constructor broadcasts the model), then each step launches K
+ *       kernels of N ns, one collective of C ns (the driver's "simgpu_collective" kernel:
+ *       simgpu/README.md) in communicator ID as rank R of W, and synchronises the stream.
  *       --seconds S: until S s of the device's clock have passed since the first step's collective
  *       ended, which every rank reads alike (its k-th collective ends at the same time on every
  *       rank), so that all ranks run the same number of steps; --iters I: I steps.
  *       {"ready","pid","rank","t_ns"} once set up (t_ns: CLOCK_MONOTONIC), {"first_step","t_ns"} when
  *       the first step's synchronisation returned, {"progress","t","steps"} each second with
  *       --progress, and last {"steps","elapsed_s","event_s","gpu_s","rank"}: event_s is what events
- *       around the loop measured on the device's clock, gpu_s the steps' own kernel time (steps *
- *       (K*N + C)); their difference is the time the collectives spun waiting for peers. A collective
- *       that fails (a peer gone: SIMGPU_COLLECTIVE_TIMEOUT) prints {"error":"collective","step",
- *       "result","name"} and exits 1.
+ *       around the broadcast and the loop measured on the device's clock, gpu_s their own kernel time
+ *       (steps * (K*N + C) + C); their difference is the time the collectives spun waiting for peers.
+ *       A collective that fails (a peer gone: SIMGPU_COLLECTIVE_TIMEOUT) prints {"error":"collective",
+ *       "step" (-1: the broadcast),"result","name"} and exits 1.
  *   devices                                           {"count","devices":[{"ordinal","uuid","name","total"}]}
  *   error-codes        results of calls made too early: before cuInit, without a context
  *   free-checks        results of freeing an unknown pointer, twice the same one, and 0
@@ -504,6 +505,12 @@ static int ddp_loop(const struct opts *o)
          (unsigned long long)now_ns());
     long steps_wanted = o->iters > 0 ? o->iters : (o->seconds > 0 ? -1 : 1), steps = 0;
     CHECK(D->f_cuEventRecord(ev_start, NULL));
+    /* DDP's constructor broadcasts the model from rank 0 before the first step: a collective first. */
+    CUresult r = D->f_cuLaunchKernel(all_reduce, 1, 1, 1, 32, 1, 1, 0, NULL, collective, NULL);
+    if (r != CUDA_SUCCESS) {
+        emit("{\"error\":\"collective\",\"step\":-1,\"result\":%d,\"name\":\"%s\"}", (int)r, err_name(r));
+        exit(1);
+    }
     double start = now_s(), next_progress = start + 1.0, t = start;
     float since_first_ms = 0;
     /* --seconds is read on the device's clock from the first step's collective's end: every rank's
@@ -512,7 +519,7 @@ static int ddp_loop(const struct opts *o)
     while (steps_wanted < 0 ? since_first_ms < o->seconds * 1e3 : steps < steps_wanted) {
         for (long k = 0; k < o->per_iter; k++)
             CHECK(D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params, NULL));
-        CUresult r = D->f_cuLaunchKernel(all_reduce, 1, 1, 1, 32, 1, 1, 0, NULL, collective, NULL);
+        r = D->f_cuLaunchKernel(all_reduce, 1, 1, 1, 32, 1, 1, 0, NULL, collective, NULL);
         if (r != CUDA_SUCCESS) {
             emit("{\"error\":\"collective\",\"step\":%ld,\"result\":%d,\"name\":\"%s\"}", steps, (int)r,
                  err_name(r));
@@ -534,7 +541,8 @@ static int ddp_loop(const struct opts *o)
     CHECK(D->f_cuEventSynchronize(ev_end));
     float event_ms = 0;
     CHECK(D->f_cuEventElapsedTime(&event_ms, ev_start, ev_end));
-    double gpu_s = (double)steps * ((double)o->per_iter * (double)o->kernel_ns + (double)o->collective_ns) / 1e9;
+    double gpu_s = ((double)steps * ((double)o->per_iter * (double)o->kernel_ns + (double)o->collective_ns) +
+                    (double)o->collective_ns) / 1e9;
     emit("{\"steps\":%ld,\"elapsed_s\":%.6f,\"event_s\":%.6f,\"gpu_s\":%.6f,\"rank\":%ld}", steps,
          now_s() - start, (double)event_ms / 1e3, gpu_s, o->rank);
     return 0;
