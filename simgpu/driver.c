@@ -8,6 +8,8 @@
  *   - device memory is a capacity shared by all processes; pointers are unique addresses of a
  *     PROT_NONE reservation of this process, never backed and never dereferenced; managed memory
  *     takes from the host's memory instead (SIMGPU_HOST_MEMORY), as the driver pages it;
+ *   - a kernel of a function named "simgpu_collective..." is a collective (collective.c): it waits,
+ *     spinning on its device, until every rank of its communicator has started its own;
  *   - a context costs no device memory (a real one costs about 800 MB on an H100): what NVML and
  *     cuMemGetInfo report is exactly the sum of the allocations, so tests can compare figures.
  * Known simplifications: destroying a context or releasing a primary context does not free the
@@ -56,6 +58,12 @@
 #define GRANULARITY (2ull << 20) /* cuMemCreate granularity, as on real GPUs */
 #define ALLOC_ALIGN 512ull       /* cuMemAlloc alignment (the real one is at least 256) */
 
+/* A kernel whose function's name starts so is a collective (collective.c): its parameters are four
+ * uint64_t, kernelParams[0..3] (or a CU_LAUNCH_PARAM_BUFFER_POINTER buffer of 32 bytes): its duration
+ * in ns, the communicator's id (1..2^48-1), the number of ranks (1..16) and this launch's rank. */
+#define COLLECTIVE_PREFIX "simgpu_collective"
+#define COLLECTIVE_ARGS 4
+
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
 
@@ -90,6 +98,7 @@ struct CUevent_st {
 
 struct CUfunc_st {
     uint32_t magic;
+    bool collective; /* named COLLECTIVE_PREFIX...: launches go through launch_collective */
     struct CUfunc_st *next;
     char name[64];
 };
@@ -901,28 +910,46 @@ SIM_API CUresult cuStreamWaitEvent_ptsz(CUstream h, CUevent ev, unsigned int fla
 
 /* ---- the timeline ------------------------------------------------------------------------- */
 
+/* The slot of stream s's hardware queue that its next kernel takes; when the queue is full, first
+ * waits until its oldest kernel ends (and moves *now). */
+static inline _Atomic uint64_t *queue_slot(struct CUstream_st *s, uint64_t *now)
+{
+    uint64_t pos = atomic_fetch_add_explicit(&s->pos, 1, memory_order_relaxed);
+    _Atomic uint64_t *slot = &s->ring[pos % g_queue_depth];
+    uint64_t oldest = atomic_load_explicit(slot, memory_order_relaxed);
+    if (UNLIKELY(oldest > *now)) {
+        sim_sleep_until(oldest);
+        *now = sim_now();
+    }
+    return slot;
+}
+
 /* Queue one kernel of `ns` nanoseconds on stream s. The device runs kernels of every process one at
  * a time in order of arrival: the kernel starts when the device is free and the stream's previous
- * kernel has ended, whichever is later; one CAS on the device's busy_until places it. */
+ * kernel has ended, whichever is later; one CAS on the device's busy_until places it. While a
+ * collective spins on the device (collective.c) nothing else is placed there: the launch waits. */
 static inline void enqueue_kernel(struct CUstream_st *s, uint64_t ns)
 {
     struct CUctx_st *c = s->ctx;
     struct sim_device *d = &g_sim->dev[c->phys];
     uint64_t now = sim_now();
-    uint64_t pos = atomic_fetch_add_explicit(&s->pos, 1, memory_order_relaxed);
-    _Atomic uint64_t *slot = &s->ring[pos % g_queue_depth];
-    uint64_t oldest = atomic_load_explicit(slot, memory_order_relaxed);
-    if (UNLIKELY(oldest > now)) { /* the queue is full: wait until its oldest kernel ends */
-        sim_sleep_until(oldest);
-        now = sim_now();
-    }
+    _Atomic uint64_t *slot = queue_slot(s, &now);
     uint64_t start = atomic_load_explicit(&s->last_end, memory_order_relaxed);
     if (start < now)
         start = now;
     uint64_t busy = atomic_load_explicit(&d->busy_until, memory_order_relaxed), end;
-    do {
+    for (;;) {
+        if (UNLIKELY(busy & SIM_SPINNING)) {
+            sim_spin_wait(d, busy);
+            now = sim_now();
+            start = start > now ? start : now;
+            busy = atomic_load(&d->busy_until);
+            continue;
+        }
         end = (busy > start ? busy : start) + ns;
-    } while (!atomic_compare_exchange_weak(&d->busy_until, &busy, end));
+        if (atomic_compare_exchange_weak(&d->busy_until, &busy, end))
+            break;
+    }
     if (ns)
         atomic_fetch_add_explicit(&d->busy_total, ns, memory_order_relaxed);
     atomic_store_explicit(slot, end, memory_order_relaxed);
@@ -958,6 +985,114 @@ static inline CUresult kernel_ns(void **params, void **extra, uint64_t *ns)
     return CUDA_SUCCESS;
 }
 
+/* A collective's four parameters (COLLECTIVE_PREFIX): from kernelParams, or packed in the extra buffer. */
+static CUresult collective_args(void **params, void **extra, uint64_t a[COLLECTIVE_ARGS])
+{
+    if (params && !extra) {
+        for (int i = 0; i < COLLECTIVE_ARGS; i++) {
+            if (!params[i])
+                return CUDA_ERROR_INVALID_VALUE;
+            memcpy(&a[i], params[i], sizeof a[i]);
+        }
+        return CUDA_SUCCESS;
+    }
+    if (!extra || params)
+        return CUDA_ERROR_INVALID_VALUE;
+    void *buffer = NULL;
+    size_t size = 0;
+    for (int i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+        if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER)
+            buffer = extra[i + 1];
+        else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1])
+            size = *(size_t *)extra[i + 1];
+        else
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (!buffer || size < COLLECTIVE_ARGS * sizeof a[0])
+        return CUDA_ERROR_INVALID_VALUE;
+    memcpy(a, buffer, COLLECTIVE_ARGS * sizeof a[0]);
+    return CUDA_SUCCESS;
+}
+
+/* This process's ranks in communicators, joined at their first collective. */
+static pthread_mutex_t g_members_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct sim_member g_members[SIM_MAX_COMMS];
+
+static CUresult member_of(uint64_t id, uint64_t world, uint64_t rank, struct sim_member **pm)
+{
+    if (!id || world < 1 || world > SIM_MAX_RANKS || rank >= world) {
+        fprintf(stderr, "simgpu: a collective names communicator %llu, rank %llu of %llu; the id is 1..2^48-1, "
+                        "the rank count 1..%d and the rank below it\n",
+                (unsigned long long)id, (unsigned long long)rank, (unsigned long long)world, SIM_MAX_RANKS);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    uint64_t key = id << 16 | world;
+    int32_t me = (int32_t)getpid();
+    struct sim_member *free_one = NULL;
+    CUresult err = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_members_lock);
+    for (int i = 0; i < SIM_MAX_COMMS; i++) {
+        struct sim_member *m = &g_members[i];
+        if (m->pid == me && m->key == key && m->rank == rank) {
+            *pm = m;
+            goto out;
+        }
+        if (!free_one && m->pid != me) /* unused, or a parent's before fork */
+            free_one = m;
+    }
+    if (!free_one) {
+        err = CUDA_ERROR_OUT_OF_MEMORY;
+        goto out;
+    }
+    switch (sim_comm_join(id, (unsigned)world, (unsigned)rank, free_one)) {
+    case SIM_COMM_OK:
+        *pm = free_one;
+        break;
+    case SIM_COMM_MISMATCH:
+        fprintf(stderr, "simgpu: communicator %llu is live with another rank count than %llu; give every rank the "
+                        "same count, or another id\n", (unsigned long long)id, (unsigned long long)world);
+        err = CUDA_ERROR_INVALID_VALUE;
+        break;
+    case SIM_COMM_TAKEN:
+        fprintf(stderr, "simgpu: rank %llu of communicator %llu is held by another live process; start one "
+                        "process per rank\n", (unsigned long long)rank, (unsigned long long)id);
+        err = CUDA_ERROR_INVALID_VALUE;
+        break;
+    default:
+        fprintf(stderr, "simgpu: %d communicators are live; end some runs first\n", SIM_MAX_COMMS);
+        err = CUDA_ERROR_OUT_OF_MEMORY;
+        break;
+    }
+out:
+    pthread_mutex_unlock(&g_members_lock);
+    return err;
+}
+
+/* A collective (collective.c): holds the stream's device from its start, blocks until every rank has
+ * started its collective of this round, then places spin and duration on the timeline. */
+static CUresult launch_collective(struct CUstream_st *s, void **params, void **extra)
+{
+    uint64_t a[COLLECTIVE_ARGS];
+    CUresult err = collective_args(params, extra, a);
+    if (err)
+        return err;
+    struct sim_member *m;
+    if ((err = member_of(a[1], a[2], a[3], &m)))
+        return err;
+    if (m->failed)
+        return CUDA_ERROR_LAUNCH_FAILED;
+    struct CUctx_st *c = s->ctx;
+    struct sim_device *d = &g_sim->dev[c->phys];
+    uint64_t now = sim_now();
+    _Atomic uint64_t *slot = queue_slot(s, &now);
+    uint64_t after = atomic_load(&s->last_end), start, end;
+    enum sim_comm_result r = sim_collective(m, d, after > now ? after : now, a[0], &start, &end);
+    atomic_store(slot, end);
+    atomic_max_u64(&s->last_end, end);
+    atomic_max_u64(&c->last_end, end);
+    return r == SIM_COMM_OK ? CUDA_SUCCESS : CUDA_ERROR_LAUNCH_FAILED;
+}
+
 static inline CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                               unsigned bz, CUstream h, void **params, void **extra, bool per_thread)
 {
@@ -966,8 +1101,13 @@ static inline CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned g
         return CUDA_ERROR_INVALID_HANDLE;
     if (UNLIKELY(!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024))
         return CUDA_ERROR_INVALID_VALUE;
+    CUresult err = CUDA_SUCCESS;
+    if (UNLIKELY(f->collective)) {
+        struct CUstream_st *s = resolve_stream(h, per_thread, &err);
+        return s ? launch_collective(s, params, extra) : err;
+    }
     uint64_t ns;
-    CUresult err = kernel_ns(params, extra, &ns);
+    err = kernel_ns(params, extra, &ns);
     if (UNLIKELY(err))
         return err;
     struct CUstream_st *s = resolve_stream(h, per_thread, &err);
@@ -1165,6 +1305,7 @@ SIM_API CUresult cuModuleGetFunction(CUfunction *pf, CUmodule mod, const char *n
             break;
     if (!f && (f = calloc(1, sizeof *f))) {
         f->magic = FUNC_MAGIC;
+        f->collective = strncmp(name, COLLECTIVE_PREFIX, strlen(COLLECTIVE_PREFIX)) == 0;
         snprintf(f->name, sizeof f->name, "%s", name);
         f->next = mod->functions;
         mod->functions = f;

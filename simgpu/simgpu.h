@@ -21,7 +21,7 @@
 #include <sys/types.h>
 
 #define SIM_MAGIC 0x3155504753494d53ULL /* "SMISGPU1" little-endian */
-#define SIM_VERSION 3u
+#define SIM_VERSION 4u
 #define SIM_MAX_DEVICES 16
 #define SIM_MAX_PROCS 1024
 #define SIM_UUID_LEN 48
@@ -30,6 +30,11 @@
 #define SIM_DEFAULT_HOST_MEMORY (64ull << 30) /* what managed memory may take, all devices together */
 #define SIM_UTIL_SAMPLES 8
 #define SIM_UTIL_SAMPLE_NS 125000000ull /* readers store a utilisation sample at most this often */
+#define SIM_MAX_COMMS 64
+#define SIM_MAX_RANKS SIM_MAX_DEVICES /* a rank per device, as NCCL allows */
+/* busy_until's top bit: a collective spins on the device until its peers start theirs; the low 32
+ * bits are its process's pid. No time reaches 2^63 ns. */
+#define SIM_SPINNING (1ull << 63)
 
 #define SIM_API __attribute__((visibility("default")))
 
@@ -58,7 +63,14 @@ struct sim_device {
     /* The timeline, on a cache line of its own: every launch of every process writes it. */
     _Atomic uint64_t busy_until; /* end of the last kernel queued on the device */
     _Atomic uint64_t busy_total; /* sum of the durations of all kernels ever queued */
-    uint64_t pad1[6];
+    /* While busy_until is SIM_SPINNING | pid: when that collective started (kernels queued before it
+     * end then), and its process's start time. spin_pid is stored last: spin_start is that spin's
+     * once spin_pid names its pid (collective.c). */
+    _Atomic uint64_t spin_start;
+    _Atomic uint64_t spin_owner_start;
+    _Atomic int32_t spin_pid;
+    _Atomic uint32_t spin_bell; /* futex: bumped when a spin ends */
+    uint64_t pad1[3];
     _Atomic uint32_t sample_seq;
     uint32_t pad2;
     struct sim_util_sample samples[SIM_UTIL_SAMPLES];
@@ -68,10 +80,28 @@ struct sim_proc {
     _Atomic int32_t pid;          /* 0 free, else the owner (alive or not yet reaped) */
     _Atomic int32_t reaper;       /* 0, or the process giving back a dead owner's memory */
     _Atomic uint32_t ctx_devices; /* bit per physical device on which the process made a context */
-    uint32_t pad;
+    _Atomic uint32_t blocked;     /* its threads whose launch waits behind another's spinning collective */
     _Atomic uint64_t start_time;  /* /proc/<pid>/stat start time; tells a reused pid apart */
     _Atomic uint64_t used[SIM_MAX_DEVICES];
     _Atomic uint64_t managed[SIM_MAX_DEVICES];
+};
+
+/* A rank of a communicator (collective.c). `word` is its process's pid << 32 | the number of
+ * collectives it has started, so that one store publishes both; start[k & 1] is when its k-th
+ * collective started, stored before the word: a peer is never more than one round ahead. */
+struct sim_rank {
+    _Atomic uint64_t word;             /* 0 free */
+    _Atomic uint64_t owner_start_time; /* /proc start time of the word's pid */
+    _Atomic uint64_t start[2];
+    _Atomic int32_t owner_slot;        /* the word's pid's sim_proc slot, or -1 */
+    uint32_t pad;
+};
+
+struct sim_comm {
+    _Atomic uint64_t key;  /* communicator id << 16 | rank count; 0 free */
+    _Atomic uint32_t bell; /* futex: bumped at each rank's start */
+    uint32_t pad;
+    struct sim_rank rank[SIM_MAX_RANKS];
 };
 
 struct sim_state {
@@ -88,6 +118,7 @@ struct sim_state {
     uint64_t reserved[5];
     struct sim_device dev[SIM_MAX_DEVICES];
     struct sim_proc proc[SIM_MAX_PROCS];
+    struct sim_comm comm[SIM_MAX_COMMS];
 };
 
 /* The state of this process's simulation, attached on first use; NULL with a message on stderr when
@@ -120,10 +151,49 @@ int sim_reap_dead(void);
 /* Whether slot i's process lives; if not, its memory and slot are given back, as sim_reap_dead would. */
 int sim_reap_if_dead(unsigned i);
 int sim_proc_alive(int32_t pid, uint64_t start_time);
+/* /proc/<pid>/stat's start time; 0 for a process gone or a zombie. */
+uint64_t sim_proc_start_time(int32_t pid);
 
-/* Kernel time the device has completed by `now` (the queue ahead of `now` is contiguous). */
+/* Kernel time the device has completed by `now` (the queue ahead of `now` is contiguous; a spinning
+ * collective is busy from its start to `now`). */
 uint64_t sim_busy_done(struct sim_device *d, uint64_t now);
 /* Busy fraction (0..1) over roughly the last second, from samples that readers keep. */
 double sim_utilisation(struct sim_device *d);
+
+/* ---- collectives (collective.c; libcuda only) ---- */
+
+/* Wait while `busy` (a busy_until holding SIM_SPINNING) is still d's; a spin whose process died is
+ * ended for it. */
+void sim_spin_wait(struct sim_device *d, uint64_t busy);
+
+/* This process's rank in one communicator. */
+struct sim_member {
+    uint64_t key;  /* as sim_comm.key */
+    int32_t pid;   /* the process that joined (a forked child joins again) */
+    unsigned comm; /* index in sim_state.comm */
+    unsigned rank;
+    uint64_t round; /* collectives started so far */
+    int failed;     /* a collective failed: the later ones fail at once */
+};
+
+enum sim_comm_result {
+    SIM_COMM_OK = 0,
+    SIM_COMM_BAD_ARGS,  /* rank count 1..SIM_MAX_RANKS, rank below it, id 1..2^48-1 */
+    SIM_COMM_MISMATCH,  /* a live communicator has this id and another rank count */
+    SIM_COMM_TAKEN,     /* a live process holds this rank */
+    SIM_COMM_FULL,      /* SIM_MAX_COMMS live communicators */
+    SIM_COMM_PEER_LATE, /* a peer did not start its collective within the bound */
+};
+
+/* Join communicator `id` as `rank` of `world`: peers' entries left by dead processes are cleared. */
+enum sim_comm_result sim_comm_join(uint64_t id, unsigned world, unsigned rank, struct sim_member *m);
+/* Run m's next collective on device d: it starts when d is free and not before `not_before`, holds d
+ * (spins) until every rank's has started, then runs `ns`. The spin gives d up while the peer it
+ * waits for is itself blocked behind a spin (two communicators each spinning on the device the other
+ * needs: the real driver time-slices them), and takes it again to finish. Gives the start and the
+ * end (on failure, when it gave up). Waits at most SIMGPU_COLLECTIVE_TIMEOUT seconds (10) for a peer;
+ * then prints why on stderr and returns SIM_COMM_PEER_LATE. */
+enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, uint64_t not_before, uint64_t ns,
+                                   uint64_t *start, uint64_t *end);
 
 #endif

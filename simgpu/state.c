@@ -266,6 +266,8 @@ static uint64_t proc_start_time(int32_t pid)
     return p ? strtoull(p, NULL, 10) : 0;
 }
 
+uint64_t sim_proc_start_time(int32_t pid) { return pid > 0 ? proc_start_time(pid) : 0; }
+
 int sim_proc_alive(int32_t pid, uint64_t start_time)
 {
     if (pid <= 0)
@@ -302,6 +304,7 @@ int sim_my_slot(void)
             if (atomic_load(&p->pid) == 0 && atomic_compare_exchange_strong(&p->pid, &expect, me)) {
                 atomic_store(&p->start_time, start);
                 atomic_store(&p->ctx_devices, 0);
+                atomic_store(&p->blocked, 0);
                 /* Two threads may race here on first use; only one slot must be kept. */
                 int none = -1;
                 if (!__atomic_compare_exchange_n(&g_slot, &none, (int)i, 0, __ATOMIC_ACQ_REL,
@@ -360,6 +363,7 @@ static void give_back_slot(struct sim_state *s, struct sim_proc *p, int32_t owne
         }
     }
     atomic_store(&p->ctx_devices, 0);
+    atomic_store(&p->blocked, 0);
     atomic_store(&p->start_time, 0);
     atomic_compare_exchange_strong(&p->pid, &owner, 0);
     atomic_store(&p->reaper, 0);
@@ -501,8 +505,19 @@ uint64_t sim_busy_done(struct sim_device *d, uint64_t now)
      * busy_until is queued kernel time: what is not done yet is exactly busy_until - now. */
     uint64_t total = atomic_load(&d->busy_total);
     uint64_t until = atomic_load(&d->busy_until);
+    uint64_t spun = 0;
+    if (until & SIM_SPINNING) {
+        /* busy_total covers the kernels queued before the spin, which end at its start; the spin is
+         * busy from then to now. Until spin_pid names the spinner, its start is not stored yet. */
+        int32_t pid = atomic_load(&d->spin_pid);
+        uint64_t start = atomic_load(&d->spin_start);
+        if (pid != (int32_t)(uint32_t)until)
+            start = now;
+        until = start;
+        spun = now > start ? now - start : 0;
+    }
     uint64_t ahead = until > now ? until - now : 0;
-    return total > ahead ? total - ahead : 0;
+    return (total > ahead ? total - ahead : 0) + spun;
 }
 
 double sim_utilisation(struct sim_device *d)

@@ -33,6 +33,22 @@
  *   launch-per-line [--kernel-ns N] [--device D]      {"ready","pid"} once set up; then for each line read
  *       on stdin one launch on the default stream, {"returned_ns"} (CLOCK_MONOTONIC when the launch
  *       returned: a held one, when the gate let it go), then a synchronisation; exits at end of input
+ *   ddp-loop --rank R --world W --comm ID [--device D] --kernel-ns N [--launches-per-iter K]
+ *            --collective-ns C [--seconds S | --iters I] [--progress]
+ *       one rank of a data-parallel training job, one process per rank as torchrun starts them: a
+ *       collective of C ns first (DDP's constructor broadcasts the model), then each step launches K
+ *       kernels of N ns, one collective of C ns (the driver's "simgpu_collective" kernel:
+ *       simgpu/README.md) in communicator ID as rank R of W, and synchronises the stream.
+ *       --seconds S: until S s of the device's clock have passed since the first step's collective
+ *       ended, which every rank reads alike (its k-th collective ends at the same time on every
+ *       rank), so that all ranks run the same number of steps; --iters I: I steps.
+ *       {"ready","pid","rank","t_ns"} once set up (t_ns: CLOCK_MONOTONIC), {"first_step","t_ns"} when
+ *       the first step's synchronisation returned, {"progress","t","steps"} each second with
+ *       --progress, and last {"steps","elapsed_s","event_s","gpu_s","rank"}: event_s is what events
+ *       around the broadcast and the loop measured on the device's clock, gpu_s their own kernel time
+ *       (steps * (K*N + C) + C); their difference is the time the collectives spun waiting for peers.
+ *       A collective that fails (a peer gone: SIMGPU_COLLECTIVE_TIMEOUT) prints {"error":"collective",
+ *       "step" (-1: the broadcast),"result","name"} and exits 1.
  *   devices                                           {"count","devices":[{"ordinal","uuid","name","total"}]}
  *   error-codes        results of calls made too early: before cuInit, without a context
  *   free-checks        results of freeing an unknown pointer, twice the same one, and 0
@@ -92,7 +108,8 @@ static void emit(const char *fmt, ...)
     } while (0)
 
 struct opts {
-    uint64_t kernel_ns, pause_ns, cpu_ns;
+    uint64_t kernel_ns, pause_ns, cpu_ns, collective_ns, comm;
+    long rank, world;
     long per_iter, iters, threads, count, launches, free_first;
     double seconds, hold, hold_after;
     int device, current_device; /* current_device: -1 unless --current-device */
@@ -115,7 +132,7 @@ static uint64_t size_arg(const char *text)
 
 static void parse(int argc, char **argv, struct opts *o)
 {
-    *o = (struct opts){.per_iter = 1, .threads = 1, .count = 1, .current_device = -1};
+    *o = (struct opts){.per_iter = 1, .threads = 1, .count = 1, .current_device = -1, .rank = -1};
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
 #define OPT(name) (strcmp(a, name) == 0 && v && (i++, 1))
@@ -131,6 +148,14 @@ static void parse(int argc, char **argv, struct opts *o)
             o->stream = true;
         else if (OPT("--kernel-ns"))
             o->kernel_ns = strtoull(v, NULL, 10);
+        else if (OPT("--collective-ns"))
+            o->collective_ns = strtoull(v, NULL, 10);
+        else if (OPT("--comm"))
+            o->comm = strtoull(v, NULL, 10);
+        else if (OPT("--rank"))
+            o->rank = strtol(v, NULL, 10);
+        else if (OPT("--world"))
+            o->world = strtol(v, NULL, 10);
         else if (OPT("--pause-ns"))
             o->pause_ns = strtoull(v, NULL, 10);
         else if (OPT("--cpu-ns"))
@@ -448,6 +473,81 @@ static int empty_launch_loop(const struct opts *o)
     return 0;
 }
 
+/* ---- a data-parallel job's rank ---------------------------------------------------------- */
+
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static int ddp_loop(const struct opts *o)
+{
+    if (o->rank < 0 || o->world < 1 || o->rank >= o->world || !o->comm) {
+        emit("{\"error\":\"usage\",\"message\":\"ddp-loop needs --rank R --world W (R below W) and --comm ID (not 0)\"}");
+        return 2;
+    }
+    CUfunction f = setup(o->device), all_reduce;
+    CUmodule mod;
+    static const char image[] = "simgpu: any image loads";
+    CHECK(D->f_cuModuleLoadData(&mod, image));
+    CHECK(D->f_cuModuleGetFunction(&all_reduce, mod, "simgpu_collective_all_reduce"));
+    uint64_t ns = o->kernel_ns;
+    uint64_t args[4] = {o->collective_ns, o->comm, (uint64_t)o->world, (uint64_t)o->rank};
+    void *params[] = {&ns}, *collective[] = {&args[0], &args[1], &args[2], &args[3]};
+    CUevent ev_start, ev_end, ev_first, ev_step;
+    CHECK(D->f_cuEventCreate(&ev_start, CU_EVENT_DEFAULT));
+    CHECK(D->f_cuEventCreate(&ev_end, CU_EVENT_DEFAULT));
+    CHECK(D->f_cuEventCreate(&ev_first, CU_EVENT_DEFAULT));
+    CHECK(D->f_cuEventCreate(&ev_step, CU_EVENT_DEFAULT));
+    emit("{\"ready\":true,\"pid\":%d,\"rank\":%ld,\"t_ns\":%llu}", (int)getpid(), o->rank,
+         (unsigned long long)now_ns());
+    long steps_wanted = o->iters > 0 ? o->iters : (o->seconds > 0 ? -1 : 1), steps = 0;
+    CHECK(D->f_cuEventRecord(ev_start, NULL));
+    /* DDP's constructor broadcasts the model from rank 0 before the first step: a collective first. */
+    CUresult r = D->f_cuLaunchKernel(all_reduce, 1, 1, 1, 32, 1, 1, 0, NULL, collective, NULL);
+    if (r != CUDA_SUCCESS) {
+        emit("{\"error\":\"collective\",\"step\":-1,\"result\":%d,\"name\":\"%s\"}", (int)r, err_name(r));
+        exit(1);
+    }
+    double start = now_s(), next_progress = start + 1.0, t = start;
+    float since_first_ms = 0;
+    /* --seconds is read on the device's clock from the first step's collective's end: every rank's
+     * k-th collective ends at the same time (the latest start + C), so all ranks stop after the same
+     * step, as a training job's ranks do; a wall-clock bound would leave the last rank waiting. */
+    while (steps_wanted < 0 ? since_first_ms < o->seconds * 1e3 : steps < steps_wanted) {
+        for (long k = 0; k < o->per_iter; k++)
+            CHECK(D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params, NULL));
+        r = D->f_cuLaunchKernel(all_reduce, 1, 1, 1, 32, 1, 1, 0, NULL, collective, NULL);
+        if (r != CUDA_SUCCESS) {
+            emit("{\"error\":\"collective\",\"step\":%ld,\"result\":%d,\"name\":\"%s\"}", steps, (int)r,
+                 err_name(r));
+            exit(1);
+        }
+        CHECK(D->f_cuEventRecord(steps ? ev_step : ev_first, NULL));
+        CHECK(D->f_cuStreamSynchronize(NULL));
+        if (++steps == 1)
+            emit("{\"first_step\":true,\"t_ns\":%llu}", (unsigned long long)now_ns());
+        else
+            CHECK(D->f_cuEventElapsedTime(&since_first_ms, ev_first, ev_step));
+        t = now_s();
+        if (o->progress && t >= next_progress) {
+            emit("{\"progress\":true,\"t\":%.6f,\"steps\":%ld}", t - start, steps);
+            next_progress += 1.0;
+        }
+    }
+    CHECK(D->f_cuEventRecord(ev_end, NULL));
+    CHECK(D->f_cuEventSynchronize(ev_end));
+    float event_ms = 0;
+    CHECK(D->f_cuEventElapsedTime(&event_ms, ev_start, ev_end));
+    double gpu_s = ((double)steps * ((double)o->per_iter * (double)o->kernel_ns + (double)o->collective_ns) +
+                    (double)o->collective_ns) / 1e9;
+    emit("{\"steps\":%ld,\"elapsed_s\":%.6f,\"event_s\":%.6f,\"gpu_s\":%.6f,\"rank\":%ld}", steps,
+         now_s() - start, (double)event_ms / 1e3, gpu_s, o->rank);
+    return 0;
+}
+
 /* ---- memory ------------------------------------------------------------------------------- */
 
 enum alloc_api { API_V2, API_PITCH, API_MANAGED, API_ASYNC, API_POOL, API_CREATE, API_BAD };
@@ -753,7 +853,7 @@ int workload_main(int argc, char **argv, const struct drv *d, const char *how)
         first++;
     if (first >= argc) {
         fprintf(stderr, "usage: %s [--ptsz] launch-loop|alloc|meminfo|alloc-threads|fork-alloc|"
-                        "empty-launch-loop|launch-per-line|devices|error-codes|free-checks ... (simgpu-%s; see simgpu/clients/workload.c)\n", argv[0], how);
+                        "empty-launch-loop|launch-per-line|ddp-loop|devices|error-codes|free-checks ... (simgpu-%s; see simgpu/clients/workload.c)\n", argv[0], how);
         return 2;
     }
     struct opts o;
@@ -773,6 +873,8 @@ int workload_main(int argc, char **argv, const struct drv *d, const char *how)
         return fork_alloc_cmd(&o);
     if (strcmp(cmd, "launch-per-line") == 0)
         return launch_per_line_cmd(&o);
+    if (strcmp(cmd, "ddp-loop") == 0)
+        return ddp_loop(&o);
     if (strcmp(cmd, "devices") == 0)
         return devices_cmd();
     if (strcmp(cmd, "error-codes") == 0)
