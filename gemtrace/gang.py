@@ -9,7 +9,7 @@ work at MaxUtil 0.3 (docs/scheduler.md, "Groups that span GPUs").
 This module owns which such groups' turns are open. The unit is the group: a group present on two GPUs or
 more (a live process of it launched or waits there) is a gang on those GPUs. Its turn is closed (barred on
 every GPU of it: no policy releases it) until every GPU on which it wants time would choose it by its own
-rules (`Decision.ready`); then it opens. First it clears: each GPU on which it wants time holds its holder
+rules, and every other GPU of it could release it (`Decision.ready`); then it opens. First it clears: each GPU on which it wants time holds its holder
 and releases nobody until it is clear (`Decision.clear`: the holder drained); then it goes (due on every
 GPU of it: released there at once). So the group's processes start together: one released first would run
 into its collective and spin there, charged, while its peer's GPU still drains. It stays open until one of
@@ -40,7 +40,7 @@ class GpuReport:
     demand: frozenset[int] = frozenset()  # groups that want this GPU now
     ready: frozenset[int] = frozenset()  # barred groups this GPU would release now (Decision.ready)
     released: int | None = None  # the group released here (None: all held)
-    clear: bool = False  # nobody released or draining here (Decision.clear)
+    clear: bool = False  # nobody released or draining here, or only the clearing group (Decision.clear)
 
 
 @dataclass(frozen=True)
@@ -50,18 +50,20 @@ class Turns:
     barred: frozenset[int] = frozenset()
     clearing: frozenset[int] = frozenset()
     due: frozenset[int] = frozenset()
+    pending: frozenset[int] = frozenset()  # due, not yet released here in this turn
 
     def __bool__(self) -> bool:
         return bool(self.barred or self.clearing or self.due)
 
 
 NO_TURNS = Turns()
+_GONE = GpuReport()  # a GPU whose scheduler stopped
 
 
 @dataclass
 class _Turn:
     gpus: frozenset[int]  # the gang's GPUs when the turn opened (a GPU it starts to use joins)
-    clearing_on: frozenset[int]  # the GPUs on which it wanted time when it opened: they clear first
+    clearing_on: frozenset[int]  # its GPUs when it opened: they clear first
     go: bool = False  # every one of them cleared: the group is due on all its GPUs
     released_on: set[int] = field(default_factory=set)  # GPUs that released the group in this turn
 
@@ -77,6 +79,7 @@ class GangTurns:
         self._opened = 0
         self._last_opened: dict[int, int] = {}  # group -> the count of turns opened when it last had one
         self._views: dict[int, Turns] = {}
+        self._gangs: frozenset[int] = frozenset()  # the groups that spanned GPUs at the last report
         self.turns = 0  # turns opened so far, for tests and benches
 
     def view(self, gpu: int) -> Turns:
@@ -105,6 +108,7 @@ class GangTurns:
                     turn.go = True
                     changed |= turn.gpus
             changed |= self._open_turns(members)
+            self._gangs = frozenset(members)
             self._views = self._compute_views(members)
             changed |= {g for g in self._views.keys() | before.keys() if self._views.get(g) != before.get(g)}
         for other in changed - {gpu}:
@@ -134,18 +138,23 @@ class GangTurns:
 
     def _turn_over(self, group: int, turn: _Turn, gpus: frozenset[int]) -> bool:
         """Is the group's open turn over? It no longer spans GPUs; or a GPU that released it in this
-        turn holds it again; or it wants none of its GPUs and none holds it (its processes went to
-        CPU work, or exited)."""
+        turn holds it again while it has work there (one that held it for being quiet lets the others
+        go on); or it wants none of its GPUs and none holds it (its processes went to CPU work, or
+        exited)."""
         if len(gpus) < 2:
             return True
         if not turn.go:
-            return not any(group in self._reports[gpu].demand for gpu in gpus if gpu in self._reports)
+            # Clearing: over where it no longer wants any GPU, or a GPU where it wants time no longer
+            # consents (its MaxUtil credit went meanwhile): a turn one GPU cannot give would leave the
+            # group's processes on the others spinning in their collectives.
+            reports = [self._reports[gpu] for gpu in gpus if gpu in self._reports]
+            return not any(group in r.demand for r in reports) or any(group not in r.ready for r in reports)
         released_now = set()
         for gpu in turn.gpus:
             report = self._reports.get(gpu)
             if report is not None and report.released == group:
                 released_now.add(gpu)
-        if turn.released_on - released_now:
+        if any(group in self._reports.get(gpu, _GONE).demand for gpu in turn.released_on - released_now):
             return True
         turn.released_on |= released_now
         return not released_now and not any(
@@ -160,15 +169,18 @@ class GangTurns:
         for group, gpus in members.items():
             if group in self._open or gpus & busy:
                 continue
-            wanting = [gpu for gpu in gpus if group in self._reports[gpu].demand]
-            if wanting and all(group in self._reports[gpu].ready for gpu in wanting):
+            reports = [self._reports[gpu] for gpu in gpus]
+            # (Released somewhere as it becomes a gang, as a job's second process starts: its turn opens
+            # at once, or its process there would spin in its first collective until a turn came.)
+            if (any(group in r.demand for r in reports) and all(group in r.ready for r in reports)
+                    or group not in self._gangs and any(r.released == group for r in reports)):
                 candidates.append(group)
         changed: set[int] = set()
         for group in sorted(candidates, key=lambda g: self._last_opened.get(g, -1)):
             gpus = members[group]
             if gpus & busy:
                 continue
-            self._open[group] = _Turn(gpus, frozenset(gpu for gpu in gpus if group in self._reports[gpu].demand))
+            self._open[group] = _Turn(gpus, gpus)
             self._opened += 1
             self._last_opened[group] = self._opened
             self.turns += 1
@@ -182,6 +194,7 @@ class GangTurns:
         barred: dict[int, set[int]] = {}
         clearing: dict[int, set[int]] = {}
         due: dict[int, set[int]] = {}
+        pending: dict[int, set[int]] = {}
         for group, gpus in members.items():
             turn = self._open.get(group)
             for gpu in gpus | (turn.gpus if turn is not None else frozenset()):
@@ -189,6 +202,8 @@ class GangTurns:
                     barred.setdefault(gpu, set()).add(group)
                 else:
                     (due if turn.go else clearing).setdefault(gpu, set()).add(group)
+                    if turn.go and gpu not in turn.released_on:
+                        pending.setdefault(gpu, set()).add(group)
         return {gpu: Turns(frozenset(barred.get(gpu, ())), frozenset(clearing.get(gpu, ())),
-                           frozenset(due.get(gpu, ())))
+                           frozenset(due.get(gpu, ())), frozenset(pending.get(gpu, ())))
                 for gpu in barred.keys() | clearing.keys() | due.keys()}

@@ -95,6 +95,9 @@ class PolicyParams:
     max_owed_slice_ns: int = 180 * MS
     drain_slices: int = 4  # a slice lasts at least this many measured drains
     drain_timeout_ns: int = 50 * MS
+    # A group spanning GPUs is held at its processes' next synchronisation (a training step's end:
+    # GT_HOLD_AT_SYNC), which may come a step later: its drain is given this long.
+    gang_drain_timeout_ns: int = 250 * MS
     # A group whose drain outlasted the timeout is charged on until it finishes, at most this long
     # after it was held (a process that queued work and went off to CPU work reports no finish).
     max_overrun_ns: int = 1000 * MS
@@ -167,6 +170,9 @@ class Observation:
         and nobody is released, so that the turn starts on all its GPUs at once (`Decision.clear`).
     due: groups that span several GPUs and whose turn is open: released here as soon as they want the
         GPU, before any other group, unless the holder is being paid its MinUtil debt.
+    pending: the due groups not yet released here in this turn: they count as wanting the GPU while
+        present, so that every GPU of the group releases it at the turn's start (a process of it may be
+        busy without asking: blocked in a collective that waits for its peers on the other GPUs).
     """
 
     demand: frozenset[int] = frozenset()
@@ -179,6 +185,7 @@ class Observation:
     barred: frozenset[int] = frozenset()
     clearing: frozenset[int] = frozenset()
     due: frozenset[int] = frozenset()
+    pending: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -321,7 +328,10 @@ class TimeSharePolicy:
         timeout, or twice the measured drains where they are longer (a process that queues hundreds
         of ms of kernels between syncs), up to max_overrun_ns."""
         p = self.params
-        return int(max(p.drain_timeout_ns, min(p.max_overrun_ns, 2 * self._drain_ns)))
+        timeout = max(p.drain_timeout_ns, min(p.max_overrun_ns, 2 * self._drain_ns))
+        if self._holder is not None and (self._holder in self._barred or self._holder in self._due):
+            timeout = max(timeout, p.gang_drain_timeout_ns)
+        return int(timeout)
 
     def slice_ns(self) -> int:
         return self._slice_ns
@@ -342,7 +352,8 @@ class TimeSharePolicy:
         # (Not the holder going busy and quiet: each burst is charged from the gates' figures however
         # late a look sees it, and a service alone would otherwise keep the looks at a poll apart.)
         before = self._what_changes()
-        self._set_demand(frozenset(obs.demand & self._accounts.keys()))
+        demand = obs.demand | (obs.pending & obs.present) if obs.pending else obs.demand
+        self._set_demand(frozenset(demand & self._accounts.keys()))
         self._present = obs.present
         self._barred, self._clearing, self._due = obs.barred, obs.clearing, obs.due
         for group, drained in obs.overrun_drained.items():
@@ -357,7 +368,7 @@ class TimeSharePolicy:
             if now - hold_at >= self.params.max_overrun_ns:
                 del self._overrun[group]
                 self._refund(group, now - (hold_at + self.params.max_overrun_ns))
-        self._ready = self._gang_readiness(now) if self._barred else frozenset()
+        self._ready = self._gang_readiness(now) if self._barred or self._clearing else frozenset()
         if self._phase is Phase.RUNNING:
             self._step_running(now, obs)
         if self._phase is Phase.DRAINING:
@@ -371,7 +382,8 @@ class TimeSharePolicy:
         outranked = released is not None and self._outranked_present(released) and not self._is_owed(released)
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
-                        self._wake_on_wait(now, outranked), self._ready, self._phase is Phase.IDLE)
+                        self._wake_on_wait(now, outranked), self._ready,
+                        self._phase is Phase.IDLE or released is not None and released in self._clearing)
 
     # -- groups that span several GPUs -----------------------------------------------------------
 
@@ -382,13 +394,21 @@ class TimeSharePolicy:
         min_slice_ns first, so that turns opening do not cut it shorter. A turn opens only where every
         GPU on which the group wants time consents: no GPU gives a group spanning GPUs more than its
         own rules would, and none keeps it waiting for a slice's end that another GPU does not share."""
+        if self._clearing:
+            # Still consenting while the turn clears: it starts on every GPU of it, each with the credit.
+            return frozenset(g for g in self._clearing if self._eligible(g, now) or g == self._holder
+                             and self._phase is Phase.RUNNING and self._may_continue(g))
+        # A group present here that asks for nothing may still be busy (blocked in a collective that
+        # waits for its peers): this GPU consents where it could release it (its MaxUtil credit).
+        idle = frozenset(g for g in self._barred if g not in self._demand and g in self._present
+                         and self._eligible(g, now, gang_ok=True))
         wanting = [g for g in self._barred if g in self._demand and self._eligible(g, now, gang_ok=True)]
         if not wanting:
-            return frozenset()
+            return idle
         if (self._phase is Phase.RUNNING and self._holder not in self._barred
                 and now - self._released_at < self.params.min_slice_ns):
-            return self._ready.intersection(wanting)
-        return frozenset(g for g in wanting if self._choose(now, admit=g) == g)
+            return idle | self._ready.intersection(wanting)
+        return idle | frozenset(g for g in wanting if self._choose(now, admit=g) == g)
 
     def _due_waits(self, holder: int, now: int) -> bool:
         """Does a group whose turn across GPUs is open want this GPU, held by another group that is
@@ -504,7 +524,7 @@ class TimeSharePolicy:
             self._charging = True  # busy again (seen at this look: at most a poll late)
         if not self._may_continue(holder) or holder in self._barred:
             self._hold(now)  # (barred: its turn across GPUs closed on another of them)
-        elif self._clearing and not self._is_owed(holder):
+        elif self._clearing and holder not in self._clearing and not self._is_owed(holder):
             self._hold(now)  # a turn across GPUs starts here and on its other GPUs together
         elif self._due and self._due_waits(holder, now):
             self._hold(now)
@@ -553,7 +573,7 @@ class TimeSharePolicy:
 
     def _step_idle(self, now: int) -> None:
         if self._clearing:
-            return  # (Decision.clear: the turn starts once every GPU of it is clear)
+            return  # (Decision.clear: the turn starts once every GPU of it is clear and still ready)
         pick = self._choose(now)
         if pick is None:
             return

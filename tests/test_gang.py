@@ -141,7 +141,7 @@ def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds:
 
 
 def with_turns(obs: Observation, turns: Turns) -> Observation:
-    return replace(obs, barred=turns.barred, clearing=turns.clearing, due=turns.due)
+    return replace(obs, barred=turns.barred, clearing=turns.clearing, due=turns.due, pending=turns.pending)
 
 
 def share(gpu: Gpu, group: int, seconds: float = 10) -> float:
@@ -234,22 +234,38 @@ def test_a_turn_opens_when_every_gpu_that_wants_it_consents_starts_when_all_are_
     # Open: GPU 0 is clear already, GPU 1 still holds another group (it drains).
     assert turns.view(0) == Turns(clearing=both) and turns.view(1) == Turns(clearing=both)
     assert 0 in woken  # the other GPU's scheduler is told at once
-    turns.report(0, GpuReport(both, both, clear=True))
+    turns.report(0, GpuReport(both, both, ready=both, clear=True))
     assert turns.view(0) == Turns(clearing=both)
-    turns.report(1, GpuReport(both, both, clear=True))
-    assert turns.view(0) == Turns(due=both) and turns.view(1) == Turns(due=both)
+    turns.report(1, GpuReport(both, both, ready=both, clear=True))
+    # Go: released on both at once, whether or not each asks (pending: not yet released there).
+    assert turns.view(0) == Turns(due=both, pending=both) and turns.view(1) == Turns(due=both, pending=both)
     turns.report(0, GpuReport(both, both, released=7))
+    assert turns.view(0) == Turns(due=both)
     turns.report(1, GpuReport(both, both, released=7))
+    turns.report(1, GpuReport(both, frozenset(), released=None))  # quiet on GPU 1: the turn goes on
+    assert turns.view(0) == Turns(due=both)
     woken.clear()
     turns.report(0, GpuReport(both, both, released=None))  # GPU 0's slice ended
     assert turns.view(1) == Turns(barred=both) and woken == [1]
+
+
+def test_a_turn_that_a_gpu_no_longer_consents_to_while_it_clears_does_not_start() -> None:
+    # Its MaxUtil credit went on GPU 1 while GPU 0 drained: started, the turn would leave the process
+    # on GPU 0 spinning in its collective.
+    both = frozenset({7})
+    turns = GangTurns()
+    turns.report(1, GpuReport(both, both, ready=both))
+    turns.report(0, GpuReport(both, both, ready=both))
+    assert turns.view(1) == Turns(clearing=both)
+    turns.report(1, GpuReport(both, both, ready=frozenset(), clear=True))
+    assert turns.open_turns() == {} and turns.view(0) == Turns(barred=both)
 
 
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
     # A rank blocked on the CPU (a barrier waiting for the held rank) wants nothing on its GPU.
     both = frozenset({7})
     turns = GangTurns()
-    turns.report(1, GpuReport(both, frozenset()))
+    turns.report(1, GpuReport(both, frozenset(), ready=both))  # (it could release the group: credit)
     turns.report(0, GpuReport(both, both, ready=both))
     assert turns.open_turns() == {7: frozenset({0, 1})}
 
