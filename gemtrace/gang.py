@@ -9,14 +9,17 @@ work at MaxUtil 0.3 (docs/scheduler.md, "Groups that span GPUs").
 This module owns which such groups' turns are open. The unit is the group: a group present on two GPUs or
 more (a live process of it launched or waits there) is a gang on those GPUs. Its turn is closed (barred on
 every GPU of it: no policy releases it) until every GPU on which it wants time would choose it by its own
-rules, and every other GPU of it could release it (`Decision.ready`); then it opens. First it clears: each GPU on which it wants time holds its holder
-and releases nobody until it is clear (`Decision.clear`: the holder drained); then it goes (due on every
-GPU of it: released there at once). So the group's processes start together: one released first would run
-into its collective and spin there, charged, while its peer's GPU still drains. It stays open until one of
-its GPUs holds it again, for any of its own reasons (its slice ended, its MaxUtil credit ran out, it went
-quiet while another group waits). A GPU is in one open turn at a time. So each GPU's MinUtil, MaxUtil,
-Priority and fairness still decide how much time the group gets there, and the turns only line up in
-time. A group present on one GPU is never barred nor due: its scheduling is the single GPU's, unchanged.
+rules, and every other GPU of it could release it (`Decision.ready`); then it opens. First it clears:
+each GPU of it holds its holder and releases nobody until it is clear (`Decision.clear`: the holder
+drained); then it goes (due on every GPU of it: released there at once, whether it asks or not: a process
+blocked in a collective asks for nothing). So the group's processes start together: one released first
+would run into its collective and spin there, charged, while its peer's GPU still drains. It stays open
+until one of its GPUs holds it again while it has work there, for any of its own reasons (its slice ended,
+its MaxUtil credit ran out). The hold lands at each process's next synchronisation (GT_HOLD_AT_SYNC: a
+training step's end), so that no rank is left inside a collective that its held peer never joins; where
+one is all the same (it had begun its next step), its drain is cut short and not charged (`stranded`).
+A GPU is in one open turn at a time. So each GPU's MinUtil, MaxUtil, Priority and fairness still decide
+how much time the group gets there, and the turns only line up in time. A group present on one GPU is never barred nor due: its scheduling is the single GPU's, unchanged.
 
 Pure bookkeeping behind one lock: the schedulers report after each look (`report`) and read their barred and
 due groups before the next (`view`); it never touches the region. A change of turn is announced through
@@ -41,6 +44,7 @@ class GpuReport:
     ready: frozenset[int] = frozenset()  # barred groups this GPU would release now (Decision.ready)
     released: int | None = None  # the group released here (None: all held)
     clear: bool = False  # nobody released or draining here, or only the clearing group (Decision.clear)
+    draining: int | None = None  # the group held here whose queued work still runs
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class Turns:
     clearing: frozenset[int] = frozenset()
     due: frozenset[int] = frozenset()
     pending: frozenset[int] = frozenset()  # due, not yet released here in this turn
+    stranded: frozenset[int] = frozenset()  # barred, draining here, done on every other GPU of it
 
     def __bool__(self) -> bool:
         return bool(self.barred or self.clearing or self.due)
@@ -65,6 +70,7 @@ class _Turn:
     gpus: frozenset[int]  # the gang's GPUs when the turn opened (a GPU it starts to use joins)
     clearing_on: frozenset[int]  # its GPUs when it opened: they clear first
     go: bool = False  # every one of them cleared: the group is due on all its GPUs
+    seen: set[int] = field(default_factory=set)  # GPUs that reported since it opened (saw it clearing)
     released_on: set[int] = field(default_factory=set)  # GPUs that released the group in this turn
 
 
@@ -98,13 +104,17 @@ class GangTurns:
             before = dict(self._views)
             members = self._members()
             changed: set[int] = set()
+            for turn in self._open.values():
+                turn.seen.add(gpu)
             for group, turn in list(self._open.items()):
                 if self._turn_over(group, turn, members.get(group, frozenset())):
                     del self._open[group]
                     changed |= turn.gpus | members.get(group, frozenset())
                     continue
                 turn.gpus |= members.get(group, frozenset())
-                if not turn.go and all(self._reports[g].clear for g in turn.clearing_on if g in self._reports):
+                if not turn.go and turn.seen >= turn.clearing_on and all(
+                        self._reports[g].clear and group in self._reports[g].ready for g in turn.clearing_on
+                        if g in self._reports):
                     turn.go = True
                     changed |= turn.gpus
             changed |= self._open_turns(members)
@@ -144,11 +154,12 @@ class GangTurns:
         if len(gpus) < 2:
             return True
         if not turn.go:
-            # Clearing: over where it no longer wants any GPU, or a GPU where it wants time no longer
+            # Clearing: over where it no longer wants any GPU, or a GPU that saw it clearing no longer
             # consents (its MaxUtil credit went meanwhile): a turn one GPU cannot give would leave the
             # group's processes on the others spinning in their collectives.
             reports = [self._reports[gpu] for gpu in gpus if gpu in self._reports]
-            return not any(group in r.demand for r in reports) or any(group not in r.ready for r in reports)
+            return not any(group in r.demand or r.released == group for r in reports) or any(
+                group not in self._reports[gpu].ready for gpu in turn.seen if gpu in self._reports)
         released_now = set()
         for gpu in turn.gpus:
             report = self._reports.get(gpu)
@@ -204,6 +215,17 @@ class GangTurns:
                     (due if turn.go else clearing).setdefault(gpu, set()).add(group)
                     if turn.go and gpu not in turn.released_on:
                         pending.setdefault(gpu, set()).add(group)
+        # A barred group still draining here whose processes on its other GPUs are held and done: the work
+        # left here may be a collective that waits for them (a rank that began its next step before the
+        # turn ended), which only its next turn ends.
+        stranded: dict[int, set[int]] = {}
+        for group, gpus in members.items():
+            if group in self._open:
+                continue
+            draining = [gpu for gpu in gpus if self._reports[gpu].draining == group]
+            if len(draining) == 1 and not any(self._reports[gpu].released == group for gpu in gpus):
+                stranded.setdefault(draining[0], set()).add(group)
         return {gpu: Turns(frozenset(barred.get(gpu, ())), frozenset(clearing.get(gpu, ())),
-                           frozenset(due.get(gpu, ())), frozenset(pending.get(gpu, ())))
+                           frozenset(due.get(gpu, ())), frozenset(pending.get(gpu, ())),
+                           frozenset(stranded.get(gpu, ())))
                 for gpu in barred.keys() | clearing.keys() | due.keys()}

@@ -98,6 +98,7 @@ class PolicyParams:
     # A group spanning GPUs is held at its processes' next synchronisation (a training step's end:
     # GT_HOLD_AT_SYNC), which may come a step later: its drain is given this long.
     gang_drain_timeout_ns: int = 250 * MS
+    stranded_drain_ns: int = 10 * MS
     # A group whose drain outlasted the timeout is charged on until it finishes, at most this long
     # after it was held (a process that queued work and went off to CPU work reports no finish).
     max_overrun_ns: int = 1000 * MS
@@ -173,6 +174,9 @@ class Observation:
     pending: the due groups not yet released here in this turn: they count as wanting the GPU while
         present, so that every GPU of the group releases it at the turn's start (a process of it may be
         busy without asking: blocked in a collective that waits for its peers on the other GPUs).
+    stranded: barred groups draining here whose processes on their other GPUs are held and done: what
+        is left here may be a collective that waits for them, so the drain gets stranded_drain_ns, not
+        gang_drain_timeout_ns, and is not charged past it (no overrun).
     """
 
     demand: frozenset[int] = frozenset()
@@ -186,6 +190,7 @@ class Observation:
     clearing: frozenset[int] = frozenset()
     due: frozenset[int] = frozenset()
     pending: frozenset[int] = frozenset()
+    stranded: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -275,6 +280,7 @@ class TimeSharePolicy:
         # it is open; ready: the barred ones this GPU chose at its last choice (Decision.ready).
         self._barred: frozenset[int] = frozenset()
         self._clearing: frozenset[int] = frozenset()
+        self._stranded: frozenset[int] = frozenset()
         self._due: frozenset[int] = frozenset()
         self._ready: frozenset[int] = frozenset()
         self._top_priority = 0  # the highest priority scheduled: a holder of it is never outranked
@@ -330,7 +336,7 @@ class TimeSharePolicy:
         p = self.params
         timeout = max(p.drain_timeout_ns, min(p.max_overrun_ns, 2 * self._drain_ns))
         if self._holder is not None and (self._holder in self._barred or self._holder in self._due):
-            timeout = max(timeout, p.gang_drain_timeout_ns)
+            timeout = max(timeout, p.stranded_drain_ns if self._holder in self._stranded else p.gang_drain_timeout_ns)
         return int(timeout)
 
     def slice_ns(self) -> int:
@@ -356,6 +362,7 @@ class TimeSharePolicy:
         self._set_demand(frozenset(demand & self._accounts.keys()))
         self._present = obs.present
         self._barred, self._clearing, self._due = obs.barred, obs.clearing, obs.due
+        self._stranded = obs.stranded
         for group, drained in obs.overrun_drained.items():
             hold_at = self._overrun.pop(group, None)
             if hold_at is not None:
@@ -567,8 +574,12 @@ class TimeSharePolicy:
             self._refund(holder, now - end)
         drain = max(0, end - self._hold_at)
         self._measured_drain(drain)
-        if obs.drained_at is None and self._charging and now < self._hold_at + self.params.max_overrun_ns:
-            self._overrun[holder] = self._hold_at  # charged on until the adapter sees it finish
+        if (obs.drained_at is None and self._charging and now < self._hold_at + self.params.max_overrun_ns
+                and holder not in self._stranded):
+            # Charged on until the adapter sees it finish. Not a stranded group spanning GPUs: its work
+            # left waits for its peers' next turn, and charged till then, its MaxUtil bucket would hold
+            # that turn off for seconds (a job capped at 0.3: 3.5 s without a turn).
+            self._overrun[holder] = self._hold_at
         self._phase, self._holder, self._charging = Phase.IDLE, None, False
 
     def _step_idle(self, now: int) -> None:
@@ -618,7 +629,7 @@ class TimeSharePolicy:
         until the bucket is spent and rests until it is full, half as many holds as a slice's credit
         gives (on the H100 a transformer step capped at 0.5 alone went from 0.457 to 0.509 of solo:
         each hold and release costs it some ms of work; bench/results/models_torch.md, 17:38)."""
-        if self._demand <= {group}:
+        if self._demand <= {group} and not (group in self._barred or group in self._clearing):
             return self._cap_capacity() - 1.0  # (the bucket refills up to its capacity exactly)
         return self.slice_ns() * (1.0 - self._accounts[group].quota.max_util)
 

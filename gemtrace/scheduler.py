@@ -253,7 +253,8 @@ class GpuScheduler:
             # out (a few times at most: each report moves a turn on by one state).
             for _ in range(3):
                 if self._gang is None or not self._gang.report(self.gpu, GpuReport(
-                        observation.present, observation.demand, decision.ready, decision.released, decision.clear)):
+                        observation.present, observation.demand, decision.ready, decision.released, decision.clear,
+                        decision.draining)):
                     break
                 decision = self._policy.step(now, self._with_turns(observation))
             self._carry_out(now, decision)
@@ -272,7 +273,8 @@ class GpuScheduler:
         self._gang_groups = turns.barred | turns.clearing | turns.due
         scheduled = self._scheduled
         return dataclasses.replace(observation, barred=turns.barred & scheduled, clearing=turns.clearing & scheduled,
-                                   due=turns.due & scheduled, pending=turns.pending & scheduled)
+                                   due=turns.due & scheduled, pending=turns.pending & scheduled,
+                                   stranded=turns.stranded & scheduled)
 
     def _apply_quotas(self, now: int, quotas: dict[int, Quota]) -> None:
         self._policy.set_quotas(now, quotas)

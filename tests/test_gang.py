@@ -123,7 +123,7 @@ def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds:
                 decision = gpu.policy.step(t, with_turns(obs, turns.view(gpu.index)))
                 for _ in range(3):  # as GpuScheduler.step does
                     if not turns.report(gpu.index, GpuReport(obs.present, obs.demand, decision.ready,
-                                                             decision.released, decision.clear)):
+                                                             decision.released, decision.clear, decision.draining)):
                         break
                     decision = gpu.policy.step(t, with_turns(obs, turns.view(gpu.index)))
             else:
@@ -141,7 +141,8 @@ def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds:
 
 
 def with_turns(obs: Observation, turns: Turns) -> Observation:
-    return replace(obs, barred=turns.barred, clearing=turns.clearing, due=turns.due, pending=turns.pending)
+    return replace(obs, barred=turns.barred, clearing=turns.clearing, due=turns.due, pending=turns.pending,
+                   stranded=turns.stranded)
 
 
 def share(gpu: Gpu, group: int, seconds: float = 10) -> float:
