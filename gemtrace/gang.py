@@ -19,7 +19,8 @@ its MaxUtil credit ran out). The hold lands at each process's next synchronisati
 training step's end), so that no rank is left inside a collective that its held peer never joins; where
 one is all the same (it had begun its next step), its drain is cut short and not charged (`stranded`).
 A GPU is in one open turn at a time. So each GPU's MinUtil, MaxUtil, Priority and fairness still decide
-how much time the group gets there, and the turns only line up in time. A group present on one GPU is never barred nor due: its scheduling is the single GPU's, unchanged.
+how much time the group gets there, and the turns only line up in time. A group present on one GPU is
+never barred nor due: its scheduling is the single GPU's, unchanged.
 
 Pure bookkeeping behind one lock: the schedulers report after each look (`report`) and read their barred and
 due groups before the next (`view`); it never touches the region. A change of turn is announced through
