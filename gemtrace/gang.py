@@ -15,9 +15,8 @@ drained); then it goes (due on every GPU of it: released there at once, whether 
 blocked in a collective asks for nothing). So the group's processes start together: one released first
 would run into its collective and spin there, charged, while its peer's GPU still drains. It stays open
 until one of its GPUs holds it again while it has work there, for any of its own reasons (its slice ended,
-its MaxUtil credit ran out). The hold lands at each process's next synchronisation (GT_HOLD_AT_SYNC: a
-training step's end), so that no rank is left inside a collective that its held peer never joins; where
-one is all the same (it had begun its next step), its drain is cut short and not charged (`stranded`).
+its MaxUtil credit ran out). A process held in the middle of a collective that its peer, held first,
+never joins is `stranded`: its drain is not charged past the drain timeout.
 A GPU is in one open turn at a time. So each GPU's MinUtil, MaxUtil, Priority and fairness still decide
 how much time the group gets there, and the turns only line up in time. A group present on one GPU is
 never barred nor due: its scheduling is the single GPU's, unchanged.

@@ -95,10 +95,6 @@ class PolicyParams:
     max_owed_slice_ns: int = 180 * MS
     drain_slices: int = 4  # a slice lasts at least this many measured drains
     drain_timeout_ns: int = 50 * MS
-    # A group spanning GPUs is held at its processes' next synchronisation (a training step's end:
-    # GT_HOLD_AT_SYNC), which may come a step later: its drain is given this long.
-    gang_drain_timeout_ns: int = 250 * MS
-    stranded_drain_ns: int = 10 * MS
     # A group whose drain outlasted the timeout is charged on until it finishes, at most this long
     # after it was held (a process that queued work and went off to CPU work reports no finish).
     max_overrun_ns: int = 1000 * MS
@@ -175,8 +171,9 @@ class Observation:
         present, so that every GPU of the group releases it at the turn's start (a process of it may be
         busy without asking: blocked in a collective that waits for its peers on the other GPUs).
     stranded: barred groups draining here whose processes on their other GPUs are held and done: what
-        is left here may be a collective that waits for them, so the drain gets stranded_drain_ns, not
-        gang_drain_timeout_ns, and is not charged past it (no overrun).
+        is left here may be a collective that waits for them (a process that began its next step before
+        the hold), which only the group's next turn ends: past the drain timeout it is not charged on
+        (no overrun), or its MaxUtil bucket would hold that turn off for seconds.
     """
 
     demand: frozenset[int] = frozenset()
@@ -335,8 +332,6 @@ class TimeSharePolicy:
         of ms of kernels between syncs), up to max_overrun_ns."""
         p = self.params
         timeout = max(p.drain_timeout_ns, min(p.max_overrun_ns, 2 * self._drain_ns))
-        if self._holder is not None and (self._holder in self._barred or self._holder in self._due):
-            timeout = max(timeout, p.stranded_drain_ns if self._holder in self._stranded else p.gang_drain_timeout_ns)
         return int(timeout)
 
     def slice_ns(self) -> int:

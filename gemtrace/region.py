@@ -34,7 +34,6 @@ from gemtrace.contract import (
     COMM_LEN,
     GROUP_UNASSIGNED,
     HELD,
-    HOLD_AT_SYNC,
     MAX_CHUNKS,
     MAX_GPUS,
     MAX_GROUPS,
@@ -597,13 +596,10 @@ class Region:
     def is_held(self, gpu: int, group: int) -> bool:
         return bool(self.layout.control[gpu][group].held == HELD)
 
-    def hold(self, gpu: int, group: int, at_sync: bool = False) -> None:
-        """Hold the group's launches on the GPU: at their next launch, or (`at_sync`) at their next
-        launch after a synchronisation (GT_HOLD_AT_SYNC: a step's end, for groups that span GPUs)."""
-        word = HOLD_AT_SYNC if at_sync else HELD
+    def hold(self, gpu: int, group: int) -> None:
         control = self.layout.control[gpu][group]
-        if control.held != word:
-            control.held = word
+        if control.held != HELD:
+            control.held = HELD
 
     def release(self, gpu: int, group: int, word: int = RELEASED, wake: int = WAKE_FANOUT) -> None:
         """Let the group launch, with `word` saying how much its processes may keep queued

@@ -111,7 +111,6 @@ class _SlotSeen:
 class _Drain:
     group: int
     hold_at: int
-    at_sync: bool = False  # held at its processes' next synchronisation (a group spanning GPUs)
 
 
 class GpuScheduler:
@@ -137,7 +136,6 @@ class GpuScheduler:
         # while a group here spans GPUs, this scheduler sleeps on its doorbell, which a turn's change rings.
         self._gang = gang
         self._gang_here = False
-        self._gang_groups: frozenset[int] = frozenset()  # barred, clearing or due here at the last look
         self._lock = threading.Lock()
         params = params or PolicyParams()
         if region.doorbells is not None:  # the agent's region: the gates ring it
@@ -159,7 +157,7 @@ class GpuScheduler:
         self._user_scheduled: frozenset[int] | None = None
         self._by_group: dict[int, list[int]] | None = None
         self._by_group_assignments = b""
-        self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool, int | None], list[int]] | None = None
+        self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool], list[int]] | None = None
         if rescan_ns is None:
             rescan_ns = RESCAN_NS if region.doorbells is None else RESCAN_NET_NS
         self._rescan_ns = rescan_ns
@@ -270,7 +268,6 @@ class GpuScheduler:
         self._gang_here = bool(turns)
         if not turns:
             return observation
-        self._gang_groups = turns.barred | turns.clearing | turns.due
         scheduled = self._scheduled
         return dataclasses.replace(observation, barred=turns.barred & scheduled, clearing=turns.clearing & scheduled,
                                    due=turns.due & scheduled, pending=turns.pending & scheduled,
@@ -486,13 +483,9 @@ class GpuScheduler:
 
     def _carry_out(self, now: int, decision: Decision) -> None:
         if decision.draining is not None and self._drain is None:
-            # Hold it first: its next launch drains (the gate synchronises) and then waits. A group
-            # spanning GPUs is held at its next synchronisation instead: held at its next launch, one of
-            # its processes may have queued a collective whose peer, held on another GPU first, never
-            # comes, and its drain would last until the group's next turn (GT_HOLD_AT_SYNC).
-            at_sync = self._gang_here and decision.draining in self._gang_groups
-            self.region.hold(self.gpu, decision.draining, at_sync)
-            self._drain = _Drain(decision.draining, now, at_sync)
+            # Hold it first: its next launch drains (the gate synchronises) and then waits.
+            self.region.hold(self.gpu, decision.draining)
+            self._drain = _Drain(decision.draining, now)
             self.switches += 1
             self._released = None
         elif decision.draining is None:
@@ -520,12 +513,10 @@ class GpuScheduler:
         and one comparison with what they should say (kept while the decision stays) when nothing was
         forged."""
         released = self._released_word()
-        soft = self._drain.group if self._drain is not None and self._drain.at_sync else None
-        key = (self._scheduled, self._released, self._short_queue, self._outranked, soft)
+        key = (self._scheduled, self._released, self._short_queue, self._outranked)
         if self._expected_words is None or self._expected_words[0] != key:
             self._expected_words = (key, [rg.RELEASED if group not in self._scheduled else
-                                          released if group == self._released else
-                                          rg.HOLD_AT_SYNC if group == soft else rg.HELD
+                                          released if group == self._released else rg.HELD
                                           for group in range(len(self._held))])
         words = self._held.tolist()
         if words == self._expected_words[1]:
@@ -537,8 +528,8 @@ class GpuScheduler:
             elif group == self._released:
                 if word != released:
                     self.region.release(self.gpu, group, released)
-            elif word != (rg.HOLD_AT_SYNC if group == soft else rg.HELD):
-                self.region.hold(self.gpu, group, group == soft)
+            elif word != rg.HELD:
+                self.region.hold(self.gpu, group)
 
     def _release_all(self) -> None:
         with self._lock:

@@ -90,7 +90,6 @@ int main(void)
     INT(GT_RELEASED_SHORT_QUEUE);
     INT(GT_RELEASED_OUTRANKED);
     INT(GT_RELEASED_LONG_QUEUE);
-    INT(GT_HOLD_AT_SYNC);
     puts("# enum gt_attach_kind: the socket's requests");
     INT(GT_ATTACH_JOIN);
     INT(GT_ATTACH_VIEW);

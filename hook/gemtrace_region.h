@@ -75,13 +75,6 @@
  *      waits at most that long for the holder's drain, not for the seconds that a process which
  *      never synchronises queues. A CPU that pauses for less than half of it (a data loader's batch,
  *      Python's collector) still finds work queued on the GPU when it resumes.
- *   GT_HOLD_AT_SYNC: held, but at the process's next synchronisation rather than its next launch: a
- *      launch with a burst open on that GPU proceeds as under GT_RELEASED_SHORT_QUEUE, and one after a
- *      synchronisation closed the burst (a training step's loss.item()) is held as under GT_HELD. The
- *      agent sets it to end the turn of a group that spans GPUs (docs/scheduler.md): a rank held at
- *      its next launch may have queued a collective whose peer rank, held on another GPU before it
- *      launched its own, never comes, and the drain would wait for the group's next turn; held at a
- *      step's end, every rank's collectives are done. An older gate treats the value as released.
  *   GT_HELD: a launching thread
  *   1. drains: if its process launched on that GPU since it last drained, it synchronises the
  *      launch's stream (the context, where the burst used other streams too) and stores
@@ -171,7 +164,6 @@ enum gt_held {
     GT_RELEASED_SHORT_QUEUE = 2,
     GT_RELEASED_OUTRANKED = 3,
     GT_RELEASED_LONG_QUEUE = 4,
-    GT_HOLD_AT_SYNC = 5,
 };
 
 /* The socket's two requests (struct gt_attach_request.kind). */

@@ -203,10 +203,6 @@ static void ring_drain_end(int gpu)
  * another group (its group was dropped, and the entry may already serve a new name whose word stays
  * held while nobody of it has work: waiting on there would be waiting for ever). The next launch
  * then reads its new group's word. */
-/* Does the word hold a launch (GT_HELD), or one after a synchronisation (GT_HOLD_AT_SYNC)? A thread
- * that waits waits on either. */
-static inline bool holds(uint32_t state) { return state == GT_HELD || state == GT_HOLD_AT_SYNC; }
-
 static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstream stream, uint32_t group)
 {
     if (!gt_agent_alive())
@@ -218,11 +214,10 @@ static __attribute__((noinline)) void hold(int gpu, const uint32_t *held, CUstre
      * once (a group of a higher priority asks for the GPU; a held group has drained) it sleeps on the
      * doorbell, not until its next look. One system call, on a path that is about to sleep anyway. */
     ring_drain_end(gpu);
-    uint32_t state;
-    while (holds(state = __atomic_load_n(held, __ATOMIC_ACQUIRE)) && gt_agent_alive() && gt_group() == group)
-        gt_futex_wait(held, state, GT_HOLD_RECHECK_NS);
+    while (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD && gt_agent_alive() && gt_group() == group)
+        gt_futex_wait(held, GT_HELD, GT_HOLD_RECHECK_NS);
     __atomic_fetch_sub(&slot->waiting[gpu], 1, __ATOMIC_ACQ_REL);
-    if (holds(__atomic_load_n(held, __ATOMIC_ACQUIRE)))
+    if (__atomic_load_n(held, __ATOMIC_ACQUIRE) == GT_HELD)
         return; /* a silent agent, or a move to another group: no release to pass on */
     /* Released (while we slept, or before the first wait, while we drained or rang): pass the wake on
      * before anything of ours (moved or not: we may hold one of the release's wakes). */
@@ -306,8 +301,7 @@ static uint64_t queue_bound(uint32_t state)
 
 static inline bool queue_bounded(uint32_t state)
 {
-    return state == GT_RELEASED_SHORT_QUEUE || state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_LONG_QUEUE ||
-           state == GT_HOLD_AT_SYNC;
+    return state == GT_RELEASED_SHORT_QUEUE || state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_LONG_QUEUE;
 }
 
 static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream, uint64_t launches, uint64_t bound)
@@ -393,8 +387,7 @@ static void gate_launch(CUstream stream)
         if (queue_bounded(state) && queue_check_due(gpu, state, &launches) &&
             keep_queue_short(gpu, stream, launches, queue_bound(state)))
             state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
-        if (state == GT_HELD ||
-            (state == GT_HOLD_AT_SYNC && !__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE)))
+        if (state == GT_HELD)
             hold(gpu, held, stream, group);
     }
     if (GT_UNLIKELY(!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_RELAXED)))
@@ -491,7 +484,7 @@ static CUresult synced(CUresult r, CUstream stream, enum sync_scope scope)
         /* The program's own sync emptied its queue while its group is held: the end of a drain the
          * scheduler may be waiting for, with no launch of ours to block and ring (hold). */
         if (gpu >= 0 && gt_close_burst(gpu, emptied) && emptied &&
-            holds(__atomic_load_n(&gt_proc.region->control[gpu][gt_group()].held, __ATOMIC_ACQUIRE)))
+            __atomic_load_n(&gt_proc.region->control[gpu][gt_group()].held, __ATOMIC_ACQUIRE) == GT_HELD)
             ring_drain_end(gpu);
     }
     return r;
