@@ -138,6 +138,7 @@ if [ ${#missing[@]} -gt 0 ] || [ -n "$need_headers_package" ]; then
         own_policy=1
         trap 'rm -f "$log" "$policy"' EXIT
         # Asked with the service's name among its arguments (invoke-rc.d may put --quiet first).
+        # shellcheck disable=SC2016  # the $a and ${a%.service} are the written script's
         printf '#!/bin/sh\n# tests/prereqs.sh, while it installs: not these daemons\nfor a; do case "${a%%.service}" in %s) exit 101 ;; esac; done\nexit 0\n' \
             "$(IFS='|'; echo "${daemons[*]}")" >"$policy"
         chmod 0755 "$policy"
