@@ -35,10 +35,13 @@ simgpu:
 # --system-site-packages: bcc's Python module comes from the distribution (python3-bpfcc).
 # pip and setuptools come from the lock too, and gemtrace is built with the venv's setuptools
 # (--no-build-isolation): an isolated build would fetch whichever setuptools is newest that day.
+# setuptools tells every editable install, in ten lines, that folders named like the package may take
+# precedence: that is how this checkout is meant to be used, and those lines were the demo's first screen.
 $(VENV)/.installed: pyproject.toml $(LOCK)
 	$(PYTHON_SYSTEM) -m venv --system-site-packages $(VENV)
 	$(PY) -m pip install -q -c $(LOCK) pip setuptools
-	$(PY) -m pip install -q --no-build-isolation -c $(LOCK) -e '.[dev,kube]'
+	PYTHONWARNINGS='ignore:Editable installation:UserWarning' \
+	    $(PY) -m pip install -q --no-build-isolation -c $(LOCK) -e '.[dev,kube]'
 	touch $@
 
 venv: $(VENV)/.installed

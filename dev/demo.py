@@ -84,8 +84,10 @@ def ebpf_line(frame: top.Frame, agent_log: str, as_root: bool) -> str:
         except ValueError:
             continue
         if isinstance(event, dict) and event.get("event") == "ebpf_unavailable":
-            hint = "" if as_root else " (here: sudo make demo)"
-            return f"eBPF accounting off, the gates and NVML still count: {event.get('reason')}{hint}"
+            # The agent's advice is an operator's ("then restart the agent"); the demo starts its own.
+            reason = str(event.get("reason")).replace(", then restart the agent", ", then run the demo again")
+            hint = "" if as_root else " (here: make demo as root)"
+            return f"eBPF accounting off, the gates and NVML still count: {reason}{hint}"
     return "eBPF accounting off: no uprobe attached to the simulated libcuda (see the agent's log)"
 
 
@@ -143,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         if first is None:
             print("demo: the agent did not start; its log:\n" + log_path.read_text(), file=sys.stderr)
             return 1
-        print(f"{TITLE}: the agent is up on the simulated GPU with the groups of {CONFIG}", flush=True)
+        print(f"{TITLE}: the agent is up on the simulated GPU with the groups of {CONFIG}; "
+              f"{', '.join(WORKLOADS)} at work for {args.seconds:g} s (default: every other program; "
+              "--seconds N or Ctrl-C)", flush=True)
         print(f"{TITLE}: {ebpf_line(first, log_path.read_text(), os.geteuid() == 0)}", flush=True)
         print(f"{TITLE}: the agent's log: {log_path} (kept)\n", flush=True)
         for group, client_args in WORKLOADS.items():

@@ -710,13 +710,62 @@ SIM_API CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest)
     return CUDA_SUCCESS;
 }
 
+/* ---- logs for tests: one JSON line per call, appended to the file an environment variable names */
+
+struct line_log {
+    const char *env;
+    _Atomic int fd; /* 0 until first use; -1 when the variable is unset or the file cannot be opened */
+};
+
+static void log_line(struct line_log *log, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void log_line(struct line_log *log, const char *fmt, ...)
+{
+    int fd = atomic_load(&log->fd);
+    if (fd == 0) { /* first use: two threads at once may both open; the loser closes its own */
+        const char *path = getenv(log->env);
+        int opened = path && *path ? open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644) : -1;
+        int expected = 0;
+        if (!atomic_compare_exchange_strong(&log->fd, &expected, opened == 0 ? -1 : opened) && opened >= 0)
+            close(opened);
+        fd = atomic_load(&log->fd);
+    }
+    if (fd <= 0)
+        return;
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof line - 1, fmt, ap);
+    va_end(ap);
+    if (n <= 0 || (size_t)n >= sizeof line - 1)
+        return;
+    line[n++] = '\n';
+    ssize_t written = write(fd, line, (size_t)n); /* O_APPEND: one line stays whole */
+    (void)written;
+}
+
+/* Each synchronising call (a context's, a stream's, an event's) is appended to $SIMGPU_SYNC_LOG, when
+ * set: how long it waits on the simulated GPU's clock, and how much of the context's work stays queued
+ * behind what it waits for. Both are read off the timeline when the call is made, so they do not
+ * depend on how busy the host is: tests see whether a gate waited for all of a queue or part of it. */
+static struct line_log g_sync_log = {.env = "SIMGPU_SYNC_LOG"};
+
+static void sync_log(const char *call, struct CUctx_st *c, uint64_t until)
+{
+    uint64_t now = sim_now(), last = atomic_load(&c->last_end);
+    log_line(&g_sync_log, "{\"pid\":%d,\"call\":\"%s\",\"wait_ns\":%llu,\"queued_after_ns\":%llu}", (int)getpid(),
+             call, (unsigned long long)(until > now ? until - now : 0),
+             (unsigned long long)(last > until ? last - until : 0));
+}
+
 static CUresult cuCtxSynchronize_v2_impl(CUcontext ctx)
 {
     REQUIRE_INIT();
     struct CUctx_st *c = ctx ? ctx : current_ctx();
     if (!valid_ctx(c))
         return CUDA_ERROR_INVALID_CONTEXT;
-    sim_sleep_until(atomic_load(&c->last_end));
+    uint64_t until = atomic_load(&c->last_end);
+    sync_log("cuCtxSynchronize", c, until);
+    sim_sleep_until(until);
     return CUDA_SUCCESS;
 }
 
@@ -834,7 +883,9 @@ static CUresult stream_sync(CUstream h, bool per_thread)
     struct CUstream_st *s = resolve_stream(h, per_thread, &err);
     if (!s)
         return err;
-    sim_sleep_until(stream_end(s));
+    uint64_t until = stream_end(s);
+    sync_log("cuStreamSynchronize", s->ctx, until);
+    sim_sleep_until(until);
     return CUDA_SUCCESS;
 }
 
@@ -1208,7 +1259,9 @@ SIM_API CUresult cuEventSynchronize(CUevent ev)
     REQUIRE_INIT();
     if (!ev || ev->magic != EVENT_MAGIC)
         return CUDA_ERROR_INVALID_HANDLE;
-    sim_sleep_until(atomic_load(&ev->t));
+    uint64_t until = atomic_load(&ev->t);
+    sync_log("cuEventSynchronize", ev->ctx, until);
+    sim_sleep_until(until);
     return CUDA_SUCCESS;
 }
 
@@ -1766,33 +1819,8 @@ SIM_API CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attr, CUd
  * location is a visible device (or the host). Nothing moves (there are no pages to move); each call is
  * appended to $SIMGPU_HINT_LOG, when set, as one JSON line, so that tests can see what the gate
  * advised and prefetched, where to, and on which stream. */
-static int g_hint_log = -1;
-static pthread_once_t g_hint_log_once = PTHREAD_ONCE_INIT;
-
-static void hint_log_open(void)
-{
-    const char *path = getenv("SIMGPU_HINT_LOG");
-    if (path && *path)
-        g_hint_log = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-}
-
-static void hint_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static void hint_log(const char *fmt, ...)
-{
-    pthread_once(&g_hint_log_once, hint_log_open);
-    if (g_hint_log < 0)
-        return;
-    char line[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(line, sizeof line - 1, fmt, ap);
-    va_end(ap);
-    if (n <= 0 || (size_t)n >= sizeof line - 1)
-        return;
-    line[n++] = '\n';
-    ssize_t written = write(g_hint_log, line, (size_t)n); /* O_APPEND: one line stays whole */
-    (void)written;
-}
+static struct line_log g_hint_log = {.env = "SIMGPU_HINT_LOG"};
+#define hint_log(...) log_line(&g_hint_log, __VA_ARGS__)
 
 static CUresult managed_range(CUdeviceptr ptr, size_t count)
 {
@@ -2093,7 +2121,9 @@ static CUresult copy_sync(bool per_thread)
     struct CUstream_st *s = resolve_stream(NULL, per_thread, &err);
     if (!s)
         return err;
-    sim_sleep_until(stream_end(s));
+    uint64_t until = stream_end(s);
+    sync_log("cuStreamSynchronize", s->ctx, until);
+    sim_sleep_until(until);
     return CUDA_SUCCESS;
 }
 

@@ -102,7 +102,9 @@ class Host:
             except OSError:
                 return False
 
-        wait_until("the agent's /metrics", up)
+        # A wait, not a figure: the agent answers within a second or two alone (bcc's compile adds a few
+        # with eBPF), and took over 20 s beside CPU hogs on both cores.
+        wait_until("the agent's /metrics", up, timeout=60)
         return running
 
     def run(self, group: str, *args: str, **popen: Any) -> subprocess.Popen[bytes]:

@@ -12,14 +12,16 @@
 # the command that does it.
 set -euo pipefail
 
-# demo: build the gate and the simulated GPU (a C compiler, make), make .venv (python3-venv).
+# demo: build the gate and the simulated GPU (a C compiler, make), make .venv (python3-venv); as root
+# also its eBPF accounting (bcc and the kernel's headers, as for the tests), which needs root anyway.
 demo_packages=(build-essential python3-venv)
+ebpf_packages=(python3-bpfcc)
 # deb: the demo's, and dpkg-shlibdeps for the package's library dependencies (packaging/deb/build.sh).
 deb_packages=("${demo_packages[@]}" dpkg-dev)
 # test: everything the test tiers run, each named by the tests that need it.
 test_packages=(
     "${demo_packages[@]}"
-    python3-bpfcc # bcc: the bpf tier's uprobes (also needs the kernel's headers: below)
+    "${ebpf_packages[@]}" # bcc: the bpf tier's uprobes (also needs the kernel's headers: below)
     prometheus    # promtool: test_rules, test_exporter, test_grafana; the server: test_prometheus_live
     lintian       # test_deb
     dpkg-dev      # dpkg-shlibdeps: make deb (test_deb)
@@ -29,14 +31,21 @@ test_packages=(
     # The k8s tier's one-node cluster (tests/k8s/cluster.sh): Kubernetes built from Debian's source
     # with Go, Debian's reflect2 1.0.2 in place of the vendored 1.0.1, etcd, containerd and runc.
     golang-go golang-github-modern-go-reflect2-dev etcd-server containerd runc curl rsync jq
+    debian-archive-keyring  # the k8s tier fetches Debian's kubernetes source, also on Ubuntu (universe)
     python3-yaml  # the k8s tier reads deploy/'s manifests with the distribution's python3
 )
+# Daemons that test packages bring, by package: the tests run their own (private ports and data dirs),
+# but the packages start them and enable them at boot (Debian's prometheus listening on every
+# interface). Installed here, they are kept from starting and left disabled.
+declare -A daemon_of=([prometheus]=prometheus [etcd-server]=etcd [containerd]=containerd)
 
 level=${1:-}
+ebpf=
 case "$level" in
-    demo) packages=("${demo_packages[@]}") ;;
+    demo) packages=("${demo_packages[@]}")
+          if [ "$(id -u)" = 0 ]; then packages+=("${ebpf_packages[@]}"); ebpf=1; fi ;;
     deb) packages=("${deb_packages[@]}") ;;
-    test) packages=("${test_packages[@]}") ;;
+    test) packages=("${test_packages[@]}"); ebpf=1 ;;
     *) echo "usage: $0 demo|deb|test" >&2; exit 2 ;;
 esac
 
@@ -56,7 +65,7 @@ done
 kver=$(uname -r)
 need_headers=
 need_mounts=()
-if [ "$level" = test ]; then
+if [ -n "$ebpf" ]; then
     [ -e "/lib/modules/$kver/build" ] || need_headers=1
     # bcc finds its trace events under tracefs and debugfs; systemd mounts them on a normal boot,
     # containers and chroots often do not.
@@ -120,9 +129,29 @@ if [ ${#missing[@]} -gt 0 ] || [ -n "$need_headers_package" ]; then
         fi
         exit 1
     fi
+    daemons=()
+    for p in "${missing[@]}"; do [ -z "${daemon_of[$p]:-}" ] || daemons+=("${daemon_of[$p]}"); done
+    # policy-rc.d is how Debian asks maintainer scripts not to start a service (invoke-rc.d and
+    # deb-systemd-invoke consult it); one the host already has is left alone.
+    policy=/usr/sbin/policy-rc.d own_policy=
+    if [ ${#daemons[@]} -gt 0 ] && [ ! -e "$policy" ]; then
+        own_policy=1
+        trap 'rm -f "$log" "$policy"' EXIT
+        # Asked with the service's name among its arguments (invoke-rc.d may put --quiet first).
+        # shellcheck disable=SC2016  # the $a and ${a%.service} are the written script's
+        printf '#!/bin/sh\n# tests/prereqs.sh, while it installs: not these daemons\nfor a; do case "${a%%.service}" in %s) exit 101 ;; esac; done\nexit 0\n' \
+            "$(IFS='|'; echo "${daemons[*]}")" >"$policy"
+        chmod 0755 "$policy"
+    fi
     echo "prereqs.sh: installing ${missing[*]}"
     apt-get install -y -qq --no-install-recommends "${missing[@]}" >"$log" 2>&1 ||
         { cat "$log" >&2; echo "prereqs.sh: apt-get install failed (above)" >&2; exit 1; }
+    [ -z "$own_policy" ] || rm -f "$policy"
+    for d in "${daemons[@]}"; do
+        systemctl disable --quiet "$d.service" 2>/dev/null || true
+        [ ! -d /run/systemd/system ] || systemctl stop "$d.service" 2>/dev/null || true
+    done
+    [ ${#daemons[@]} -eq 0 ] || echo "prereqs.sh: ${daemons[*]} installed for the tests, which run their own: not running, not enabled at boot"
 fi
 
 if [ -n "$need_headers" ] && [ ! -e "/lib/modules/$kver/build" ]; then

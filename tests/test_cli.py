@@ -189,5 +189,7 @@ def test_the_unit_does_not_restart_an_agent_without_the_driver_and_has_fds_for_e
     unit = UNIT.read_text()
     prevent = re.findall(r"^RestartPreventExitStatus=(.*)$", unit, re.M)
     assert prevent == [str(cli.EXIT_NO_GPU_DRIVER)]
+    # A host without a GPU yet: the unit ends inactive, not failed (no degraded system).
+    assert re.findall(r"^SuccessExitStatus=(.*)$", unit, re.M) == [str(cli.EXIT_NO_GPU_DRIVER)]
     nofile = re.findall(r"^LimitNOFILE=(\d+)$", unit, re.M)
     assert len(nofile) == 1 and int(nofile[0]) >= 65536

@@ -167,6 +167,8 @@ def test_unit_verifies(installed: Path) -> None:
     assert "EnvironmentFile=-/etc/default/gemtrace" in unit and "Restart=on-failure" in unit
     # No driver (exit 78) is not restarted for ever; a pidfd per gated process fits.
     assert re.findall(r"^RestartPreventExitStatus=(.*)$", unit, re.M) == ["78"]
+    # ... and leaves the unit inactive, not failed: the host does not show as degraded.
+    assert re.findall(r"^SuccessExitStatus=(.*)$", unit, re.M) == ["78"]
     assert re.findall(r"^LimitNOFILE=(.*)$", unit, re.M) == ["65536"]
     caps = re.search(r"^CapabilityBoundingSet=(.*)$", unit, re.M)
     assert caps and set(caps.group(1).split()) == {

@@ -39,7 +39,11 @@ def test_the_ebpf_line_says_on_or_why_not() -> None:
     log = '{"event": "agent_starting"}\n' + UNAVAILABLE + "\n"
     assert demo.ebpf_line(FRAME, log, as_root=True) == (
         "eBPF accounting off, the gates and NVML still count: eBPF needs root: run the agent as root")
-    assert demo.ebpf_line(FRAME, log, as_root=False).endswith("run the agent as root (here: sudo make demo)")
+    assert demo.ebpf_line(FRAME, log, as_root=False).endswith("run the agent as root (here: make demo as root)")
+    # The agent's advice to an operator becomes the demo's own.
+    missing = json.dumps({"event": "ebpf_unavailable", "reason": "bcc's Python module is missing (x): run "
+                          "`apt-get install python3-bpfcc` as root, then restart the agent"})
+    assert demo.ebpf_line(FRAME, missing, as_root=True).endswith("as root, then run the demo again")
     assert "see the agent's log" in demo.ebpf_line(FRAME, "not json\n", as_root=True)
 
 
@@ -61,6 +65,8 @@ def test_the_demo_is_quiet_and_shows_only_its_own_programs(host: Host, tmp_path:
         assert out.stderr == ""  # nothing while the agent starts: no refused connections
         lines = out.stdout.splitlines()
         assert lines[0].startswith("gemtrace demo: the agent is up on the simulated GPU")
+        assert lines[0].endswith("train, infer, notebook at work for 4 s (default: every other program; "
+                                 "--seconds N or Ctrl-C)"), lines[0]
         assert re.match(r"gemtrace demo: eBPF accounting (on: \d+ uprobes|off, the gates and NVML still count: )",
                         lines[1]), lines[1]
         match = re.match(r"gemtrace demo: the agent's log: (\S+) \(kept\)$", lines[2])

@@ -373,9 +373,11 @@ def test_back_to_back_scrapes_cost_one_collection_per_interval_and_none_is_older
     elapsed = time.monotonic() - started
     assert len(served) == 24 and all(f"{SERIES} 42.0" in body for body in served)
     # 4 threads asking back to back: each request waits for the collection after the one that served
-    # the previous, so 6 rounds take about 6 intervals and need about 6 collections, not 24.
+    # the previous, so 6 rounds take about 6 intervals and need about 6 collections, not 24. The bound
+    # is one collection an interval of the time it took: on a busy host the threads drift apart and
+    # the rounds take longer, never more collections than intervals.
     assert exporter.metrics.collections <= 1 + elapsed / MIN_COLLECT_INTERVAL_SECONDS + 1
-    assert exporter.metrics.collections <= 8 and elapsed >= 4 * MIN_COLLECT_INTERVAL_SECONDS
+    assert exporter.metrics.collections < len(served) and elapsed >= 4 * MIN_COLLECT_INTERVAL_SECONDS
     status, body, _ = get(url + f"?name[]={SERIES}")
     assert status == 200 and f"{SERIES} 42.0" in body
     status, body, _ = get(url + "?name[]=no_such_metric")

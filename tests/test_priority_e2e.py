@@ -65,13 +65,9 @@ SHORT_KERNEL_NS = 50_000
 SHORT_KERNELS = 12
 
 
-def test_a_higher_priority_service_is_not_charged_through_its_pauses(host: Host) -> None:
-    """A service whose requests (12 kernels of 50 us, a sync) end well within a poll, 20 ms apart, at
-    a higher priority beside a hog: it is idle at the scheduler's next look after each request, so the
-    hog gets the GPU back at once and runs for all but the service's own time and the switches. Before
-    the gate stored when a burst opened, the service counted as busy through its pauses and kept the
-    GPU slice after slice (on the simulated GPU: the service charged 0.80, the hog 0.17)."""
-    host.config.write_text(CONFIG.format(priority=10))
+def short_service_beside_a_hog(host: Host, priority: int) -> tuple[dict[str, float], float]:
+    """The short service's last line and the hog's share of the GPU, the service's group at `priority`."""
+    host.config.write_text(CONFIG.format(priority=priority))
     agent = host.start_agent()
     try:
         hog = host.run("hog", "launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter", "4",
@@ -81,16 +77,26 @@ def test_a_higher_priority_service_is_not_charged_through_its_pauses(host: Host)
         served, hogged = last_line(service, SECONDS + 60), last_line(hog, SECONDS + 60)
     finally:
         assert stop(agent) == 0
-    service_busy = served["launches"] * SHORT_KERNEL_NS / 1e9 / served["elapsed_s"]
-    hog_share = hogged["launches"] * KERNEL_NS / 1e9 / hogged["elapsed_s"]
-    summary = (f"service busy {service_busy:.3f} of the GPU, p50 {served['iter_p50_s'] * 1e3:.1f} ms, p99 "
-               f"{served['iter_p99_s'] * 1e3:.1f} ms; hog {hog_share:.3f} of the GPU")
-    # The hog gets what the service leaves, less a switch gap each way per request (the poll that
-    # sees the service idle, up to 4 ms; the hog's drain; a wake-up): 0.16-0.26 of the GPU at 40
-    # switches a second on the 2-CPU VM while CI runs (hog 0.709-0.801 in six runs, 2026-11-23). The
-    # bug this guards against left the hog 0.17.
-    assert hog_share >= 1 - service_busy - 0.35, summary
-    # And a request still waits at most a poll, the hog's drain (its 4 ms between syncs) and a wake-up,
-    # less than the hog's 20 ms slice that it waits at equal priorities (5-15 ms on a 2-CPU VM).
-    burst = SHORT_KERNELS * SHORT_KERNEL_NS / 1e9
-    assert served["iter_p99_s"] - burst < 0.020, summary
+    return served, hogged["launches"] * KERNEL_NS / 1e9 / hogged["elapsed_s"]
+
+
+def test_a_higher_priority_service_is_not_charged_through_its_pauses(host: Host) -> None:
+    """A service whose requests (12 kernels of 50 us, a sync) end well within a poll, 20 ms apart, at
+    a higher priority beside a hog: it is idle at the scheduler's next look after each request, so the
+    hog gets the GPU back at once and runs for all but the service's own time and the switches. Before
+    the gate stored when a burst opened, the service counted as busy through its pauses and kept the
+    GPU slice after slice (on the simulated GPU: the service charged 0.80, the hog 0.17). Compared
+    with the same pair at equal priorities in the same test: a busy host slows both alike."""
+    equal, equal_hog = short_service_beside_a_hog(host, 0)
+    served, hog_share = short_service_beside_a_hog(host, 10)
+    summary = (f"priority 0: p50 {equal['iter_p50_s'] * 1e3:.1f} ms, p99 {equal['iter_p99_s'] * 1e3:.1f} ms, hog "
+               f"{equal_hog:.3f} of the GPU; priority 10: p50 {served['iter_p50_s'] * 1e3:.1f} ms, p99 "
+               f"{served['iter_p99_s'] * 1e3:.1f} ms, hog {hog_share:.3f}")
+    # The hog keeps most of what it has at equal priorities: it loses a switch gap each way per
+    # request (the poll that sees the service idle, the hog's drain, a wake-up). 0.81-0.89 of it on the
+    # 2-CPU VM, idle or beside two CPU hogs (2026-11-26); the bug this guards against left it 0.2.
+    assert hog_share >= 0.7 * equal_hog, summary
+    # And the worst request waits at most a poll, the hog's drain (its 4 ms between syncs) and a wake-up:
+    # less than the typical request at equal priorities, which waits for the hog's slice (p99 8-26 ms
+    # against a p50 of 46 ms on the same VM).
+    assert served["iter_p99_s"] < equal["iter_p50_s"], summary

@@ -8,9 +8,11 @@
  *       4-byte cuMemcpyDtoH from a 4 KiB buffer allocated for it, as PyTorch's .item() does),
  *       repeated, on the default stream (or, with --stream, on a
  *       stream of its own), in T threads at once; the last line is {"iters","launches","elapsed_s",
- *       "kernel_s","launch_s","event_s","threads"} (sums over threads; launch_s is the time spent
- *       before the final synchronisation and event_s what events around the loop measured, the
- *       longest of any thread). --progress prints {"progress","t","iters","launches"} each second.
+ *       "kernel_s","launch_s","event_s","burst_s","threads"} (sums over threads; launch_s is the time
+ *       spent before the final synchronisation and event_s what events around the loop measured, the
+ *       longest of any thread; burst_s the sum of each iteration's time from before its first launch
+ *       to its synchronisation's return, the most that a gate's busy_ns can count, however long the
+ *       host kept the loop off its CPU). --progress prints {"progress","t","iters","launches"} each second.
  *       --current-device C (with --stream): once the stream exists, device C's primary context is made
  *       current, as PyTorch leaves device 0's current while it launches on a stream of cuda:1.
  *       --pause-ns P: sleep P ns after each iteration (short bursts, as a service answering requests);
@@ -254,7 +256,7 @@ struct loop {
     CUfunction f;
     int index;
     long iters, launches;
-    double launch_s, event_s;
+    double launch_s, event_s, burst_s;
     double *iter_s; /* --pause-ns: each iteration's time, launches to synchronisation */
     long n_iter_s, cap_iter_s;
 };
@@ -304,7 +306,7 @@ static void *run_loop(void *arg)
     long iters_wanted = o->iters > 0 ? o->iters : (o->seconds > 0 ? -1 : 1);
     double start = now_s(), next_progress = start + 1.0, t = start;
     while (iters_wanted < 0 ? t - start < o->seconds : l->iters < iters_wanted) {
-        double iter_start = o->pause_ns ? now_s() : 0;
+        double iter_start = now_s();
         if (graph) {
             spin_ns(o->cpu_ns);
             CHECK(D->f_cuGraphLaunch(exec, stream));
@@ -330,6 +332,7 @@ static void *run_loop(void *arg)
         }
         l->iters++;
         t = now_s();
+        l->burst_s += t - iter_start;
         if (o->pause_ns) {
             if (l->n_iter_s == l->cap_iter_s) {
                 l->cap_iter_s = l->cap_iter_s ? 2 * l->cap_iter_s : 1024;
@@ -426,7 +429,7 @@ static int launch_loop(const struct opts *o)
             pthread_create(&tids[i], NULL, run_loop, &loops[i]);
     }
     long iters = 0, launches = 0;
-    double launch_s = 0, event_s = 0;
+    double launch_s = 0, event_s = 0, burst_s = 0;
     for (long i = 0; i < o->threads; i++) {
         if (o->threads > 1)
             pthread_join(tids[i], NULL);
@@ -434,6 +437,7 @@ static int launch_loop(const struct opts *o)
         launches += loops[i].launches;
         launch_s = loops[i].launch_s > launch_s ? loops[i].launch_s : launch_s;
         event_s = loops[i].event_s > event_s ? loops[i].event_s : event_s;
+        burst_s += loops[i].burst_s;
     }
     CHECK(D->f_cuCtxSynchronize(NULL));
     double elapsed = now_s() - start;
@@ -446,8 +450,8 @@ static int launch_loop(const struct opts *o)
                  v[(n * 99) / 100 < n ? (n * 99) / 100 : n - 1], v[n - 1]);
     }
     emit("{\"iters\":%ld,\"launches\":%ld,\"elapsed_s\":%.6f,\"kernel_s\":%.6f,\"launch_s\":%.6f,"
-         "\"event_s\":%.6f,\"threads\":%ld%s}",
-         iters, launches, elapsed, (double)launches * (double)o->kernel_ns / 1e9, launch_s, event_s, o->threads,
+         "\"event_s\":%.6f,\"burst_s\":%.6f,\"threads\":%ld%s}",
+         iters, launches, elapsed, (double)launches * (double)o->kernel_ns / 1e9, launch_s, event_s, burst_s, o->threads,
          latency);
     for (long i = 0; i < o->threads; i++)
         free(loops[i].iter_s);

@@ -60,7 +60,8 @@ need_root() { [ "$(id -u)" = 0 ] || die "must run as root (it starts a kubelet a
 
 # --- build ---------------------------------------------------------------------------------------
 
-# The Debian mirror the host already uses, for the deb-src line when there is none.
+# The Debian mirror the host already uses, for the deb-src line when there is none (on Ubuntu, none
+# is Debian's: deb.debian.org).
 debian_mirror() {
     local uri
     uri=$(grep -hsE '^(URIs:|deb )' /etc/apt/sources.list /etc/apt/sources.list.d/*.sources \
@@ -69,23 +70,56 @@ debian_mirror() {
     echo "${uri:-http://deb.debian.org/debian}"
 }
 
+# Debian's archive key, for bookworm's deb-src on Ubuntu as on Debian: Debian ships it in every
+# install, Ubuntu in the debian-archive-keyring package (universe; tests/prereqs.sh installs it).
+DEBIAN_KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
+# Where no source list of the host offers the kubernetes source package, this script fetches it with
+# an apt of its own: its source list, package lists and caches under $CACHE/apt, none of the host's
+# apt files read or written. A failed fetch thus leaves the host's `apt-get update` as it was.
+APT_DIR=$CACHE/apt
+APT_OPTS=()
+private_apt_opts() {
+    APT_OPTS=(-o "Dir::Etc::SourceList=$APT_DIR/sources.list" -o "Dir::Etc::SourceParts=$APT_DIR/sources.list.d"
+              -o "Dir::State::Lists=$APT_DIR/lists" -o "Dir::Cache=$APT_DIR/cache"
+              -o "Dir::Cache::pkgcache=" -o "Dir::Cache::srcpkgcache=")
+}
+
+showsrc_version() {
+    apt-cache "${APT_OPTS[@]}" showsrc --only-source kubernetes 2>/dev/null | sed -n 's/^Version: //p' | sort -V | tail -n 1
+}
+
+# Set APT_OPTS to the apt that offers the kubernetes source package: the host's, else this script's
+# own; false when neither does yet.
+choose_apt() {
+    APT_OPTS=()
+    [ -n "$(showsrc_version)" ] && return 0
+    private_apt_opts
+    [ -n "$(showsrc_version)" ]
+}
+
 k8s_source_version() {
-    apt-cache showsrc --only-source kubernetes 2>/dev/null | sed -n 's/^Version: //p' | sort -V | tail -n 1
+    choose_apt || true
+    showsrc_version
+}
+
+# The deb-src lines for bookworm's kubernetes: keyring, mirror (pure).
+deb_src_lines() {
+    printf 'deb-src [signed-by=%s] %s %s main\n' "$1" "$2" bookworm "$1" "$2" bookworm-updates
 }
 
 ensure_deb_src() {
-    [ -n "$(k8s_source_version)" ] && return
-    local list=/etc/apt/sources.list.d/gemtrace-k8s-src.sources
-    log "no deb-src line offers the kubernetes source package: adding $list"
-    cat >"$list" <<EOF
-Types: deb-src
-URIs: $(debian_mirror)
-Suites: bookworm bookworm-updates
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-EOF
-    apt-get update -qq
-    [ -n "$(k8s_source_version)" ] || die "apt-get source kubernetes is not possible: no deb-src for bookworm"
+    # A file of this name is what this script wrote into the host's apt before it kept an apt of its
+    # own; on Ubuntu it named a keyring that is not there and failed every `apt-get update`.
+    rm -f /etc/apt/sources.list.d/gemtrace-k8s-src.sources
+    choose_apt && return
+    [ -r "$DEBIAN_KEYRING" ] || die "$DEBIAN_KEYRING is missing, needed to fetch Debian's kubernetes source: apt-get install debian-archive-keyring"
+    log "no source list of this host offers the kubernetes source package: fetching bookworm's with an apt of its own in $APT_DIR"
+    mkdir -p "$APT_DIR/sources.list.d" "$APT_DIR/lists/partial" "$APT_DIR/cache/archives/partial"
+    # apt downloads as _apt where it can write: else it warns, and downloads as root.
+    chown _apt "$APT_DIR/lists/partial" 2>/dev/null || true
+    deb_src_lines "$DEBIAN_KEYRING" "$(debian_mirror)" >"$APT_DIR/sources.list"
+    apt-get "${APT_OPTS[@]}" update -qq || die "apt-get update of $APT_DIR/sources.list failed (above); the host's apt is untouched"
+    [ -n "$(showsrc_version)" ] || die "apt-get source kubernetes is not possible: no deb-src for bookworm in $APT_DIR/sources.list"
 }
 
 # The cache dir of one build: keyed by what goes into the binaries.
@@ -117,7 +151,7 @@ cmd_build() {
     mkdir -p "$work"
     log "fetching Debian's kubernetes $(k8s_source_version) source into $work"
     # As root, apt warns that it downloads unsandboxed: true, and no news.
-    (cd "$work" && apt-get source -qq kubernetes) 2>&1 | { grep -v '^W: Download is performed unsandboxed' || true; } >&2
+    (cd "$work" && apt-get "${APT_OPTS[@]}" source -qq kubernetes) 2>&1 | { grep -v '^W: Download is performed unsandboxed' || true; } >&2
     local src
     src=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name 'kubernetes-*' | head -n 1)
     if [ -z "$src" ] || [ ! -d "$src/vendor" ]; then
@@ -579,4 +613,5 @@ main() {
     esac
 }
 
-main "$@"
+# Sourced (tests/test_cluster_script.py), it defines its functions and runs nothing.
+if [ "${BASH_SOURCE[0]}" = "$0" ]; then main "$@"; fi

@@ -1,0 +1,77 @@
+"""tests/k8s/cluster.sh's apt, without a cluster: where the host's source lists do not offer
+Debian's kubernetes source package (Ubuntu, or Debian without deb-src), the script fetches it with an
+apt of its own under its cache, and the host's apt files are neither read for it nor written. The
+functions run from the script sourced, on a local archive in place of Debian's mirror."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from simgpu_env import REPO
+
+pytestmark = pytest.mark.unit
+
+SCRIPT = REPO / "tests" / "k8s" / "cluster.sh"
+VERSION = "1.20.5+really1.20.2-1.1"
+
+
+def sourced(code: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    """`code` run in bash after sourcing cluster.sh with its cache in `cache`."""
+    return subprocess.run(["bash", "-c", f'set -euo pipefail; source "{SCRIPT}"; {code}'],
+                          env=dict(os.environ, GEMTRACE_K8S_CACHE=str(cache)), capture_output=True, text=True,
+                          timeout=60)
+
+
+def local_archive(root: Path) -> str:
+    """A bookworm archive on disk holding only the kubernetes source package; its file: URI."""
+    sources = root / "dists" / "bookworm" / "main" / "source"
+    sources.mkdir(parents=True)
+    stanza = (f"Package: kubernetes\nBinary: kubernetes-client\nVersion: {VERSION}\nMaintainer: x <x@example.org>\n"
+              "Architecture: any\nFormat: 3.0 (quilt)\nDirectory: pool/main/k/kubernetes\n\n")
+    (sources / "Sources.gz").write_bytes(gzip.compress(stanza.encode()))
+    (root / "dists" / "bookworm" / "Release").write_text(
+        "Suite: bookworm\nCodename: bookworm\nComponents: main\nArchitectures: amd64 source\n")
+    return f"file:{root}"
+
+
+def test_sourcing_the_script_runs_nothing(tmp_path: Path) -> None:
+    out = sourced("echo sourced", tmp_path)
+    assert (out.returncode, out.stdout, out.stderr) == (0, "sourced\n", "")
+
+
+def test_the_deb_src_lines_name_the_keyring_and_bookworm(tmp_path: Path) -> None:
+    out = sourced("deb_src_lines /usr/share/keyrings/k.gpg http://mirror.example/debian", tmp_path)
+    assert out.stdout.splitlines() == [
+        "deb-src [signed-by=/usr/share/keyrings/k.gpg] http://mirror.example/debian bookworm main",
+        "deb-src [signed-by=/usr/share/keyrings/k.gpg] http://mirror.example/debian bookworm-updates main",
+    ]
+
+
+@pytest.mark.skipif(not shutil.which("apt-get"), reason="Debian and Ubuntu only")
+def test_the_source_package_comes_from_an_apt_of_its_own_and_the_hosts_apt_is_untouched(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    uri = local_archive(tmp_path / "archive")
+    host_apt = [Path("/etc/apt/sources.list.d"), Path("/var/lib/apt/lists")]
+    before = {d: sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir()) for d in host_apt if d.is_dir()}
+    # What ensure_deb_src does once it found neither apt offering the package (choose_apt left the
+    # script's own apt chosen), with a local archive (trusted: it has no signature) in place of
+    # Debian's mirror and keyring.
+    out = sourced(f"""
+        private_apt_opts
+        [ -z "$(showsrc_version)" ]
+        mkdir -p "$APT_DIR/sources.list.d" "$APT_DIR/lists/partial" "$APT_DIR/cache/archives/partial"
+        echo "deb-src [trusted=yes] {uri} bookworm main" >"$APT_DIR/sources.list"
+        apt-get "${{APT_OPTS[@]}}" update -qq
+        echo "version=$(showsrc_version)"
+        echo "opts=${{APT_OPTS[*]}}"
+    """, cache)
+    assert out.returncode == 0, out.stderr
+    assert f"version={VERSION}" in out.stdout.splitlines()
+    assert f"Dir::State::Lists={cache}/apt/lists" in out.stdout
+    after = {d: sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir()) for d in host_apt if d.is_dir()}
+    assert after == before
