@@ -54,18 +54,24 @@ class Limits:
     workers: int = 4
 
 
+@dataclass(frozen=True)
+class Request:
+    data: bytes  # the request as received: head and body
+    arrived: float  # time.monotonic() when its last byte was read, before it waited for a worker
+
+
 class Handler(BaseHTTPRequestHandler):
-    """A BaseHTTPRequestHandler over one request already read whole (`request` is its bytes): do_GET,
-    do_POST... read self.rfile and write self.wfile as usual, and always send a Content-Length (the
-    connection stays open for the next request, HTTP/1.1)."""
+    """A BaseHTTPRequestHandler over one request already read whole (`request`): do_GET, do_POST...
+    read self.rfile and write self.wfile as usual, and always send a Content-Length (the connection
+    stays open for the next request, HTTP/1.1)."""
 
     protocol_version = "HTTP/1.1"
     # http.server answers a request line it cannot read as HTTP/0.9 would, without a status line.
     default_request_version = "HTTP/1.1"
-    request: bytes  # type: ignore[assignment]
+    request: Request  # type: ignore[assignment]
 
     def setup(self) -> None:
-        self.rfile = io.BytesIO(self.request)  # type: ignore[assignment]
+        self.rfile = io.BytesIO(self.request.data)  # type: ignore[assignment]
         self.wfile = io.BytesIO()  # type: ignore[assignment]
 
     def handle(self) -> None:
@@ -226,7 +232,7 @@ class Server:
         oldest.transport.abort()
 
     async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, wait_s: float
-                    ) -> bytes | None:
+                    ) -> Request | None:
         """The next request, head and body; None when the client closed or stayed silent."""
         try:
             async with asyncio.timeout(wait_s):
@@ -238,7 +244,7 @@ class Server:
                                  f"a request's head here is at most {self.limits.head_bytes} bytes")) from None
         length, expects_continue = _body_length(head, self.limits.body_bytes)
         if not length:
-            return head
+            return Request(head, time.monotonic())
         if expects_continue:
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
@@ -247,9 +253,9 @@ class Server:
         except TimeoutError:
             raise _Refused(plain(HTTPStatus.REQUEST_TIMEOUT, f"the body did not arrive within {self.limits.body_s:g} s "
                                                              "(is the Content-Length right?)")) from None
-        return head + body
+        return Request(head + body, time.monotonic())
 
-    def _answer(self, request: bytes, peer: Any) -> tuple[bytes, bool]:
+    def _answer(self, request: Request, peer: Any) -> tuple[bytes, bool]:
         """In a worker: the handler's answer to one request, and whether to close the connection after it."""
         try:
             handler = self.handler(request, peer, self)  # type: ignore[arg-type]
