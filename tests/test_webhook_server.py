@@ -24,8 +24,6 @@ from gemtrace.kube import webhook
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.shares import LABEL_GROUP
 
-pytestmark = pytest.mark.unit
-
 SLOW_CLIENTS = Path(__file__).parent / "slow_clients.py"
 FLOOD = 100
 DEADLINE_S = 1.0
@@ -97,6 +95,7 @@ NOT_REVIEWS = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("body", NOT_REVIEWS.values(), ids=NOT_REVIEWS.keys())
 def test_a_body_that_is_no_review_gets_400_saying_why(served, body: bytes) -> None:
     status, answer = post(served, body)
@@ -122,6 +121,7 @@ BAD_PODS = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("obj", BAD_PODS.values(), ids=BAD_PODS.keys())
 def test_a_review_whose_pod_cannot_be_read_is_refused_with_its_uid_and_a_reason(served, obj: object) -> None:
     body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
@@ -133,6 +133,7 @@ def test_a_review_whose_pod_cannot_be_read_is_refused_with_its_uid_and_a_reason(
     assert response["status"]["code"] == 400 and response["status"]["message"]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("content_type", ["text/plain", "", "application/x-www-form-urlencoded"])
 def test_a_review_in_another_content_type_gets_400(served, content_type: str) -> None:
     status, answer = post(served, admission(), content_type=content_type)
@@ -165,12 +166,14 @@ FRAMING = {
 }
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("request_bytes, status", FRAMING.values(), ids=FRAMING.keys())
 def test_a_request_badly_framed_gets_an_http_error(served, request_bytes: bytes, status: bytes) -> None:
     answer = raw(served, request_bytes)
     assert answer.startswith(b"HTTP/1.") and status in answer.split(b"\r\n")[0], answer[:200]
 
 
+@pytest.mark.unit
 def test_a_body_shorter_than_its_content_length_gets_408_and_frees_its_connection(served) -> None:
     port, trust = served
     began = time.monotonic()
@@ -182,6 +185,7 @@ def test_a_body_shorter_than_its_content_length_gets_408_and_frees_its_connectio
     assert webhook.LIMITS.body_s - 1 <= time.monotonic() - began <= webhook.LIMITS.body_s + 5
 
 
+@pytest.mark.unit
 def test_reviews_on_one_kept_alive_connection_are_each_answered(served) -> None:
     port, trust = served
     connection = http.client.HTTPSConnection("127.0.0.1", port, context=trust, timeout=10)
@@ -224,6 +228,7 @@ def test_a_hundred_hostile_connections_do_not_delay_a_valid_review_past_a_second
                                       f"{statistics.median(quiet):.3f} s alone")
 
 
+@pytest.mark.unit
 def test_past_the_connection_bound_the_longest_waiting_connection_makes_room(tmp_path: Path) -> None:
     """More hostile connections than the server keeps: the oldest idle ones are closed, and a valid
     review still gets through."""
