@@ -1,10 +1,12 @@
 """Hostile HTTP clients, for the servers' flood tests and benches: run as a script (the standard library
 only, so that an unprivileged user's system python3 can), it opens `--count` connections of one kind to
-127.0.0.1:PORT, prints "ready" once all are open, and holds them until killed.
+127.0.0.1:PORT, prints "ready" once all are open (or 10 s have passed: a server that stopped accepting), and holds them
+until killed.
 
     idle     connects and sends nothing (with --tls: never starts the handshake)
     slow     sends a request's head one byte a second, never ending it
     partial  sends a whole head saying Content-Length: 100000, then 10 bytes of body, and stops
+(each connects again as soon as the server closes it)
     scrape   asks GET /metrics back to back, reading each answer (with --tls: unverified)
 
     python3 tests/slow_clients.py --port PORT --mode idle --count 100 [--tls]
@@ -23,7 +25,7 @@ SLOW_HEAD = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-
 
 
 def connect(port: int, tls: bool, handshake: bool = True) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     if tls and handshake:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         context.check_hostname = False
@@ -36,10 +38,7 @@ def slow(sock: socket.socket, stop: threading.Event) -> None:
     for byte in SLOW_HEAD:
         if stop.wait(1.0):
             return
-        try:
-            sock.sendall(bytes([byte]))
-        except OSError:
-            return
+        sock.sendall(bytes([byte]))
 
 
 def scrape(port: int, tls: bool, stop: threading.Event) -> None:
@@ -70,19 +69,38 @@ def main() -> int:
     stop = threading.Event()
     held: list[socket.socket] = []
     threads = []
+
+    def hold() -> None:
+        """One connection of the mode, opened again whenever the server closes it: a flood that lasts."""
+        while not stop.is_set():
+            try:
+                sock = connect(args.port, args.tls, handshake=args.mode != "idle")
+            except OSError:
+                stop.wait(0.5)  # a server whose backlog is full: try again
+                continue
+            held.append(sock)
+            try:
+                sock.settimeout(None)
+                if args.mode == "slow":
+                    slow(sock, stop)
+                else:
+                    if args.mode == "partial":
+                        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                     b"Content-Length: 100000\r\n\r\n{\"kind\": \"")
+                    while sock.recv(65536):  # until the server closes it
+                        pass
+            except OSError:
+                pass
+            finally:
+                sock.close()
+
     for _ in range(args.count):
-        if args.mode == "scrape":
-            threads.append(threading.Thread(target=scrape, args=(args.port, args.tls, stop), daemon=True))
-            continue
-        sock = connect(args.port, args.tls, handshake=args.mode != "idle")
-        held.append(sock)
-        if args.mode == "slow":
-            threads.append(threading.Thread(target=slow, args=(sock, stop), daemon=True))
-        elif args.mode == "partial":
-            sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100000\r\n\r\n{\"kind\": \"")
-    for thread in threads:
-        thread.start()
+        target, targs = (scrape, (args.port, args.tls, stop)) if args.mode == "scrape" else (hold, ())
+        threads.append(threading.Thread(target=target, args=targs, daemon=True))
+        threads[-1].start()
+    deadline = time.monotonic() + 10
+    while len(held) < args.count and args.mode != "scrape" and time.monotonic() < deadline:
+        time.sleep(0.01)
     print("ready", flush=True)
     try:
         sys.stdin.read()  # until the test closes our stdin or kills us
