@@ -156,6 +156,7 @@ class Server:
         if self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join()
+        self.socket.close()  # the loop's server closed it already, unless it never started
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
