@@ -126,8 +126,11 @@ def review(request_review: Any, injection: Injection) -> Json:
     if patch:
         response.update(patchType="JSONPatch", patch=base64.b64encode(json.dumps(patch).encode()).decode())
         metadata = pod.get("metadata") or {}
-        log.info("pod_gated", namespace=str(request.get("namespace")), group=metadata["labels"][LABEL_GROUP],
-                 name=str(metadata.get("name") or metadata.get("generateName")))
+        name = metadata.get("name") or metadata.get("generateName")
+        namespace = request.get("namespace")
+        # Only strings reach the log: a review's other values are the sender's, of any size or shape.
+        log.info("pod_gated", namespace=namespace if isinstance(namespace, str) else None,
+                 name=name if isinstance(name, str) else None, group=metadata["labels"][LABEL_GROUP])
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
