@@ -10,6 +10,11 @@ answer, under a deadline too. So an idle connection, a stalled handshake, a tric
 shorter than its Content-Length holds no worker, and at most `Limits.connections` are kept open: past
 that, the connection that has waited longest for its request is closed. The loop parses no more HTTP
 than where a request ends (its head, then Content-Length); everything else is http.server's.
+
+The standard library's rather than a server package: prometheus-client and grpcio (what gemtrace
+already depends on) serve no HTTP with deadlines, http.server's ThreadingHTTPServer holds a thread per
+connection for as long as the client likes, and a framework would be a new dependency for what
+asyncio's streams and http.server's parsing do here together.
 """
 
 from __future__ import annotations
