@@ -1,14 +1,21 @@
-"""What a scrape loop costs the groups (issue 13): `gemtrace agent` on the simulated GPU, two groups
-capped at 0.3 and 0.7 with one gated launch loop each (2 ms kernels, 4 a sync), while nobody scrapes
-/metrics and while `--scrapers` threads scrape it back to back, as a curl loop or a misconfigured
-scraper would (any local user can on the default 127.0.0.1 listener).
+"""What a scrape loop costs the groups (issue 13), and what 200 other clients cost a legitimate scrape
+(issue 25): `gemtrace agent` on the simulated GPU.
 
-Each agent tree runs both ways, side by side (`--agent-tree NAME=DIR` adds the agent from DIR/gemtrace,
-e.g. a `git archive` of a commit before the scrape pacing). Per run: each group's kernels a second,
-their sum against the quiet run of the same tree, the scrapes served and the agent's CPU.
+First, two groups capped at 0.3 and 0.7 with one gated launch loop each (2 ms kernels, 4 a sync), while
+nobody scrapes /metrics and while `--scrapers` threads scrape it back to back, as a curl loop or a
+misconfigured scraper would (any local user can on the default 127.0.0.1 listener). Per run: each
+group's kernels a second, their sum against the quiet run of the same tree, the scrapes served and the
+agent's CPU.
 
-    .venv/bin/python bench/bench_scrape_load.py [--seconds 10] [--scrapers 4] [--idle 200]
-        [--agent-tree NAME=DIR] [--no-record]
+Then a legitimate scrape's latency (p50, p99, max of `--samples`, one every 0.1 s), alone and while
+`--clients` clients (tests/slow_clients.py) scrape back to back (half of them) and hold connections
+idle (the other half), beside the same idle gated processes.
+
+Each agent tree runs every case, side by side (`--agent-tree NAME=DIR` adds the agent from DIR/gemtrace,
+e.g. a `git archive` of an older commit).
+
+    .venv/bin/python bench/bench_scrape_load.py [--seconds 10] [--scrapers 4] [--idle 200] [--clients 200]
+        [--samples 50] [--agent-tree NAME=DIR] [--no-record]
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +34,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, BinaryIO
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -37,6 +46,7 @@ from simgpu_env import RT_CLIENT, SimGpu, require_build  # noqa: E402
 from gemtrace.launcher import child_environment, find_gate  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "scrape_load.md"
+SLOW_CLIENTS = REPO / "tests" / "slow_clients.py"
 TICKS = os.sysconf("SC_CLK_TCK")
 CONFIG = "[capped30]\nMaxUtil = 0.3\n\n[capped70]\nMaxUtil = 0.7\n"
 KERNEL_NS = 2_000_000
@@ -52,22 +62,15 @@ def scrape_loop(url: str, stop: threading.Event, served: list[int]) -> None:
             time.sleep(0.01)
 
 
-def run(tmp: Path, tree: Path | None, scrapers: int, seconds: float, warmup: float, idle: int) -> dict:
-    sim = SimGpu(tmp / "sim")
-    config = tmp / "resource.conf"
-    config.write_text(CONFIG)
-    state = tmp / "state"
-    env = sim.env()
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    agent_env = dict(env)
-    if tree is not None:
-        agent_env["PYTHONPATH"] = str(tree) + os.pathsep + env["PYTHONPATH"]
+def start_agent(tmp: Path, config: Path, state: Path, env: dict[str, str]
+                ) -> tuple[subprocess.Popen[bytes], str, BinaryIO]:
+    """The agent on a free port, once it answers /metrics; its URL and its log file."""
     port = free_port()
     url = f"http://127.0.0.1:{port}/metrics"
     log = (tmp / "agent.log").open("wb")
     agent = subprocess.Popen([sys.executable, "-m", "gemtrace.cli", "agent", "--config", str(config), "--state-dir",
                               str(state), "--listen", f"127.0.0.1:{port}", "--no-ebpf"],
-                             env=agent_env, stdout=subprocess.DEVNULL, stderr=log,
+                             env=env, stdout=subprocess.DEVNULL, stderr=log,
                              cwd=tmp)  # not the repo: `python -m` puts the cwd before PYTHONPATH
     deadline = time.monotonic() + 30
     while True:
@@ -80,17 +83,98 @@ def run(tmp: Path, tree: Path | None, scrapers: int, seconds: float, warmup: flo
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+    return agent, url, log
+
+
+def environments(sim: SimGpu, tree: Path | None) -> tuple[dict[str, str], dict[str, str]]:
+    """The gated programs' environment, and the agent's (from `tree` where given)."""
+    env = sim.env()
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    agent_env = dict(env)
+    if tree is not None:
+        agent_env["PYTHONPATH"] = str(tree) + os.pathsep + env["PYTHONPATH"]
+    return env, agent_env
+
+
+def idle_holders(state: Path, env: dict[str, str], count: int, seconds: float) -> list[subprocess.Popen[bytes]]:
+    """Gated processes that hold a little memory and launch nothing: series for /metrics to carry."""
+    gate = find_gate({"GEMTRACE_GATE": str(REPO / "build" / "libgemgate.so")})
+    return [subprocess.Popen([str(RT_CLIENT), "alloc", "--api", "v2", "1MiB", "--hold", f"{seconds:.0f}"],
+                             env=child_environment("default", state, gate, env), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL) for _ in range(count)]
+
+
+def flood(port: int, mode: str, count: int, tls: bool = False) -> subprocess.Popen[str]:
+    """`count` clients of tests/slow_clients.py's `mode`, under way once this returns."""
+    proc = subprocess.Popen([sys.executable, str(SLOW_CLIENTS), "--port", str(port), "--mode", mode, "--count",
+                             str(count), *(["--tls"] if tls else [])],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"tests/slow_clients.py --mode {mode} did not start")
+    return proc
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def latency(tmp: Path, tree: Path | None, clients: int, samples: int, idle: int) -> list[tuple[str, list[float]]]:
+    """A legitimate scrape's seconds, `samples` of them, alone and under `clients` other clients."""
+    sim = SimGpu(tmp / "sim")
+    config = tmp / "resource.conf"
+    config.write_text(CONFIG)
+    state = tmp / "state"
+    env, agent_env = environments(sim, tree)
+    agent, url, log = start_agent(tmp, config, state, agent_env)
+    holders = idle_holders(state, env, idle, 600)
+    port = int(url.split(":")[2].split("/")[0])
+    cases: list[tuple[str, list[float]]] = []
+    floods: list[subprocess.Popen[str]] = []
+    try:
+        time.sleep(3 + idle * 0.01)
+        for case in ("alone", f"{clients // 2} scraping + {clients - clients // 2} idle"):
+            if case != "alone":
+                floods = [flood(port, "scrape", clients // 2), flood(port, "idle", clients - clients // 2)]
+                time.sleep(2)
+            times = []
+            for _ in range(samples):
+                began = time.monotonic()
+                try:
+                    with urllib.request.urlopen(url, timeout=30) as r:
+                        r.read()
+                    times.append(time.monotonic() - began)
+                except OSError:
+                    times.append(float("inf"))
+                time.sleep(0.1)
+            cases.append((case, times))
+    finally:
+        for proc in floods:
+            proc.kill()
+            proc.wait()
+        for holder in holders:
+            holder.kill()
+            holder.wait()
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=60)
+        log.close()
+    return cases
+
+
+def run(tmp: Path, tree: Path | None, scrapers: int, seconds: float, warmup: float, idle: int) -> dict:
+    sim = SimGpu(tmp / "sim")
+    config = tmp / "resource.conf"
+    config.write_text(CONFIG)
+    state = tmp / "state"
+    env, agent_env = environments(sim, tree)
+    agent, url, log = start_agent(tmp, config, state, agent_env)
     loops = {group: subprocess.Popen(
         [sys.executable, "-m", "gemtrace.cli", "run", "--group", group, "--config", str(config), "--state-dir",
          str(state), "--", str(RT_CLIENT), "launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter",
          "4", "--seconds", f"{warmup + seconds:.1f}", "--progress"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for group in ("capped30", "capped70")}
-    # Gated processes that hold a little memory and launch nothing: series for /metrics to carry.
-    gate = find_gate({"GEMTRACE_GATE": str(REPO / "build" / "libgemgate.so")})
-    hold = ["--hold", f"{warmup + seconds + 30:.0f}"]
-    holders = [subprocess.Popen([str(RT_CLIENT), "alloc", "--api", "v2", "1MiB", *hold],
-                                env=child_environment("default", state, gate, env), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL) for _ in range(idle)]
+    holders = idle_holders(state, env, idle, warmup + seconds + 30)
     stop, served = threading.Event(), [0]
     threads = [threading.Thread(target=scrape_loop, args=(url, stop, served), daemon=True) for _ in range(scrapers)]
     try:
@@ -105,7 +189,8 @@ def run(tmp: Path, tree: Path | None, scrapers: int, seconds: float, warmup: flo
         cpu1, wall1 = cpu_ticks(Path(f"/proc/{agent.pid}/stat")), time.monotonic()
     finally:
         stop.set()
-        for proc in [*loops.values(), *holders]:
+        procs: list[subprocess.Popen[Any]] = [*loops.values(), *holders]
+        for proc in procs:
             proc.kill()
             proc.wait()
         agent.send_signal(signal.SIGTERM)
@@ -121,6 +206,24 @@ def run(tmp: Path, tree: Path | None, scrapers: int, seconds: float, warmup: flo
             "cpu_pct": (cpu1 - cpu0) / TICKS / (wall1 - wall0) * 100}
 
 
+def record(results: Path, title: str, text: str) -> None:
+    """Append `text` to `results` under a dated heading naming the machine and the commit (and `title`
+    atop a new file)."""
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "?"
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    header = "" if results.exists() else f"# {title}\n\n"
+    with results.open("a") as f:
+        f.write(f"{header}## {stamp} on {platform.node()}, {os.cpu_count()} CPUs (load {os.getloadavg()[0]:.1f} at the "
+                f"end), gemtrace {commit}\n\n{text}\n\n")
+
+
+def latency_row(code: str, case: str, times: list[float]) -> str:
+    answered = [t for t in times if t != float("inf")]
+    return (f"| {code} | {case} | {statistics.median(times) * 1e3:.0f} | {percentile(times, 0.99) * 1e3:.0f} | "
+            f"{max(times) * 1e3:.0f} | {len(answered)}/{len(times)} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=10.0)
@@ -128,13 +231,15 @@ def main() -> int:
     ap.add_argument("--scrapers", type=int, default=4, help="threads scraping back to back")
     ap.add_argument("--agent-tree", action="append", metavar="NAME=DIR", help="also the agent from DIR/gemtrace")
     ap.add_argument("--idle", type=int, default=0, help="gated processes holding 1 MiB, launching nothing")
+    ap.add_argument("--clients", type=int, default=200, help="other clients while a legitimate scrape is timed")
+    ap.add_argument("--samples", type=int, default=50, help="legitimate scrapes timed per case")
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args()
     require_build()
     trees: list[tuple[str, Path | None]] = [(name, Path(path)) for name, _, path in
                                             (t.partition("=") for t in args.agent_tree or ())]
     trees.append(("this checkout", None))
-    rows = []
+    rows, latencies = [], []
     for code, tree in trees:
         quiet = None
         for scrapers in (0, args.scrapers):
@@ -145,6 +250,11 @@ def main() -> int:
             rows.append(f"| {code} | {scrapers} | {r['scrapes']:.0f} | {r['rates']['capped30']:.0f} | "
                         f"{r['rates']['capped70']:.0f} | {total / quiet:.3f} | {r['cpu_pct']:.1f} |")
             print(rows[-1], flush=True)
+        if args.clients:
+            with tempfile.TemporaryDirectory(prefix="gemtrace-scrape-") as tmp:
+                for case, times in latency(Path(tmp), tree, args.clients, args.samples, args.idle):
+                    latencies.append(latency_row(code, case, times))
+                    print(latencies[-1], flush=True)
     text = "\n".join([
         f"{args.seconds:g} s windows; kernels of {KERNEL_NS / 1e6:g} ms, 4 a sync (the simulated GPU does 500 a "
         f"second); {args.idle} idle gated processes beside the two loops",
@@ -153,15 +263,19 @@ def main() -> int:
         "| agent CPU % |",
         "| --- | --- | --- | --- | --- | --- | --- |",
         *rows])
+    if latencies:
+        text += "\n".join([
+            "", "",
+            f"A legitimate scrape, {args.samples} of them 0.1 s apart (30 s timeout), beside the same idle gated "
+            "processes, alone and while other clients scrape back to back or hold idle connections "
+            "(tests/slow_clients.py)",
+            "",
+            "| agent | other clients | p50 ms | p99 ms | max ms | answered |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *latencies])
     print(text)
     if not args.no_record:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "?"
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        header = "" if RESULTS.exists() else ("# Scrape loops against the scheduler, simulated GPU "
-                                              "(bench/bench_scrape_load.py)\n\n")
-        with RESULTS.open("a") as f:
-            f.write(f"{header}## {stamp} on {platform.node()}, {os.cpu_count()} CPUs, gemtrace {commit}\n\n{text}\n\n")
+        record(RESULTS, "Scrape loops against the scheduler, simulated GPU (bench/bench_scrape_load.py)", text)
     return 0
 
 

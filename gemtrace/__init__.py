@@ -34,6 +34,7 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
       processes.py     per-process series from the accounting's snapshot
       enforcement.py   OOM kills, quota breaches and slot tampering, per group
     exporter.py      the /metrics HTTP endpoint over the collectors' registry
+    httpd.py         the HTTP server behind /metrics and the webhook: slow clients hold no worker
     web_config.py    who may read /metrics: TLS and basic auth from a node_exporter-style web config
     eventlog.py      structlog configured once: JSON lines, or key-values on a terminal
     signals.py       a daemon's signals, taken by its main loop rather than acted on in a handler

@@ -1,14 +1,14 @@
-"""The /metrics endpoint: a small threaded HTTP server over a prometheus-client registry.
+"""The /metrics endpoint: gemtrace.httpd's server over a prometheus-client registry.
 
 Serves what the collectors yield at scrape time, at most one collection per
 MIN_COLLECT_INTERVAL_SECONDS (`PacedMetrics`: requests that come sooner wait and share the next one),
 its only state.
 Uses prometheus-client's encoders and content negotiation (OpenMetrics) as shipped by Debian 12 (0.16),
-which has no TLS, no authentication and no unix socket of its own: TLS wraps the listening socket
-with the web config's ssl context, basic auth answers 401 before prometheus-client's handler runs
-(gemtrace.web_config checks both), and `unix:PATH` listens on a socket whose mode and group say who
-may connect. /metrics names every user's processes (pid, comm, group): docs/metrics.md says who can
-see it, and how to narrow that.
+which has no TLS, no authentication and no unix socket of its own: gemtrace.httpd runs each
+connection's TLS handshake with the web config's ssl context (in its loop, under a deadline), basic
+auth answers 401 before the scrape is made (gemtrace.web_config checks both), and `unix:PATH` listens
+on a socket whose mode and group say who may connect. /metrics names every user's processes (pid,
+comm, group): docs/metrics.md says who can see it, and how to narrow that.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ import grp
 import gzip
 import os
 import socket
-import socketserver
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import structlog
@@ -33,6 +30,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
+from gemtrace import httpd
 from gemtrace.web_config import WebConfig
 
 UNIX_PREFIX = "unix:"
@@ -43,9 +41,9 @@ UNIX_PREFIX = "unix:"
 # but no sooner than this after the last collection: a request that comes too soon waits, asleep,
 # and every request that arrived meanwhile is answered from that same collection.
 MIN_COLLECT_INTERVAL_SECONDS = 0.25
-# How often the server's loop wakes to look for a shutdown that its wake-up connection missed: its only
-# wake-ups while nobody scrapes (at 0.05 s, 20 a second of an idle agent's).
-SHUTDOWN_POLL_SECONDS = 1.0
+# A scrape is a GET without a body; the workers mostly wait for PacedMetrics' one collection, so a few
+# suffice however many scrape (gemtrace.httpd says why slow clients hold none of them).
+LIMITS = httpd.Limits(body_bytes=4 << 10, workers=4)
 UNIX_SOCKET_MODE = 0o660  # the owner (root) and the socket's group; --listen-mode changes it
 
 
@@ -128,10 +126,12 @@ class PacedMetrics:
         self._collected_at: float | None = None  # when the last collection began
         self.collections = 0  # how often the collectors ran, for tests
 
-    def answer(self, accept: str | None, accept_encoding: str | None, query: str
+    def answer(self, accept: str | None, accept_encoding: str | None, query: str, arrived: float | None = None
                ) -> tuple[list[tuple[str, str]], bytes]:
-        """The headers and body of a scrape, as prometheus-client's handler would make them."""
-        arrived = self._clock()
+        """The headers and body of a scrape, as prometheus-client's handler would make them. `arrived`:
+        when the request came (the clock's time), if it waited before this call; a collection begun
+        after it serves it."""
+        arrived = self._clock() if arrived is None else arrived
         encoder, content_type = choose_encoder(accept or "")
         gzipped = any(e.strip().lower().startswith("gzip") for e in (accept_encoding or "").split(","))
         names = tuple(sorted(parse_qs(query).get("name[]", [])))
@@ -172,14 +172,16 @@ class _Families:
                 yield kept
 
 
-class _MetricsHandler(BaseHTTPRequestHandler):
+class _MetricsHandler(httpd.Handler):
     """Any GET path answers the scrape (as prometheus-client's handler does)."""
 
     metrics: PacedMetrics
 
     def do_GET(self) -> None:
+        # The request's own arrival, not now: the requests queued for a worker since the last collection
+        # share the next one instead of each asking for its own.
         headers, body = self.metrics.answer(self.headers.get("Accept"), self.headers.get("Accept-Encoding"),
-                                            urlparse(self.path).query)
+                                            urlparse(self.path).query, self.request.arrived)
         self.send_response(200)
         for name, value in headers:
             self.send_header(name, value)
@@ -187,13 +189,10 @@ class _MetricsHandler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # the agent logs what matters itself; a line per scrape would drown it
 
-
-def _guarded_handler(metrics: PacedMetrics, web: WebConfig | None) -> type:
+def _guarded_handler(metrics: PacedMetrics, web: WebConfig | None) -> type[httpd.Handler]:
     """The handler for `metrics`, behind the web config's basic auth if it has one."""
-    handler: type = type("MetricsHandler", (_MetricsHandler,), {"metrics": metrics})
+    handler: type[_MetricsHandler] = type("MetricsHandler", (_MetricsHandler,), {"metrics": metrics})
     if web is None or web.basic_auth is None:
         return handler
     auth = web.basic_auth
@@ -214,62 +213,26 @@ def _guarded_handler(metrics: PacedMetrics, web: WebConfig | None) -> type:
     return BasicAuthHandler
 
 
-class _TlsMixin:
-    """Wraps each accepted connection in TLS. The handshake happens in the request's own thread (on
-    its first read), not in accept(): a client that stalls it cannot hold up the others."""
-
-    tls: Any = None
-
-    def get_request(self) -> tuple[Any, Any]:
-        conn, addr = super().get_request()  # type: ignore[misc]
-        if self.tls is not None:
-            conn = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
-        return conn, addr
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        pass  # a failed handshake or a client that hung up: nothing to tell anyone, nothing to clean up
-
-
-class _TcpServer(_TlsMixin, ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, address: tuple[str, int], handler: type, ipv6: bool) -> None:
-        if ipv6:
-            self.address_family = socket.AF_INET6
-        super().__init__(address, handler)
-
-
-class _UnixServer(_TlsMixin, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    """http.server's HTTPServer assumes a (host, port) address; a unix socket needs none of it."""
-
-    daemon_threads = True
-
-    def __init__(self, where: UnixListen, handler: type) -> None:
-        self.path = where.path
-        super().__init__(str(where.path), handler, bind_and_activate=False)
-        self._bound = False  # server_close() removes the socket file only once this server made it
-        try:
-            _remove_stale_socket(where.path)
-            self.server_bind()
-            self._bound = True
-            # Mode and group before listen(): until then a connect() is refused, so no client gets
-            # in under the umask's looser bits.
-            if where.gid is not None:
-                os.chown(where.path, -1, where.gid)
-            os.chmod(where.path, where.mode)
-            self.server_activate()
-        except BaseException:
-            self.server_close()
-            raise
-
-    def server_close(self) -> None:
-        super().server_close()
-        if self._bound:
-            self._bound = False
-            try:
-                self.path.unlink()
-            except OSError:
-                pass
+def _unix_socket(where: UnixListen) -> socket.socket:
+    """The unix socket at where.path, listening, with its mode and group."""
+    _remove_stale_socket(where.path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound = False
+    try:
+        sock.bind(str(where.path))
+        bound = True
+        # Mode and group before listen(): until then a connect() is refused, so no client gets in
+        # under the umask's looser bits.
+        if where.gid is not None:
+            os.chown(where.path, -1, where.gid)
+        os.chmod(where.path, where.mode)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        if bound:
+            where.path.unlink(missing_ok=True)
+        raise
+    return sock
 
 
 def _remove_stale_socket(path: Path) -> None:
@@ -288,44 +251,31 @@ class Exporter:
                  socket_mode: int | None = None, socket_gid: int | None = None) -> None:
         where = listen_target(listen, socket_mode, socket_gid)
         self.metrics = PacedMetrics(registry)
-        handler = _guarded_handler(self.metrics, web)
-        self.server: _TcpServer | _UnixServer
+        self._unix_path: Path | None = None
         if isinstance(where, UnixListen):
-            self.server = _UnixServer(where, handler)
+            sock = _unix_socket(where)
+            self._unix_path = where.path
             self.address = f"{UNIX_PREFIX}{where.path}"
         else:
             host, port = where
-            self.server = _TcpServer((host, port), handler, ipv6=":" in host)
-            self.address = f"{host}:{self.server.server_address[1]}"
-        self.server.tls = web.tls if web is not None else None
+            sock = httpd.listening_socket(host, port)
+            self.address = f"{host}:{sock.getsockname()[1]}"
+        tls = web.tls if web is not None else None
+        self.server = httpd.Server(sock, _guarded_handler(self.metrics, web), tls, LIMITS, name="gemtrace-exporter")
         # Who may read it, for the log: the web config's checks, the socket's mode and group.
         self._access: dict[str, str] = {"web_config": f"{web.path} ({web.describe()})"} if web is not None else {}
         if isinstance(where, UnixListen):
             self._access.update(socket_mode=f"{where.mode:04o}", socket_gid=str(os.getgid() if where.gid is None
                                                                                  else where.gid))
-        self.scheme = "https" if self.server.tls is not None else "http"
-        # serve_forever looks for shutdown() this often; stop() wakes it at once (a connection of its own).
-        self._thread = threading.Thread(target=self.server.serve_forever, args=(SHUTDOWN_POLL_SECONDS,),
-                                        name="gemtrace-exporter", daemon=True)
+        self.scheme = "https" if tls is not None else "http"
 
     def start(self) -> None:
-        self._thread.start()
+        self.server.start()
         structlog.get_logger("gemtrace.exporter").info("metrics_serving", address=self.address, scheme=self.scheme,
                                                        **self._access)
 
     def stop(self) -> None:
-        stopping = threading.Thread(target=self.server.shutdown, name="gemtrace-exporter-stop")
-        stopping.start()
-        while stopping.is_alive():
-            self._wake()
-            stopping.join(0.05)
-        self.server.server_close()
-
-    def _wake(self) -> None:
-        """Connect to our own socket: serve_forever's wait returns now and sees the shutdown."""
-        try:
-            with socket.socket(self.server.address_family, socket.SOCK_STREAM) as s:
-                s.settimeout(0.2)
-                s.connect(self.server.server_address)
-        except OSError:
-            pass  # it sees the shutdown at its next poll
+        self.server.stop()
+        if self._unix_path is not None:
+            self._unix_path.unlink(missing_ok=True)
+            self._unix_path = None

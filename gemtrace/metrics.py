@@ -56,6 +56,11 @@ _SPECS = [
                "eBPF uprobes currently attached to libcuda files (0 when eBPF is unavailable)."),
     MetricSpec("gemtrace_probe_libcuda_files", "gauge", "", (),
                "Distinct libcuda files the eBPF probes are attached to."),
+    # the scrape itself (gemtrace.collectors): a collector that fails loses only its own series
+    MetricSpec("gemtrace_scrape_collector_success", "gauge", "", ("collector",),
+               "1 if the collector's part of this scrape succeeded, 0 if it failed (its series are missing)."),
+    MetricSpec("gemtrace_scrape_collector_duration_seconds", "gauge", "seconds", ("collector",),
+               "How long the collector's part of this scrape took."),
     # GPUs
     MetricSpec("gemtrace_gpu_info", "info", "", ("gpu", "name", "index"), "A GPU the agent schedules."),
     MetricSpec("gemtrace_gpu_memory_total_bytes", "gauge", "bytes", ("gpu",), "Device memory of the GPU."),

@@ -26,7 +26,7 @@ UUID = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]
 # read 0, not be absent.
 STABLE = re.compile(r"^gemtrace_(agent_info|gpu_info|gpu_memory_total_bytes|group_util_(min|max)_ratio|"
                     r"group_memory_limit_bytes|config_reloads_total|config_last_reload_success|"
-                    r"oom_kills_total|quota_breaches_total|tampering_events_total)\b")
+                    r"oom_kills_total|quota_breaches_total|tampering_events_total|scrape_collector_success)\b")
 PLACEHOLDER = "<value>"
 PLACEHOLDER_AT_END = re.compile(rf" {re.escape(PLACEHOLDER)}$", re.MULTILINE)
 

@@ -7,62 +7,97 @@ processes join group NAME of the node's resource file. Any other pod gets no pat
 that is no group name is refused with a message saying so (admitted ungated, the pod would run
 without the quotas its owner asked for).
 
-`review` is pure (AdmissionReview in, AdmissionReview out); `serve` is the HTTPS server around it.
+`review` is pure (AdmissionReview in, AdmissionReview out); `serve` is the HTTPS server around it
+(gemtrace.httpd: slow and idle connections hold no worker, every step has a deadline). Every request
+gets an HTTP answer: a review whose pod cannot be read is refused (`allowed: false`, the reason, its
+uid kept); a body that is no review at all (not JSON, not an object, no request with a uid, the wrong
+Content-Type) gets 400.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import signal
 import ssl
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from gemtrace import httpd
 from gemtrace.config import _GROUP_NAME
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.shares import LABEL_GROUP
+from gemtrace.signals import SignalInbox
 
 log = structlog.get_logger("gemtrace.kube.webhook")
 
 Json = dict[str, Any]
 
+API_VERSION = "admission.k8s.io/v1"
+# The API server sends a pod's review in one JSON document; its objects are at most 1.5 MiB in etcd,
+# and the review carries the pod twice at most (object, oldObject).
+LIMITS = httpd.Limits(body_bytes=4 << 20, workers=4)
 
-def _escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
+
+class NotAReview(ValueError):
+    """A body that is not an AdmissionReview at all: answered 400, as there is no uid to answer."""
+
+
+class BadPod(ValueError):
+    """A review whose pod cannot be read: refused (allowed: false) with this message."""
+
+
+def _mapping(value: Any, where: str) -> Json:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise BadPod(f"{where} is a {type(value).__name__}, not an object")
+    return value
+
+
+def _objects(value: Any, where: str) -> list[Json]:
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise BadPod(f"{where} is not a list of objects")
+    return value
 
 
 def patch_for(pod: Json, injection: Injection) -> list[Json] | None:
-    """The JSON patch that gates `pod`, None for a pod without the label. ValueError: a bad label."""
-    group = (pod.get("metadata", {}).get("labels") or {}).get(LABEL_GROUP)
+    """The JSON patch that gates `pod`, None for a pod without the label. ValueError (BadPod): a bad
+    label, or a pod whose shape is not a pod's."""
+    metadata = _mapping(pod.get("metadata"), "metadata")
+    group = _mapping(metadata.get("labels"), "metadata.labels").get(LABEL_GROUP)
     if group is None:
         return None
-    if not _GROUP_NAME.fullmatch(group):
-        raise ValueError(f"label {LABEL_GROUP}={group!r} is not a group name (1 to 63 letters, digits or _.:@+-); "
-                         "name a group of the nodes' resource file")
-    spec = pod.get("spec", {})
+    if not isinstance(group, str) or not _GROUP_NAME.fullmatch(group):
+        raise BadPod(f"label {LABEL_GROUP}={group!r} is not a group name (1 to 63 letters, digits or _.:@+-); "
+                     "name a group of the nodes' resource file")
+    spec = _mapping(pod.get("spec"), "spec")
     patch: list[Json] = []
     mounts = injection.mounts()
     volumes = [{"name": m.name, "hostPath": {"path": str(m.host_path),
                                              "type": "Directory" if m.name == "gemtrace-state" else "File"}}
                for m in mounts]
     if "volumes" in spec:
+        _objects(spec["volumes"], "spec.volumes")
         patch += [{"op": "add", "path": "/spec/volumes/-", "value": v} for v in volumes]
     else:
         patch.append({"op": "add", "path": "/spec/volumes", "value": volumes})
     env = [{"name": k, "value": v} for k, v in injection.env(group).items()]
     for kind in ("initContainers", "containers"):
-        for i, container in enumerate(spec.get(kind) or []):
+        for i, container in enumerate(_objects(spec.get(kind), f"spec.{kind}")):
             base = f"/spec/{kind}/{i}"
             volume_mounts = [{"name": m.name, "mountPath": str(m.container_path), "readOnly": m.read_only}
                              for m in mounts]
             if "volumeMounts" in container:
+                _objects(container["volumeMounts"], f"spec.{kind}[{i}].volumeMounts")
                 patch += [{"op": "add", "path": f"{base}/volumeMounts/-", "value": v} for v in volume_mounts]
             else:
                 patch.append({"op": "add", "path": f"{base}/volumeMounts", "value": volume_mounts})
-            names = {e.get("name") for e in container.get("env") or []}
+            names = {e.get("name") for e in _objects(container.get("env"), f"spec.{kind}[{i}].env")}
             ours = [e for e in env if e["name"] not in names]  # the pod's own settings win
             if "env" in container:
                 patch += [{"op": "add", "path": f"{base}/env/-", "value": e} for e in ours]
@@ -71,52 +106,79 @@ def patch_for(pod: Json, injection: Injection) -> list[Json] | None:
     return patch
 
 
-def review(request_review: Json, injection: Injection) -> Json:
-    """The AdmissionReview response to an AdmissionReview request (admission.k8s.io/v1)."""
-    request = request_review.get("request", {})
-    response: Json = {"uid": request.get("uid", ""), "allowed": True}
-    pod = request.get("object") or {}
+def review(request_review: Any, injection: Injection) -> Json:
+    """The AdmissionReview response to an AdmissionReview request (admission.k8s.io/v1). NotAReview for
+    a document that is none: not an object, or without a request that has a uid to answer."""
+    if not isinstance(request_review, dict):
+        raise NotAReview(f"the body is a JSON {type(request_review).__name__}, not an AdmissionReview object")
+    if request_review.get("kind", "AdmissionReview") != "AdmissionReview":
+        raise NotAReview(f"kind {request_review.get('kind')!r} is not AdmissionReview")
+    request = request_review.get("request")
+    if not isinstance(request, dict) or not isinstance(request.get("uid"), str):
+        raise NotAReview("an AdmissionReview's request must be an object with a uid")
+    response: Json = {"uid": request["uid"], "allowed": True}
     try:
+        pod = _mapping(request.get("object"), "request.object")
         patch = patch_for(pod, injection)
-    except ValueError as e:
+    except BadPod as e:
         response.update(allowed=False, status={"code": 400, "message": str(e)})
         patch = None
     if patch:
         response.update(patchType="JSONPatch", patch=base64.b64encode(json.dumps(patch).encode()).decode())
-        log.info("pod_gated", namespace=request.get("namespace"), name=pod.get("metadata", {}).get("name")
-                 or pod.get("metadata", {}).get("generateName"), group=pod["metadata"]["labels"][LABEL_GROUP])
-    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
+        metadata = pod.get("metadata") or {}
+        name = metadata.get("name") or metadata.get("generateName")
+        namespace = request.get("namespace")
+        # Only strings reach the log: a review's other values are the sender's, of any size or shape.
+        log.info("pod_gated", namespace=namespace if isinstance(namespace, str) else None,
+                 name=name if isinstance(name, str) else None, group=metadata["labels"][LABEL_GROUP])
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
-def server(listen: str, cert: Path, key: Path, injection: Injection) -> ThreadingHTTPServer:
-    """The HTTPS server, bound and not yet serving (serve_forever it)."""
-
-    class Handler(BaseHTTPRequestHandler):
+def _handler(injection: Injection) -> type[httpd.Handler]:
+    class ReviewHandler(httpd.Handler):
         def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            media = (self.headers.get("Content-Type") or "").partition(";")[0].strip().lower()
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
-                answer = json.dumps(review(body, injection)).encode()
-                status = 200
-            except (ValueError, KeyError, TypeError) as e:
-                answer, status = f"not an AdmissionReview: {e}".encode(), 400
+                if media != "application/json":
+                    raise NotAReview(f"Content-Type {media or 'missing'!r}: an AdmissionReview is application/json")
+                try:
+                    document = json.loads(body)
+                except RecursionError:
+                    raise NotAReview("the JSON is nested too deeply") from None
+                except ValueError as e:  # bad JSON, bad UTF-8, an integer too long
+                    raise NotAReview(f"not JSON: {e}") from None
+                answer, status = json.dumps(review(document, injection)).encode(), 200
+                content_type = "application/json"
+            except NotAReview as e:
+                answer, status = f"not an AdmissionReview: {e}\n".encode(), 400
+                content_type = "text/plain; charset=utf-8"
             self.send_response(status)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(answer)))
             self.end_headers()
             self.wfile.write(answer)
 
-        def log_message(self, format: str, *args: object) -> None:
-            pass
+    return ReviewHandler
 
+
+def server(listen: str, cert: Path, key: Path, injection: Injection) -> httpd.Server:
+    """The HTTPS server, bound and not yet serving (start it)."""
     host, _, port = listen.rpartition(":")
-    httpd = ThreadingHTTPServer((host or "0.0.0.0", int(port)), Handler)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
-    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
-    return httpd
+    sock = httpd.listening_socket(host.strip("[]") or "0.0.0.0", int(port))
+    return httpd.Server(sock, _handler(injection), context, LIMITS, name="gemtrace-webhook")
 
 
 def serve(listen: str, cert: Path, key: Path, injection: Injection) -> None:
-    httpd = server(listen, cert, key, injection)
+    """Serve until SIGTERM or SIGINT."""
+    httpd_server = server(listen, cert, key, injection)
+    signals = SignalInbox((signal.SIGTERM, signal.SIGINT))
+    httpd_server.start()
     log.info("webhook_listening", listen=listen)
-    httpd.serve_forever()
+    try:
+        while not signals.wait(60.0):
+            pass
+    finally:
+        httpd_server.stop()
