@@ -76,6 +76,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from gemtrace.exporter import Exporter, ListenError, listen_target, parse_group, parse_mode
     from gemtrace.gpus import GpuDiscoveryError
     from gemtrace.region import RegionError
+    from gemtrace.state_dir import StateDirError, storage_error
 
     eventlog.configure(args.log_level)
     # Who may read /metrics is checked before anything else starts: a mistake there stops the agent
@@ -95,10 +96,15 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return _fail(f"{e} The agent cannot run without it: install the NVIDIA driver (`nvidia-smi` lists the "
                      "GPUs once it works), then `systemctl restart gemtrace`. The service does not restart the "
                      f"agent by itself for this (exit status {EXIT_NO_GPU_DRIVER}).", EXIT_NO_GPU_DRIVER)
-    except (ConfigError, RegionError) as e:
+    except (ConfigError, RegionError, StateDirError) as e:
         return _fail(str(e))
     except PermissionError as e:
         return _fail(f"{e.filename}: permission denied; the agent runs as root (or with the unit's capabilities)")
+    except OSError as e:  # any other write in the state dir (the MPS pipes' directories) on a full or read-only one
+        found = storage_error(Path(e.filename or args.state_dir), e)
+        if found is None:
+            raise
+        return _fail(str(found))
     try:
         from gemtrace.collectors import registry_for
 
