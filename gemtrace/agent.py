@@ -39,7 +39,15 @@ from gemtrace import region as rg
 from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.collectors.agent import AgentView
 from gemtrace.collectors.groups import GroupQuota, GroupsView
-from gemtrace.config import ISOLATION_MPS, ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
+from gemtrace.config import (
+    ISOLATION_MPS,
+    ConfigError,
+    ConfigWatcher,
+    GroupConfig,
+    ResourceConfig,
+    load,
+    unknown_gpus,
+)
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
 from gemtrace.kube.pods import NAMES_FILE, PodLabels
@@ -363,6 +371,7 @@ class Agent:
         self.reloads = {"success": 1, "failure": 0}
         self.last_reload_ok = True
         self.gpus = discover() if gpus is None else gpus
+        self._warn_unknown_gpus(self.config)
         self.fd_limit = raise_fd_limit()
         self._lock = AgentLock(state_dir)  # before the region is touched: one agent per region
         state_dir = self.state_dir = self._lock.state_dir  # checked, and resolved: see AgentLock
@@ -527,12 +536,17 @@ class Agent:
                 log.exception("config_reload_crashed")  # a bug: report it, and keep reloading on the next change
                 return self._reload_failed(f"{path}: {type(e).__name__}: {e}")
             self.config = config
+            self._warn_unknown_gpus(config)
             self.last_reload_ok = True
             self.reloads["success"] += 1
             log.info("config_reloaded", path=str(path), groups=sorted(config.groups))
             # A MemoryLimit lowered below what a group holds acts now, not at its next allocation.
             self.accounting.enforce_soon()
             return True
+
+    def _warn_unknown_gpus(self, config: ResourceConfig) -> None:
+        for warning in unknown_gpus(config, (g.uuid for g in self.gpus)):
+            log.warning("config_gpu_unknown", path=str(self.config_path), warning=warning)
 
     def _reload_failed(self, error: str) -> bool:
         self.last_reload_ok = False

@@ -136,21 +136,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from gemtrace.config import ConfigError, format_size, load
+    from gemtrace.config import ConfigError, format_size, load, unknown_gpus
+    from gemtrace.gpus import GpuDiscoveryError, discover
 
     try:
         config = load(args.file)
     except ConfigError as e:
         return _fail(str(e))
     print(f"{args.file}: OK, {len(config.groups)} groups")
+    groups = sorted(config.groups.values(), key=lambda g: g.name)
+    gpus = {g.name: ";".join(g.gpus) or "all" for g in groups}
+    width = max(len("Gpus"), *(len(text) for text in gpus.values()))
     print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'Priority':>8} {'MemoryLimit':>26} "
-          f"{'Oversubscribe':>26} {'Isolation':>9}  Cgroup")
-    for g in sorted(config.groups.values(), key=lambda g: g.name):
+          f"{'Oversubscribe':>26} {'Isolation':>9}  {'Gpus':<{width}}  Cgroup")
+    for g in groups:
         limit = "whole GPU" if g.memory_limit is None else f"{format_size(g.memory_limit)} ({g.memory_limit} B)"
         over = ("no" if not g.oversubscribe else "up to the host's bound" if g.oversubscribe_limit is None
                 else f"{format_size(g.oversubscribe_limit)} ({g.oversubscribe_limit} B)")
         print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {g.priority:>8} {limit:>26} {over:>26} "
-              f"{g.isolation:>9}  {'; '.join(g.cgroups) or '-'}")
+              f"{g.isolation:>9}  {gpus[g.name]:<{width}}  {'; '.join(g.cgroups) or '-'}")
+    if any(g.gpus for g in groups):  # (asking NVML costs a driver's start-up: only when there is a UUID to check)
+        try:
+            host = [gpu.uuid for gpu in discover()]
+        except GpuDiscoveryError as e:
+            print(f"gemtrace: note: the Gpus UUIDs were not checked against this host's GPUs: {e}", file=sys.stderr)
+            return 0
+        for warning in unknown_gpus(config, host):
+            print(f"gemtrace: warning: {args.file}: {warning}", file=sys.stderr)
     return 0
 
 
