@@ -126,9 +126,11 @@ class UserLines:
         self._summary_due = False
         self._log = structlog.get_logger("gemtrace.eventlog")
 
-    def log(self, emit: Callable[..., Any], uid: int | None, event: str, **values: Any) -> bool:
+    def log(self, emit: Callable[..., Any], uid: int | None, event: str, /, **values: Any) -> bool:
         """`emit(event, uid=uid, **values)` (a logger's method: `log.info`) unless `uid` (None: a user
-        the agent cannot tell) is over its rate; then count it. True when the line went out."""
+        the agent cannot tell) is over its rate; then count it. True when the line went out. `uid` is
+        whose input triggered the line; a `uid` in `values` is what the line says (the process's, where
+        another user's input names it)."""
         with self._lock:
             now = self._clock()
             bucket = self._buckets.get(uid)
@@ -145,7 +147,7 @@ class UserLines:
                     self._schedule(self.summary_seconds, self.summarize)
                 return False
             bucket.tokens -= 1
-        emit(event, uid=uid, **values)
+        emit(event, **{"uid": uid, **values})
         return True
 
     def summarize(self) -> None:
