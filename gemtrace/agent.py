@@ -39,7 +39,15 @@ from gemtrace import region as rg
 from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.collectors.agent import AgentView
 from gemtrace.collectors.groups import GroupQuota, GroupsView
-from gemtrace.config import ISOLATION_MPS, ConfigError, ConfigWatcher, GroupConfig, ResourceConfig, load
+from gemtrace.config import (
+    ISOLATION_MPS,
+    ConfigError,
+    ConfigWatcher,
+    GroupConfig,
+    ResourceConfig,
+    load,
+    unknown_gpus,
+)
 from gemtrace.gang import GangTurns
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
@@ -48,6 +56,7 @@ from gemtrace.membership import Membership
 from gemtrace.region import Region, RegionError
 from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
 from gemtrace.signals import SignalInbox
+from gemtrace.state_dir import StateDirError, open_lock_file, open_state_dir, storage_error
 
 log = structlog.get_logger("gemtrace.agent")
 
@@ -82,23 +91,30 @@ class AgentRunning(RegionError):
 class AgentLock:
     """An exclusive flock on $STATE_DIR/agent.lock, held for the agent's life: two agents on one
     region would each release a group, and both would run at once. The file holds the owner's pid,
-    for the message the second one gives. The kernel drops the lock when the process dies."""
+    for the message the second one gives. The kernel drops the lock when the process dies.
+
+    Taking it is the agent's first step in the state dir: the directory is checked to be the agent's
+    own (gemtrace/state_dir.py) and `state_dir` is then its resolved path, the one the agent uses."""
 
     def __init__(self, state_dir: Path) -> None:
-        path = state_dir / LOCK_FILE
+        self.state_dir, dir_fd = open_state_dir(state_dir)
         try:
-            state_dir.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise rg.os_error(path, e) from None
+            fd = open_lock_file(dir_fd, self.state_dir, LOCK_FILE)
+        finally:
+            os.close(dir_fd)
+        path = self.state_dir / LOCK_FILE
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             owner = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
             raise AgentRunning(f"another gemtrace agent (pid {owner}) owns {state_dir}; stop it first") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as e:
+            os.close(fd)
+            raise storage_error(path, e) or StateDirError(f"{path}: {e.strerror or e}") from None
         self._fd: int | None = fd
 
     def release(self) -> None:
@@ -356,8 +372,10 @@ class Agent:
         self.reloads = {"success": 1, "failure": 0}
         self.last_reload_ok = True
         self.gpus = discover() if gpus is None else gpus
+        self._warn_unknown_gpus(self.config)
         self.fd_limit = raise_fd_limit()
         self._lock = AgentLock(state_dir)  # before the region is touched: one agent per region
+        state_dir = self.state_dir = self._lock.state_dir  # checked, and resolved: see AgentLock
         self._joined = threading.Event()  # a gate asked for its slot (the socket's thread sets it)
         self._fast_scan_until = -math.inf  # the main loop's: it scans for new slots fast until then
         self._join_bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # wakes the main loop at a join
@@ -514,16 +532,25 @@ class Agent:
                 self._apply(config)
             except (ConfigError, RegionError) as e:
                 return self._reload_failed(str(e))
-            except Exception as e:  # a bug: report it, and keep reloading on the next change
-                log.exception("config_reload_crashed")
+            except Exception as e:
+                # The MPS clients' file in the state dir, on a filesystem now full or read-only: a sentence.
+                found = storage_error(Path(e.filename or self.state_dir), e) if isinstance(e, OSError) else None
+                if found is not None:
+                    return self._reload_failed(str(found))
+                log.exception("config_reload_crashed")  # a bug: report it, and keep reloading on the next change
                 return self._reload_failed(f"{path}: {type(e).__name__}: {e}")
             self.config = config
+            self._warn_unknown_gpus(config)
             self.last_reload_ok = True
             self.reloads["success"] += 1
             log.info("config_reloaded", path=str(path), groups=sorted(config.groups))
             # A MemoryLimit lowered below what a group holds acts now, not at its next allocation.
             self.accounting.enforce_soon()
             return True
+
+    def _warn_unknown_gpus(self, config: ResourceConfig) -> None:
+        for warning in unknown_gpus(config, (g.uuid for g in self.gpus)):
+            log.warning("config_gpu_unknown", path=str(self.config_path), warning=warning)
 
     def _reload_failed(self, error: str) -> bool:
         self.last_reload_ok = False

@@ -76,6 +76,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from gemtrace.exporter import Exporter, ListenError, listen_target, parse_group, parse_mode
     from gemtrace.gpus import GpuDiscoveryError
     from gemtrace.region import RegionError
+    from gemtrace.state_dir import StateDirError, storage_error
 
     eventlog.configure(args.log_level)
     # Who may read /metrics is checked before anything else starts: a mistake there stops the agent
@@ -95,10 +96,15 @@ def cmd_agent(args: argparse.Namespace) -> int:
         return _fail(f"{e} The agent cannot run without it: install the NVIDIA driver (`nvidia-smi` lists the "
                      "GPUs once it works), then `systemctl restart gemtrace`. The service does not restart the "
                      f"agent by itself for this (exit status {EXIT_NO_GPU_DRIVER}).", EXIT_NO_GPU_DRIVER)
-    except (ConfigError, RegionError) as e:
+    except (ConfigError, RegionError, StateDirError) as e:
         return _fail(str(e))
     except PermissionError as e:
         return _fail(f"{e.filename}: permission denied; the agent runs as root (or with the unit's capabilities)")
+    except OSError as e:  # any other write in the state dir (the MPS pipes' directories) on a full or read-only one
+        found = storage_error(Path(e.filename or args.state_dir), e)
+        if found is None:
+            raise
+        return _fail(str(found))
     try:
         from gemtrace.collectors import registry_for
 
@@ -130,21 +136,33 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from gemtrace.config import ConfigError, format_size, load
+    from gemtrace.config import ConfigError, format_size, load, unknown_gpus
+    from gemtrace.gpus import GpuDiscoveryError, discover
 
     try:
         config = load(args.file)
     except ConfigError as e:
         return _fail(str(e))
     print(f"{args.file}: OK, {len(config.groups)} groups")
+    groups = sorted(config.groups.values(), key=lambda g: g.name)
+    gpus = {g.name: ";".join(g.gpus) or "all" for g in groups}
+    width = max(len("Gpus"), *(len(text) for text in gpus.values()))
     print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'Priority':>8} {'MemoryLimit':>26} "
-          f"{'Oversubscribe':>26} {'Isolation':>9}  Cgroup")
-    for g in sorted(config.groups.values(), key=lambda g: g.name):
+          f"{'Oversubscribe':>26} {'Isolation':>9}  {'Gpus':<{width}}  Cgroup")
+    for g in groups:
         limit = "whole GPU" if g.memory_limit is None else f"{format_size(g.memory_limit)} ({g.memory_limit} B)"
         over = ("no" if not g.oversubscribe else "up to the host's bound" if g.oversubscribe_limit is None
                 else f"{format_size(g.oversubscribe_limit)} ({g.oversubscribe_limit} B)")
         print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {g.priority:>8} {limit:>26} {over:>26} "
-              f"{g.isolation:>9}  {'; '.join(g.cgroups) or '-'}")
+              f"{g.isolation:>9}  {gpus[g.name]:<{width}}  {'; '.join(g.cgroups) or '-'}")
+    if any(g.gpus for g in groups):  # (asking NVML costs a driver's start-up: only when there is a UUID to check)
+        try:
+            host = [gpu.uuid for gpu in discover()]
+        except GpuDiscoveryError as e:
+            print(f"gemtrace: note: the Gpus UUIDs were not checked against this host's GPUs: {e}", file=sys.stderr)
+            return 0
+        for warning in unknown_gpus(config, host):
+            print(f"gemtrace: warning: {args.file}: {warning}", file=sys.stderr)
     return 0
 
 

@@ -197,11 +197,13 @@ def parse_size(text: str) -> int:
 def _ratio(key: str, text: str) -> float:
     if not _RATIO.fullmatch(text):
         raise ValueError(f"{key} {_quote(text)} is not a number; give a ratio between 0 and 1, e.g. 0.25")
-    value = float(text) + 0.0  # + 0.0: -0 is 0
-    if not math.isfinite(value) or value > 1.0:
-        raise ValueError(f"{key} {_shown(text)} is above 1; give a ratio between 0 and 1")
+    # + 0.0: -0 is 0. The pattern lets no NaN through; an exponent past a double's range reads as an
+    # infinity of the number's own sign, so -1e309 is below 0 and 1e309 above 1, as written.
+    value = float(text) + 0.0
     if value < 0.0:
         raise ValueError(f"{key} {_shown(text)} is below 0; give a ratio between 0 and 1")
+    if value > 1.0:
+        raise ValueError(f"{key} {_shown(text)} is above 1; give a ratio between 0 and 1")
     return value
 
 
@@ -444,6 +446,15 @@ def _combine(files: list[_Parsed]) -> ResourceConfig:
     if defaults.DEFAULT_GROUP not in result:
         result[defaults.DEFAULT_GROUP] = GroupConfig(defaults.DEFAULT_GROUP)
     return ResourceConfig(groups=result, source=files[0].filename if files else "")
+
+
+def unknown_gpus(config: ResourceConfig, host_uuids: Iterable[str]) -> list[str]:
+    """A warning for each Gpus UUID no GPU of the host has, by group name then UUID (pure): a typo there
+    is no error (the file may be written for other hosts too), but on this host it reserves nothing."""
+    present = set(host_uuids)
+    return [f"group [{g.name}]: Gpus names {_shown(uuid)}, which no GPU of this host has, so nothing is "
+            "reserved for it there; correct the UUID if it is meant for this host (nvidia-smi -L lists its GPUs)"
+            for g in sorted(config.groups.values(), key=lambda g: g.name) for uuid in g.gpus if uuid not in present]
 
 
 def read_file(path: Path) -> bytes:

@@ -25,6 +25,7 @@ from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.config import GroupConfig
 from gemtrace.defaults import DEFAULT_GROUP, ENV_GROUP
+from gemtrace.eventlog import USER_LINES
 from gemtrace.groups_of import ProcReader, group_for
 
 log = structlog.get_logger("gemtrace.membership")
@@ -125,16 +126,17 @@ class Membership:
         if owner != contract.NO_OWNER and owner not in credentials.uids:
             if self._foreign.get(index) != pid:
                 self._foreign[index] = pid
-                log.warning("slot_names_another_users_process", slot=index, pid=pid, chunk_owner=owner, uid=uid,
-                            consequence="not placed in a group; only a process of the chunk's user is")
+                USER_LINES.log(log.warning, owner, "slot_names_another_users_process", slot=index, pid=pid,
+                               chunk_owner=owner, uid=uid,
+                               consequence="not placed in a group; only a process of the chunk's user is")
             return None
         requested = rg.decode_name(self.region.slots[index].requested).strip()
         decision = decide(requested, uid, gids, self.proc.cgroups(pid) or [], groups, defined)
         if decision.refused:
             self.refusals[requested] += 1
-            log.warning("group_refused", pid=pid, uid=uid, requested=requested, assigned=decision.group,
-                        consequence="the process is scheduled and limited in the assigned group; "
-                        "admit its user with Users= or UnixGroups= in the resource file")
+            USER_LINES.log(log.warning, uid, "group_refused", pid=pid, requested=requested,
+                           assigned=decision.group, consequence="the process is scheduled and limited in the "
+                           "assigned group; admit its user with Users= or UnixGroups= in the resource file")
         return decision
 
 

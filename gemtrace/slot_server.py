@@ -37,6 +37,7 @@ from gemtrace.contract import (
     MAX_CHUNKS,
     REGION_VERSION,
 )
+from gemtrace.eventlog import USER_LINES
 from gemtrace.slot_space import ChunkKeeper
 
 log = structlog.get_logger("gemtrace.slots")
@@ -148,7 +149,7 @@ class SlotServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # out of descriptors: the client retries within a second
-                log.warning("slot_socket_accept_failed", error=e.strerror or str(e))
+                USER_LINES.log(log.warning, None, "slot_socket_accept_failed", error=e.strerror or str(e))
                 return
             if len(pending) >= MAX_PENDING:
                 oldest = min(pending, key=lambda fd: pending[fd][1])
@@ -159,6 +160,7 @@ class SlotServer:
             poll.register(conn.fileno(), select.POLLIN)
 
     def _answer(self, conn: socket.socket) -> None:
+        uid: int | None = None  # who asked, for the per-uid limit on the lines below (gemtrace/eventlog.py)
         try:
             with conn:
                 pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
@@ -166,16 +168,16 @@ class SlotServer:
                 request = conn.recv(256)
                 reply, fds = reply_for(request, uid, self.keeper, self.bells_fd)
                 if reply.status == ATTACH_REFUSED:
-                    log.info("slot_request_refused", pid=pid, uid=uid, size=len(request))
+                    USER_LINES.log(log.info, uid, "slot_request_refused", pid=pid, size=len(request))
                 ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
                 conn.sendmsg([bytes(reply)], ancillary)
                 joined = reply.status == ATTACH_OK and AttachRequest.from_buffer_copy(request).kind == ATTACH_JOIN
                 if joined and self._on_join is not None:
                     self._on_join()
         except OSError as e:
-            log.info("slot_request_failed", error=e.strerror or str(e))
+            USER_LINES.log(log.info, uid, "slot_request_failed", error=e.strerror or str(e))
         except Exception:  # never let one client end the thread every gate needs
-            log.exception("slot_request_crashed")
+            USER_LINES.log(log.exception, uid, "slot_request_crashed")
 
 
 def ask(state_dir: Path, kind: int = ATTACH_VIEW) -> tuple[AttachReply, list[int]]:

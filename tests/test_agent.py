@@ -3,6 +3,7 @@ process, real gated clients started with `gemtrace run`."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -219,6 +220,27 @@ def test_check_config_and_status(host: Host) -> None:
         stop(agent)
     out = subprocess.run(gemtrace("status", "--listen", listen), env=host.env(), capture_output=True, text=True)
     assert out.returncode == 1 and "gemtrace status:" in out.stderr
+
+
+def test_a_gpus_uuid_no_gpu_has_is_warned_of_by_check_config_and_the_agents_log(host: Host) -> None:
+    agent = host.start_agent()
+    try:
+        started = next(json.loads(line) for line in agent.log.read_text().splitlines()
+                       if '"agent_started"' in line)
+        here = started["gpus"][0]
+        host.config.write_text(CONFIG + f"\n[pinned]\nGpus = {here};GPU-not-here\n")
+        warned = wait_until("the agent's warning", lambda: [json.loads(line) for line in agent.log.read_text()
+                                                           .splitlines() if '"config_gpu_unknown"' in line])
+    finally:
+        stop(agent)
+    warning = ("group [pinned]: Gpus names GPU-not-here, which no GPU of this host has, so nothing is reserved for "
+               "it there; correct the UUID if it is meant for this host (nvidia-smi -L lists its GPUs)")
+    assert [(w["level"], w["warning"]) for w in warned] == [("warning", warning)]
+    out = subprocess.run(gemtrace("check-config", str(host.config)), env=host.env(), capture_output=True, text=True)
+    assert (out.returncode, out.stderr) == (0, f"gemtrace: warning: {host.config}: {warning}\n")
+    table = out.stdout.splitlines()[1:]
+    column = table[0].index("Gpus")
+    assert [line[column:].split()[0] for line in table] == ["Gpus", "all", "all", f"{here};GPU-not-here", "all"]
 
 
 def test_run_without_a_config_checks_the_running_agents_groups(host: Host) -> None:

@@ -4,6 +4,7 @@ processes starting and exiting while the heartbeat is watched, and the stop."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import signal
@@ -67,6 +68,34 @@ def test_a_full_filesystem_and_a_read_only_one_each_give_one_line(host: Host, sm
                          timeout=60)
     assert out.returncode == 1
     assert out.stderr.count("\n") == 1 and "read-only filesystem" in out.stderr, out.stderr
+
+
+def fill(directory: Path) -> None:
+    """Write zeros into `directory` until its filesystem has not one byte left."""
+    with (directory / "filler").open("wb", buffering=0) as f:
+        for size in (1 << 16, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(bytes(size))
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+
+
+def test_a_filesystem_full_to_the_last_byte_and_a_read_only_one_each_give_one_line_at_the_lock(
+        host: Host, small_fs: Path) -> None:
+    state = small_fs / "state"
+    state.mkdir(mode=0o755)
+    fill(small_fs)
+    out = subprocess.run(agent_command(host, state), env=host.env(), capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stderr) == (1, f"gemtrace: {state / 'agent.lock'}: no space left on the state dir's "
+                                               "filesystem; free space there (or point --state-dir elsewhere) and "
+                                               "start the agent again\n")
+    (small_fs / "filler").unlink()
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    out = subprocess.run(agent_command(host, state), env=host.env(), capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stderr) == (1, f"gemtrace: {state / 'agent.lock'}: the state dir is on a read-only "
+                                               "filesystem; the agent needs a writable --state-dir (the unit's "
+                                               "RuntimeDirectory, /run/gemtrace)\n")
 
 
 def test_garbage_past_the_header_is_replaced_with_a_log_event(host: Host) -> None:

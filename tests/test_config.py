@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 from gemtrace import region as rg
-from gemtrace.config import MAX_FILE_BYTES, ConfigError, ConfigWatcher, GroupConfig, load, parse_size, parse_text
+from gemtrace.config import (
+    MAX_FILE_BYTES,
+    ConfigError,
+    ConfigWatcher,
+    GroupConfig,
+    load,
+    parse_size,
+    parse_text,
+    unknown_gpus,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -269,6 +278,30 @@ def test_max_util_zero_is_refused_with_what_to_do(value: str) -> None:
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "0x1", "1_0", "\u0660.5", "0.5 # half"])
 def test_ratios_are_finite_ascii_decimals(value: str) -> None:
     assert error_of(f"[a]\nMinUtil = {value}\n").startswith("r.conf:2: MinUtil ")
+
+
+@pytest.mark.parametrize(("key", "value", "said"), [
+    ("MinUtil", "-1e309", "is below 0"),  # a double's -inf: below 0, not above 1
+    ("MaxUtil", "-1E400", "is below 0"),
+    ("MinUtil", "-9" + "9" * 400, "is below 0"),
+    ("MinUtil", "1e309", "is above 1"),
+    ("MaxUtil", "+1e99999", "is above 1"),
+])
+def test_a_ratio_past_a_doubles_range_is_said_below_0_or_above_1_as_its_sign_is(key: str, value: str,
+                                                                                 said: str) -> None:
+    assert error_of(f"[a]\n{key} = {value}\n").startswith(f"r.conf:2: {key} {value[:60]}")
+    assert f" {said}; give a ratio between 0 and 1" in error_of(f"[a]\n{key} = {value}\n")
+
+
+def test_a_gpus_uuid_no_gpu_of_the_host_has_gets_a_warning_per_group_and_uuid() -> None:
+    config = parse_text("[b]\nGpus = GPU-1;GPU-typo\n[a]\nGpus = GPU-gone\n[c]\nMinUtil = 0.1\n")
+    assert unknown_gpus(config, ["GPU-1", "GPU-2"]) == [
+        "group [a]: Gpus names GPU-gone, which no GPU of this host has, so nothing is reserved for it there; "
+        "correct the UUID if it is meant for this host (nvidia-smi -L lists its GPUs)",
+        "group [b]: Gpus names GPU-typo, which no GPU of this host has, so nothing is reserved for it there; "
+        "correct the UUID if it is meant for this host (nvidia-smi -L lists its GPUs)",
+    ]
+    assert unknown_gpus(config, ["GPU-1", "GPU-typo", "GPU-gone"]) == []
 
 
 @pytest.mark.parametrize("separator", ["\x0c", "\u2028", "\u2029", "\x0b", "\x1c", "\x85"])

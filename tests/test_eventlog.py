@@ -10,12 +10,14 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from simgpu_env import REPO
+from structlog.testing import capture_logs
 
-from gemtrace.eventlog import is_journal_stream
+from gemtrace.eventlog import UserLines, is_journal_stream
 
 pytestmark = pytest.mark.unit
 
@@ -72,3 +74,56 @@ def test_journal_stream_must_name_both_device_and_inode(tmp_path: Path) -> None:
     assert not is_journal_stream(f"{st.st_dev + 1}:{st.st_ino}", st)
     assert not is_journal_stream(f"{st.st_dev}", st)
     assert not is_journal_stream(None, st)
+
+
+class FakeWorld:
+    """UserLines' clock and timer: time moves when the test says, a scheduled action runs when it calls it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.scheduled: list[tuple[float, Callable[[], None]]] = []
+
+    def schedule(self, seconds: float, action: Callable[[], None]) -> None:
+        self.scheduled.append((seconds, action))
+
+
+def test_a_flooding_uid_logs_its_burst_then_a_line_a_second_and_one_summary_counting_the_rest() -> None:
+    world = FakeWorld()
+    lines = UserLines(burst=20, line_seconds=1.0, summary_seconds=10.0, clock=lambda: world.now,
+                      schedule=world.schedule)
+    emitted: list[tuple[str, dict[str, object]]] = []
+
+    def emit(event: str, **values: object) -> None:
+        emitted.append((event, values))
+
+    for k in range(1000):  # 1000 bad requests from uid 1000 over 5 seconds
+        world.now = k * 0.005
+        lines.log(emit, 1000, "slot_request_refused", pid=7, size=3)
+        if k == 500:
+            assert lines.log(emit, 0, "slot_request_refused", pid=1, size=0)  # another uid in the middle
+    assert [v["uid"] for _, v in emitted].count(0) == 1
+    flooded = [v for _, v in emitted if v["uid"] == 1000]
+    assert len(flooded) == 20 + 4  # the burst, then one a second over 4.995 s
+    assert [seconds for seconds, _ in world.scheduled] == [10.0]  # one summary armed, not one per drop
+    world.now = 10.0
+    with capture_logs() as summary:
+        world.scheduled[0][1]()
+    assert summary == [{"event": "log_lines_dropped", "log_level": "warning", "uid": 1000, "dropped": 1000 - 24,
+                        "events": {"slot_request_refused": 1000 - 24}, "seconds": 10.0 - 0.1,
+                        "consequence": "this user's input triggered more than 20 lines at once or one a 1 s; the "
+                        "rest were counted, not logged"}]
+    with capture_logs() as again:
+        lines.summarize()
+    assert again == []  # counted once
+    world.now = 40.0
+    lines.summarize()
+    assert lines._buckets == {}  # quiet uids are forgotten
+
+
+def test_a_uid_the_agent_cannot_tell_has_its_own_budget() -> None:
+    world = FakeWorld()
+    lines = UserLines(burst=2, clock=lambda: world.now, schedule=world.schedule)
+    out: list[object] = []
+    sent = [lines.log(lambda event, **v: out.append(v["uid"]), uid, "slot_socket_accept_failed")
+            for uid in (None, None, None, 5)]
+    assert sent == [True, True, False, True] and out == [None, None, 5]

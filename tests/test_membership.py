@@ -3,11 +3,13 @@ the pass over a real region file with processes described by a /proc tree."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
-from gemtrace import contract
+from gemtrace import contract, eventlog
 from gemtrace import region as rg
 from gemtrace.config import parse_text
 from gemtrace.groups_of import ProcReader, parse_gids
@@ -92,6 +94,27 @@ def test_the_pass_assigns_new_slots_counts_refusals_and_clears_freed_ones(region
     # A slot whose process has gone before the agent looked stays unassigned (the reaper frees it).
     _claim(region, 5, 999, "ml")
     assert membership.tick() == 0 and region.assigned_group(5, 999) is None
+
+
+def test_a_users_refusals_are_all_counted_and_logged_within_its_budget(region: rg.Region, tmp_path: Path) -> None:
+    """A user starting many processes that ask for a group it is not admitted to: every refusal counts
+    in the metric, its lines stop at the per-uid budget (gemtrace/eventlog.py), and another user's
+    refusal right after is still logged."""
+    flooder, other = 7101, 7102  # uids of this test's own: the limiter is the process's one
+    proc = tmp_path / "proc"
+    n = eventlog.USER_BURST + 10
+    for k in range(n + 1):
+        _process(proc, 600 + k, flooder if k < n else other, [flooder if k < n else other])
+        _claim(region, k, 600 + k, "ml")
+    membership = Membership(region, lambda: CONFIG.groups, ProcReader(proc))
+    started = time.monotonic()
+    with capture_logs() as lines:
+        assert membership.tick() == n + 1
+    seconds = time.monotonic() - started
+    assert membership.refusals == {"ml": n + 1}
+    refused = [e["uid"] for e in lines if e["event"] == "group_refused"]
+    assert eventlog.USER_BURST <= refused.count(flooder) <= eventlog.USER_BURST + seconds / eventlog.LINE_SECONDS
+    assert refused.count(other) == 1
 
 
 def test_a_pid_from_a_containers_namespace_is_not_decided_for_the_hosts_process(region: rg.Region,
