@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -388,3 +389,145 @@ def test_a_gate_in_a_pid_namespace_of_its_own_is_placed_by_its_real_user(adversa
             proc.kill()
             proc.wait()
         r.close()
+
+
+# --- Issue 25: attaching is fair per user (docs/security.md, "Attaching") ---------------------------
+
+# A user's processes flood the attach socket for a while, each keeping up to CONNS connections: silent
+# (connect, say nothing), slow (a valid request just before the agent's deadline), garbage (random
+# bytes), useless (valid joins whose chunks are never used). Prints how many connections it made.
+FLOODER = r"""
+import os, random, select, socket, sys, time
+from gemtrace import contract, slot_server
+mode, path, procs, conns, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+JOIN = bytes(slot_server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_JOIN))
+def flood(seed):
+    rng, made, held, end = random.Random(seed), 0, {}, time.monotonic() + seconds
+    while time.monotonic() < end:
+        for s in select.select(list(held), [], [], 0)[0] if held else []:
+            try:
+                if mode == "useless":
+                    _, fds, _, _ = socket.recv_fds(s, 4096, contract.MAX_CHUNKS + 1)
+                    for fd in fds:
+                        os.close(fd)
+            except OSError:
+                pass
+            del held[s]
+            s.close()
+        if mode == "slow":
+            for s, since in list(held.items()):
+                if since and time.monotonic() - since > 0.9:
+                    try:
+                        s.send(bytes(slot_server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_VIEW)))
+                    except OSError:
+                        pass
+                    held[s] = 0.0
+        while len(held) < conns and time.monotonic() < end:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(0.2)
+            try:
+                s.connect(path)
+            except OSError:
+                s.close()
+                break
+            made += 1
+            try:
+                if mode == "garbage":
+                    s.send(rng.randbytes(rng.randrange(1, 300)))
+                elif mode == "useless":
+                    s.send(JOIN)
+            except OSError:
+                pass
+            held[s] = time.monotonic()
+        time.sleep(0.001)
+    return made
+children = []
+for k in range(procs):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        os.write(w, str(flood(k)).encode())
+        os._exit(0)
+    os.close(w)
+    children.append(r)
+total = 0
+for r in children:
+    total += int(os.read(r, 64) or b"0")
+    os.wait()
+print(total)
+"""
+
+# A user takes every slot chunk the agent gives it, without running anything: many joins at once (each
+# makes the agent find it a free slot), one slot of each chunk kept filled with its own pid. Prints the
+# chunks it holds, then holds them until stdin closes.
+HOARDER = r"""
+import mmap, os, sys, time
+from pathlib import Path
+from gemtrace import contract, slot_server
+state, mine, maps = Path(sys.argv[1]), set(), []
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    try:
+        reply, fds = slot_server.ask(state, contract.ATTACH_JOIN)
+    except OSError:
+        continue
+    for k, fd in enumerate(fds):
+        chunk = reply.entries[k].chunk
+        if reply.entries[k].writable and chunk not in mine:
+            mine.add(chunk)
+            view = mmap.mmap(fd, contract.CHUNK_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            view[0:4] = os.getpid().to_bytes(4, "little")
+            maps.append(view)
+        os.close(fd)
+print(len(mine), flush=True)
+sys.stdin.read()
+"""
+
+FLOODS = ("silent", "slow", "garbage", "useless")
+
+
+def roots_gated_runs(host: Host, runs: int) -> list[tuple[list[str], str, float]]:
+    """`runs` gated programs of root's, one after another, each asking train (1 GiB) for 768 MiB twice:
+    what each allocation returned, the gate's stderr, and how long the program took."""
+    results = []
+    for _ in range(runs):
+        start = time.monotonic()
+        run = subprocess.run([str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB)],
+                             env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train",
+                                          LD_PRELOAD=str(GATE)), capture_output=True, text=True, timeout=60)
+        names = [json.loads(line)["name"] for line in run.stdout.splitlines() if line.startswith('{"size"')]
+        results.append((names, run.stderr, time.monotonic() - start))
+    return results
+
+
+def refusals(agent: Running, uid: int) -> dict[str, float]:
+    return {m[1]: float(m[2]) for m in re.finditer(
+        rf'^gemtrace_attach_refusals_total\{{reason="(\w+)",uid="{uid}"\}} (\S+)$', agent.metrics(), re.M)}
+
+
+@pytest.mark.parametrize("flood", FLOODS)
+def test_another_users_flood_of_the_attach_socket_leaves_every_program_of_roots_gated(
+        adversary: Adversary, host: Host, agent: Running, flood: str) -> None:
+    """Six processes of one user, 500 connections each, for the whole of root's 12 programs: each of
+    root's is gated and gets its group's limit as an out-of-memory error, and the user's refusals are
+    counted under its own uid only."""
+    flooder = subprocess.Popen(adversary.command(sys.executable, "-c", FLOODER, flood,
+                                                 str(host.state_dir / "attach.sock"), "6", "500", "30"),
+                               env=host.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2)  # the flood is at full strength
+        results = roots_gated_runs(host, 12)
+        assert flooder.poll() is None, flooder.stderr.read() if flooder.stderr else ""
+    finally:
+        flooder.kill()
+        flooder.wait()
+    assert [names for names, _, _ in results] == [["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]] * 12, results
+    assert not [err for _, err, _ in results if "gemtrace gate" in err], results
+    theirs = refusals(agent, adversary.uid)
+    # Past its 32 waiting connections a user's oldest is dropped, so silent and slow floods mostly
+    # show as dropped; a useless join is a served request, refused nothing.
+    expected = {"silent": ("dropped",), "slow": ("dropped",), "garbage": ("malformed",), "useless": ()}[flood]
+    assert all(theirs.get(reason, 0) > 0 for reason in expected), theirs
+    assert refusals(agent, 0) == {}
+    # The user's refusals are logged a line per user and 10 s at most, not one per connection.
+    assert sum('"attach_refused"' in line for line in agent.log.read_text().splitlines()) <= 4
