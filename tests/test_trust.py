@@ -23,7 +23,9 @@ import pytest
 from agent_host import Host, Running, stop, wait_until
 from simgpu_env import REPO, RT_CLIENT, SimGpu, require_build
 
+from gemtrace import contract
 from gemtrace import region as rg
+from gemtrace.slot_space import ROOT_RESERVED_CHUNKS, SHARED_HEADROOM_CHUNKS
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +42,9 @@ class Adversary:
     gid: int
 
     def command(self, *argv: str) -> list[str]:
-        return [SETPRIV, f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", *argv]
+        # A uid with no account (another_adversary) has no groups to take.
+        groups = "--init-groups" if self.name else "--clear-groups"
+        return [SETPRIV, f"--reuid={self.uid}", f"--regid={self.gid}", groups, *argv]
 
 
 @pytest.fixture(scope="session")
@@ -459,14 +463,16 @@ print(total)
 
 # A user takes every slot chunk the agent gives it, without running anything: many joins at once (each
 # makes the agent find it a free slot), one slot of each chunk kept filled with its own pid. Prints the
-# chunks it holds, then holds them until stdin closes.
+# chunks it holds, then holds them until stdin closes. With "all", every slot of its chunks is filled.
 HOARDER = r"""
 import mmap, os, sys, time
 from pathlib import Path
 from gemtrace import contract, slot_server
 state, mine, maps = Path(sys.argv[1]), set(), []
 end = time.monotonic() + float(sys.argv[2])
-while time.monotonic() < end:
+slots = contract.CHUNK_SLOTS if sys.argv[3] == "all" else 1
+last_new = time.monotonic()
+while time.monotonic() < end and time.monotonic() - last_new < 2:  # until the agent gives no more
     try:
         reply, fds = slot_server.ask(state, contract.ATTACH_JOIN)
     except OSError:
@@ -475,8 +481,11 @@ while time.monotonic() < end:
         chunk = reply.entries[k].chunk
         if reply.entries[k].writable and chunk not in mine:
             mine.add(chunk)
+            last_new = time.monotonic()
             view = mmap.mmap(fd, contract.CHUNK_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            view[0:4] = os.getpid().to_bytes(4, "little")
+            for k in range(slots):
+                at = k * contract.SLOT_SIZE
+                view[at:at + 4] = os.getpid().to_bytes(4, "little")
             maps.append(view)
         os.close(fd)
 print(len(mine), flush=True)
@@ -486,16 +495,21 @@ sys.stdin.read()
 FLOODS = ("silent", "slow", "garbage", "useless")
 
 
+def allocations(stdout: str) -> list[str]:
+    return [json.loads(line)["name"] for line in stdout.splitlines() if line.startswith('{"size"')]
+
+
 def roots_gated_runs(host: Host, runs: int) -> list[tuple[list[str], str, float]]:
     """`runs` gated programs of root's, one after another, each asking train (1 GiB) for 768 MiB twice:
-    what each allocation returned, the gate's stderr, and how long the program took."""
+    what each allocation returned (and the exit status unless 0: a kill shows), the gate's stderr,
+    and how long the program took."""
     results = []
     for _ in range(runs):
         start = time.monotonic()
         run = subprocess.run([str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB)],
                              env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train",
                                           LD_PRELOAD=str(GATE)), capture_output=True, text=True, timeout=60)
-        names = [json.loads(line)["name"] for line in run.stdout.splitlines() if line.startswith('{"size"')]
+        names = allocations(run.stdout) + ([f"exit status {run.returncode}"] if run.returncode else [])
         results.append((names, run.stderr, time.monotonic() - start))
     return results
 
@@ -511,6 +525,23 @@ def test_another_users_flood_of_the_attach_socket_leaves_every_program_of_roots_
     """Six processes of one user, 500 connections each, for the whole of root's 12 programs: each of
     root's is gated and gets its group's limit as an out-of-memory error, and the user's refusals are
     counted under its own uid only."""
+    flooded_roots_runs(adversary, host, agent, flood)
+
+
+def test_with_ebpf_on_a_flood_gets_none_of_roots_programs_killed(adversary: Adversary, host: Host) -> None:
+    """eBPF sees every allocation: a program let through ungated past its limit would be killed. None
+    is: each gets its limit from the gate as an out-of-memory error and exits normally."""
+    running = host.start_agent(ebpf=True)
+    try:
+        wait_until("the probes attached",
+                   lambda: re.search(r"^gemtrace_probes_attached [1-9]", running.metrics(), re.M))
+        flooded_roots_runs(adversary, host, running, "silent")
+        assert '"oom_kill"' not in running.log.read_text()
+    finally:
+        assert stop(running) == 0
+
+
+def flooded_roots_runs(adversary: Adversary, host: Host, agent: Running, flood: str) -> None:
     flooder = subprocess.Popen(adversary.command(sys.executable, "-c", FLOODER, flood,
                                                  str(host.state_dir / "attach.sock"), "6", "500", "30"),
                                env=host.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -531,3 +562,108 @@ def test_another_users_flood_of_the_attach_socket_leaves_every_program_of_roots_
     assert refusals(agent, 0) == {}
     # The user's refusals are logged a line per user and 10 s at most, not one per connection.
     assert sum('"attach_refused"' in line for line in agent.log.read_text().splitlines()) <= 4
+
+
+# Users that exist nowhere but in the kernel: a uid is all a hoarder needs.
+OTHER_UIDS = (61025, 61026)
+
+
+def hoard(adversary: Adversary, host: Host, slots: str = "one") -> tuple[subprocess.Popen[str], int]:
+    """Start HOARDER as `adversary`; returns it and the chunks it took."""
+    proc = subprocess.Popen(adversary.command(sys.executable, "-c", HOARDER, str(host.state_dir), "20", slots),
+                            env=host.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip().isdigit(), proc.stderr.read() if proc.stderr else ""
+    return proc, int(line)
+
+
+def release(proc: subprocess.Popen[str]) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
+    proc.wait(timeout=10)
+
+
+def chunks_held(agent: Running) -> tuple[dict[int, float], float]:
+    text = agent.metrics()
+    held = {int(m[1]): float(m[2]) for m in re.finditer(r'^gemtrace_attach_chunks\{uid="(\d+)"\} (\S+)$', text, re.M)}
+    free = re.search(r"^gemtrace_attach_chunks_free (\S+)$", text, re.M)
+    assert free is not None
+    return held, float(free[1])
+
+
+def test_two_users_hoarding_chunks_cannot_take_roots_or_a_third_users_slots(
+        adversary: Adversary, host: Host, agent: Running) -> None:
+    """Two users ask for chunks as fast as they can and keep one slot of each taken: each gets at most
+    its share, root's programs all stay gated with their limit, and a third user still attaches."""
+    # The hoarders need the socket only; the third user runs on the simulated GPU, which is its.
+    hoarders = [Adversary("", uid, uid) for uid in OTHER_UIDS]
+    first_hoard, first = hoard(hoarders[0], host)
+    second_hoard, second = hoard(hoarders[1], host)
+    try:
+        assert first == contract.USER_CHUNKS and 0 < second < contract.USER_CHUNKS
+        held, free = chunks_held(agent)
+        assert (held[OTHER_UIDS[0]], held[OTHER_UIDS[1]]) == (first, second)
+        assert free >= ROOT_RESERVED_CHUNKS + SHARED_HEADROOM_CHUNKS
+        results = roots_gated_runs(host, 12)
+        assert [names for names, _, _ in results] == [["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]] * 12, results
+        assert not [err for _, err, _ in results if "gemtrace gate" in err], results
+        out = as_user(adversary, host, str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB),
+                      GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train", LD_PRELOAD=str(GATE))
+        assert allocations(out.stdout) == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"], out.stderr
+        assert "gemtrace gate" not in out.stderr
+    finally:
+        release(first_hoard)
+        release(second_hoard)
+
+
+def own_gated_program(adversary: Adversary, host: Host) -> subprocess.Popen[str]:
+    return subprocess.Popen(adversary.command(str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB)),
+                            env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train",
+                                         LD_PRELOAD=str(GATE)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_program_without_a_slot_waits_for_one_says_so_and_then_gets_its_limit(
+        adversary: Adversary, host: Host, agent: Running) -> None:
+    """The user's own hoard fills every slot it may have: its next gated program waits (the default),
+    says why in one line, is counted, and once slots free up runs gated, its limit an OOM error."""
+    hoarder, _ = hoard(adversary, host, "all")
+    program = own_gated_program(adversary, host)
+    try:
+        wait_until("the user's refusals counted", lambda: refusals(agent, adversary.uid).get("full", 0) > 0, timeout=10)
+        time.sleep(1)
+        assert program.poll() is None  # still waiting, nothing allocated ungated
+    finally:
+        release(hoarder)
+    out, err = program.communicate(timeout=30)
+    assert allocations(out) == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"], err
+    lines = [line for line in err.splitlines() if line.startswith("gemtrace gate:")]
+    assert lines == ["gemtrace gate: the agent has no free process slot for this user (at most 1024 each, 2048 in "
+                     "all); this program's allocations wait until it gets one, as the operator chose (gemtrace "
+                     "agent --unattached=wait)."], err
+
+
+@pytest.mark.parametrize("choice, expected", [
+    ("refuse", ["CUDA_ERROR_NOT_PERMITTED", "CUDA_ERROR_NOT_PERMITTED"]),
+    ("ungated", ["CUDA_SUCCESS", "CUDA_SUCCESS"]),
+])
+def test_the_operator_may_refuse_or_let_through_a_program_without_a_slot(
+        adversary: Adversary, host: Host, choice: str, expected: list[str]) -> None:
+    running = host.start_agent("--unattached", choice)
+    try:
+        hoarder, _ = hoard(adversary, host, "all")
+        try:
+            start = time.monotonic()
+            out, err = own_gated_program(adversary, host).communicate(timeout=60)
+            took = time.monotonic() - start
+        finally:
+            release(hoarder)
+        assert allocations(out) == expected, err
+        assert took >= contract.UNATTACHED_TRY_NS / 1e9  # it tried for its slot first
+        lines = [line for line in err.splitlines() if line.startswith("gemtrace gate:")]
+        assert len(lines) == 1 and f"--unattached={choice}" in lines[0], err
+        assert refusals(running, adversary.uid).get("full", 0) > 0
+    finally:
+        assert stop(running) == 0
