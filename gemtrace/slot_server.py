@@ -10,7 +10,9 @@ agent can replace it.
 (docs/security.md, "Attaching"): it accepts every connection at once and learns its uid there; a
 user's connections wait in that user's own queue, at most PENDING_PER_UID of them (past that the
 user's oldest goes, nobody else's), each for CLIENT_TIMEOUT_SECONDS at most; the ready ones are
-answered one user at a time, round-robin. It never blocks on a client (every socket is
+answered one user at a time, round-robin, at most ANSWERS_PER_UID of each user's between two looks
+at the listener, so that a new connection is accepted within one short round whatever one user
+sends. It never blocks on a client (every socket is
 non-blocking). Whatever one user sends, silence, garbage, or valid requests it never uses, costs
 that user's queue and chunks only. Each refused or failed attach is counted per uid
 (`AttachCounts`: gemtrace_attach_refusals_total) and logged through one method, at most one line
@@ -51,9 +53,12 @@ log = structlog.get_logger("gemtrace.slots")
 
 SOCKET_MODE = 0o666  # every local user's gates ask here; the kernel says who asks
 CLIENT_TIMEOUT_SECONDS = 1.0  # a connection says what it wants within this, or is closed
-PENDING_PER_UID = 32  # one user's connections waiting for a request; past it that user's oldest goes
+# One user's connections waiting for a request; past it that user's oldest goes. A user's gates that
+# start together (hundreds at once) each connect and ask at once: they fit, and any dropped retries.
+PENDING_PER_UID = 256
 LISTEN_BACKLOG = 4096  # the kernel's queue before accept: drained at every wake, so a flood rarely fills it
 ACCEPT_BATCH = 1024  # connections accepted per wake at most, so that ready ones are answered meanwhile
+ANSWERS_PER_UID = 8  # a user's requests answered per wake at most; the rest wait for the next
 LOG_EVERY_SECONDS = 10.0  # one log line per user at most this often for its refused attaches
 
 # Why an attach was refused or failed (the `reason` label of gemtrace_attach_refusals_total).
@@ -185,8 +190,8 @@ class SlotServer:
                 elif fd in self._uid_of:
                     ready.setdefault(self._uid_of[fd], []).append(fd)
             # One answer per user in turn: a user with many ready connections goes no faster than
-            # one with a single one.
-            while ready:
+            # one with a single one. What is left stays ready for the next wake (poll is level-triggered).
+            for _ in range(ANSWERS_PER_UID):
                 for uid in list(ready):
                     fd = ready[uid].pop(0)
                     if not ready[uid]:

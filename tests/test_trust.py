@@ -543,7 +543,7 @@ def test_with_ebpf_on_a_flood_gets_none_of_roots_programs_killed(adversary: Adve
 
 def flooded_roots_runs(adversary: Adversary, host: Host, agent: Running, flood: str) -> None:
     flooder = subprocess.Popen(adversary.command(sys.executable, "-c", FLOODER, flood,
-                                                 str(host.state_dir / "attach.sock"), "6", "500", "30"),
+                                                 str(host.state_dir / "attach.sock"), "6", "500", "60"),
                                env=host.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         time.sleep(2)  # the flood is at full strength
