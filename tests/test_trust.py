@@ -11,6 +11,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -544,13 +545,14 @@ def test_with_ebpf_on_a_flood_gets_none_of_roots_programs_killed(adversary: Adve
 def flooded_roots_runs(adversary: Adversary, host: Host, agent: Running, flood: str) -> None:
     flooder = subprocess.Popen(adversary.command(sys.executable, "-c", FLOODER, flood,
                                                  str(host.state_dir / "attach.sock"), "6", "500", "60"),
-                               env=host.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               env=host.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # its processes are one group, killed together
     try:
         time.sleep(2)  # the flood is at full strength
         results = roots_gated_runs(host, 12)
         assert flooder.poll() is None, flooder.stderr.read() if flooder.stderr else ""
     finally:
-        flooder.kill()
+        os.killpg(flooder.pid, signal.SIGKILL)
         flooder.wait()
     assert [names for names, _, _ in results] == [["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]] * 12, results
     assert not [err for _, err, _ in results if "gemtrace gate" in err], results
