@@ -179,7 +179,7 @@ class SlotServer:
         self._poll.register(self._listener.fileno(), select.POLLIN)
         self._poll.register(self._stop_r, select.POLLIN)
         while True:
-            ready: dict[int, list[int]] = {}
+            ready: dict[int, list[tuple[int, socket.socket]]] = {}
             for fd, _ in self._poll.poll(self._wait_ms()):
                 if fd == self._stop_r:
                     for fd in list(self._uid_of):
@@ -188,15 +188,20 @@ class SlotServer:
                 if fd == self._listener.fileno():
                     self._accept()
                 elif fd in self._uid_of:
-                    ready.setdefault(self._uid_of[fd], []).append(fd)
+                    uid = self._uid_of[fd]
+                    ready.setdefault(uid, []).append((fd, self._pending[uid][fd][0]))
             # One answer per user in turn: a user with many ready connections goes no faster than
             # one with a single one. What is left stays ready for the next wake (poll is level-triggered).
             for _ in range(ANSWERS_PER_UID):
                 for uid in list(ready):
-                    fd = ready[uid].pop(0)
+                    fd, ready_conn = ready[uid].pop(0)
                     if not ready[uid]:
                         del ready[uid]
-                    if fd in self._uid_of:
+                    # The very connection that was ready: an accept in this wake may have dropped it
+                    # and given its descriptor number to a new connection, maybe another user's.
+                    queue = self._pending.get(uid)
+                    entry = queue.get(fd) if queue is not None else None
+                    if entry is not None and entry[0] is ready_conn:
                         conn, pid, _ = self._forget(fd)
                         self._answer(conn, pid, uid)
             self._expire()
