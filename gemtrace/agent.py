@@ -41,6 +41,8 @@ from gemtrace.collectors.agent import AgentView
 from gemtrace.collectors.groups import GroupQuota, GroupsView
 from gemtrace.config import (
     ISOLATION_MPS,
+    UNATTACHED,
+    UNATTACHED_DEFAULT,
     ConfigError,
     ConfigWatcher,
     GroupConfig,
@@ -358,11 +360,14 @@ class Agent:
         pod_names: Path = NAMES_FILE,
         managed_host_limit: int | None = None,
         mps_control: str = mps.CONTROL,
+        unattached: str = UNATTACHED_DEFAULT,
     ) -> None:
         """`libcuda_paths`: probe only these libcuda files (None: ENV_PROBE_LIBCUDA's, or when it is
         unset every libcuda file on the host). `managed_host_limit`: the managed memory Oversubscribe
         groups may hold in all (None: MANAGED_HOST_SHARE of the host's memory). `mps_control`: the
-        nvidia-cuda-mps-control program for groups with Isolation=mps (gemtrace/mps.py)."""
+        nvidia-cuda-mps-control program for groups with Isolation=mps (gemtrace/mps.py). `unattached`:
+        what a gate without a slot does (config.UNATTACHED)."""
+        self.unattached = UNATTACHED[unattached]
         self.managed_host_limit = (int(host_memory() * defaults.MANAGED_HOST_SHARE) if managed_host_limit is None
                                    else managed_host_limit)
         self.config_path = config_path
@@ -473,6 +478,7 @@ class Agent:
                     region.free_group(index)
         region.set_gpus([(g.uuid, g.memory_total) for g in self.gpus])
         region.set_managed_host_limit(self.managed_host_limit)
+        region.set_unattached(self.unattached)
 
     def _keep_region(self) -> None:
         """The keeper thread: the heartbeat every tick, the table every TABLE_SECONDS; on the stop,

@@ -91,7 +91,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     try:
         agent = Agent(args.config, args.state_dir, use_ebpf=not args.no_ebpf, probe_mode=args.probe_mode,
                       config_poll_seconds=args.config_poll, pod_names=args.pod_names,
-                      managed_host_limit=args.managed_host_limit, mps_control=args.mps_control)
+                      managed_host_limit=args.managed_host_limit, mps_control=args.mps_control,
+                      unattached=args.unattached)
     except GpuDiscoveryError as e:
         return _fail(f"{e} The agent cannot run without it: install the NVIDIA driver (`nvidia-smi` lists the "
                      "GPUs once it works), then `systemctl restart gemtrace`. The service does not restart the "
@@ -257,6 +258,7 @@ def help_parsers() -> dict[str, argparse.ArgumentParser]:
 
 
 def parser() -> argparse.ArgumentParser:
+    from gemtrace.config import UNATTACHED, UNATTACHED_DEFAULT
     from gemtrace.kube.pods import NAMES_FILE as POD_NAMES
 
     ap = argparse.ArgumentParser(
@@ -304,6 +306,11 @@ def parser() -> argparse.ArgumentParser:
                        help="the most managed memory that Oversubscribe groups may hold in all, on every GPU "
                        f"together (default: {defaults.MANAGED_HOST_SHARE:g} of the host's memory; never more than "
                        "the host has)")
+    agent.add_argument("--unattached", choices=tuple(UNATTACHED), default=UNATTACHED_DEFAULT,
+                       help="what a gated program does while it cannot get a process slot from the agent: wait "
+                       "(default: its allocations wait, it never runs past its limit), ungated (after 5 s of "
+                       "trying it runs without limits), refuse (after 5 s its allocations fail); each says so "
+                       "on stderr (docs/security.md)")
     agent.add_argument("--mps-control", default=defaults.MPS_CONTROL, metavar="PROGRAM",
                        help="the nvidia-cuda-mps-control program that groups with Isolation=mps run under, a "
                        "name found in PATH or a path (default %(default)s; docs/mps.md)")

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import structlog
 
-from gemtrace import defaults
+from gemtrace import contract, defaults
 from gemtrace import region as rg
 
 log = structlog.get_logger("gemtrace.config")
@@ -53,6 +53,14 @@ class ConfigError(Exception):
 ISOLATION_TIME = "time"  # the scheduler gives the groups of a GPU turns (gemtrace/scheduler.py)
 ISOLATION_MPS = "mps"  # side by side through the GPU's NVIDIA MPS daemon (gemtrace/mps.py, docs/mps.md)
 ISOLATIONS = (ISOLATION_TIME, ISOLATION_MPS)
+
+# The agent's --unattached: what a gate does with its program while it cannot get a slot from the
+# live agent (hook/gemtrace_region.h, enum gt_unattached; docs/security.md, "Attaching"). It waits by
+# default: a program let through without its slot has no limit the gate can hold it to, and ungated
+# memory past its group's limit is met by an OOM kill where eBPF sees it; waiting costs a delay.
+UNATTACHED = {"wait": contract.UNATTACHED_WAIT, "ungated": contract.UNATTACHED_UNGATED,
+              "refuse": contract.UNATTACHED_REFUSE}
+UNATTACHED_DEFAULT = "wait"
 
 
 @dataclass(frozen=True)

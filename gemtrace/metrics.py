@@ -90,6 +90,15 @@ _SPECS = [
                "Times a group was found over a quota (resource: memory)."),
     MetricSpec("gemtrace_tampering_events_total", "counter", "", ("group",),
                "Slots whose figures disagreed with eBPF accounting."),
+    # attaching: the gates' socket (docs/security.md, "Attaching")
+    MetricSpec("gemtrace_attach_refusals_total", "counter", "", ("uid", "reason"),
+               "Gates' attaches the agent refused or could not serve, by the asking user's uid and reason (full: "
+               "no free process slot for that user; timeout: no request within 1 s; dropped: that user had too "
+               "many connections waiting; malformed; failed: the reply could not be sent)."),
+    MetricSpec("gemtrace_attach_chunks", "gauge", "", ("uid",),
+               "Slot chunks (32 process slots each) held by the user."),
+    MetricSpec("gemtrace_attach_chunks_free", "gauge", "", (),
+               "Slot chunks no user holds."),
     # processes
     MetricSpec("gemtrace_process_memory_bytes", "gauge", "bytes", PROCESS_LABELS,
                "Device memory the process holds through libcuda allocations."),

@@ -76,7 +76,9 @@ class Header(ctypes.Structure):
         ("managed_host_limit", u64),
         ("chunk_generation", u64),
         ("region_id", u64),
-        ("reserved", u64 * 8),
+        ("unattached", u32),
+        ("reserved0", u32),
+        ("reserved", u64 * 7),
     ]
 
 
@@ -484,6 +486,19 @@ class Region:
         """Publish how much managed memory all gated processes together may hold (hook/gemtrace_region.h)."""
         if self.layout.header.managed_host_limit != limit:
             self.layout.header.managed_host_limit = limit
+
+    def set_unattached(self, choice: int) -> None:
+        """Publish what a gate that cannot get a slot does (enum gt_unattached; the agent's --unattached)."""
+        if self.layout.header.unattached != choice:
+            self.layout.header.unattached = choice
+
+    def attach_counts(self) -> dict[tuple[int, str], int]:
+        """Refused and failed attaches per (uid, reason) since the agent started (gemtrace/slot_server.py)."""
+        return self._server.counts.counts() if self._server is not None else {}
+
+    def chunk_holdings(self) -> tuple[dict[int, int], int]:
+        """The slot chunks each user holds (uid -> count), and how many none holds."""
+        return self._keeper.holdings() if self._keeper is not None else ({}, MAX_CHUNKS)
 
     def gpu_uuids(self) -> list[str]:
         n_gpus = min(self.layout.header.n_gpus, MAX_GPUS)

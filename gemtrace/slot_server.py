@@ -6,9 +6,17 @@ kernel (SO_PEERCRED), never from the message, so a process gets writable chunks 
 only. The socket is mode 0666 in the root-owned state dir: any local user may ask, nobody but the
 agent can replace it.
 
-`SlotServer` is a thread of the agent. It never blocks on one client: connections wait in a poll set,
-a silent one is dropped after CLIENT_TIMEOUT_SECONDS, and at most MAX_PENDING are kept (the oldest goes),
-so a user who opens connections and sends nothing delays nobody's attach by more than that.
+`SlotServer` is a thread of the agent, and every local user shares it, so it is fair per user
+(docs/security.md, "Attaching"): it accepts every connection at once and learns its uid there; a
+user's connections wait in that user's own queue, at most PENDING_PER_UID of them (past that the
+user's oldest goes, nobody else's), each for CLIENT_TIMEOUT_SECONDS at most; the ready ones are
+answered one user at a time, round-robin, at most ANSWERS_PER_UID of each user's between two looks
+at the listener, so that a new connection is accepted within one short round whatever one user
+sends. It never blocks on a client (every socket is
+non-blocking). Whatever one user sends, silence, garbage, or valid requests it never uses, costs
+that user's queue and chunks only. Each refused or failed attach is counted per uid
+(`AttachCounts`: gemtrace_attach_refusals_total) and logged through one method, at most one line
+per user and LOG_EVERY_SECONDS.
 `ask()` is the client side for Python observers (`gemtrace top`, the launcher, tests).
 """
 
@@ -16,12 +24,14 @@ from __future__ import annotations
 
 import array
 import ctypes
+import errno
 import os
 import select
 import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,8 +53,22 @@ from gemtrace.slot_space import ChunkKeeper
 log = structlog.get_logger("gemtrace.slots")
 
 SOCKET_MODE = 0o666  # every local user's gates ask here; the kernel says who asks
-CLIENT_TIMEOUT_SECONDS = 1.0
-MAX_PENDING = 256
+CLIENT_TIMEOUT_SECONDS = 1.0  # a connection says what it wants within this, or is closed
+# One user's connections waiting for a request; past it that user's oldest goes. A user's gates that
+# start together (hundreds at once) each connect and ask at once: they fit, and any dropped retries.
+PENDING_PER_UID = 256
+LISTEN_BACKLOG = 4096  # the kernel's queue before accept: drained at every wake, so a flood rarely fills it
+ACCEPT_BATCH = 1024  # connections accepted per wake at most, so that ready ones are answered meanwhile
+ANSWERS_PER_UID = 8  # a user's requests answered per wake at most; the rest wait for the next
+LOG_EVERY_SECONDS = 10.0  # one log line per user at most this often for its refused attaches
+
+# Why an attach was refused or failed (the `reason` label of gemtrace_attach_refusals_total).
+FULL = "full"  # the user's chunks (or all chunks) have no free slot
+MALFORMED = "malformed"  # a request of another size, version or kind
+TIMEOUT = "timeout"  # no request within CLIENT_TIMEOUT_SECONDS
+DROPPED = "dropped"  # the user had PENDING_PER_UID connections waiting; its oldest was closed
+FAILED = "failed"  # the reply could not be sent (the client went, or does not read)
+REASONS = (FULL, MALFORMED, TIMEOUT, DROPPED, FAILED)
 
 
 class AttachRequest(ctypes.Structure):
@@ -88,6 +112,35 @@ def reply_for(request: bytes, uid: int, keeper: ChunkKeeper, bells_fd: int) -> t
     return reply, [fd for _, fd, _ in chunks] + [bells_fd]
 
 
+class AttachCounts:
+    """Refused and failed attaches per (uid, reason), and the one place they are logged: a line per
+    user at most every LOG_EVERY_SECONDS, with how many it stands for, so that a user's flood cannot
+    flood the journal. Thread-safe (the socket's thread counts, scrapes read)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[int, str], int] = {}
+        self._unlogged: dict[int, int] = {}  # uid -> refusals since its last line
+        self._logged_at: dict[int, float] = {}
+
+    def note(self, uid: int, reason: str, **fields: object) -> None:
+        with self._lock:
+            self._counts[uid, reason] = self._counts.get((uid, reason), 0) + 1
+            now = self._clock()
+            last = self._logged_at.get(uid)
+            if last is not None and now - last < LOG_EVERY_SECONDS:
+                self._unlogged[uid] = self._unlogged.get(uid, 0) + 1
+                return
+            self._logged_at[uid] = now
+            also = self._unlogged.pop(uid, 0)
+        log.warning("attach_refused", uid=uid, reason=reason, also_refused=also, **fields)
+
+    def counts(self) -> dict[tuple[int, str], int]:
+        with self._lock:
+            return dict(self._counts)
+
+
 class SlotServer:
     """The socket and its thread."""
 
@@ -96,14 +149,19 @@ class SlotServer:
         self.path = state_dir / ATTACH_SOCKET
         self.keeper = keeper
         self.bells_fd = bells_fd
+        self.counts = AttachCounts()
         self._on_join = on_join  # called after each join answered: a gate is about to claim a slot
         self.path.unlink(missing_ok=True)  # a dead agent's
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._listener.bind(str(self.path))
         os.chmod(self.path, SOCKET_MODE)
-        self._listener.listen(128)
+        self._listener.listen(LISTEN_BACKLOG)
         self._listener.setblocking(False)
         self._stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        self._poll = select.poll()
+        # uid -> its connections waiting for a request, oldest first: fd -> (socket, pid, deadline)
+        self._pending: dict[int, OrderedDict[int, tuple[socket.socket, int, float]]] = {}
+        self._uid_of: dict[int, int] = {}  # fd -> uid
         self._thread = threading.Thread(target=self._serve, name="gemtrace-slots", daemon=True)
         self._thread.start()
 
@@ -119,63 +177,121 @@ class SlotServer:
             pass
 
     def _serve(self) -> None:
-        poll = select.poll()
-        poll.register(self._listener.fileno(), select.POLLIN)
-        poll.register(self._stop_r, select.POLLIN)
-        pending: dict[int, tuple[socket.socket, float]] = {}
+        self._poll.register(self._listener.fileno(), select.POLLIN)
+        self._poll.register(self._stop_r, select.POLLIN)
         while True:
-            for fd, _ in poll.poll(int(CLIENT_TIMEOUT_SECONDS * 500)):
+            ready: dict[int, list[tuple[int, socket.socket]]] = {}
+            for fd, _ in self._poll.poll(self._wait_ms()):
                 if fd == self._stop_r:
-                    for conn, _ in pending.values():
-                        conn.close()
+                    for fd in list(self._uid_of):
+                        self._forget(fd)[0].close()
                     return
                 if fd == self._listener.fileno():
-                    self._accept(poll, pending)
-                elif fd in pending:
-                    conn, _ = pending.pop(fd)
-                    poll.unregister(fd)
-                    self._answer(conn)
-            now = time.monotonic()
-            for fd, (conn, since) in list(pending.items()):
-                if now - since > CLIENT_TIMEOUT_SECONDS:
-                    del pending[fd]
-                    poll.unregister(fd)
-                    conn.close()
+                    self._accept()
+                elif fd in self._uid_of:
+                    uid = self._uid_of[fd]
+                    ready.setdefault(uid, []).append((fd, self._pending[uid][fd][0]))
+            # One answer per user in turn: a user with many ready connections goes no faster than
+            # one with a single one. What is left stays ready for the next wake (poll is level-triggered).
+            for _ in range(ANSWERS_PER_UID):
+                for uid in list(ready):
+                    fd, ready_conn = ready[uid].pop(0)
+                    if not ready[uid]:
+                        del ready[uid]
+                    # The very connection that was ready: an accept in this wake may have dropped it
+                    # and given its descriptor number to a new connection, maybe another user's.
+                    queue = self._pending.get(uid)
+                    entry = queue.get(fd) if queue is not None else None
+                    if entry is not None and entry[0] is ready_conn:
+                        conn, pid, _ = self._forget(fd)
+                        self._answer(conn, pid, uid)
+            self._expire()
 
-    def _accept(self, poll: select.poll, pending: dict[int, tuple[socket.socket, float]]) -> None:
-        while True:
+    def _wait_ms(self) -> int:
+        """Until the nearest deadline (each user's oldest connection is its nearest)."""
+        deadlines = [next(iter(q.values()))[2] for q in self._pending.values() if q]
+        if not deadlines:
+            return -1
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for uid, queue in list(self._pending.items()):
+            while queue:
+                fd, (_, pid, deadline) = next(iter(queue.items()))
+                if deadline > now:
+                    break
+                self._forget(fd)[0].close()
+                self.counts.note(uid, TIMEOUT, pid=pid)
+
+    def _forget(self, fd: int) -> tuple[socket.socket, int, float]:
+        uid = self._uid_of.pop(fd)
+        queue = self._pending[uid]
+        entry = queue.pop(fd)
+        if not queue:
+            del self._pending[uid]
+        self._poll.unregister(fd)
+        return entry
+
+    def _accept(self) -> None:
+        for _ in range(ACCEPT_BATCH):
             try:
                 conn, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # out of descriptors: the client retries within a second
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self._shed():
+                    continue  # a descriptor is free again: the connection waiting in the kernel comes next
                 USER_LINES.log(log.warning, None, "slot_socket_accept_failed", error=e.strerror or str(e))
                 return
-            if len(pending) >= MAX_PENDING:
-                oldest = min(pending, key=lambda fd: pending[fd][1])
-                pending.pop(oldest)[0].close()
-                poll.unregister(oldest)
-            conn.setblocking(False)
-            pending[conn.fileno()] = (conn, time.monotonic())
-            poll.register(conn.fileno(), select.POLLIN)
-
-    def _answer(self, conn: socket.socket) -> None:
-        uid: int | None = None  # who asked, for the per-uid limit on the lines below (gemtrace/eventlog.py)
-        try:
-            with conn:
+            try:
                 pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                                   struct.calcsize("3i")))
+            except OSError:
+                conn.close()
+                continue
+            conn.setblocking(False)
+            queue = self._pending.setdefault(uid, OrderedDict())
+            if len(queue) >= PENDING_PER_UID:
+                old, old_pid, _ = self._forget(next(iter(queue)))
+                old.close()
+                self.counts.note(uid, DROPPED, pid=old_pid)
+                queue = self._pending.setdefault(uid, OrderedDict())
+            fd = conn.fileno()
+            queue[fd] = (conn, pid, time.monotonic() + CLIENT_TIMEOUT_SECONDS)
+            self._uid_of[fd] = uid
+            self._poll.register(fd, select.POLLIN)
+
+    def _shed(self) -> bool:
+        """Out of descriptors: close the oldest connection of the user with the most waiting, so that
+        the agent's limit is spent by whoever spends most of it. False when none waits."""
+        if not self._pending:
+            return False
+        uid = max(self._pending, key=lambda u: len(self._pending[u]))
+        fd = next(iter(self._pending[uid]))
+        conn, pid, _ = self._forget(fd)
+        conn.close()
+        self.counts.note(uid, DROPPED, pid=pid)
+        return True
+
+    def _answer(self, conn: socket.socket, pid: int, uid: int) -> None:
+        try:
+            with conn:
                 request = conn.recv(256)
+                if not request:
+                    return  # the client went away before asking: nothing was refused
                 reply, fds = reply_for(request, uid, self.keeper, self.bells_fd)
                 if reply.status == ATTACH_REFUSED:
-                    USER_LINES.log(log.info, uid, "slot_request_refused", pid=pid, size=len(request))
+                    self.counts.note(uid, MALFORMED, pid=pid, size=len(request))
+                elif reply.status == ATTACH_FULL:
+                    self.counts.note(uid, FULL, pid=pid)
                 ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
                 conn.sendmsg([bytes(reply)], ancillary)
                 joined = reply.status == ATTACH_OK and AttachRequest.from_buffer_copy(request).kind == ATTACH_JOIN
                 if joined and self._on_join is not None:
                     self._on_join()
         except OSError as e:
-            USER_LINES.log(log.info, uid, "slot_request_failed", error=e.strerror or str(e))
+            self.counts.note(uid, FAILED, pid=pid, error=e.strerror or str(e))
         except Exception:  # never let one client end the thread every gate needs
             USER_LINES.log(log.exception, uid, "slot_request_crashed")
 

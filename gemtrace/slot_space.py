@@ -24,7 +24,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gemtrace.contract import CHUNK_BYTES, CHUNK_SLOTS, MAX_CHUNKS, MAX_SLOTS, NO_OWNER, SLOTS_MEMFD, USER_CHUNKS
+from gemtrace.contract import (
+    CHUNK_BYTES,
+    CHUNK_SLOTS,
+    MAX_CHUNKS,
+    MAX_SLOTS,
+    NO_OWNER,
+    SLOT_SIZE,
+    SLOTS_MEMFD,
+    USER_CHUNKS,
+)
 
 if TYPE_CHECKING:
     from gemtrace.region import RegionLayout, SlotTableLayout
@@ -37,6 +46,15 @@ CHUNK_MODE = 0o600
 # unowned: a gate that was just told the chunk is its user's has claimed its slot by then.
 RECLAIM_AFTER_SECONDS = 10.0
 JOIN_WINDOW_SECONDS = 1.0  # a gate claims its slot within this of its answer
+
+# Every local user may ask for chunks, and a user's process can keep a slot of each of its chunks
+# taken for as long as it lives, so chunks are shared out so that no user's asking can take another's
+# (docs/security.md, "Attaching"): root's gates (the operator's) always find ROOT_RESERVED_CHUNKS that
+# no other user may take, and a user's second and later chunks leave SHARED_HEADROOM_CHUNKS unowned,
+# so that every other user still finds a first chunk (32 processes) while some hoard.
+ROOT_UID = 0
+ROOT_RESERVED_CHUNKS = 8
+SHARED_HEADROOM_CHUNKS = 8
 
 _PROT_READ, _PROT_WRITE = 1, 2
 _MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
@@ -190,6 +208,15 @@ class ChunkKeeper:
     def generation(self) -> int:
         return int(self.layout.header.chunk_generation)
 
+    def holdings(self) -> tuple[dict[int, int], int]:
+        """The chunks each user holds (uid -> count), and how many no user holds."""
+        with self._lock:
+            held: dict[int, int] = {}
+            for chunk in self._fds:
+                uid = int(self.layout.chunk_owner[chunk])
+                held[uid] = held.get(uid, 0) + 1
+            return held, MAX_CHUNKS - len(self._fds)
+
     # -- restart -------------------------------------------------------------------------------------
 
     def recover(self, proc_root: Path = Path("/proc")) -> int:
@@ -223,16 +250,18 @@ class ChunkKeeper:
         return [c for c in self._fds if self.layout.chunk_owner[c] == uid]
 
     def _free_slots(self, chunk: int) -> int:
-        table = self.space.table()
-        return sum(table.slots[i].pid == 0 for i in range(chunk * CHUNK_SLOTS, (chunk + 1) * CHUNK_SLOTS))
+        # The chunk's pids (the first word of each slot) in one read: every join asks this of each of
+        # its user's chunks, and a user may join as fast as it can.
+        words = (ctypes.c_int32 * (CHUNK_BYTES // 4)).from_address(self.space.address + chunk * CHUNK_BYTES)
+        return memoryview(words).cast("B").cast("i")[::SLOT_SIZE // 4].tolist().count(0)
 
     def _new_chunk(self, uid: int) -> int | None:
         free = [c for c in range(MAX_CHUNKS) if c not in self._fds]
-        if not free:
-            free = self._reclaimable()
-            if not free:
-                self._log("slot_chunks_full", uid=uid, chunks=MAX_CHUNKS)
-                return None
+        kept = self._kept_from(uid)
+        if len(free) <= kept:
+            free += self._reclaimable(uid)
+        if len(free) <= kept:
+            return None  # the socket counts and logs the refusal (gemtrace/slot_server.py), once per user
         chunk = free[0]
         fd = sealed_memfd(chunk_name(int(self.layout.header.region_id), chunk, uid), CHUNK_BYTES)
         old = self._fds.get(chunk)
@@ -244,11 +273,23 @@ class ChunkKeeper:
         self._log("slot_chunk_made", chunk=chunk, uid=uid)
         return chunk
 
-    def _reclaimable(self) -> list[int]:
-        """Chunks of other users that have had no slot taken for RECLAIM_AFTER_SECONDS."""
+    def _kept_from(self, uid: int) -> int:
+        """How many of the chunks free now a new chunk for `uid` must leave free: root's reserve (what
+        root does not hold of it yet), and for a user who has a chunk already, the others' headroom."""
+        if uid == ROOT_UID:
+            return 0
+        root_short = max(0, ROOT_RESERVED_CHUNKS - len(self._owned_by(ROOT_UID)))
+        return root_short + (SHARED_HEADROOM_CHUNKS if self._owned_by(uid) else 0)
+
+    def _reclaimable(self, uid: int) -> list[int]:
+        """Chunks that have had no slot taken for RECLAIM_AFTER_SECONDS (root's only past its reserve,
+        unless root asks)."""
         now = time.monotonic()
         ready = []
+        spare_root = uid == ROOT_UID or len(self._owned_by(ROOT_UID)) > ROOT_RESERVED_CHUNKS
         for chunk in sorted(self._fds):
+            if not spare_root and self.layout.chunk_owner[chunk] == ROOT_UID:
+                continue
             if self._free_slots(chunk) < CHUNK_SLOTS:
                 self._empty_since.pop(chunk, None)
                 continue

@@ -7,9 +7,12 @@
  * processes on a node: HAMi #1662, https://github.com/Project-HAMi/HAMi/issues/1662). The region is
  * mapped read-only; the slot table comes from the agent's socket, as sealed memfd chunks: our user's
  * writable, the rest read-only (gemtrace_region.h). The gate asks for a group (GEMTRACE_GROUP, written
- * in its slot) and the agent decides. Without the region or the socket, or with another layout
- * version, the gate says so once on stderr and passes everything through, retrying at most once a
- * second (the agent may start after the program).
+ * in its slot) and the agent decides. Without a live agent (no region, another layout version, a
+ * silent heartbeat), the gate says so once on stderr and passes everything through, retrying at most
+ * once a second (the agent may start after the program). With a live agent that gives no slot (its
+ * socket busy, this user's slots all taken), the gate does what the operator chose (header.unattached,
+ * enum gt_unattached): its allocations wait, retrying with a backoff, or after a few seconds run
+ * ungated or fail; it says which in one line on stderr (docs/security.md, "Attaching").
  */
 #define _GNU_SOURCE
 #include "gate.h"
@@ -38,8 +41,15 @@ static pthread_mutex_t attach_lock = PTHREAD_MUTEX_INITIALIZER;
 static uint64_t last_attempt_ns;
 static unsigned said; /* bit per message kind already printed */
 
-enum { SAID_NO_REGION = 1, SAID_VERSION = 2, SAID_GROUP = 4, SAID_FULL = 8, SAID_FOREIGN = 16, SAID_UNASSIGNED = 32,
-       SAID_NO_DEFAULT = 64, SAID_NO_SOCKET = 128, SAID_BAD_CHUNK = 256, SAID_BAD_BELLS = 512 };
+/* Attaching to a live agent that gives no slot (under attach_lock): since when, why, and whether the
+ * operator's ungated or refuse has been given to the program (enum gt_unattached + 1, 0 while trying). */
+static uint64_t first_refusal_ns;
+static char refusal[160];
+static int gave_up;
+#define GAVE_UP(choice) ((choice) + 1)
+
+enum { SAID_NO_REGION = 1, SAID_VERSION = 2, SAID_GROUP = 4, SAID_WAITING = 8, SAID_FOREIGN = 16, SAID_UNASSIGNED = 32,
+       SAID_NO_DEFAULT = 64, SAID_NO_SOCKET = 128, SAID_BAD_CHUNK = 256, SAID_BAD_BELLS = 512, SAID_GAVE_UP = 1024 };
 
 #define GT_TABLE_BYTES ((size_t)GT_MAX_SLOTS * GT_SLOT_SIZE)
 
@@ -63,12 +73,13 @@ static void say_once(unsigned kind, const char *fmt, ...)
     va_end(ap);
 }
 
-bool gt_agent_alive(void)
+static bool alive(const struct gt_region *r)
 {
-    const struct gt_region *r = gt_proc.region;
     uint64_t beat = __atomic_load_n(&r->header.heartbeat_ns, __ATOMIC_ACQUIRE);
     return beat != 0 && gt_now_ns() - beat < GT_HEARTBEAT_STALE_NS;
 }
+
+bool gt_agent_alive(void) { return alive(gt_proc.region); }
 
 /* /proc/self/stat field 22, the process's start time: tells a reused pid apart for the agent. */
 static uint64_t read_start_time(void)
@@ -152,8 +163,7 @@ static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *rep
     setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof timeout);
     struct gt_attach_request request = {.version = GT_REGION_VERSION, .kind = kind};
     if (connect(sock, (struct sockaddr *)&addr, sizeof addr) != 0 || send(sock, &request, sizeof request, 0) != sizeof request) {
-        say_once(SAID_NO_SOCKET, "cannot reach the agent at %s (%s); running ungated for now.", addr.sun_path,
-                 strerror(errno));
+        snprintf(refusal, sizeof refusal, "cannot reach the agent at %s: %s", addr.sun_path, strerror(errno));
         close(sock);
         return -1;
     }
@@ -163,6 +173,9 @@ static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *rep
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf, .msg_controllen = sizeof control.buf};
     memset(reply, 0, sizeof *reply);
     ssize_t got = recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    if (got <= 0)
+        snprintf(refusal, sizeof refusal, "the agent at %s did not answer: %s", addr.sun_path,
+                 got < 0 ? strerror(errno) : "it closed the connection");
     close(sock);
     int n = 0;
     for (struct cmsghdr *c = got > 0 ? CMSG_FIRSTHDR(&msg) : NULL; c; c = CMSG_NXTHDR(&msg, c)) {
@@ -184,6 +197,8 @@ static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *rep
     for (uint32_t k = 0; sound && k < reply->n_entries; k++)
         sound = reply->entries[k].chunk < GT_MAX_CHUNKS;
     if (!sound) {
+        if (got > 0)
+            snprintf(refusal, sizeof refusal, "the agent at %s answered in another shape", addr.sun_path);
         for (int k = 0; k < n; k++)
             close(got_fds[k]);
         return -1;
@@ -343,7 +358,7 @@ static int join(const char *dir, struct gt_slot *table, int32_t pid, uint64_t *g
         if (index >= 0)
             return index;
     }
-    say_once(SAID_FULL, "the agent has no free process slot for this user (%d slots each, %d in all); running ungated.",
+    snprintf(refusal, sizeof refusal, "the agent has no free process slot for this user (at most %d each, %d in all)",
              GT_USER_CHUNKS * GT_CHUNK_SLOTS, GT_MAX_SLOTS);
     return -1;
 }
@@ -387,6 +402,109 @@ static void await_assignment(const struct gt_region *r, uint32_t index)
     }
 }
 
+enum attempt { ATTACHED, NO_AGENT, NO_SLOT };
+
+/* One try: map the region, join, claim a slot. NO_SLOT: a live agent gave none (`refusal` says why),
+ * and *choice is what the operator chose for that (enum gt_unattached). */
+static enum attempt try_attach(int *choice)
+{
+    const char *dir = state_dir();
+    const char *requested = getenv(GT_ENV_GROUP);
+    if (!requested || !*requested)
+        requested = GT_DEFAULT_GROUP;
+    const struct gt_region *r = map_region(dir);
+    int fallback = r ? find_group(r, GT_DEFAULT_GROUP) : -1;
+    if (r && fallback < 0)
+        say_once(SAID_NO_DEFAULT, "the agent's region defines no \"" GT_DEFAULT_GROUP "\" group; running ungated.");
+    if (fallback >= 0 && find_group(r, requested) < 0)
+        say_once(SAID_GROUP, "group '%s' is not defined by the agent's resource file; the agent places this "
+                 "process in its cgroup's group or \"" GT_DEFAULT_GROUP "\".", requested);
+    struct gt_slot *table = fallback >= 0 ? reserve_table() : NULL;
+    int32_t pid = (int32_t)getpid();
+    uint64_t generation = 0;
+    int index = table ? join(dir, table, pid, &generation) : -1;
+    if (index >= 0) {
+        struct gt_slot *slot = &table[index];
+        fill_slot(slot, requested);
+        gt_proc.region = r;
+        gt_proc.slots = table;
+        gt_proc.view_generation = generation;
+        gt_proc.slot = slot;
+        gt_proc.slot_index = (uint32_t)index;
+        gt_proc.fallback_group = (uint32_t)fallback;
+        await_assignment(r, (uint32_t)index);
+        __atomic_store_n(&gt_proc.attached, 1, __ATOMIC_RELEASE);
+        return ATTACHED;
+    }
+    enum attempt outcome = table && alive(r) ? NO_SLOT : NO_AGENT;
+    if (outcome == NO_SLOT) {
+        uint32_t chosen = __atomic_load_n(&r->header.unattached, __ATOMIC_ACQUIRE);
+        *choice = chosen <= GT_UNATTACHED_REFUSE ? (int)chosen : GT_UNATTACHED_WAIT;
+    } else if (table) {
+        say_once(SAID_NO_SOCKET, "%s, and its heartbeat is silent; running ungated until it is back.", refusal);
+    }
+    if (table)
+        munmap(table, GT_TABLE_BYTES); /* the chunks mapped into it go with it */
+    if (r)
+        munmap((void *)r, sizeof *r);
+    return outcome;
+}
+
+static void pause_ns(uint64_t ns)
+{
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000ull), .tv_nsec = (long)(ns % 1000000000ull)};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+}
+
+/* Try, and while a live agent gives no slot do what the operator chose: with `wait` (an allocation)
+ * retry with a backoff, for ever under GT_UNATTACHED_WAIT, for GT_UNATTACHED_TRY_NS under the others,
+ * which then let the program through ungated or refuse its allocations. Under attach_lock. */
+static bool attach_or_wait(bool wait)
+{
+    uint64_t backoff = 10000000ull;
+    for (;;) {
+        int choice = GT_UNATTACHED_WAIT;
+        last_attempt_ns = gt_now_ns();
+        enum attempt outcome = try_attach(&choice);
+        if (outcome == ATTACHED) {
+            first_refusal_ns = 0;
+            __atomic_store_n(&gave_up, 0, __ATOMIC_RELEASE);
+            return true;
+        }
+        if (outcome == NO_AGENT) {
+            first_refusal_ns = 0;
+            return false;
+        }
+        uint64_t now = gt_now_ns();
+        if (first_refusal_ns == 0)
+            first_refusal_ns = now;
+        if (choice == GT_UNATTACHED_WAIT) {
+            __atomic_store_n(&gave_up, 0, __ATOMIC_RELEASE);
+            say_once(SAID_WAITING, "%s; this program's allocations wait until it gets one, as the operator chose "
+                     "(gemtrace agent --unattached=wait).", refusal);
+        } else if (now - first_refusal_ns >= GT_UNATTACHED_TRY_NS) {
+            __atomic_store_n(&gave_up, GAVE_UP(choice), __ATOMIC_RELEASE);
+            if (choice == GT_UNATTACHED_UNGATED)
+                say_once(SAID_GAVE_UP, "%s; running ungated, as the operator chose (gemtrace agent --unattached=ungated): "
+                         "this program's memory is not held to its group's limit.", refusal);
+            else
+                say_once(SAID_GAVE_UP, "%s; its allocations fail with CUDA_ERROR_NOT_PERMITTED, as the operator chose "
+                         "(gemtrace agent --unattached=refuse): run it again later, or ask the operator.", refusal);
+            return false;
+        }
+        if (!wait)
+            return false;
+        pause_ns(backoff);
+        backoff = backoff * 2 < GT_ATTACH_BACKOFF_MAX_NS ? backoff * 2 : GT_ATTACH_BACKOFF_MAX_NS;
+    }
+}
+
+bool gt_attach_refused(void)
+{
+    return __atomic_load_n(&gave_up, __ATOMIC_ACQUIRE) == GAVE_UP(GT_UNATTACHED_REFUSE) && !gt_attached();
+}
+
 bool gt_attach_slow(bool wait)
 {
     if (gt_attached())
@@ -397,44 +515,13 @@ bool gt_attach_slow(bool wait)
         pthread_mutex_lock(&attach_lock);
     else if (pthread_mutex_trylock(&attach_lock) != 0)
         return false;
-    uint64_t now = gt_now_ns();
     bool ok = gt_attached();
-    if (!ok && (last_attempt_ns == 0 || now - last_attempt_ns >= 1000000000ull)) {
-        last_attempt_ns = now;
-        const char *dir = state_dir();
-        const char *requested = getenv(GT_ENV_GROUP);
-        if (!requested || !*requested)
-            requested = GT_DEFAULT_GROUP;
-        const struct gt_region *r = map_region(dir);
-        int fallback = r ? find_group(r, GT_DEFAULT_GROUP) : -1;
-        if (r && fallback < 0)
-            say_once(SAID_NO_DEFAULT, "the agent's region defines no \"" GT_DEFAULT_GROUP "\" group; running ungated.");
-        if (fallback >= 0 && find_group(r, requested) < 0)
-            say_once(SAID_GROUP, "group '%s' is not defined by the agent's resource file; the agent places this "
-                     "process in its cgroup's group or \"" GT_DEFAULT_GROUP "\".", requested);
-        struct gt_slot *table = fallback >= 0 ? reserve_table() : NULL;
-        int32_t pid = (int32_t)getpid();
-        uint64_t generation = 0;
-        int index = table ? join(dir, table, pid, &generation) : -1;
-        if (index >= 0) {
-            struct gt_slot *slot = &table[index];
-            fill_slot(slot, requested);
-            gt_proc.region = r;
-            gt_proc.slots = table;
-            gt_proc.view_generation = generation;
-            gt_proc.slot = slot;
-            gt_proc.slot_index = (uint32_t)index;
-            gt_proc.fallback_group = (uint32_t)fallback;
-            await_assignment(r, (uint32_t)index);
-            __atomic_store_n(&gt_proc.attached, 1, __ATOMIC_RELEASE);
-            ok = true;
-        } else {
-            if (table)
-                munmap(table, GT_TABLE_BYTES); /* the chunks mapped into it go with it */
-            if (r)
-                munmap((void *)r, sizeof *r);
-        }
-    }
+    /* At most a try a second, except for an allocation while a live agent gives no slot and the
+     * program has not been let through (or refused) yet: that one waits for its slot. */
+    bool due = last_attempt_ns == 0 || gt_now_ns() - last_attempt_ns >= 1000000000ull;
+    bool holding = first_refusal_ns != 0 && __atomic_load_n(&gave_up, __ATOMIC_ACQUIRE) == 0;
+    if (!ok && (due || (wait && holding)))
+        ok = attach_or_wait(wait);
     pthread_mutex_unlock(&attach_lock);
     return ok;
 }
@@ -595,6 +682,8 @@ static void after_fork_in_child(void)
     if (table)
         munmap(table, GT_TABLE_BYTES);
     last_attempt_ns = 0;
+    first_refusal_ns = 0;
+    gave_up = 0;
     cached_ctx = NULL;
     cached_gpu = -1;
     cached_stream = NULL;

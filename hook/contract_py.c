@@ -97,6 +97,12 @@ int main(void)
     INT(GT_ATTACH_OK);
     INT(GT_ATTACH_FULL);
     INT(GT_ATTACH_REFUSED);
+    puts("# enum gt_unattached: what a gate without a slot does (header.unattached)");
+    INT(GT_UNATTACHED_WAIT);
+    INT(GT_UNATTACHED_UNGATED);
+    INT(GT_UNATTACHED_REFUSE);
+    INT(GT_UNATTACHED_TRY_NS);
+    INT(GT_ATTACH_BACKOFF_MAX_NS);
     puts("# enum gt_slot_flags");
     INT(GT_SLOT_GATED);
 

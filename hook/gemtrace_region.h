@@ -124,7 +124,7 @@
 #include <stdint.h>
 
 #define GT_REGION_MAGIC 0x45434152544d4547ULL /* "GEMTRACE" read as a little-endian uint64 */
-#define GT_REGION_VERSION 7u
+#define GT_REGION_VERSION 8u
 #define GT_REGION_FILE "region"
 #define GT_ATTACH_SOCKET "attach.sock" /* in the state dir: where gates ask for their slots */
 #define GT_SLOTS_MEMFD "gemtrace-slots" /* the chunks' memfd names begin so */
@@ -166,6 +166,18 @@ enum gt_held {
     GT_RELEASED_LONG_QUEUE = 4,
 };
 
+/* Attaching (docs/security.md, "Attaching"): what a gate does with its program's CUDA calls while it
+ * cannot get a slot from a live agent (header.unattached, the agent's --unattached). It retries all
+ * the while, and says so on stderr in one line; a program that never attached has no limit the gate
+ * could enforce, and with eBPF on the agent would kill it for what it allocates past its group's. */
+enum gt_unattached {
+    GT_UNATTACHED_WAIT = 0,    /* its allocations wait until it attaches (the default) */
+    GT_UNATTACHED_UNGATED = 1, /* after GT_UNATTACHED_TRY_NS of trying, it runs ungated */
+    GT_UNATTACHED_REFUSE = 2,  /* after GT_UNATTACHED_TRY_NS of trying, its allocations fail (NOT_PERMITTED) */
+};
+#define GT_UNATTACHED_TRY_NS 5000000000ull     /* how long ungated and refuse try before they give up */
+#define GT_ATTACH_BACKOFF_MAX_NS 1000000000ull /* retries start at 10 ms and double up to this */
+
 /* The socket's two requests (struct gt_attach_request.kind). */
 enum gt_attach_kind {
     GT_ATTACH_JOIN = 1, /* a gate: my user's chunks writable (one with a free slot at least), the rest read-only */
@@ -195,7 +207,10 @@ struct gt_header {
                                     the host can back (0: none; see Oversubscription below) */
     uint64_t chunk_generation;   /* changes whenever chunk_owner[] does: a gate then maps the view again */
     uint64_t region_id;          /* random, set when the file is made: names this region's chunk memfds */
-    uint64_t reserved[8];
+    /* Attaching (version 8): */
+    uint32_t unattached;         /* enum gt_unattached: the operator's choice for a gate without a slot */
+    uint32_t reserved0;
+    uint64_t reserved[7];
 };
 
 struct gt_gpu {                  /* agent-owned; index = gpu index used everywhere else */

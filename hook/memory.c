@@ -465,18 +465,24 @@ static CUresult allocate_managed(int gpu, CUdeviceptr *dptr, size_t bytes)
     return CUDA_SUCCESS;
 }
 
-/* The GPU an allocation lands on, or -1 when the gate does not count it (not attached, unknown GPU). */
+/* An allocation of a program that could not attach, where the operator chose to refuse those
+ * (gemtrace agent --unattached=refuse; attach.c said so on stderr). */
+#define GPU_REFUSED (-2)
+#define UNATTACHED() (gt_attach_refused() ? GPU_REFUSED : -1)
+
+/* The GPU an allocation lands on, or -1 when the gate does not count it (not attached, unknown GPU),
+ * or GPU_REFUSED. */
 static int gpu_for_allocation(void)
 {
     if (!gt_attached() && !gt_attach_slow(true))
-        return -1;
+        return UNATTACHED();
     return gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_current_gpu();
 }
 
 static int gpu_for_device(CUdevice device)
 {
     if (!gt_attached() && !gt_attach_slow(true))
-        return -1;
+        return UNATTACHED();
     int gpu = gt_gpu_of_device(device);
     if (gpu >= 0)
         gt_note_gpu(gpu);
@@ -487,14 +493,14 @@ static int gpu_for_device(CUdevice device)
 static int gpu_for_stream(CUstream stream)
 {
     if (!gt_attached() && !gt_attach_slow(true))
-        return -1;
+        return UNATTACHED();
     return gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_stream_gpu(stream);
 }
 
 static int gpu_for_pool(CUmemoryPool pool, CUstream stream)
 {
     if (!gt_attached() && !gt_attach_slow(true))
-        return -1;
+        return UNATTACHED();
     if (gt_proc.single_gpu >= 0)
         return gt_proc.single_gpu;
     CUdevice device = device_of_pool(pool);
@@ -505,6 +511,8 @@ static int gpu_for_pool(CUmemoryPool pool, CUstream stream)
 #define GT_ALLOCATE(gpu, bytes, dptr, call)                                                         \
     do {                                                                                            \
         int gpu_ = (gpu);                                                                           \
+        if (gpu_ == GPU_REFUSED)                                                                    \
+            return CUDA_ERROR_NOT_PERMITTED;                                                        \
         if (gpu_ < 0)                                                                               \
             return (call);                                                                          \
         CUresult reserved_ = reserve(gpu_, (bytes));                                                \
@@ -596,6 +604,8 @@ GT_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
     if (!GT_REAL(cuMemAllocPitch_v2))
         return CUDA_ERROR_NOT_FOUND;
     int gpu = gpu_for_allocation();
+    if (gpu == GPU_REFUSED)
+        return CUDA_ERROR_NOT_PERMITTED;
     if (gpu < 0)
         return gt_real.cuMemAllocPitch_v2(dptr, pitch, width, height, element_bytes);
     uint64_t estimate = (uint64_t)width * height;
@@ -624,6 +634,8 @@ GT_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t byte
     if (!GT_REAL(cuMemCreate))
         return CUDA_ERROR_NOT_FOUND;
     int gpu = prop && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE ? gpu_for_device(prop->location.id) : -1;
+    if (gpu == GPU_REFUSED)
+        return CUDA_ERROR_NOT_PERMITTED;
     if (gpu < 0)
         return gt_real.cuMemCreate(handle, bytes, prop, flags);
     CUresult r = reserve(gpu, bytes);

@@ -80,6 +80,7 @@ def test_the_issue_s_alerts_are_all_there() -> None:
         "GemtraceGroupMemoryOverLimit", "GemtraceGroupOOMKill", "GemtraceGroupBelowMinUtil",
         "GemtraceGroupAtMaxUtil", "GemtraceAgentDown", "GemtraceAgentAbsent",
         "GemtraceConfigReloadFailing", "GemtraceProbesNotAttached", "GemtraceSlotTampering",
+        "GemtraceAttachRefused",
     }
 
 

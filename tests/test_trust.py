@@ -11,9 +11,11 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,9 @@ import pytest
 from agent_host import Host, Running, stop, wait_until
 from simgpu_env import REPO, RT_CLIENT, SimGpu, require_build
 
+from gemtrace import contract
 from gemtrace import region as rg
+from gemtrace.slot_space import ROOT_RESERVED_CHUNKS, SHARED_HEADROOM_CHUNKS
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +43,9 @@ class Adversary:
     gid: int
 
     def command(self, *argv: str) -> list[str]:
-        return [SETPRIV, f"--reuid={self.uid}", f"--regid={self.gid}", "--init-groups", *argv]
+        # A uid with no account (another_adversary) has no groups to take.
+        groups = "--init-groups" if self.name else "--clear-groups"
+        return [SETPRIV, f"--reuid={self.uid}", f"--regid={self.gid}", groups, *argv]
 
 
 @pytest.fixture(scope="session")
@@ -388,3 +394,278 @@ def test_a_gate_in_a_pid_namespace_of_its_own_is_placed_by_its_real_user(adversa
             proc.kill()
             proc.wait()
         r.close()
+
+
+# --- Issue 25: attaching is fair per user (docs/security.md, "Attaching") ---------------------------
+
+# A user's processes flood the attach socket for a while, each keeping up to CONNS connections: silent
+# (connect, say nothing), slow (a valid request just before the agent's deadline), garbage (random
+# bytes), useless (valid joins whose chunks are never used). Prints how many connections it made.
+FLOODER = r"""
+import os, random, select, socket, sys, time
+from gemtrace import contract, slot_server
+mode, path, procs, conns, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+JOIN = bytes(slot_server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_JOIN))
+def flood(seed):
+    rng, made, held, end = random.Random(seed), 0, {}, time.monotonic() + seconds
+    while time.monotonic() < end:
+        for s in select.select(list(held), [], [], 0)[0] if held else []:
+            try:
+                if mode == "useless":
+                    _, fds, _, _ = socket.recv_fds(s, 4096, contract.MAX_CHUNKS + 1)
+                    for fd in fds:
+                        os.close(fd)
+            except OSError:
+                pass
+            del held[s]
+            s.close()
+        if mode == "slow":
+            for s, since in list(held.items()):
+                if since and time.monotonic() - since > 0.9:
+                    try:
+                        s.send(bytes(slot_server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_VIEW)))
+                    except OSError:
+                        pass
+                    held[s] = 0.0
+        while len(held) < conns and time.monotonic() < end:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.settimeout(0.2)
+            try:
+                s.connect(path)
+            except OSError:
+                s.close()
+                break
+            made += 1
+            try:
+                if mode == "garbage":
+                    s.send(rng.randbytes(rng.randrange(1, 300)))
+                elif mode == "useless":
+                    s.send(JOIN)
+            except OSError:
+                pass
+            held[s] = time.monotonic()
+        time.sleep(0.001)
+    return made
+children = []
+for k in range(procs):
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        os.write(w, str(flood(k)).encode())
+        os._exit(0)
+    os.close(w)
+    children.append(r)
+total = 0
+for r in children:
+    total += int(os.read(r, 64) or b"0")
+    os.wait()
+print(total)
+"""
+
+# A user takes every slot chunk the agent gives it, without running anything: many joins at once (each
+# makes the agent find it a free slot), one slot of each chunk kept filled with its own pid. Prints the
+# chunks it holds, then holds them until stdin closes. With "all", every slot of its chunks is filled.
+HOARDER = r"""
+import mmap, os, sys, time
+from pathlib import Path
+from gemtrace import contract, slot_server
+state, mine, maps = Path(sys.argv[1]), set(), []
+end = time.monotonic() + float(sys.argv[2])
+slots = contract.CHUNK_SLOTS if sys.argv[3] == "all" else 1
+last_new = time.monotonic()
+while time.monotonic() < end and time.monotonic() - last_new < 2:  # until the agent gives no more
+    try:
+        reply, fds = slot_server.ask(state, contract.ATTACH_JOIN)
+    except OSError:
+        continue
+    for k, fd in enumerate(fds):
+        chunk = reply.entries[k].chunk
+        if reply.entries[k].writable and chunk not in mine:
+            mine.add(chunk)
+            last_new = time.monotonic()
+            view = mmap.mmap(fd, contract.CHUNK_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            for k in range(slots):
+                at = k * contract.SLOT_SIZE
+                view[at:at + 4] = os.getpid().to_bytes(4, "little")
+            maps.append(view)
+        os.close(fd)
+print(len(mine), flush=True)
+sys.stdin.read()
+"""
+
+FLOODS = ("silent", "slow", "garbage", "useless")
+
+
+def allocations(stdout: str) -> list[str]:
+    return [json.loads(line)["name"] for line in stdout.splitlines() if line.startswith('{"size"')]
+
+
+def roots_gated_runs(host: Host, runs: int) -> list[tuple[list[str], str, float]]:
+    """`runs` gated programs of root's, one after another, each asking train (1 GiB) for 768 MiB twice:
+    what each allocation returned (and the exit status unless 0: a kill shows), the gate's stderr,
+    and how long the program took."""
+    results = []
+    for _ in range(runs):
+        start = time.monotonic()
+        run = subprocess.run([str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB)],
+                             env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train",
+                                          LD_PRELOAD=str(GATE)), capture_output=True, text=True, timeout=60)
+        names = allocations(run.stdout) + ([f"exit status {run.returncode}"] if run.returncode else [])
+        results.append((names, run.stderr, time.monotonic() - start))
+    return results
+
+
+def refusals(agent: Running, uid: int) -> dict[str, float]:
+    return {m[1]: float(m[2]) for m in re.finditer(
+        rf'^gemtrace_attach_refusals_total\{{reason="(\w+)",uid="{uid}"\}} (\S+)$', agent.metrics(), re.M)}
+
+
+@pytest.mark.parametrize("flood", FLOODS)
+def test_another_users_flood_of_the_attach_socket_leaves_every_program_of_roots_gated(
+        adversary: Adversary, host: Host, agent: Running, flood: str) -> None:
+    """Six processes of one user, 500 connections each, for the whole of root's 12 programs: each of
+    root's is gated and gets its group's limit as an out-of-memory error, and the user's refusals are
+    counted under its own uid only."""
+    flooded_roots_runs(adversary, host, agent, flood)
+
+
+def test_with_ebpf_on_a_flood_gets_none_of_roots_programs_killed(adversary: Adversary, host: Host) -> None:
+    """eBPF sees every allocation: a program let through ungated past its limit would be killed. None
+    is: each gets its limit from the gate as an out-of-memory error and exits normally."""
+    running = host.start_agent(ebpf=True)
+    try:
+        wait_until("the probes attached",
+                   lambda: re.search(r"^gemtrace_probes_attached [1-9]", running.metrics(), re.M))
+        flooded_roots_runs(adversary, host, running, "silent")
+        assert '"oom_kill"' not in running.log.read_text()
+    finally:
+        assert stop(running) == 0
+
+
+def flooded_roots_runs(adversary: Adversary, host: Host, agent: Running, flood: str) -> None:
+    flooder = subprocess.Popen(adversary.command(sys.executable, "-c", FLOODER, flood,
+                                                 str(host.state_dir / "attach.sock"), "6", "500", "60"),
+                               env=host.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)  # its processes are one group, killed together
+    try:
+        time.sleep(2)  # the flood is at full strength
+        results = roots_gated_runs(host, 12)
+        assert flooder.poll() is None, flooder.stderr.read() if flooder.stderr else ""
+    finally:
+        os.killpg(flooder.pid, signal.SIGKILL)
+        flooder.wait()
+    assert [names for names, _, _ in results] == [["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]] * 12, results
+    assert not [err for _, err, _ in results if "gemtrace gate" in err], results
+    theirs = refusals(agent, adversary.uid)
+    # Past its 32 waiting connections a user's oldest is dropped, so silent and slow floods mostly
+    # show as dropped; a useless join is a served request, refused nothing.
+    expected = {"silent": ("dropped",), "slow": ("dropped",), "garbage": ("malformed",), "useless": ()}[flood]
+    assert all(theirs.get(reason, 0) > 0 for reason in expected), theirs
+    assert refusals(agent, 0) == {}
+    # The user's refusals are logged a line per user and 10 s at most, not one per connection.
+    assert sum('"attach_refused"' in line for line in agent.log.read_text().splitlines()) <= 4
+
+
+# Users that exist nowhere but in the kernel: a uid is all a hoarder needs.
+OTHER_UIDS = (61025, 61026)
+
+
+def hoard(adversary: Adversary, host: Host, slots: str = "one") -> tuple[subprocess.Popen[str], int]:
+    """Start HOARDER as `adversary`; returns it and the chunks it took."""
+    proc = subprocess.Popen(adversary.command(sys.executable, "-c", HOARDER, str(host.state_dir), "20", slots),
+                            env=host.env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip().isdigit(), proc.stderr.read() if proc.stderr else ""
+    return proc, int(line)
+
+
+def release(proc: subprocess.Popen[str]) -> None:
+    if proc.stdin is not None:
+        proc.stdin.close()
+    proc.wait(timeout=10)
+
+
+def chunks_held(agent: Running) -> tuple[dict[int, float], float]:
+    text = agent.metrics()
+    held = {int(m[1]): float(m[2]) for m in re.finditer(r'^gemtrace_attach_chunks\{uid="(\d+)"\} (\S+)$', text, re.M)}
+    free = re.search(r"^gemtrace_attach_chunks_free (\S+)$", text, re.M)
+    assert free is not None
+    return held, float(free[1])
+
+
+def test_two_users_hoarding_chunks_cannot_take_roots_or_a_third_users_slots(
+        adversary: Adversary, host: Host, agent: Running) -> None:
+    """Two users ask for chunks as fast as they can and keep one slot of each taken: each gets at most
+    its share, root's programs all stay gated with their limit, and a third user still attaches."""
+    # The hoarders need the socket only; the third user runs on the simulated GPU, which is its.
+    hoarders = [Adversary("", uid, uid) for uid in OTHER_UIDS]
+    first_hoard, first = hoard(hoarders[0], host)
+    second_hoard, second = hoard(hoarders[1], host)
+    try:
+        assert first == contract.USER_CHUNKS and 0 < second < contract.USER_CHUNKS
+        held, free = chunks_held(agent)
+        assert (held[OTHER_UIDS[0]], held[OTHER_UIDS[1]]) == (first, second)
+        assert free >= ROOT_RESERVED_CHUNKS + SHARED_HEADROOM_CHUNKS
+        results = roots_gated_runs(host, 12)
+        assert [names for names, _, _ in results] == [["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]] * 12, results
+        assert not [err for _, err, _ in results if "gemtrace gate" in err], results
+        out = as_user(adversary, host, str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB),
+                      GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train", LD_PRELOAD=str(GATE))
+        assert allocations(out.stdout) == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"], out.stderr
+        assert "gemtrace gate" not in out.stderr
+    finally:
+        release(first_hoard)
+        release(second_hoard)
+
+
+def own_gated_program(adversary: Adversary, host: Host) -> subprocess.Popen[str]:
+    return subprocess.Popen(adversary.command(str(RT_CLIENT), "alloc", "--api", "v2", str(768 * MiB), str(768 * MiB)),
+                            env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train",
+                                         LD_PRELOAD=str(GATE)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_program_without_a_slot_waits_for_one_says_so_and_then_gets_its_limit(
+        adversary: Adversary, host: Host, agent: Running) -> None:
+    """The user's own hoard fills every slot it may have: its next gated program waits (the default),
+    says why in one line, is counted, and once slots free up runs gated, its limit an OOM error."""
+    hoarder, _ = hoard(adversary, host, "all")
+    program = own_gated_program(adversary, host)
+    try:
+        wait_until("the user's refusals counted", lambda: refusals(agent, adversary.uid).get("full", 0) > 0, timeout=10)
+        time.sleep(1)
+        assert program.poll() is None  # still waiting, nothing allocated ungated
+    finally:
+        release(hoarder)
+    out, err = program.communicate(timeout=30)
+    assert allocations(out) == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"], err
+    lines = [line for line in err.splitlines() if line.startswith("gemtrace gate:")]
+    assert lines == ["gemtrace gate: the agent has no free process slot for this user (at most 1024 each, 2048 in "
+                     "all); this program's allocations wait until it gets one, as the operator chose (gemtrace "
+                     "agent --unattached=wait)."], err
+
+
+@pytest.mark.parametrize("choice, expected", [
+    ("refuse", ["CUDA_ERROR_NOT_PERMITTED", "CUDA_ERROR_NOT_PERMITTED"]),
+    ("ungated", ["CUDA_SUCCESS", "CUDA_SUCCESS"]),
+])
+def test_the_operator_may_refuse_or_let_through_a_program_without_a_slot(
+        adversary: Adversary, host: Host, choice: str, expected: list[str]) -> None:
+    running = host.start_agent("--unattached", choice)
+    try:
+        hoarder, _ = hoard(adversary, host, "all")
+        try:
+            start = time.monotonic()
+            out, err = own_gated_program(adversary, host).communicate(timeout=60)
+            took = time.monotonic() - start
+        finally:
+            release(hoarder)
+        assert allocations(out) == expected, err
+        assert took >= contract.UNATTACHED_TRY_NS / 1e9  # it tried for its slot first
+        lines = [line for line in err.splitlines() if line.startswith("gemtrace gate:")]
+        assert len(lines) == 1 and f"--unattached={choice}" in lines[0], err
+        assert refusals(running, adversary.uid).get("full", 0) > 0
+    finally:
+        assert stop(running) == 0

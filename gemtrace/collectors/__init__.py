@@ -52,12 +52,19 @@ def _enforcement(agent: Agent) -> Collector:
     return EnforcementCollector(agent.accounting.enforcer, lambda: agent.config.groups)
 
 
+def _attach(agent: Agent) -> Collector:
+    from gemtrace.collectors.attach import AttachCollector
+
+    return AttachCollector(agent.region.attach_counts, agent.region.chunk_holdings)
+
+
 # name -> factory; one line registers a collector.
 COLLECTORS: dict[str, Callable[[Agent], Collector]] = {
     "agent": _agent,
     "groups": _groups,
     "processes": _processes,
     "enforcement": _enforcement,
+    "attach": _attach,
 }
 
 

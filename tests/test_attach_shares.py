@@ -1,0 +1,64 @@
+"""Issue 25's shares, without a socket: how ChunkKeeper hands chunks to users who ask as fast as they can,
+and how the socket's refusals are counted and logged (gemtrace/slot_space.py, gemtrace/slot_server.py).
+The attacks themselves, as real users against a real agent, are tests/test_trust.py's."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import structlog
+
+from gemtrace import contract
+from gemtrace import region as rg
+from gemtrace.slot_server import DROPPED, LOG_EVERY_SECONDS, MALFORMED, AttachCounts
+from gemtrace.slot_space import ROOT_RESERVED_CHUNKS, SHARED_HEADROOM_CHUNKS, ChunkKeeper, SlotSpace
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def keeper() -> Iterator[ChunkKeeper]:
+    layout = rg.RegionLayout()
+    for c in range(contract.MAX_CHUNKS):
+        layout.chunk_owner[c] = contract.NO_OWNER
+    space = SlotSpace()
+    keeper = ChunkKeeper(space, layout)
+    yield keeper
+    keeper.close()
+    space.close()
+
+
+def hoard(keeper: ChunkKeeper, uid: int, joins: int = 2000) -> int:
+    """`joins` joins of `uid` within one join window, none of them claiming a slot: the chunks it holds."""
+    for _ in range(joins):
+        keeper.join(uid)
+    return keeper.holdings()[0].get(uid, 0)
+
+
+def test_a_user_asking_as_fast_as_it_can_gets_its_cap_and_the_next_leaves_root_and_others_theirs(
+        keeper: ChunkKeeper) -> None:
+    assert hoard(keeper, 1001) == contract.USER_CHUNKS
+    second = hoard(keeper, 1002)
+    assert second == contract.MAX_CHUNKS - contract.USER_CHUNKS - ROOT_RESERVED_CHUNKS - SHARED_HEADROOM_CHUNKS
+    # A third user still gets a first chunk, and no second one out of the headroom.
+    assert hoard(keeper, 1003) == 1
+    _, ok = keeper.join(1004)
+    assert ok
+    # Root gets its reserve whatever the others took, and more while any chunk is free.
+    assert hoard(keeper, 0) == contract.MAX_CHUNKS - contract.USER_CHUNKS - second - 2
+    assert keeper.holdings()[1] == 0
+
+
+def test_a_users_refusals_are_counted_each_and_logged_once_per_interval() -> None:
+    now = [100.0]
+    counts = AttachCounts(clock=lambda: now[0])
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(1000):
+            counts.note(1001, DROPPED, pid=7)
+        counts.note(1002, MALFORMED, pid=8)
+        now[0] += LOG_EVERY_SECONDS
+        counts.note(1001, MALFORMED, pid=7)
+    assert counts.counts() == {(1001, DROPPED): 1000, (1002, MALFORMED): 1, (1001, MALFORMED): 1}
+    assert [(e["uid"], e["reason"], e["also_refused"]) for e in logs] == [
+        (1001, DROPPED, 0), (1002, MALFORMED, 0), (1001, MALFORMED, 999)]
