@@ -489,6 +489,8 @@ class Agent:
                 # Every tick: new gates wait for it (GT_ASSIGN_WAIT_NS). Under the table's lock, so that
                 # no decision names an entry a reload is freeing at that moment.
                 with self._table_lock:
+                    # First: a user's new chunk is trusted or not (issue 25) before its gate is placed.
+                    self.accounting.trust_new_chunks()
                     self.membership.tick()
             except Exception:
                 log.exception("membership_pass_failed")

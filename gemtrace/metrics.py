@@ -83,8 +83,10 @@ _SPECS = [
                "Processes killed because their group exceeded its MemoryLimit."),
     MetricSpec("gemtrace_quota_breaches_total", "counter", "", ("group", "resource"),
                "Times a group was found over a quota (resource: memory)."),
-    MetricSpec("gemtrace_tampering_events_total", "counter", "", ("group",),
-               "Slots whose figures disagreed with eBPF accounting."),
+    MetricSpec("gemtrace_tampering_events_total", "counter", "", ("group", "kind"),
+               "Slots whose memory figures disagreed with what the agent verified (eBPF, else NVML): "
+               "kind under_reporting (less than the process holds) or over_reporting (more: other users' "
+               "gates count the verified figure instead)."),
     # processes
     MetricSpec("gemtrace_process_memory_bytes", "gauge", "bytes", PROCESS_LABELS,
                "Device memory the process holds through libcuda allocations."),
