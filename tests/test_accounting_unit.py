@@ -406,3 +406,31 @@ def test_a_process_that_is_gone_or_whose_pid_names_another_is_never_exported(tmp
     (p,) = acc.poll(clock.now).processes
     assert (p.pid, p.comm) == (803, "new") and p.gpu_seconds == pytest.approx(0.5)  # 1 s at 0.5, not 1.0 + 0.5
     acc.close()
+
+
+def test_the_verified_figures_reach_the_region_and_follow_the_process(tmp_path: Path) -> None:
+    """Issue 25: what other users' gates count for a user caught lying. Without eBPF, a slot claiming
+    a terabyte is published at NVML's figure for its process; a new NVML figure is published at the
+    next poll; a slot taken by another process gets an entry naming that process."""
+    proc = tmp_path / "proc"
+    for pid in (301, 302):
+        _proc_tree(proc, pid, environ=b"GEMTRACE_GROUP=train\0")
+    region = Region.create(tmp_path / "state")
+    region.set_gpus([(UUIDS[0], 16 << 30), (UUIDS[1], 16 << 30)])
+    g = region.set_group("train", 1 << 30, 0.0, 1.0)
+    _claim_slot(region, 3, 301, g, 1, memory=1 << 40, launches=0, busy_ns=0)
+    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(301, UUIDS[1], 8 * MiB)])
+    acc = Accounting(region, lambda: Config({"train": group(1 << 30)}), proc_root=proc, use_ebpf=False,
+                     nvml=nvml)  # type: ignore[arg-type]
+    acc.poll()
+    assert region.verified(3) == (301, [0, 8 * MiB] + [0] * 6, [0] * 8)
+    nvml.procs = [NvmlProcess(301, UUIDS[1], 24 * MiB)]
+    acc.poll()
+    assert region.verified(3)[1][1] == 24 * MiB
+    region.slots[3].pid = 0
+    _claim_slot(region, 3, 302, g, 1, memory=5 * MiB, launches=0, busy_ns=0)
+    nvml.procs = [NvmlProcess(302, UUIDS[1], 5 * MiB)]
+    acc.poll()
+    assert region.verified(3) == (302, [0, 5 * MiB] + [0] * 6, [0] * 8)
+    acc.close()
+    region.close()
