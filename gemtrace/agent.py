@@ -58,6 +58,9 @@ ENV_PROBE_LIBCUDA = "GEMTRACE_PROBE_LIBCUDA"
 DEFAULT_GROUP = defaults.DEFAULT_GROUP
 
 ACCOUNTING_POLL_SECONDS = 1.0  # the scrape cadence: polling faster costs CPU for nothing (docs/accounting.md)
+# The second look at a slot seen above what its process holds: longer than an honest reservation
+# stays ahead of the driver's answer, short against what a liar's figure denies meanwhile.
+AUDIT_AGAIN_SECONDS = 0.2
 # How often the main loop looks for slots it does not watch yet, for JOIN_FAST_SECONDS after a gate
 # asked for one (it claims it within that), and else. A watched process's exit wakes the loop at once
 # (its pidfd), so this bounds only the reaping of a process that died before its first look: within
@@ -588,7 +591,10 @@ class Agent:
             if now >= next_poll:
                 self.snapshot = self.accounting.poll()
                 self.pod_labels.refresh([p.pid for p in self.snapshot.processes])
-                next_poll = now + ACCOUNTING_POLL_SECONDS
+                # A slot above what its process holds is looked at again soon (issue 25): until the
+                # second look counts it, its user's figure still denies the others memory.
+                again = self.accounting.enforcement.over_reporting_suspected()
+                next_poll = now + (AUDIT_AGAIN_SECONDS if again else ACCOUNTING_POLL_SECONDS)
             if on_tick is not None:
                 on_tick()
         if self.stop_signal is not None:

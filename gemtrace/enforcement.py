@@ -226,7 +226,7 @@ class Enforcement:
         more than the agent verified (eBPF, else NVML, context included) claims memory its process does
         not hold, which would deny the other members of its group theirs (their gates count the
         verified figure instead: hook/memory.c). A gate reserves before it calls the driver and frees
-        after, so a slot may lead eBPF for a moment, never trail it, and never lead it for two polls in
+        after, so a slot may lead eBPF for a moment, never trail it, and never lead it for two looks in
         a row with the same figures."""
         for p in snapshot.processes:
             m = merged.get((p.pid, p.gpu))
@@ -249,9 +249,10 @@ class Enforcement:
         self.enforcer.forget_tampering(live)
 
     def _audit(self, pid: int, group: str, uuid: str, slot_bytes: int, verified_bytes: int, kind: str) -> None:
-        """An episode is counted at its second poll in a row: under-reporting with the same figures;
-        over-reporting with any (a slot leads only while a reservation is in flight, which two polls a
-        second apart do not both catch, and a liar must not escape by changing its figure)."""
+        """An episode is counted at its second look in a row: under-reporting with the same figures;
+        over-reporting with any (a slot leads only while a reservation is in flight, which two looks
+        do not both catch: a poll, and the agent's second look 0.2 s later; and a liar must not escape
+        by changing its figure)."""
         key = (pid, uuid)
         figures = (slot_bytes, verified_bytes, kind)
         before = self._tamper_suspect.get(key)
@@ -263,6 +264,11 @@ class Enforcement:
             self._tampered.add(key)
             self.enforcer.note_tampering(pid, group, uuid, slot_bytes, verified_bytes, kind)
         self._tamper_suspect[key] = figures
+
+    def over_reporting_suspected(self) -> bool:
+        """A slot was seen above its verified figure once and not yet counted: the accounting looks
+        again sooner than its next poll (AUDIT_AGAIN_SECONDS), to cut what a liar can deny."""
+        return any(f[2] == OVER_REPORTING and key not in self._tampered for key, f in self._tamper_suspect.items())
 
     def over_reporters(self) -> set[int]:
         """The processes whose slot claims more than they hold now (an episode counted, not over)."""

@@ -271,7 +271,7 @@ _Static_assert(GT_CHUNK_BYTES % 4096 == 0, "a chunk is a whole number of pages")
  * reader that reads the same pid before and after a figure read that process's figure.
  * chunk_trusted[c] = 1: other users' gates count chunk c's slots at their own figures, not these.
  * The agent trusts the chunks of every user it has not caught over-reporting (a slot above what its
- * process holds at two polls in a row), and never again those of a user it caught, while it runs:
+ * process holds at a poll and again 0.2 s later), and never again those of a user it caught, while it runs:
  * verified figures lag an allocation (eBPF's event, else a poll), and two users allocating at once
  * each took most of the limit in that lag (docs/gate.md, Memory; docs/security.md). A new chunk is
  * untrusted until the keeper's next tick, which decides before it places the chunk's processes. */

@@ -346,9 +346,11 @@ def test_a_slot_that_claims_more_than_the_agent_verified_is_over_reporting(tmp_p
     acc.subscribe(verified)
     acc.poll()
     assert enforcer.tampering == {}  # once may be a reservation the driver has not answered yet
+    assert acc.enforcement.over_reporting_suspected()  # the agent looks again in 0.2 s, not a second
     acc.poll()
     acc.poll()
     assert enforcer.tampering == {("train", "over_reporting"): 1}  # once per episode
+    assert not acc.enforcement.over_reporting_suspected()
     assert verified.seen == [8 * MiB] * 3
     acc.close()
 
