@@ -24,6 +24,7 @@ import faulthandler
 import fcntl
 import math
 import os
+import random
 import resource
 import select
 import signal
@@ -593,8 +594,11 @@ class Agent:
                 self.pod_labels.refresh([p.pid for p in self.snapshot.processes])
                 # A slot above what its process holds is looked at again soon (issue 25): until the
                 # second look counts it, its user's figure still denies the others memory.
+                # Each wait drawn at random around its mean, so that a liar cannot time its figure
+                # between the agent's looks (the verified figures it publishes show when it looked).
                 again = self.accounting.enforcement.over_reporting_suspected()
-                next_poll = now + (AUDIT_AGAIN_SECONDS if again else ACCOUNTING_POLL_SECONDS)
+                mean = AUDIT_AGAIN_SECONDS if again else ACCOUNTING_POLL_SECONDS
+                next_poll = now + random.uniform(0.75 * mean, 1.25 * mean)
             if on_tick is not None:
                 on_tick()
         if self.stop_signal is not None:
