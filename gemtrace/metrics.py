@@ -85,8 +85,8 @@ _SPECS = [
                "Times a group was found over a quota (resource: memory)."),
     MetricSpec("gemtrace_tampering_events_total", "counter", "", ("group", "kind"),
                "Slots whose memory figures disagreed with what the agent verified (eBPF, else NVML): "
-               "kind under_reporting (less than the process holds) or over_reporting (more: other users' "
-               "gates count the verified figure instead)."),
+               "kind under_reporting (less than the process holds) or over_reporting (more: from then on "
+               "other users' gates count that user's processes at their verified figures)."),
     # processes
     MetricSpec("gemtrace_process_memory_bytes", "gauge", "bytes", PROCESS_LABELS,
                "Device memory the process holds through libcuda allocations."),
