@@ -261,7 +261,7 @@ class Accounting:
         self._missed: frozenset[int] = frozenset()  # eBPF's late pids at the last look
         self._context_bytes: dict[str, int] = {}  # per GPU: NVML's per-process figure less the true one
         self._listeners: list[SnapshotListener] = []
-        self._untrusted_uids: set[int] = set()  # users caught over-reporting (_trust_chunks)
+        self._untrusted_uids: frozenset[int] = frozenset()  # users caught over-reporting (_trust_chunks)
         self._trusted_generation = -1  # the chunk generation _trust_chunks last looked at
         self.ebpf: AllocationSource | None = ebpf
         self.ebpf_reason = "eBPF disabled by configuration"
@@ -369,6 +369,18 @@ class Accounting:
         if self.region is not None and self.region.layout.header.chunk_generation != self._trusted_generation:
             self._trust_chunks()
 
+    def _untrust_over_reporters(self) -> None:
+        """The users of the processes the audit just counted over-reporting lose the trust of the
+        other users' gates (the poller's: the audit's state is the poller's)."""
+        if self.region is None:
+            return
+        for pid in self.enforcement.over_reporters():
+            uid = self.region.owner_of(pid)
+            if uid is not None and uid not in self._untrusted_uids:
+                self._untrusted_uids = self._untrusted_uids | {uid}  # a new set: the keeper reads it
+                log.warning("user_untrusted", uid=uid, pid=pid,
+                            consequence="other users' gates count this user's memory as the agent verifies it")
+
     def _trust_chunks(self) -> None:
         """Which users' slots other users' gates count at their own figures (chunk_trusted): every
         user's but those caught over-reporting, for as long as this agent runs. The verified figures
@@ -376,21 +388,18 @@ class Accounting:
         each took most of a shared limit (docs/gate.md, Memory)."""
         if self.region is None:
             return
-        for pid in self.enforcement.over_reporters():
-            uid = self.region.owner_of(pid)
-            if uid is not None and uid not in self._untrusted_uids:
-                self._untrusted_uids.add(uid)
-                log.warning("user_untrusted", uid=uid, pid=pid,
-                            consequence="other users' gates count this user's memory as the agent verifies it")
+        untrusted = self._untrusted_uids
         generation = self.region.layout.header.chunk_generation
-        self.region.trust_chunks(lambda uid: uid not in self._untrusted_uids)
+        self.region.trust_chunks(lambda uid: uid not in untrusted)
         self._trusted_generation = generation
 
     def _publish_verified_from_ebpf(self, devices: _Devices, ebpf: SourceReading) -> None:
-        """On each eBPF wake-up: the gated processes' eBPF figures (merge's row "verified"), so that
-        another user's allocation counts in the gates within the watcher's reaction, not at the next
-        poll. Processes holding rebuilt memory are the poll's to publish (their slot, clamped)."""
-        if self.region is None:
+        """On each eBPF wake-up while some user is untrusted: the gated processes' eBPF figures (merge's
+        row "verified"), so that an untrusted user's allocation counts in the others' gates within the
+        watcher's reaction, not at the next poll. While every user is trusted the gates count live
+        figures, and the polls publish enough: the watcher, woken by every allocation, stays as light
+        as it was. Processes holding rebuilt memory are the poll's to publish (their slot, clamped)."""
+        if self.region is None or not self._untrusted_uids:
             return
         columns = self.region.slot_columns
         physical = devices.physical()
@@ -517,6 +526,7 @@ class Accounting:
         self._publish_verified(devices, gate.start_times, merged)
         for listener in self._listeners:
             listener.on_snapshot(snapshot, merged)
+        self._untrust_over_reporters()
         self._trust_chunks()
         return snapshot
 

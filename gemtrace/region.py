@@ -123,7 +123,9 @@ class Slot(ctypes.Structure):
         ("burst_start_ns", u64 * MAX_GPUS),
         ("drained_ns", u64 * MAX_GPUS),
         ("waiting", u32 * MAX_GPUS),
-        ("reserved", u64 * 63),
+        ("audit_requests", u32),
+        ("reserved1", u32),
+        ("reserved", u64 * 62),
     ]
 
 
@@ -833,6 +835,10 @@ class SlotColumns:
 
     def burst_start_ns(self, gpu: int) -> memoryview:
         return self._col64(Slot.burst_start_ns.offset + 8 * gpu)
+
+    def audit_requests(self) -> memoryview:
+        """Element i: slots[i].audit_requests (a gate asks the agent to look now, issue 25)."""
+        return self._col32(Slot.audit_requests.offset)
 
     def waiting(self, gpu: int) -> memoryview:
         return self._col32(Slot.waiting.offset + 4 * gpu)

@@ -256,7 +256,11 @@ struct gt_slot {                 /* in `slots`, written only by its process (see
                                              covered every launch before it: drained_ns >= burst_start_ns
                                              means nothing is queued */
     uint32_t waiting[GT_MAX_GPUS];        /* threads blocked on control[gpu][group].held */
-    uint64_t reserved[63];                /* to GT_SLOT_SIZE */
+    /* Issue 25 (Verified memory below): bumped when an allocation would fit but for another user's
+     * figure beyond what the agent verified; the agent then looks at the slots at once. */
+    uint32_t audit_requests;
+    uint32_t reserved1;
+    uint64_t reserved[62];                /* to GT_SLOT_SIZE */
 };
 _Static_assert(sizeof(struct gt_slot) == GT_SLOT_SIZE, "a slot is GT_SLOT_SIZE bytes");
 _Static_assert(GT_CHUNK_BYTES % 4096 == 0, "a chunk is a whole number of pages");
@@ -271,10 +275,15 @@ _Static_assert(GT_CHUNK_BYTES % 4096 == 0, "a chunk is a whole number of pages")
  * reader that reads the same pid before and after a figure read that process's figure.
  * chunk_trusted[c] = 1: other users' gates count chunk c's slots at their own figures, not these.
  * The agent trusts the chunks of every user it has not caught over-reporting (a slot above what its
- * process holds at a poll and again 0.2 s later), and never again those of a user it caught, while it runs:
- * verified figures lag an allocation (eBPF's event, else a poll), and two users allocating at once
- * each took most of the limit in that lag (docs/gate.md, Memory; docs/security.md). A new chunk is
- * untrusted until the keeper's next tick, which decides before it places the chunk's processes. */
+ * process holds at a poll and again 0.2 s later), and never again, while it runs, those of a user
+ * it caught: verified figures lag an allocation (eBPF's event, else a poll), and two users
+ * allocating at once each took most of the limit in that lag (docs/gate.md, Memory;
+ * docs/security.md). A new chunk is untrusted until the keeper's next tick, which decides before it
+ * places the chunk's processes. An allocation that the live figures refuse but the verified ones
+ * would allow waits (at most GT_AUDIT_WAIT_NS, hook/memory.c) for the agent to look, having bumped
+ * its slot's audit_requests: either the agent catches a false figure and distrusts its user, and the
+ * allocation fits, or it verifies the other user's memory, and the allocation is refused. So a false
+ * figure delays the others' allocations rather than refusing them. */
 struct gt_verified {
     _Alignas(8) int32_t pid;     /* the process these figures are for; 0: none */
     uint32_t reserved0;

@@ -246,7 +246,7 @@ static bool own_users_slot(uint32_t i)
  * more than its processes hold counts at what the agent verified they hold (the region's verified[],
  * which no user can write): a huge figure written there then denies nobody memory. With no agent (a
  * stale heartbeat) nothing is verified any more, and every slot's own figure counts. */
-static uint64_t believed(uint32_t i, int32_t pid, int gpu, bool managed, bool agent_away)
+static uint64_t believed(uint32_t i, int32_t pid, int gpu, bool managed, bool agent_away, bool verified_only)
 {
     const struct gt_slot *s = &gt_proc.slots[i];
     if (agent_away || own_users_slot(i))
@@ -260,7 +260,7 @@ static uint64_t believed(uint32_t i, int32_t pid, int gpu, bool managed, bool ag
     __atomic_load(&gt_proc.region->assigned[i], &a, __ATOMIC_ACQUIRE);
     if (a.pid != pid || !(__atomic_load_n(&s->gpu_mask, __ATOMIC_ACQUIRE) & (1u << gpu)))
         return 0;
-    if (__atomic_load_n(&gt_proc.region->chunk_trusted[i / GT_CHUNK_SLOTS], __ATOMIC_RELAXED))
+    if (!verified_only && __atomic_load_n(&gt_proc.region->chunk_trusted[i / GT_CHUNK_SLOTS], __ATOMIC_RELAXED))
         return __atomic_load_n(managed ? &s->managed[gpu] : &s->memory[gpu], __ATOMIC_SEQ_CST);
     const struct gt_verified *v = &gt_proc.region->verified[i];
     if (__atomic_load_n(&v->pid, __ATOMIC_ACQUIRE) != pid)
@@ -269,8 +269,9 @@ static uint64_t believed(uint32_t i, int32_t pid, int gpu, bool managed, bool ag
     return __atomic_load_n(&v->pid, __ATOMIC_ACQUIRE) == pid ? bytes : 0; /* the agent moved it meanwhile */
 }
 
-/* The sum over the group's live slots of memory[gpu] (device) or managed[gpu], as believed. */
-static uint64_t group_sum(int gpu, bool managed)
+/* The sum over the group's live slots of memory[gpu] (device) or managed[gpu], as believed;
+ * `verified_only`: every other user's slot at what the agent verified, trusted or not. */
+static uint64_t group_sum_of(int gpu, bool managed, bool verified_only)
 {
     current_view();
     struct gt_slot *slots = gt_proc.slots;
@@ -282,13 +283,15 @@ static uint64_t group_sum(int gpu, bool managed)
         int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
         if (pid == 0 || gt_group_of(i, pid) != group)
             continue;
-        uint64_t bytes = believed(i, pid, gpu, managed, agent_away);
+        uint64_t bytes = believed(i, pid, gpu, managed, agent_away, verified_only);
         if (bytes && agent_away && owner_gone(pid))
             continue;
         sum += bytes;
     }
     return sum;
 }
+
+static uint64_t group_sum(int gpu, bool managed) { return group_sum_of(gpu, managed, false); }
 
 static uint64_t group_usage(int gpu) { return group_sum(gpu, false); }
 
@@ -306,7 +309,7 @@ static uint64_t host_managed_usage(void)
             continue;
         uint64_t bytes = 0;
         for (int g = 0; g < GT_MAX_GPUS; g++)
-            bytes += believed(i, pid, g, true, agent_away);
+            bytes += believed(i, pid, g, true, agent_away, false);
         if (bytes && agent_away && owner_gone(pid))
             continue;
         sum += bytes;
@@ -337,13 +340,53 @@ static void unreserve(int gpu, uint64_t bytes)
     __atomic_fetch_sub(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
 }
 
+/* Over the limit by the live figures (our reservation of `bytes` taken back): if the verified ones
+ * would let the allocation fit, another user's figure beyond what the agent verified decides it,
+ * either a reservation the agent has not seen answered yet or a false figure (issue 25). Ask the
+ * agent to look now and wait, at most GT_AUDIT_WAIT_NS: true, with the reservation made again, once
+ * the sum fits (the agent caught a false figure and distrusts its user); false once the verified
+ * figures no longer fit either (the other user's memory was real), or when the agent goes away. A
+ * false figure so delays the others' allocations, never refuses them. While we wait our slot shows
+ * only what we hold, so that the agent's look does not take our own reservation for a false figure.
+ * The allocation path only, and only near the limit. */
+#define GT_AUDIT_WAIT_NS 1000000000ull /* a look comes within the agent's poll loop's tick and 0.2 s */
+#define GT_AUDIT_POLL_NS 1000000L
+
+static bool fits_once_verified(int gpu, uint64_t limit, uint64_t bytes)
+{
+    if (!gt_agent_alive() || group_sum_of(gpu, false, true) + bytes > limit)
+        return false;
+    __atomic_fetch_add(&gt_proc.slot->audit_requests, 1, __ATOMIC_RELEASE);
+    uint64_t deadline = gt_now_ns() + GT_AUDIT_WAIT_NS;
+    int saved = errno;
+    bool fits = false;
+    while (!fits && gt_now_ns() < deadline) {
+        nanosleep(&(struct timespec){.tv_nsec = GT_AUDIT_POLL_NS}, NULL);
+        if (group_usage(gpu) + bytes <= limit) {
+            __atomic_fetch_add(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
+            fits = group_usage(gpu) <= limit; /* the optimistic protocol again: another may have come */
+            if (!fits)
+                unreserve(gpu, bytes);
+        } else if (!gt_agent_alive() || group_sum_of(gpu, false, true) + bytes > limit) {
+            break;
+        }
+    }
+    errno = saved;
+    return fits;
+}
+
 /* Device memory: within MemoryLimit and, in an oversubscribing group, within its total, so that
  * device memory regrown after managed memory was taken cannot carry the sum past it. */
 static CUresult reserve(int gpu, uint64_t bytes)
 {
     __atomic_fetch_add(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
     uint64_t limit = group_limit();
-    if ((limit != GT_NO_LIMIT && group_usage(gpu) > limit) || over_total(gpu)) {
+    if (limit != GT_NO_LIMIT && group_usage(gpu) > limit) {
+        unreserve(gpu, bytes);
+        if (!fits_once_verified(gpu, limit, bytes))
+            return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (over_total(gpu)) {
         unreserve(gpu, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
