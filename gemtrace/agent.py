@@ -590,15 +590,17 @@ class Agent:
                           on_tick: Callable[[], None] | None = None) -> None:
         """The main loop, until stop() or, with `signals`, SIGTERM or SIGINT (SIGHUP: reload now)."""
         next_poll = last_poll = time.monotonic()
+        audit_due = False
         while not self._wait_tick(signals, next_poll):
             self.reaper.tick()
             now = time.monotonic()
             # A gate waits for a look (issue 25, GT_AUDIT_WAIT_NS): now, but never more often than the
             # second look's spacing, whatever a user writes into the counter.
-            if self._audit_asked() and now - last_poll >= 0.75 * AUDIT_AGAIN_SECONDS:
+            audit_due = self._audit_asked() or audit_due  # kept until a poll has looked
+            if audit_due and now - last_poll >= 0.75 * AUDIT_AGAIN_SECONDS:
                 next_poll = now
             if now >= next_poll:
-                last_poll = now
+                last_poll, audit_due = now, False
                 self.snapshot = self.accounting.poll()
                 self.pod_labels.refresh([p.pid for p in self.snapshot.processes])
                 # A slot above what its process holds is looked at again soon (issue 25): until the
