@@ -18,8 +18,9 @@ slot or, ungated, NVML less the context overhead (memory = max(eBPF, rebuilt)), 
 whenever one is first seen, and the enforcer acts on it at once. A group's processes are never
 given more GPU time together than the scheduler gave the group (GpuTimeShare): a burst measured by
 the gate also holds the time it waited behind the group's other processes.
-Never writes to the region; never kills but through MemoryEnforcer; never reads bcc, the slots or
-NVML but through a source.
+Writes to the region only what it verified each gated process holds (Region.publish_verified: what
+other users' gates count for it, issue 25); never kills but through MemoryEnforcer; never reads bcc,
+the slots or NVML but through a source.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from gemtrace.merge import Merged
 from gemtrace.probes.bpf_loader import BpfProbes, BpfUnavailable
 from gemtrace.probes.nvml import NvmlReader
 from gemtrace.region import Region
-from gemtrace.sources import AllocationSource, Key, Source, SourceReading
+from gemtrace.sources import AllocationSource, Figures, Key, Source, SourceReading
 from gemtrace.sources.ebpf import EbpfSource, boot_ticks
 from gemtrace.sources.gate import GateSource
 from gemtrace.sources.nvml import NvmlLike, NvmlSource
@@ -260,6 +261,8 @@ class Accounting:
         self._missed: frozenset[int] = frozenset()  # eBPF's late pids at the last look
         self._context_bytes: dict[str, int] = {}  # per GPU: NVML's per-process figure less the true one
         self._listeners: list[SnapshotListener] = []
+        self._untrusted_uids: frozenset[int] = frozenset()  # users caught over-reporting (_trust_chunks)
+        self._trusted_generation = -1  # the chunk generation _trust_chunks last looked at
         self.ebpf: AllocationSource | None = ebpf
         self.ebpf_reason = "eBPF disabled by configuration"
         if self.ebpf is None and use_ebpf:
@@ -320,6 +323,7 @@ class Accounting:
         devices = _Devices(self, config)
         ebpf = self.ebpf.memory(devices)
         memory = {key: f.memory or 0 for key, f in ebpf.figures.items()}
+        self._publish_verified_from_ebpf(devices, ebpf)
         gated: Collection[int] = ()
         if self._rebuild_due or self._inherited_holding or ebpf.missed - self._missed:
             gate = self.gate.read(self.clock(), devices)
@@ -342,6 +346,77 @@ class Accounting:
             # change its uid (setuid) after it started.
             holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated, uid=self.proc.uid(pid)))
         return holdings
+
+    # -- verified memory: what other users' gates count for a gated process (issue 25) --------------
+
+    def _publish_verified(self, devices: _Devices, gated: Collection[int], merged: Mapping[Key, Merged]) -> None:
+        """At each poll: every gated process's memory as eBPF or NVML checks it (merge's row
+        "verified"; the slot's own figure where nothing checks it), into the region's verified[]. A
+        gated process no source places on a GPU holds nothing there."""
+        if self.region is None:
+            return
+        index = {uuid: g for g, uuid in enumerate(devices.physical())}
+        out: dict[int, dict[int, tuple[int, int]]] = {pid: {} for pid in gated}
+        for (pid, uuid), m in merged.items():
+            if m.gated and uuid in index:
+                memory = m.verified if m.verified is not None else (m.slot_memory or 0)
+                out.setdefault(pid, {})[index[uuid]] = (memory, m.verified_managed)
+        self.region.publish_verified(out)
+
+    def trust_new_chunks(self) -> None:
+        """_trust_chunks' decision for chunks made or given to another user since (the keeper's tick:
+        a gate waits for its group, which the same tick decides, before it allocates)."""
+        if self.region is not None and self.region.layout.header.chunk_generation != self._trusted_generation:
+            self._trust_chunks()
+
+    def _untrust_over_reporters(self) -> None:
+        """The users of the processes the audit just counted over-reporting lose the trust of the
+        other users' gates (the poller's: the audit's state is the poller's)."""
+        if self.region is None:
+            return
+        for pid in self.enforcement.over_reporters():
+            uid = self.region.owner_of(pid)
+            if uid is not None and uid not in self._untrusted_uids:
+                self._untrusted_uids = self._untrusted_uids | {uid}  # a new set: the keeper reads it
+                log.warning("user_untrusted", uid=uid, pid=pid,
+                            consequence="other users' gates count this user's memory as the agent verifies it")
+
+    def _trust_chunks(self) -> None:
+        """Which users' slots other users' gates count at their own figures (chunk_trusted): every
+        user's but those caught over-reporting, for as long as this agent runs. The verified figures
+        lag each allocation (eBPF's event, else a poll), and in that lag two users allocating at once
+        each took most of a shared limit (docs/gate.md, Memory)."""
+        if self.region is None:
+            return
+        untrusted = self._untrusted_uids
+        generation = self.region.layout.header.chunk_generation
+        self.region.trust_chunks(lambda uid: uid not in untrusted)
+        self._trusted_generation = generation
+
+    def _publish_verified_from_ebpf(self, devices: _Devices, ebpf: SourceReading) -> None:
+        """On each eBPF wake-up while some user is untrusted: the gated processes' eBPF figures (merge's
+        row "verified"), so that an untrusted user's allocation counts in the others' gates within the
+        watcher's reaction, not at the next poll. While every user is trusted the gates count live
+        figures, and the polls publish enough: the watcher, woken by every allocation, stays as light
+        as it was. Processes holding rebuilt memory are the poll's to publish (their slot, clamped)."""
+        if self.region is None or not self._untrusted_uids:
+            return
+        columns = self.region.slot_columns
+        physical = devices.physical()
+        slot_managed = [columns.managed(g) for g in range(len(physical))]
+        out: dict[int, dict[int, tuple[int, int]]] = {}
+        for slot in columns.live():
+            pid = columns.pid[slot]
+            if not pid or pid in self._inherited_holding:
+                continue
+            held = out[pid] = {}
+            for g, uuid in enumerate(physical):
+                f = ebpf.figures.get((pid, uuid))
+                if f is not None:
+                    slot_figures = Figures(managed=slot_managed[g][slot])
+                    device, managed = merge.verified(True, f, slot_figures, None, False, False)
+                    held[g] = (device or 0, managed)
+        self.region.publish_verified(out)
 
     # -- after a restart: memory eBPF never saw ----------------------------------------------------
 
@@ -430,6 +505,7 @@ class Accounting:
 
         live: dict[Key, ProcessAccount] = {}
         merged: dict[Key, Merged] = {}
+        nvml_on = self.nvml_reader.available
         for key in merge.places(ebpf, gate, nvml):
             pid, uuid = key
             # eBPF removes a process's context at its exit: those need no /proc read to be known alive.
@@ -438,7 +514,8 @@ class Accounting:
             info = self._info_of(pid, config)
             if info is None:
                 continue
-            m = merged[key] = merge.merge(key, ebpf, gate, nvml, rebuilt.get(key))
+            inherited = ebpf is not None and self._inherited(pid, info, ebpf.missed, ebpf.since_ticks)
+            m = merged[key] = merge.merge(key, ebpf, gate, nvml, rebuilt.get(key), nvml_on, inherited)
             live[key] = ProcessAccount(pid, info.comm, info.group, uuid, m.memory, m.gate_seconds, m.launches, m.gated,
                                        managed_bytes=m.managed)
 
@@ -446,8 +523,11 @@ class Accounting:
             self._share_gpu_time(live, config, ebpf.missed if ebpf is not None else frozenset())
         self._integrate_nvml(now, live, nvml.utilization)
         snapshot = self._remember(now, live)
+        self._publish_verified(devices, gate.start_times, merged)
         for listener in self._listeners:
             listener.on_snapshot(snapshot, merged)
+        self._untrust_over_reporters()
+        self._trust_chunks()
         return snapshot
 
     def _running(self, pid: int, gate: SourceReading) -> bool:

@@ -24,6 +24,7 @@ import faulthandler
 import fcntl
 import math
 import os
+import random
 import resource
 import select
 import signal
@@ -70,6 +71,9 @@ ENV_PROBE_LIBCUDA = "GEMTRACE_PROBE_LIBCUDA"
 DEFAULT_GROUP = defaults.DEFAULT_GROUP
 
 ACCOUNTING_POLL_SECONDS = 1.0  # the scrape cadence: polling faster costs CPU for nothing (docs/accounting.md)
+# The second look at a slot seen above what its process holds: longer than an honest reservation
+# stays ahead of the driver's answer, short against what a liar's figure denies meanwhile.
+AUDIT_AGAIN_SECONDS = 0.2
 # How often the main loop looks for slots it does not watch yet, for JOIN_FAST_SECONDS after a gate
 # asked for one (it claims it within that), and else. A watched process's exit wakes the loop at once
 # (its pidfd), so this bounds only the reaping of a process that died before its first look: within
@@ -384,6 +388,7 @@ class Agent:
         self._joined = threading.Event()  # a gate asked for its slot (the socket's thread sets it)
         self._fast_scan_until = -math.inf  # the main loop's: it scans for new slots fast until then
         self._join_bell = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)  # wakes the main loop at a join
+        self._audit_seen: list[int] = []  # the slots' audit_requests at the last tick (_audit_asked)
         try:
             self.region = Region.create(state_dir, on_replace=lambda reason: log.warning(
                 "region_replaced", reason=reason,
@@ -517,6 +522,11 @@ class Agent:
                 # Every tick: new gates wait for it (GT_ASSIGN_WAIT_NS). Under the table's lock, so that
                 # no decision names an entry a reload is freeing at that moment.
                 with self._table_lock:
+                    # First: a user's new chunk is trusted or not (issue 25) before its gate is placed.
+                    try:
+                        self.accounting.trust_new_chunks()
+                    except Exception:
+                        log.exception("chunk_trust_pass_failed")
                     self.membership.tick()
             except Exception:
                 log.exception("membership_pass_failed")
@@ -616,18 +626,38 @@ class Agent:
     def run_until_stopped(self, signals: SignalInbox | None = None,
                           on_tick: Callable[[], None] | None = None) -> None:
         """The main loop, until stop() or, with `signals`, SIGTERM or SIGINT (SIGHUP: reload now)."""
-        next_poll = time.monotonic()
+        next_poll = last_poll = time.monotonic()
+        audit_due = False
         while not self._wait_tick(signals, next_poll):
             self.reaper.tick()
             now = time.monotonic()
+            # A gate waits for a look (issue 25, GT_AUDIT_WAIT_NS): now, but never more often than the
+            # second look's spacing, whatever a user writes into the counter.
+            audit_due = self._audit_asked() or audit_due  # kept until a poll has looked
+            if audit_due and now - last_poll >= 0.75 * AUDIT_AGAIN_SECONDS:
+                next_poll = now
             if now >= next_poll:
+                last_poll, audit_due = now, False
                 self.snapshot = self.accounting.poll()
                 self.pod_labels.refresh([p.pid for p in self.snapshot.processes])
-                next_poll = now + ACCOUNTING_POLL_SECONDS
+                # A slot above what its process holds is looked at again soon (issue 25): until the
+                # second look counts it, its user's figure still holds the others' allocations back.
+                # Each wait drawn at random around its mean, so that a liar cannot time its figure
+                # between the agent's looks (the verified figures it publishes show when it looked).
+                again = self.accounting.enforcement.over_reporting_suspected()
+                mean = AUDIT_AGAIN_SECONDS if again else ACCOUNTING_POLL_SECONDS
+                next_poll = now + random.uniform(0.75 * mean, 1.25 * mean)
             if on_tick is not None:
                 on_tick()
         if self.stop_signal is not None:
             log.info("signal_received", signal=self.stop_signal)
+
+    def _audit_asked(self) -> bool:
+        """Whether a gate bumped its slot's audit_requests since the last tick (hook/memory.c); a slot
+        freed meanwhile (its counter back to 0) asks nothing."""
+        asked = self.region.slot_columns.audit_requests().tolist()
+        seen, self._audit_seen = self._audit_seen, asked
+        return asked != seen and (not seen or any(a > b for a, b in zip(asked, seen, strict=True)))
 
     def _wait_tick(self, signals: SignalInbox | None, next_poll: float) -> bool:
         """Wait for the reaper's next look (less on a signal or a watched process's exit, and no later

@@ -33,7 +33,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -46,6 +46,13 @@ if TYPE_CHECKING:
 
 RESOURCE_MEMORY = "memory"
 RESOURCES = (RESOURCE_MEMORY,)  # every `resource` a quota breach can name
+
+# Every `kind` of tampering: a slot showing less memory than eBPF saw (hiding it from the gates'
+# quota), or more than the agent can verify (issue 25: a figure that would deny other members of a
+# shared group their memory, which their gates now ignore).
+UNDER_REPORTING = "under_reporting"
+OVER_REPORTING = "over_reporting"
+TAMPERING_KINDS = (UNDER_REPORTING, OVER_REPORTING)
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,8 @@ class MemoryEnforcer:
         self._within_mark: dict[tuple[str, str], int] = {}
         self.oom_kills: Counter[str] = Counter()
         self.breaches: Counter[tuple[str, str]] = Counter()  # (group, resource)
-        self.tampering: Counter[str] = Counter()
+        self.tampering: Counter[tuple[str, str]] = Counter()  # (group, kind)
+        self._tampering_logged: set[tuple[int, str]] = set()  # (pid, kind) logged once per process
         self.last_kills: list[Kill] = []  # the latest few, for tests and `gemtrace top`
 
     def check(self, holdings: Iterable[Holding], limits: Mapping[str, int | None],
@@ -168,16 +176,28 @@ class MemoryEnforcer:
         del self.last_kills[:-16]
         return kill
 
-    def counters(self) -> tuple[dict[str, int], dict[tuple[str, str], int], dict[str, int]]:
-        """Copies of (oom kills by group, breaches by (group, resource), tampering by group)."""
+    def counters(self) -> tuple[dict[str, int], dict[tuple[str, str], int], dict[tuple[str, str], int]]:
+        """Copies of (oom kills by group, breaches by (group, resource), tampering by (group, kind))."""
         with self._lock:
             return dict(self.oom_kills), dict(self.breaches), dict(self.tampering)
 
-    def note_tampering(self, pid: int, group: str, gpu: str, slot_bytes: int, ebpf_bytes: int) -> None:
+    def note_tampering(self, pid: int, group: str, gpu: str, slot_bytes: int, verified_bytes: int,
+                       kind: str = UNDER_REPORTING) -> None:
+        """A slot's figure that disagreed with what the agent verified (eBPF, else NVML): counted each
+        episode, logged once per process and kind (a process that keeps flipping its figure cannot
+        flood the log)."""
         with self._lock:
-            self.tampering[group] += 1
-        self._log.warning("slot_tampering", pid=pid, group=group, gpu=gpu, slot_bytes=slot_bytes,
-                          ebpf_bytes=ebpf_bytes)
+            self.tampering[(group, kind)] += 1
+            first = (pid, kind) not in self._tampering_logged
+            self._tampering_logged.add((pid, kind))
+        if first:
+            self._log.warning("slot_tampering", pid=pid, group=group, gpu=gpu, kind=kind, slot_bytes=slot_bytes,
+                              verified_bytes=verified_bytes)
+
+    def forget_tampering(self, live: Collection[int]) -> None:
+        """Keep the once-per-process log memory for the processes in `live` only."""
+        with self._lock:
+            self._tampering_logged = {(pid, kind) for pid, kind in self._tampering_logged if pid in live}
 
 
 class Enforcement:
@@ -189,7 +209,7 @@ class Enforcement:
         self.enforcer = enforcer
         self._limits = limits
         self._holdings = holdings
-        self._tamper_suspect: dict[tuple[int, str], tuple[int, int]] = {}
+        self._tamper_suspect: dict[tuple[int, str], tuple[int, int, str]] = {}
         self._tampered: set[tuple[int, str]] = set()
 
     def on_allocation(self, event_ns: int | None) -> None:
@@ -202,22 +222,54 @@ class Enforcement:
             self.enforcer.check(holdings, limits, event_ns=event_ns)
 
     def on_snapshot(self, snapshot: Snapshot, merged: Mapping[Key, Merged]) -> None:
-        """A slot that shows less than eBPF saw is hiding memory from the gates' quota. The gate
-        reserves before it calls the driver, so a slot may lead eBPF for a moment, never trail it
-        for two polls in a row with the same figures."""
+        """A slot that shows less than eBPF saw is hiding memory from the gates' quota; one that shows
+        more than the agent verified (eBPF, else NVML, context included) claims memory its process does
+        not hold, which would deny the other members of its group theirs (their gates count the
+        verified figure instead: hook/memory.c). A gate reserves before it calls the driver and frees
+        after, so a slot may lead eBPF for a moment, never trail it, and never lead it for two looks in
+        a row with the same figures."""
         for p in snapshot.processes:
             m = merged.get((p.pid, p.gpu))
-            if m is None or m.slot_memory is None or m.ebpf_memory is None:
+            if m is None or m.slot_memory is None:
                 continue
-            self._audit(p.pid, p.group, p.gpu, m.slot_memory, m.ebpf_memory)
+            if m.ebpf_memory is not None and m.slot_memory < m.ebpf_memory:
+                self._audit(p.pid, p.group, p.gpu, m.slot_memory, m.ebpf_memory, UNDER_REPORTING)
+            elif m.verified is not None and m.slot_memory + m.slot_managed > m.verified + m.verified_managed:
+                # device and managed together: a gate counts a program's own managed memory as device
+                # memory outside an Oversubscribe group, eBPF as managed
+                self._audit(p.pid, p.group, p.gpu, m.slot_memory + m.slot_managed, m.verified + m.verified_managed,
+                            OVER_REPORTING)
+            else:
+                self._tamper_suspect.pop((p.pid, p.gpu), None)
+                self._tampered.discard((p.pid, p.gpu))
+        live = {p.pid for p in snapshot.processes}
+        for key in [key for key in self._tamper_suspect if key[0] not in live]:
+            del self._tamper_suspect[key]
+        self._tampered = {key for key in self._tampered if key[0] in live}
+        self.enforcer.forget_tampering(live)
 
-    def _audit(self, pid: int, group: str, uuid: str, slot_bytes: int, ebpf_bytes: int) -> None:
+    def _audit(self, pid: int, group: str, uuid: str, slot_bytes: int, verified_bytes: int, kind: str) -> None:
+        """An episode is counted at its second look in a row: under-reporting with the same figures;
+        over-reporting with any (a slot leads only while a reservation is in flight, which two looks
+        do not both catch: a poll, and the agent's second look 0.2 s later; and a liar must not escape
+        by changing its figure)."""
         key = (pid, uuid)
-        if slot_bytes >= ebpf_bytes:
-            self._tamper_suspect.pop(key, None)
-            self._tampered.discard(key)
-            return
-        if self._tamper_suspect.get(key) == (slot_bytes, ebpf_bytes) and key not in self._tampered:
+        figures = (slot_bytes, verified_bytes, kind)
+        before = self._tamper_suspect.get(key)
+        if before is not None and before[2] != kind:
+            self._tampered.discard(key)  # it changed sides: a new episode
+            before = None
+        repeated = before is not None and (kind == OVER_REPORTING or before == figures)
+        if repeated and key not in self._tampered:
             self._tampered.add(key)
-            self.enforcer.note_tampering(pid, group, uuid, slot_bytes, ebpf_bytes)
-        self._tamper_suspect[key] = (slot_bytes, ebpf_bytes)
+            self.enforcer.note_tampering(pid, group, uuid, slot_bytes, verified_bytes, kind)
+        self._tamper_suspect[key] = figures
+
+    def over_reporting_suspected(self) -> bool:
+        """A slot was seen above its verified figure once and not yet counted: the accounting looks
+        again sooner than its next poll (AUDIT_AGAIN_SECONDS), to cut what a liar can deny."""
+        return any(f[2] == OVER_REPORTING and key not in self._tampered for key, f in self._tamper_suspect.items())
+
+    def over_reporters(self) -> set[int]:
+        """The processes whose slot claims more than they hold now (an episode counted, not over)."""
+        return {key[0] for key in self._tampered if self._tamper_suspect.get(key, (0, 0, ""))[2] == OVER_REPORTING}

@@ -17,7 +17,7 @@ from gemtrace.sources import Figures, Key, SourceReading
 
 class Merged(NamedTuple):
     """One process on one GPU, its figures merged; the sources' own memory figures kept for the audit
-    of the slots (tampering: a slot showing less than eBPF saw)."""
+    of the slots (tampering: a slot showing less than eBPF saw, or more than the agent can verify)."""
 
     memory: int
     gate_seconds: float  # the gate's busy time, before it is apportioned within the group
@@ -26,6 +26,11 @@ class Merged(NamedTuple):
     slot_memory: int | None
     ebpf_memory: int | None
     managed: int = 0  # managed memory (Oversubscribe), apart from `memory`
+    # A gated process's memory as checked by eBPF or NVML (row "verified"); None: ungated, or nothing
+    # checks it (the slot's own figure is then what other users' gates count).
+    verified: int | None = None
+    verified_managed: int = 0  # its managed memory as checked (row "verified")
+    slot_managed: int = 0  # the managed memory its slot shows
 
 
 # A gated process's slot on a GPU its gate never used (no gpu_mask bit): every counter 0.
@@ -60,6 +65,35 @@ def memory(gated: bool, ebpf: Figures | None, slot: Figures | None, nvml: Figure
     if gated and slot is not None and slot.memory is not None:
         return slot.memory
     return nvml.memory if nvml is not None and nvml.memory is not None else 0
+
+
+def verified(ebpf_on: bool, ebpf: Figures | None, slot: Figures | None, nvml: Figures | None,
+             nvml_on: bool, inherited: bool) -> tuple[int | None, int]:
+    """Row "verified": a gated process's (device, managed) memory as the agent can check it, which
+    other users' gates count for it in place of its slot (hook/memory.c, issue 25). Device None:
+    nothing checks it.
+      eBPF on:  eBPF's (0 where it saw nothing: it sees every allocation of a process probed from its
+                start). eBPF counts every cuMemAllocManaged as managed; a gate counts a program's own
+                one as device memory outside an Oversubscribe group: what the slot counts as managed
+                (at most eBPF's) stays managed, the rest of eBPF's managed memory counts as device
+                memory. Inherited: device max(that, the slot clamped by NVML), managed the slot's.
+      eBPF off: device: the slot clamped by NVML's figure (context included: an honest slot is never
+                above it; 0 where NVML lists the process nowhere on that GPU), None without NVML;
+                managed: the slot's (NVML does not tell it apart: nothing checks it)"""
+    slot_bytes = slot.memory if slot is not None and slot.memory is not None else 0
+    slot_managed = slot.managed if slot is not None and slot.managed is not None else 0
+    clamped: int | None = None
+    if nvml_on:
+        clamped = min(slot_bytes, nvml.memory if nvml is not None and nvml.memory is not None else 0)
+    if not ebpf_on:
+        return clamped, slot_managed
+    seen = ebpf.memory if ebpf is not None and ebpf.memory is not None else 0
+    seen_managed = ebpf.managed if ebpf is not None and ebpf.managed is not None else 0
+    as_managed = min(slot_managed, seen_managed)
+    device = seen + seen_managed - as_managed
+    if inherited:
+        return max(device, slot_bytes if clamped is None else clamped), max(as_managed, slot_managed)
+    return device, as_managed
 
 
 # -- GPU time ----------------------------------------------------------------------------------------
@@ -98,9 +132,10 @@ def managed(ebpf: Figures | None, slot: Figures | None) -> int:
 
 
 def merge(key: Key, ebpf: SourceReading | None, gate: SourceReading, nvml: SourceReading,
-          rebuilt: int | None) -> Merged:
-    """Every row for one process on one GPU. `ebpf` None: eBPF is off. A process is gated when it
-    has a slot."""
+          rebuilt: int | None, nvml_on: bool = False, inherited: bool = False) -> Merged:
+    """Every row for one process on one GPU. `ebpf` None: eBPF is off. `nvml_on`: NVML lists the
+    processes of every GPU (one it does not list holds nothing there). `inherited`: eBPF may have
+    missed some of the process's memory (docs/accounting.md). A process is gated when it has a slot."""
     pid = key[0]
     gated = pid in gate.start_times
     e = ebpf.figures.get(key) if ebpf is not None else None
@@ -108,6 +143,7 @@ def merge(key: Key, ebpf: SourceReading | None, gate: SourceReading, nvml: Sourc
     if s is None and gated:
         s = UNUSED  # the gate's source makes no figure where its gate counted nothing
     n = nvml.figures.get(key)
+    checked = verified(ebpf is not None, e, s, n, nvml_on, inherited) if gated else (None, 0)
     return Merged(
         memory=memory(gated, e, s, n, rebuilt),
         gate_seconds=gate_seconds(gated, s),
@@ -116,6 +152,9 @@ def merge(key: Key, ebpf: SourceReading | None, gate: SourceReading, nvml: Sourc
         slot_memory=s.memory if s is not None else None,
         ebpf_memory=e.memory if e is not None else None,
         managed=managed(e, s),
+        verified=checked[0],
+        verified_managed=checked[1],
+        slot_managed=(s.managed or 0) if s is not None else 0,
     )
 
 

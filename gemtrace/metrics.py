@@ -88,8 +88,6 @@ _SPECS = [
                "Processes killed because their group exceeded its MemoryLimit."),
     MetricSpec("gemtrace_quota_breaches_total", "counter", "", ("group", "resource"),
                "Times a group was found over a quota (resource: memory)."),
-    MetricSpec("gemtrace_tampering_events_total", "counter", "", ("group",),
-               "Slots whose figures disagreed with eBPF accounting."),
     # attaching: the gates' socket (docs/security.md, "Attaching")
     MetricSpec("gemtrace_attach_refusals_total", "counter", "", ("uid", "reason"),
                "Gates' attaches the agent refused or could not serve, by the asking user's uid and reason (full: "
@@ -99,6 +97,10 @@ _SPECS = [
                "Slot chunks (32 process slots each) held by the user."),
     MetricSpec("gemtrace_attach_chunks_free", "gauge", "", (),
                "Slot chunks no user holds."),
+    MetricSpec("gemtrace_tampering_events_total", "counter", "", ("group", "kind"),
+               "Slots whose memory figures disagreed with what the agent verified (eBPF, else NVML): "
+               "kind under_reporting (less than the process holds) or over_reporting (more: from then on "
+               "other users' gates count that user's processes at their verified figures)."),
     # processes
     MetricSpec("gemtrace_process_memory_bytes", "gauge", "bytes", PROCESS_LABELS,
                "Device memory the process holds through libcuda allocations."),

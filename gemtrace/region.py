@@ -23,7 +23,8 @@ import errno
 import itertools
 import mmap
 import os
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from gemtrace import futex
 from gemtrace.contract import (
     ATTACH_SOCKET,
     ATTACH_VIEW,
+    CHUNK_SLOTS,
     COMM_LEN,
     GROUP_UNASSIGNED,
     HELD,
@@ -123,8 +125,15 @@ class Slot(ctypes.Structure):
         ("burst_start_ns", u64 * MAX_GPUS),
         ("drained_ns", u64 * MAX_GPUS),
         ("waiting", u32 * MAX_GPUS),
-        ("reserved", u64 * 63),
+        ("audit_requests", u32),
+        ("reserved1", u32),
+        ("reserved", u64 * 62),
     ]
+
+
+class Verified(ctypes.Structure):
+    """struct gt_verified: what the agent checked that a slot's process holds (issue 25)."""
+    _fields_ = [("pid", i32), ("reserved0", u32), ("memory", u64 * MAX_GPUS), ("managed", u64 * MAX_GPUS)]
 
 
 class RegionLayout(ctypes.Structure):
@@ -135,6 +144,8 @@ class RegionLayout(ctypes.Structure):
         ("control", (Control * MAX_GROUPS) * MAX_GPUS),
         ("assigned", Assignment * MAX_SLOTS),
         ("chunk_owner", u32 * MAX_CHUNKS),
+        ("verified", Verified * MAX_SLOTS),
+        ("chunk_trusted", u32 * MAX_CHUNKS),
     ]
 
 
@@ -336,6 +347,11 @@ class Region:
         self.slots_layout = space.table()
         self._view_generation = -1
         self._assigned_words = memoryview(self.layout.assigned).cast("B").cast("Q")
+        self._verified_lock = threading.Lock()
+        self._verified_cache: dict[int, tuple[int, dict[int, tuple[int, int]]]] = {}
+        verified = self.layout.verified
+        self._verified_pids = memoryview((ctypes.c_char * ctypes.sizeof(verified)).from_address(
+            ctypes.addressof(verified))).cast("B").cast("i")[:: ctypes.sizeof(Verified) // 4]
 
     @property
     def slots(self) -> ctypes.Array[Slot]:
@@ -434,6 +450,9 @@ class Region:
         region.slots_layout = slots
         region._view_generation = -1
         region._assigned_words = memoryview(region.layout.assigned).cast("B").cast("Q")
+        region._verified_lock = threading.Lock()
+        region._verified_cache = {}
+        region._verified_pids = memoryview(b"")  # a snapshot publishes nothing
         return region
 
     def _refresh_view(self) -> None:
@@ -447,6 +466,7 @@ class Region:
     def close(self) -> None:
         self.__dict__.pop("slot_columns", None)  # its views point into the mappings about to go
         self._assigned_words.release()
+        self._verified_pids.release()
         del self.layout, self.slots_layout
         if self._server is not None:
             self._server.close()
@@ -649,6 +669,70 @@ class Region:
     def _wake(address: int, count: int = futex.EVERYONE) -> None:
         futex.wake(address, count)
 
+    # -- verified memory (issue 25) ---------------------------------------------------------------
+
+    def publish_verified(self, figures: Mapping[int, Mapping[int, tuple[int, int]]]) -> None:
+        """Store, for every claimed slot whose pid is in `figures` (pid -> GPU index -> (device bytes,
+        managed bytes); a GPU left out holds nothing), what the agent verified that process holds:
+        the figures other users' gates count for it (hook/gemtrace_region.h, Verified memory). A slot
+        whose pid is not in `figures` keeps its entry. Stores only what differs."""
+        if not figures:
+            return
+        columns = self.slot_columns
+        pids = columns.pid
+        with self._verified_lock:  # the poller and eBPF's watcher both publish
+            self._store_verified(columns.live(), pids, figures)
+
+    def _store_verified(self, live: list[int], pids: memoryview,
+                        figures: Mapping[int, Mapping[int, tuple[int, int]]]) -> None:
+        # On every eBPF wake-up with up to GT_MAX_SLOTS live slots: a slot whose entry still names its
+        # process with the figures last stored is skipped on one dict comparison, not 32 ctypes reads.
+        cache = self._verified_cache
+        stored_pids = self._verified_pids
+        for index in live:
+            pid = pids[index]
+            held = figures.get(pid)
+            if held is None:
+                continue
+            before = cache.get(index)
+            if stored_pids[index] == pid and before == (pid, held):
+                continue
+            entry = self.layout.verified[index]
+            if entry.pid != pid or before is None or before[0] != pid:
+                entry.pid = 0  # first: no reader takes the figures below for the former occupant's
+                for gpu in range(MAX_GPUS):
+                    entry.memory[gpu], entry.managed[gpu] = held.get(gpu, (0, 0))
+                entry.pid = pid  # last: the figures are complete before a reader can match the pid
+            else:  # only the GPUs it holds or held: what the cache says is stored there
+                memory, managed = entry.memory, entry.managed
+                for gpu in held.keys() | before[1].keys():
+                    memory[gpu], managed[gpu] = held.get(gpu, (0, 0))
+            cache[index] = (pid, dict(held))
+
+    def owner_of(self, pid: int) -> int | None:
+        """The uid whose chunk holds `pid`'s slot, or None (no live slot names it)."""
+        columns = self.slot_columns
+        for index in columns.live():
+            if columns.pid[index] == pid:
+                owner = int(self.layout.chunk_owner[index // CHUNK_SLOTS])
+                return None if owner == NO_OWNER else owner
+        return None
+
+    def trust_chunks(self, trusted: Callable[[int], bool]) -> None:
+        """chunk_trusted[c] = 1 for every chunk whose owner (a uid) `trusted` names, 0 for the rest:
+        whose slots other users' gates count at their own figures rather than at the verified ones
+        (hook/gemtrace_region.h, Verified memory)."""
+        for chunk in range(MAX_CHUNKS):
+            owner = self.layout.chunk_owner[chunk]
+            word = 1 if owner != NO_OWNER and trusted(owner) else 0
+            if self.layout.chunk_trusted[chunk] != word:
+                self.layout.chunk_trusted[chunk] = word
+
+    def verified(self, index: int) -> tuple[int, list[int], list[int]]:
+        """Slot `index`'s verified entry: (pid, device bytes per GPU, managed bytes per GPU)."""
+        entry = self.layout.verified[index]
+        return entry.pid, list(entry.memory), list(entry.managed)
+
     # -- slots -----------------------------------------------------------------------------------
 
     @cached_property
@@ -686,6 +770,8 @@ class Region:
             return False
         if self.assigned_group(index, pid) is not None:
             self.unassign(index)
+        if self.layout.verified[index].pid == pid:
+            ctypes.memset(ctypes.addressof(self.layout.verified[index]), 0, ctypes.sizeof(Verified))
         slot.flags = 0  # first: a reader that still sees the flag after reading the counters read them whole
         ctypes.memset(ctypes.addressof(slot) + Slot.flags.offset, 0, ctypes.sizeof(Slot) - Slot.flags.offset)
         slot.pid = 0  # last: a gate claiming it with CAS finds a zeroed slot
@@ -764,6 +850,10 @@ class SlotColumns:
 
     def burst_start_ns(self, gpu: int) -> memoryview:
         return self._col64(Slot.burst_start_ns.offset + 8 * gpu)
+
+    def audit_requests(self) -> memoryview:
+        """Element i: slots[i].audit_requests (a gate asks the agent to look now, issue 25)."""
+        return self._col32(Slot.audit_requests.offset)
 
     def waiting(self, gpu: int) -> memoryview:
         return self._col32(Slot.waiting.offset + 4 * gpu)

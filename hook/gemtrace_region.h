@@ -106,9 +106,19 @@
  * it adds the size to its own slots[i].memory[gpu] (seq_cst), then sums memory[gpu] over every
  * slot with pid != 0 whose group (assigned[], "default" while unassigned) is its own; above the limit it subtracts the size again and returns
  * CUDA_ERROR_OUT_OF_MEMORY without calling the driver. Two racing reservations may both fail near
- * the limit; neither can overshoot. A slot's counters only ever subtract what that process added.
+ * the limit; neither can overshoot (but see Whose figures count, for a user the agent caught lying).
+ * A slot's counters only ever subtract what that process added.
  * While the heartbeat is stale, that sum leaves out the slots whose process no longer exists
  * (kill(pid, 0) fails with ESRCH): their memory went with them and no agent is there to free them.
+ *
+ * Whose figures count (issue 25): a slot of the gate's own user (chunk_owner[] of the slot's chunk
+ * equals that of the gate's own slot) counts its own live figures: they bind that user's processes
+ * only, which could write them anyway. A slot of another user counts verified[i] instead (see
+ * "Verified memory" below), so that a figure written there denies nobody else any memory, unless the
+ * agent trusts its chunk (chunk_trusted[c] = 1: its own figures count, as above). Either way another
+ * user's slot counts only once assigned[i] names its pid and only on the GPUs its gpu_mask names: the
+ * agent audits only what it placed, where the slot says it works. While the heartbeat is stale no
+ * agent verifies anything, and every slot's own figures count.
  *
  * Oversubscription (groups[g].oversubscribe_limit != 0, the resource file's Oversubscribe): a
  * cuMemAlloc_v2 that the limit above (or the GPU itself) refuses is served with cuMemAllocManaged,
@@ -261,10 +271,40 @@ struct gt_slot {                 /* in `slots`, written only by its process (see
                                              covered every launch before it: drained_ns >= burst_start_ns
                                              means nothing is queued */
     uint32_t waiting[GT_MAX_GPUS];        /* threads blocked on control[gpu][group].held */
-    uint64_t reserved[63];                /* to GT_SLOT_SIZE */
+    /* Issue 25 (Verified memory below): bumped when an allocation would fit but for another user's
+     * figure beyond what the agent verified; the agent then looks at the slots at once. */
+    uint32_t audit_requests;
+    uint32_t reserved1;
+    uint64_t reserved[62];                /* to GT_SLOT_SIZE */
 };
 _Static_assert(sizeof(struct gt_slot) == GT_SLOT_SIZE, "a slot is GT_SLOT_SIZE bytes");
 _Static_assert(GT_CHUNK_BYTES % 4096 == 0, "a chunk is a whole number of pages");
+
+/* --- Verified memory (issue 25: no member of a shared group denies the others memory) -------------
+ * Agent-owned, one entry per slot: what the agent has checked that the process in slot i holds, from
+ * eBPF where it runs (every allocation and free the driver returned), else the slot's own figure
+ * clamped by NVML's per-process memory (context included, so an honest slot is never above it), else
+ * the slot's figure (nothing to check it with). Rewritten on each eBPF allocation event and each
+ * accounting poll. `pid` names the process the figures are for: any other occupant of slot i counts 0
+ * until the agent publishes for it. The agent stores pid = 0, then the figures, then the pid, so a
+ * reader that reads the same pid before and after a figure read that process's figure.
+ * chunk_trusted[c] = 1: other users' gates count chunk c's slots at their own figures, not these.
+ * The agent trusts the chunks of every user it has not caught over-reporting (a slot above what its
+ * process holds at a poll and again 0.2 s later), and never again, while it runs, those of a user
+ * it caught: verified figures lag an allocation (eBPF's event, else a poll), and two users
+ * allocating at once each took most of the limit in that lag (docs/gate.md, Memory;
+ * docs/security.md). A new chunk is untrusted until the keeper's next tick, which decides before it
+ * places the chunk's processes. An allocation that the live figures refuse but the verified ones
+ * would allow waits (at most GT_AUDIT_WAIT_NS, hook/memory.c) for the agent to look, having bumped
+ * its slot's audit_requests: either the agent catches a false figure and distrusts its user, and the
+ * allocation fits, or it verifies the other user's memory, and the allocation is refused. So a false
+ * figure delays the others' allocations rather than refusing them. */
+struct gt_verified {
+    _Alignas(8) int32_t pid;     /* the process these figures are for; 0: none */
+    uint32_t reserved0;
+    uint64_t memory[GT_MAX_GPUS];  /* device memory, as slots[i].memory */
+    uint64_t managed[GT_MAX_GPUS]; /* managed memory, as slots[i].managed */
+};
 
 struct gt_region {
     struct gt_header header;
@@ -273,6 +313,8 @@ struct gt_region {
     struct gt_control control[GT_MAX_GPUS][GT_MAX_GROUPS];
     struct gt_assignment assigned[GT_MAX_SLOTS];
     uint32_t chunk_owner[GT_MAX_CHUNKS]; /* agent-owned: the uid whose chunk c is, or GT_NO_OWNER */
+    struct gt_verified verified[GT_MAX_SLOTS]; /* agent-owned: see Verified memory above */
+    uint32_t chunk_trusted[GT_MAX_CHUNKS];     /* agent-owned: 1 where others count the slots' own figures */
 };
 
 struct gt_bells {                /* the doorbells: written by anyone, a hint to the agent only */

@@ -1,11 +1,14 @@
 /*
  * memory.c - device memory against the group's MemoryLimit, and managed memory past it (Oversubscribe).
  *
- * A group's usage on a GPU is the sum of its processes' slots. An allocation reserves first, in our
- * own slot, then sums the group (hook/gemtrace_region.h: the optimistic protocol): over the limit it
- * takes the reservation back and returns CUDA_ERROR_OUT_OF_MEMORY without calling the driver, so
- * nothing is allocated and no interleaving of processes or threads overshoots. Every byte added is
- * remembered here with its pointer or handle; a release subtracts only what we added, so frees of
+ * A group's usage on a GPU is the sum of its processes' slots: our own user's figures as they stand,
+ * another user's as they stand until the agent catches that user lying, then as the agent verified
+ * them (believed() below, issue 25). An allocation reserves first, in our own slot, then sums the
+ * group (hook/gemtrace_region.h: the optimistic protocol): over the limit it takes the reservation
+ * back and returns CUDA_ERROR_OUT_OF_MEMORY without calling the driver, so nothing is allocated and
+ * no interleaving of processes or threads overshoots (of a user caught lying, believed() says what
+ * bound remains). Every byte added is remembered here with its pointer or handle; a release
+ * subtracts only what we added, so frees of
  * pointers we never saw, double frees or frees after a crash cannot drive a counter below zero
  * (HAMi's counter underflowed and showed 17 TB in use, with false OOMs: HAMi #1181,
  * https://github.com/Project-HAMi/HAMi/issues/1181). The device comes from the call's own arguments
@@ -33,6 +36,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 /* --- what we allocated: address or handle -> (bytes, gpu) ----------------------------------------
@@ -194,10 +198,82 @@ static bool owner_gone(int32_t pid)
     return gone;
 }
 
-/* The sum over the group's live slots of memory[gpu] (device) or managed[gpu]. */
-static uint64_t group_sum(int gpu, bool managed)
+/* A chunk not yet mapped reads as free slots, so a sum must see every chunk the agent has made: a
+ * thread that finds another thread of its process mapping new chunks (gt_refresh_slots tries once
+ * and moves on) waits for it, while the agent answers, at most GT_VIEW_WAIT_NS. Without the wait two
+ * users' processes starting together each took most of a shared group's limit: 2.7 to 3.3 GiB held
+ * in a 2 GiB group, in 3 of 8 runs of tests/test_trust.py's concurrent members. The allocation path
+ * only; a launch never waits. */
+#define GT_VIEW_WAIT_NS 1000000000ull
+#define GT_VIEW_POLL_NS 100000L
+
+static bool view_stale(void)
+{
+    return __atomic_load_n(&gt_proc.region->header.chunk_generation, __ATOMIC_ACQUIRE) !=
+           __atomic_load_n(&gt_proc.view_generation, __ATOMIC_ACQUIRE);
+}
+
+static void current_view(void)
 {
     gt_refresh_slots();
+    uint64_t deadline = 0;
+    while (view_stale() && gt_agent_alive()) {
+        uint64_t now = gt_now_ns();
+        if (!deadline)
+            deadline = now + GT_VIEW_WAIT_NS;
+        else if (now >= deadline)
+            break; /* the agent does not answer: sum the table as it is */
+        int saved = errno;
+        nanosleep(&(struct timespec){.tv_nsec = GT_VIEW_POLL_NS}, NULL);
+        errno = saved;
+        gt_refresh_slots();
+    }
+}
+
+/* Whether slot i is in a chunk of our own user: the only slots whose own figures we believe. */
+static bool own_users_slot(uint32_t i)
+{
+    const uint32_t *owner = gt_proc.region->chunk_owner;
+    return __atomic_load_n(&owner[i / GT_CHUNK_SLOTS], __ATOMIC_RELAXED) ==
+           __atomic_load_n(&owner[gt_proc.slot_index / GT_CHUNK_SLOTS], __ATOMIC_RELAXED);
+}
+
+/* What slot i, claimed by pid, holds on gpu as far as this gate believes (issue 25). A slot is its
+ * user's word: any of that user's processes may write any figure there. Our own user's figures are
+ * believed as they stand: they bind only our user. Another user's are believed while the agent
+ * trusts that user (chunk_trusted): live figures are what keeps two users allocating at once within
+ * the limit, since the agent's verified ones lag each allocation. A user the agent caught claiming
+ * more than its processes hold counts at what the agent verified they hold (the region's verified[],
+ * which no user can write): a huge figure written there then denies nobody memory. With no agent (a
+ * stale heartbeat) nothing is verified any more, and every slot's own figure counts. */
+static uint64_t believed(uint32_t i, int32_t pid, int gpu, bool managed, bool agent_away, bool verified_only)
+{
+    const struct gt_slot *s = &gt_proc.slots[i];
+    if (agent_away || own_users_slot(i))
+        return __atomic_load_n(managed ? &s->managed[gpu] : &s->memory[gpu], __ATOMIC_SEQ_CST);
+    /* Another user's slot counts only once the agent has placed its process (a gate waits for that
+     * before it allocates), and only on a GPU its gpu_mask names (a gate sets the bit before it counts
+     * anything there): a slot the agent never places, naming someone else's pid, would otherwise
+     * count in "default" unaudited, and a figure on a GPU outside the mask is one the audit never
+     * reads. */
+    struct gt_assignment a;
+    __atomic_load(&gt_proc.region->assigned[i], &a, __ATOMIC_ACQUIRE);
+    if (a.pid != pid || !(__atomic_load_n(&s->gpu_mask, __ATOMIC_ACQUIRE) & (1u << gpu)))
+        return 0;
+    if (!verified_only && __atomic_load_n(&gt_proc.region->chunk_trusted[i / GT_CHUNK_SLOTS], __ATOMIC_RELAXED))
+        return __atomic_load_n(managed ? &s->managed[gpu] : &s->memory[gpu], __ATOMIC_SEQ_CST);
+    const struct gt_verified *v = &gt_proc.region->verified[i];
+    if (__atomic_load_n(&v->pid, __ATOMIC_ACQUIRE) != pid)
+        return 0; /* not yet verified for this process: the agent publishes within its next look */
+    uint64_t bytes = __atomic_load_n(managed ? &v->managed[gpu] : &v->memory[gpu], __ATOMIC_ACQUIRE);
+    return __atomic_load_n(&v->pid, __ATOMIC_ACQUIRE) == pid ? bytes : 0; /* the agent moved it meanwhile */
+}
+
+/* The sum over the group's live slots of memory[gpu] (device) or managed[gpu], as believed;
+ * `verified_only`: every other user's slot at what the agent verified, trusted or not. */
+static uint64_t group_sum_of(int gpu, bool managed, bool verified_only)
+{
+    current_view();
     struct gt_slot *slots = gt_proc.slots;
     uint32_t group = gt_group();
     bool agent_away = !gt_agent_alive();
@@ -207,7 +283,7 @@ static uint64_t group_sum(int gpu, bool managed)
         int32_t pid = __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST);
         if (pid == 0 || gt_group_of(i, pid) != group)
             continue;
-        uint64_t bytes = __atomic_load_n(managed ? &s->managed[gpu] : &s->memory[gpu], __ATOMIC_SEQ_CST);
+        uint64_t bytes = believed(i, pid, gpu, managed, agent_away, verified_only);
         if (bytes && agent_away && owner_gone(pid))
             continue;
         sum += bytes;
@@ -215,12 +291,14 @@ static uint64_t group_sum(int gpu, bool managed)
     return sum;
 }
 
+static uint64_t group_sum(int gpu, bool managed) { return group_sum_of(gpu, managed, false); }
+
 static uint64_t group_usage(int gpu) { return group_sum(gpu, false); }
 
 /* The managed memory of every live slot on every GPU: what the host must be able to back. */
 static uint64_t host_managed_usage(void)
 {
-    gt_refresh_slots();
+    current_view();
     struct gt_slot *slots = gt_proc.slots;
     bool agent_away = !gt_agent_alive();
     uint64_t sum = 0;
@@ -231,7 +309,7 @@ static uint64_t host_managed_usage(void)
             continue;
         uint64_t bytes = 0;
         for (int g = 0; g < GT_MAX_GPUS; g++)
-            bytes += __atomic_load_n(&s->managed[g], __ATOMIC_SEQ_CST);
+            bytes += believed(i, pid, g, true, agent_away, false);
         if (bytes && agent_away && owner_gone(pid))
             continue;
         sum += bytes;
@@ -262,13 +340,53 @@ static void unreserve(int gpu, uint64_t bytes)
     __atomic_fetch_sub(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
 }
 
+/* Over the limit by the live figures (our reservation of `bytes` taken back): if the verified ones
+ * would let the allocation fit, another user's figure beyond what the agent verified decides it,
+ * either a reservation the agent has not seen answered yet or a false figure (issue 25). Ask the
+ * agent to look now and wait, at most GT_AUDIT_WAIT_NS: true, with the reservation made again, once
+ * the sum fits (the agent caught a false figure and distrusts its user); false once the verified
+ * figures no longer fit either (the other user's memory was real), or when the agent goes away. A
+ * false figure so delays the others' allocations, never refuses them. While we wait our slot shows
+ * only what we hold, so that the agent's look does not take our own reservation for a false figure.
+ * The allocation path only, and only near the limit. */
+#define GT_AUDIT_WAIT_NS 1000000000ull /* a look comes within the agent's poll loop's tick and 0.2 s */
+#define GT_AUDIT_POLL_NS 1000000L
+
+static bool fits_once_verified(int gpu, uint64_t limit, uint64_t bytes)
+{
+    if (!gt_agent_alive() || group_sum_of(gpu, false, true) + bytes > limit)
+        return false;
+    __atomic_fetch_add(&gt_proc.slot->audit_requests, 1, __ATOMIC_RELEASE);
+    uint64_t deadline = gt_now_ns() + GT_AUDIT_WAIT_NS;
+    int saved = errno;
+    bool fits = false;
+    while (!fits && gt_now_ns() < deadline) {
+        nanosleep(&(struct timespec){.tv_nsec = GT_AUDIT_POLL_NS}, NULL);
+        if (group_usage(gpu) + bytes <= limit) {
+            __atomic_fetch_add(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
+            fits = group_usage(gpu) <= limit; /* the optimistic protocol again: another may have come */
+            if (!fits)
+                unreserve(gpu, bytes);
+        } else if (!gt_agent_alive() || group_sum_of(gpu, false, true) + bytes > limit) {
+            break;
+        }
+    }
+    errno = saved;
+    return fits;
+}
+
 /* Device memory: within MemoryLimit and, in an oversubscribing group, within its total, so that
  * device memory regrown after managed memory was taken cannot carry the sum past it. */
 static CUresult reserve(int gpu, uint64_t bytes)
 {
     __atomic_fetch_add(&gt_proc.slot->memory[gpu], bytes, __ATOMIC_SEQ_CST);
     uint64_t limit = group_limit();
-    if ((limit != GT_NO_LIMIT && group_usage(gpu) > limit) || over_total(gpu)) {
+    if (limit != GT_NO_LIMIT && group_usage(gpu) > limit) {
+        unreserve(gpu, bytes);
+        if (!fits_once_verified(gpu, limit, bytes))
+            return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (over_total(gpu)) {
         unreserve(gpu, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }

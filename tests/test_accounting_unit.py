@@ -3,6 +3,7 @@ from gate slots (no eBPF), GPU time from slots, and per-process series leaving a
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,11 +16,12 @@ from gemtrace.collectors.processes import ProcessCollector
 from gemtrace.config import GroupConfig
 from gemtrace.enforcement import MemoryEnforcer
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
+from gemtrace.merge import Merged
 from gemtrace.probes import libcuda
 from gemtrace.probes.bpf_loader import has_bpf_privilege
 from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.region import Region
-from gemtrace.sources import Figures
+from gemtrace.sources import Figures, Key
 from gemtrace.sources.fakes import FakeEbpf, FakeGate
 from gemtrace.sources.fakes import FakeNvml as FakeNvmlReader
 
@@ -321,8 +323,46 @@ def test_a_slot_that_trails_ebpf_twice_with_the_same_figures_is_tampering(tmp_pa
     assert enforcer.tampering == {}  # once may be a race with the gate's reservation
     acc.poll()
     acc.poll()
-    assert enforcer.tampering == {"train": 1}  # once per episode
+    assert enforcer.tampering == {("train", "under_reporting"): 1}  # once per episode
     acc.close()
+
+
+@pytest.mark.parametrize("with_ebpf", [True, False])
+def test_a_slot_that_claims_more_than_the_agent_verified_is_over_reporting(tmp_path: Path, with_ebpf: bool) -> None:
+    """Issue 25: a figure no allocation backs (eBPF saw 8 MiB; without eBPF, NVML lists 8 MiB, context
+    included) is counted as over-reporting, and the process's verified figure stays what it holds."""
+    _proc_tree(tmp_path, 611, environ=b"GEMTRACE_GROUP=train\0")
+    gate = FakeGate({(611, UUIDS[0]): Figures(memory=64 << 30, launches=0, busy_ns=0)}, {611: 4242})
+    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(611, UUIDS[0], 8 * MiB)])
+    if with_ebpf:
+        ebpf = FakeEbpf()
+        acc, enforcer, killed = _fake_accounting(tmp_path, ebpf, gate, nvml, limit=None)
+        ebpf.allocate(611, 0, 8 * MiB, ts_ns=1)
+    else:
+        enforcer = MemoryEnforcer(kill=lambda pid: None)
+        acc = Accounting(None, lambda: Config({"train": group(None)}), proc_root=tmp_path, use_ebpf=False,
+                         gate=gate, nvml=nvml, enforcer=enforcer)
+    verified = VerifiedFigures()
+    acc.subscribe(verified)
+    acc.poll()
+    assert enforcer.tampering == {}  # once may be a reservation the driver has not answered yet
+    assert acc.enforcement.over_reporting_suspected()  # the agent looks again in 0.2 s, not a second
+    acc.poll()
+    acc.poll()
+    assert enforcer.tampering == {("train", "over_reporting"): 1}  # once per episode
+    assert not acc.enforcement.over_reporting_suspected()
+    assert verified.seen == [8 * MiB] * 3
+    acc.close()
+
+
+class VerifiedFigures:
+    """A snapshot listener keeping each poll's verified figures."""
+
+    def __init__(self) -> None:
+        self.seen: list[int | None] = []
+
+    def on_snapshot(self, snapshot: Snapshot, merged: Mapping[Key, Merged]) -> None:
+        self.seen.extend(m.verified for m in merged.values())
 
 
 def test_ungated_gpu_time_is_nvmls_utilisation_less_the_gates_share_split_equally(tmp_path: Path) -> None:
@@ -368,3 +408,31 @@ def test_a_process_that_is_gone_or_whose_pid_names_another_is_never_exported(tmp
     (p,) = acc.poll(clock.now).processes
     assert (p.pid, p.comm) == (803, "new") and p.gpu_seconds == pytest.approx(0.5)  # 1 s at 0.5, not 1.0 + 0.5
     acc.close()
+
+
+def test_the_verified_figures_reach_the_region_and_follow_the_process(tmp_path: Path) -> None:
+    """Issue 25: what other users' gates count for a user caught lying. Without eBPF, a slot claiming
+    a terabyte is published at NVML's figure for its process; a new NVML figure is published at the
+    next poll; a slot taken by another process gets an entry naming that process."""
+    proc = tmp_path / "proc"
+    for pid in (301, 302):
+        _proc_tree(proc, pid, environ=b"GEMTRACE_GROUP=train\0")
+    region = Region.create(tmp_path / "state")
+    region.set_gpus([(UUIDS[0], 16 << 30), (UUIDS[1], 16 << 30)])
+    g = region.set_group("train", 1 << 30, 0.0, 1.0)
+    _claim_slot(region, 3, 301, g, 1, memory=1 << 40, launches=0, busy_ns=0)
+    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(301, UUIDS[1], 8 * MiB)])
+    acc = Accounting(region, lambda: Config({"train": group(1 << 30)}), proc_root=proc, use_ebpf=False,
+                     nvml=nvml)  # type: ignore[arg-type]
+    acc.poll()
+    assert region.verified(3) == (301, [0, 8 * MiB] + [0] * 6, [0] * 8)
+    nvml.procs = [NvmlProcess(301, UUIDS[1], 24 * MiB)]
+    acc.poll()
+    assert region.verified(3)[1][1] == 24 * MiB
+    region.slots[3].pid = 0
+    _claim_slot(region, 3, 302, g, 1, memory=5 * MiB, launches=0, busy_ns=0)
+    nvml.procs = [NvmlProcess(302, UUIDS[1], 5 * MiB)]
+    acc.poll()
+    assert region.verified(3) == (302, [0, 5 * MiB] + [0] * 6, [0] * 8)
+    acc.close()
+    region.close()

@@ -316,7 +316,7 @@ def test_a_slot_that_hides_memory_is_tampering_and_ebpf_wins(sim: SimGpu, make_a
         region.assign(0, c.pid, g)
         assert wait_for(lambda: by_pid(acc.poll()).get(c.pid) == 64 * MiB)
         acc.poll()
-        assert enforcer.tampering == {"sneaky": 1}
+        assert enforcer.tampering == {("sneaky", "under_reporting"): 1}
         (p,) = [p for p in acc.poll().processes if p.pid == c.pid]
         assert p.gated and p.memory_bytes == 64 * MiB
     finally:

@@ -47,11 +47,13 @@ def test_kills_as_many_as_needed_latest_first_and_groups_are_per_gpu() -> None:
 
     registry = CollectorRegistry()
     registry.register(EnforcementCollector(e))
-    e.note_tampering(7, "a", GPU, slot_bytes=0, ebpf_bytes=MiB)
+    e.note_tampering(7, "a", GPU, slot_bytes=0, verified_bytes=MiB)
+    e.note_tampering(8, "a", GPU, slot_bytes=GiB, verified_bytes=0, kind="over_reporting")
     text = generate_latest(registry).decode()
     assert 'gemtrace_oom_kills_total{group="a"} 3.0' in text
     assert 'gemtrace_quota_breaches_total{group="a",resource="memory"} 1.0' in text
-    assert 'gemtrace_tampering_events_total{group="a"} 1.0' in text
+    assert 'gemtrace_tampering_events_total{group="a",kind="under_reporting"} 1.0' in text
+    assert 'gemtrace_tampering_events_total{group="a",kind="over_reporting"} 1.0' in text
 
 
 def test_at_the_limit_is_not_over() -> None:
@@ -71,14 +73,15 @@ def test_every_defined_group_is_exported_at_zero_before_its_first_event() -> Non
     for group in ("a", "b"):
         assert f'gemtrace_oom_kills_total{{group="{group}"}} 0.0' in text
         assert f'gemtrace_quota_breaches_total{{group="{group}",resource="memory"}} 0.0' in text
-        assert f'gemtrace_tampering_events_total{{group="{group}"}} 0.0' in text
+        for kind in ("under_reporting", "over_reporting"):
+            assert f'gemtrace_tampering_events_total{{group="{group}",kind="{kind}"}} 0.0' in text
 
     e.check([Holding(1, "a", GPU, 600 * MiB, 1)], {"a": 500 * MiB})
     defined = ["b"]  # a reload removed group a: its counts stay, a counter does not go back
     text = generate_latest(registry).decode()
     assert 'gemtrace_oom_kills_total{group="a"} 1.0' in text
     assert 'gemtrace_quota_breaches_total{group="a",resource="memory"} 1.0' in text
-    assert 'gemtrace_tampering_events_total{group="a"}' not in text  # never had one, no longer defined
+    assert 'gemtrace_tampering_events_total{group="a"' not in text  # never had one, no longer defined
     assert 'gemtrace_oom_kills_total{group="b"} 0.0' in text
 
 

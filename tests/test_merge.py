@@ -131,3 +131,45 @@ def test_a_gated_process_on_a_gpu_its_gate_never_used_counts_zeros_there_not_nvm
     gate = SourceReading({}, start_times={KEY[0]: 0})
     m = merge.merge(KEY, None, gate, reading(NVML), None)
     assert (m.memory, m.launches, m.gate_seconds, m.gated, m.slot_memory) == (0, 0, 0.0, True, 0)
+
+
+# -- row "verified" (issue 25: what other users' gates count for a gated process) ----------------------
+
+
+def test_verified_memory_with_ebpf_is_ebpfs_whatever_the_slot_says() -> None:
+    liar = Figures(memory=1 << 40)
+    assert merge.verified(True, EBPF, liar, NVML, nvml_on=True, inherited=False) == (300 * MiB, 0)
+    # eBPF saw nothing of it: it holds nothing, the slot's terabyte notwithstanding
+    assert merge.verified(True, None, liar, NVML, nvml_on=True, inherited=False) == (0, 0)
+    assert merged(EBPF, liar, NVML).verified == 300 * MiB
+
+
+def test_verified_memory_without_ebpf_is_the_slot_clamped_by_nvml() -> None:
+    assert merge.verified(False, None, SLOT, NVML, nvml_on=True, inherited=False) == (320 * MiB, 0)
+    liar = Figures(memory=1 << 40, managed=5 * MiB)
+    assert merge.verified(False, None, liar, NVML, nvml_on=True, inherited=False) == (1100 * MiB, 5 * MiB)
+    # NVML lists the process nowhere on that GPU: it holds nothing there
+    assert merge.verified(False, None, liar, None, nvml_on=True, inherited=False) == (0, 5 * MiB)
+    # nothing checks it: None, the slot's own figure is what counts
+    assert merge.verified(False, None, liar, None, nvml_on=False, inherited=False) == (None, 5 * MiB)
+
+
+def test_verified_managed_memory_a_gate_counted_as_device_memory_stays_device_memory() -> None:
+    """eBPF counts every cuMemAllocManaged as managed; outside an Oversubscribe group the gate counts
+    the program's own as device memory: the verified figures split as the slot does, never more."""
+    seen = Figures(memory=100 * MiB, managed=50 * MiB)
+    as_device = Figures(memory=150 * MiB, managed=0)
+    assert merge.verified(True, seen, as_device, None, nvml_on=False, inherited=False) == (150 * MiB, 0)
+    as_managed = Figures(memory=100 * MiB, managed=50 * MiB)
+    assert merge.verified(True, seen, as_managed, None, nvml_on=False, inherited=False) == (100 * MiB, 50 * MiB)
+    inflated = Figures(memory=100 * MiB, managed=1 << 40)
+    assert merge.verified(True, seen, inflated, None, nvml_on=False, inherited=False) == (100 * MiB, 50 * MiB)
+
+
+def test_verified_memory_of_an_inherited_process_adds_what_its_slot_shows_within_nvml() -> None:
+    assert merge.verified(True, EBPF, Figures(memory=900 * MiB), NVML, nvml_on=True, inherited=True) == (900 * MiB, 0)
+    assert merge.verified(True, EBPF, Figures(memory=1 << 40), NVML, nvml_on=True, inherited=True) == (1100 * MiB, 0)
+
+
+def test_an_ungated_process_has_no_verified_figure() -> None:
+    assert merged(EBPF, None, NVML).verified is None

@@ -32,6 +32,7 @@ STRUCTS = {
     "gt_group": region.GroupRecord,
     "gt_control": region.Control,
     "gt_assignment": region.Assignment,
+    "gt_verified": region.Verified,
     "gt_region": region.RegionLayout,
     "gt_slot": region.Slot,
     "gt_attach_request": slot_server.AttachRequest,
@@ -117,6 +118,12 @@ def test_the_constants_mean_what_the_gate_and_the_agent_take_them_for() -> None:
     assert contract.BPF_MAX_DEVICES == contract.MAX_GPUS
     assert (contract.ENV_GROUP, contract.ENV_STATE_DIR) == ("GEMTRACE_GROUP", "GEMTRACE_STATE_DIR")
     assert defaults.STATE_DIR == Path(contract.DEFAULT_STATE_DIR) and defaults.DEFAULT_GROUP == contract.DEFAULT_GROUP
+
+
+def test_a_verified_entry_is_aligned_for_the_gates_atomic_loads() -> None:
+    """The gate loads verified[i].pid and each figure with one atomic load each (hook/memory.c)."""
+    assert region.RegionLayout.verified.offset % 8 == 0 and ctypes.sizeof(region.Verified) % 8 == 0
+    assert region.Verified.memory.offset % 8 == 0 and region.Verified.managed.offset % 8 == 0
 
 
 def test_an_assignment_is_one_aligned_word() -> None:
