@@ -258,6 +258,7 @@ class TimeSharePolicy:
         self._hold_at = 0
         self._charging = False  # the holder is charged for the time passing
         self._holder_idle_since: int | None = None  # the running holder quiet since (at the last look)
+        self._busy_look = 0  # the last look that saw the running holder busy
         self._demand: frozenset[int] = frozenset()
         # Observation.present as seen (unscheduled groups included: only _outranked_present reads it,
         # and only where some group outranks the holder).
@@ -503,8 +504,11 @@ class TimeSharePolicy:
             self._account(holder).idled = True
             if self._charging:
                 # It ran out of work at holder_idle_since: the time since was not GPU time; nor were
-                # the gaps between the bursts it closed before.
-                end = max(obs.holder_idle_since, self._released_at)
+                # the gaps between the bursts it closed before. Never before the last look that saw it
+                # busy: a holder whose processes all exited has no drain time to tell (0), and refunded
+                # from its release, a group that held the GPU alone for minutes lost them all, its
+                # GPU-seconds counter going backwards.
+                end = max(obs.holder_idle_since, self._released_at, self._busy_look)
                 gaps = max(0, end - since - obs.holder_burst_ns) if obs.holder_burst_ns else 0
                 self._refund(holder, now - end + gaps)
                 self._charging = False
@@ -521,9 +525,9 @@ class TimeSharePolicy:
                 self._charge(holder, min(ran, now - since))
             elif obs.holder_burst_ns and ran < now - since:
                 self._refund(holder, now - since - ran)  # it idled between bursts since the last look
-            self._charging = True
+            self._charging, self._busy_look = True, now
         else:
-            self._charging = True  # busy again (seen at this look: at most a poll late)
+            self._charging, self._busy_look = True, now  # busy again (seen at this look: at most a poll late)
         if not self._may_continue(holder) or holder in self._barred:
             self._hold(now)  # (barred: its turn across GPUs closed on another of them)
         elif self._clearing and holder not in self._clearing and not self._is_owed(holder):

@@ -700,3 +700,18 @@ def test_groups_out_of_play_are_brought_up_to_date_as_if_look_by_look() -> None:
         assert astuple(usage) == pytest.approx(astuple(expected[group]), rel=1e-9)
         assert waited[group] / 1e9 - 1e-6 <= usage.throttled_seconds <= waited_or_drained[group] / 1e9 + 1e-6
     assert sum(waited.values()) > 20 * SECOND  # most of the 40 groups waited most of the 5 s
+
+
+def test_a_holder_whose_processes_exit_keeps_the_time_it_was_seen_busy() -> None:
+    # Its slots freed, the holder has no drain time to tell (0): refunded from its release, a group that
+    # held the GPU alone for seconds lost them all, its GPU-seconds counter going backwards.
+    policy = TimeSharePolicy(PolicyParams(drains_ring=True), now=0)
+    policy.set_quotas(0, {0: Quota()})
+    busy = frozenset({0})
+    t = 0
+    while t < 5 * SECOND:
+        t = max(t + 1, policy.step(t, Observation(busy, present=busy, holder_burst_from=0)).wake_at)
+    before = policy.usage(t)[0].gpu_seconds
+    policy.step(t + 10 * MS, Observation(frozenset(), holder_idle_since=0))
+    after = policy.usage(t + 10 * MS)[0].gpu_seconds
+    assert before >= 4.9 and after >= before - 0.3, (before, after)
