@@ -436,6 +436,11 @@ class GpuScheduler:
                 moved = launched != slot.launches
                 slot.launches = launched
             quiet = self._quiet(waits, drained, burst_start)
+            # When it finished: its last drain, unless it had work after that and is quiet only because a
+            # thread now waits on its word: a process with work on several streams whose stream sync
+            # closed its burst stores no drain time (hook/launch.c, synced), and its old one would make
+            # the drain end before the hold, the whole slice refunded. Then this look is the end.
+            finished = now if waits > 0 and drained < burst_start else drained
             if launched or waits > 0:
                 present.add(group)
             if waits > 0 or moved:
@@ -453,12 +458,12 @@ class GpuScheduler:
                         holder_open_from = min(holder_open_from or burst_start, burst_start)
             if drain is not None and group == drain.group:
                 if drained >= drain.hold_at or quiet:
-                    drain_ends.append(drained)
+                    drain_ends.append(finished)
                 else:
                     drain_done = False
             if group in overrun:
                 if drained >= overrun[group] or quiet:
-                    overrun_ends[group] = max(overrun_ends.get(group, 0), drained)
+                    overrun_ends[group] = max(overrun_ends.get(group, 0), finished)
                 else:
                     overrun_busy.add(group)
         if len(seen) > len(self._live):

@@ -207,6 +207,33 @@ def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
     assert usage[other].throttled_seconds == pytest.approx(usage[first].gpu_seconds, abs=0.002)
 
 
+def test_a_drain_that_ends_in_a_wait_with_no_drain_time_is_charged_until_seen(region: rg.Region) -> None:
+    # A process with work on several streams (NCCL's beside the compute stream) whose stream sync closed
+    # its burst stores no drain time; quiet only because its thread now waits on its word, its old
+    # drain time made the drain end before the hold: its whole slice was refunded.
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, params=PolicyParams(slice_ns=20 * MS))
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 5, 1002, b)
+    slot_a.drained_ns[GPU] = clock()  # its one full drain, long ago
+    clock.advance(MS)
+    slot_a.waiting[GPU] = slot_b.waiting[GPU] = 1
+    scheduler.step()
+    first, other = (a, b) if not held(region, a) else (b, a)
+    slots = {a: slot_a, b: slot_b}
+    slots[first].waiting[GPU] = 0
+    while not held(region, first):
+        clock.advance(2 * MS)
+        launch(slots[first], 100, clock())
+        scheduler.step()
+    clock.advance(3 * MS)
+    slots[first].waiting[GPU] = 1  # its next launch waits; no drain time was stored
+    scheduler.step()
+    assert not held(region, other)
+    assert scheduler.usage()[first].gpu_seconds >= 0.020
+
+
 def test_an_idle_holder_is_revoked_when_another_group_waits(region: rg.Region) -> None:
     clock = FakeClock()
     scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
