@@ -500,6 +500,12 @@ static bool attach_or_wait(bool wait)
     }
 }
 
+bool gt_attach_held_back(void)
+{
+    return __atomic_load_n(&first_refusal_ns, __ATOMIC_ACQUIRE) != 0 &&
+           __atomic_load_n(&gave_up, __ATOMIC_ACQUIRE) == 0 && !gt_attached();
+}
+
 bool gt_attach_refused(void)
 {
     return __atomic_load_n(&gave_up, __ATOMIC_ACQUIRE) == GAVE_UP(GT_UNATTACHED_REFUSE) && !gt_attached();

@@ -85,6 +85,7 @@ extern struct gt_process gt_proc;
 
 /* attach.c */
 bool gt_attach_slow(bool wait);   /* try to attach (rate-limited); true when attached */
+bool gt_attach_held_back(void);  /* a live agent gave no slot, and the program waits for one (not let through yet) */
 bool gt_attach_refused(void);     /* the operator's --unattached=refuse was given: allocations fail */
 static inline bool gt_attached(void) { return GT_LIKELY(__atomic_load_n(&gt_proc.attached, __ATOMIC_ACQUIRE)); }
 bool gt_agent_alive(void);

@@ -371,7 +371,13 @@ static void gate_launch(CUstream stream)
          * and gt_attach_slow asks the agent at most once a second. Every 4096 launches left a loop of
          * 2 ms kernels ungated for minutes: at the region's limit a fifth of 1024 processes that
          * started at once ran ungated through the whole bench (bench/results/agent_cpu.md). */
-        if ((ungated_launches++ & 0x3f) != 0 || !gt_attach_slow(false))
+        if (gt_attach_held_back()) {
+            /* A live agent had no slot for us and the operator's choice holds the program back until
+             * one is free (or, under ungated and refuse, for a few seconds): its launches wait too, not
+             * only its allocations, so nothing of it runs ungated meanwhile. */
+            if (!gt_attach_slow(true))
+                return;
+        } else if ((ungated_launches++ & 0x3f) != 0 || !gt_attach_slow(false))
             return;
     }
     int gpu = gt_proc.single_gpu;

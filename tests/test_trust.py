@@ -647,6 +647,25 @@ def test_a_program_without_a_slot_waits_for_one_says_so_and_then_gets_its_limit(
                      "agent --unattached=wait)."], err
 
 
+def test_a_program_without_a_slot_launches_nothing_until_it_gets_one(
+        adversary: Adversary, host: Host, agent: Running) -> None:
+    """Its launches wait as its allocations do: a loop that never allocates does not run ungated while
+    the user's slots are full (its first launch, which asks, may: it learns of the refusal there)."""
+    hoarder, _ = hoard(adversary, host, "all")
+    argv = adversary.command(str(RT_CLIENT), "launch-loop", "--kernel-ns", "1000000", "--seconds", "1")
+    loop = subprocess.Popen(argv, env=host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="train",
+                                               LD_PRELOAD=str(GATE)),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until("the user's refusals counted", lambda: refusals(agent, adversary.uid).get("full", 0) > 0, timeout=10)
+        time.sleep(2)
+        assert loop.poll() is None  # a 1 s loop, held back: ungated, it would have ended
+    finally:
+        release(hoarder)
+    out, err = loop.communicate(timeout=30)
+    assert loop.returncode == 0 and json.loads(out.splitlines()[-1])["launches"] > 0, (out, err)
+
+
 @pytest.mark.parametrize("choice, expected", [
     ("refuse", ["CUDA_ERROR_NOT_PERMITTED", "CUDA_ERROR_NOT_PERMITTED"]),
     ("ungated", ["CUDA_SUCCESS", "CUDA_SUCCESS"]),
