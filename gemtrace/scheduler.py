@@ -440,7 +440,7 @@ class GpuScheduler:
             # thread now waits on its word: a process with work on several streams whose stream sync
             # closed its burst stores no drain time (hook/launch.c, synced), and its old one would make
             # the drain end before the hold, the whole slice refunded. Then this look is the end.
-            finished = now if waits > 0 and drained < burst_start else drained
+            ended = now if waits > 0 and drained < burst_start else drained
             if launched or waits > 0:
                 present.add(group)
             if waits > 0 or moved:
@@ -458,12 +458,12 @@ class GpuScheduler:
                         holder_open_from = min(holder_open_from or burst_start, burst_start)
             if drain is not None and group == drain.group:
                 if drained >= drain.hold_at or quiet:
-                    drain_ends.append(finished)
+                    drain_ends.append(ended)
                 else:
                     drain_done = False
             if group in overrun:
                 if drained >= overrun[group] or quiet:
-                    overrun_ends[group] = max(overrun_ends.get(group, 0), finished)
+                    overrun_ends[group] = max(overrun_ends.get(group, 0), ended)
                 else:
                     overrun_busy.add(group)
         if len(seen) > len(self._live):
