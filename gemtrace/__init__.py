@@ -25,6 +25,7 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     mps.py           the MPS control daemons of the GPUs that Isolation=mps groups use
     gang.py          the turns of groups that span GPUs, shared by every GPU's scheduler
     accounting.py    per-process figures kept across polls: rebuilt memory, GPU time within a group
+    snapshot.py      a poll's per-process view (Snapshot): what the accounting publishes, the rest reads
     sources/         what eBPF, the gates' slots and NVML know, behind one interface:
       ebpf.py          the probes, the libcuda rescans, the ring-buffer thread
       gate.py          the gates' slots, through region.SlotColumns
