@@ -36,7 +36,8 @@ from bench_gate_overhead import machine  # noqa: E402
 from simgpu_env import RT_CLIENT, SimGpu, require_build  # noqa: E402
 from test_trust import FLOODER, HOARDER, SETPRIV  # noqa: E402
 
-from gemtrace import contract, slot_server  # noqa: E402
+from gemtrace import contract  # noqa: E402
+from gemtrace.region import server  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "attach_flood.md"
 GATE = REPO / "build" / "libgemgate.so"
@@ -94,7 +95,7 @@ def measure(case: str, host: Host, programs: int, asks: int) -> dict[str, float]
         for _ in range(asks):
             start = time.perf_counter()
             try:
-                _, fds = slot_server.ask(host.state_dir)
+                _, fds = server.ask(host.state_dir)
                 for fd in fds:
                     os.close(fd)
                 latencies.append((time.perf_counter() - start) * 1000)

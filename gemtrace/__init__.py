@@ -9,11 +9,15 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     defaults.py      paths, ports and intervals that more than one part uses
     contract.py      the C headers' constants (env names, limits, magics, BPF event types): generated
                      by `make` from hook/gemtrace_contract.h, hook/gemtrace_region.h, bpf/gemtrace_cuda.h
-    region.py        ctypes mirror of hook/gemtrace_region.h (the region and the slots) and their care
-    slot_space.py    the slot table's memory: per-user chunks, sealed memfds in one reserved range
-    slot_server.py   the attach socket where gates get their slots, fair per user (SO_PEERCRED)
-    doorbells.py     the page of per-GPU futex words that gates ring when a wait is news
-    futex.py         futex waits and wakes on words shared with the gates
+    region/          what the agent shares with the gates (hook/gemtrace_region.h), listed bottom-up, each file
+                     importing only those listed before it; `from gemtrace import region as rg` gives rg.Region:
+      layout.py        ctypes mirror of hook/gemtrace_region.h (the region and the slots), checks of a read-back
+      chunks.py        the slot table's memory: per-user chunks, sealed memfds in one reserved range
+      slots.py         SlotColumns: the slots' counters read as columns
+      futex.py         futex waits and wakes on words shared with the gates
+      doorbells.py     the page of per-GPU futex words that gates ring when a wait is news
+      server.py        the attach socket where gates get their slots, fair per user (SO_PEERCRED)
+      region.py        Region: the region file and the slot table mapped, created or adopted, and their care
     state_dir.py     the agent's state dir, checked to be its own before anything is written there
     membership.py    each gated process's group, decided once by the agent (admission, Cgroup rules)
     policy.py        the time-share policy of one GPU: pure, driven by a clock it is given
@@ -21,6 +25,7 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     mps.py           the MPS control daemons of the GPUs that Isolation=mps groups use
     gang.py          the turns of groups that span GPUs, shared by every GPU's scheduler
     accounting.py    per-process figures kept across polls: rebuilt memory, GPU time within a group
+    snapshot.py      a poll's per-process view (Snapshot): what the accounting publishes, the rest reads
     sources/         what eBPF, the gates' slots and NVML know, behind one interface:
       ebpf.py          the probes, the libcuda rescans, the ring-buffer thread
       gate.py          the gates' slots, through region.SlotColumns

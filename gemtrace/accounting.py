@@ -42,46 +42,13 @@ from gemtrace.merge import Merged
 from gemtrace.probes.bpf_loader import BpfProbes, BpfUnavailable
 from gemtrace.probes.nvml import NvmlReader
 from gemtrace.region import Region
+from gemtrace.snapshot import ProcessAccount, Snapshot
 from gemtrace.sources import AllocationSource, Figures, Key, Source, SourceReading
 from gemtrace.sources.ebpf import EbpfSource, boot_ticks
 from gemtrace.sources.gate import GateSource
 from gemtrace.sources.nvml import NvmlLike, NvmlSource
 
 log = structlog.get_logger("gemtrace.accounting")
-
-
-@dataclass(frozen=True)
-class ProcessAccount:
-    pid: int
-    comm: str
-    group: str
-    gpu: str  # UUID
-    memory_bytes: int
-    gpu_seconds: float
-    launches: int | None  # None: not known (ungated process, launches not probed)
-    gated: bool
-    managed_bytes: int = 0  # managed memory (Oversubscribe), apart from memory_bytes
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    taken_ns: int
-    processes: tuple[ProcessAccount, ...]
-
-    def group_memory(self) -> dict[tuple[str, str], int]:
-        out: dict[tuple[str, str], int] = {}
-        for p in self.processes:
-            key = (p.gpu, p.group)
-            out[key] = out.get(key, 0) + p.memory_bytes
-        return out
-
-    def group_managed(self) -> dict[tuple[str, str], int]:
-        """(GPU UUID, group) -> managed memory of its live processes, for every pair group_memory has."""
-        out: dict[tuple[str, str], int] = {}
-        for p in self.processes:
-            key = (p.gpu, p.group)
-            out[key] = out.get(key, 0) + p.managed_bytes
-        return out
 
 
 class _GroupConfig(Protocol):

@@ -21,8 +21,16 @@ from gemtrace import region as rg
 from gemtrace.config import ConfigError, format_size, load
 from gemtrace.gpus import GpuDiscoveryError, discover
 from gemtrace.groups_of import ENV_VISIBLE_DEVICES, visible_devices
-from gemtrace.launcher import LaunchError
 from gemtrace.placement import GpuNode, GroupUse
+
+
+class AllotmentError(Exception):
+    """Why the GPUs asked for cannot be allotted; `status` is the exit status the launcher gives (2: a
+    usage error, 1: no room now). The launcher turns it into its LaunchError: this module sits below it."""
+
+    def __init__(self, message: str, status: int = 2) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _warn(message: str) -> None:
@@ -92,21 +100,21 @@ def choose(
     visible: str | None,
 ) -> list[GpuNode]:
     """`count` GPUs for `group` among those CUDA_VISIBLE_DEVICES (`visible`) allows, free by the
-    groups' claims, picked by `policy`; LaunchError says why none could be."""
+    groups' claims, picked by `policy`; AllotmentError says why none could be."""
     allowed = set(visible_devices(visible, [n.uuid for n in nodes]))
     candidates = [n for n in nodes if n.uuid in allowed]
     if visible is not None and not candidates:
-        raise LaunchError(f"{ENV_VISIBLE_DEVICES}={visible} names none of this host's GPUs; unset it or name "
-                          "GPUs by index or UUID")
+        raise AllotmentError(f"{ENV_VISIBLE_DEVICES}={visible} names none of this host's GPUs; unset it or "
+                             "name GPUs by index or UUID")
     where = f"{ENV_VISIBLE_DEVICES}={visible} allows" if visible is not None else "this host has"
     if len(candidates) < count:
-        raise LaunchError(f"--gpus {count}: {where} only {len(candidates)} GPUs; ask for fewer")
+        raise AllotmentError(f"--gpus {count}: {where} only {len(candidates)} GPUs; ask for fewer")
     free = placement.free_for(group, limit, candidates, uses)
     chosen = placement.POLICIES[policy]().allocate(free, count)
     if chosen:
         return chosen
     need = "a whole GPU" if limit is None else f"{format_size(limit)} (its MemoryLimit)"
-    raise LaunchError(
+    raise AllotmentError(
         f"--gpus {count}: of the {len(candidates)} GPUs {where}, only {len(free)} have room for group "
         f"{group!r}, which needs {need} on each (other groups' running processes claim the rest: "
         "`gemtrace status` shows them); ask for fewer GPUs or wait",
@@ -134,7 +142,7 @@ def environment(
         try:
             nodes = topology.read()
         except GpuDiscoveryError as e:
-            raise LaunchError(f"--gpus needs this host's GPUs: {e}") from None
+            raise AllotmentError(f"--gpus needs this host's GPUs: {e}") from None
         uses = [] if layout is None or table is None else group_uses(layout, table, {n.uuid: n.index for n in nodes})
         chosen = choose(group, gpus, policy, limit, nodes, uses, environ.get(ENV_VISIBLE_DEVICES))
         added[ENV_VISIBLE_DEVICES] = ",".join(n.uuid for n in chosen)

@@ -7,7 +7,7 @@ Owns whether a `gemtrace run` gets it and the variables that switch it on. The h
 gemtrace/torch_hook/ (a `sitecustomize` put first on PYTHONPATH, which runs the user's own
 sitecustomize too): it runs in the user's interpreter, which need not have gemtrace installed, so it
 is stdlib-only and reads the region through the offsets this module hands it in ENV_LAYOUT, taken
-from gemtrace/region.py's ctypes mirror (one home for the layout).
+from gemtrace/region/layout.py's ctypes mirror (one home for the layout).
 """
 
 from __future__ import annotations

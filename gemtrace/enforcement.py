@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 if TYPE_CHECKING:
-    from gemtrace.accounting import Snapshot
     from gemtrace.merge import Merged
+    from gemtrace.snapshot import Snapshot
     from gemtrace.sources import Key
 
 RESOURCE_MEMORY = "memory"

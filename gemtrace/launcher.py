@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from gemtrace import cache_release, defaults, mps
+from gemtrace import allotment, cache_release, defaults, mps
 from gemtrace.config import ConfigError, GroupConfig, load
 from gemtrace.contract import HEARTBEAT_STALE_NS
 from gemtrace.placement import DEFAULT_POLICY
@@ -158,10 +158,12 @@ def run(group: str, command: list[str], config: Path | None, state_dir: Path, re
               f"without the quotas of group {group!r}{free}. Start the agent: {START_AGENT}", file=sys.stderr,
               flush=True)
     env = child_environment(group, state_dir, find_gate(), os.environ)
-    from gemtrace import allotment  # it imports LaunchError from here
     running = absent is None
-    env.update(allotment.environment(group, gpus, policy, layout if running else None, config, env,
-                                     table if running else None))
+    try:
+        env.update(allotment.environment(group, gpus, policy, layout if running else None, config, env,
+                                         table if running else None))
+    except allotment.AllotmentError as e:
+        raise LaunchError(str(e), e.status) from None
     if running and layout is not None:  # an mps group's clients reach the daemon of their GPU (gemtrace/mps.py)
         physical = [g.uuid.decode() for g in layout.gpus[: layout.header.n_gpus]]
         env.update(mps.client_environment(state_dir, group, physical, env))

@@ -18,7 +18,6 @@
 #include "gate.h"
 
 #include <errno.h>
-#include <linux/futex.h>
 #include <fcntl.h>
 #include <stddef.h>
 #include <pthread.h>
@@ -30,7 +29,6 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
@@ -243,8 +241,7 @@ void gt_ring(int gpu)
     if (!bells)
         return;
     __atomic_fetch_add(&bells->ring[gpu], 1, __ATOMIC_SEQ_CST);
-    /* Not FUTEX_PRIVATE: the agent sleeps on it in its own process. */
-    syscall(SYS_futex, &bells->ring[gpu], FUTEX_WAKE, 1, NULL, NULL, 0);
+    gt_futex_wake(&bells->ring[gpu], 1); /* the agent sleeps on it in its own process */
 }
 
 /* Map chunk descriptor `fd` over its place in the table. Only a sealed chunk of the right size is

@@ -54,7 +54,7 @@ int main(void)
     STR(GT_ENV_MANAGED_HINTS);
     STR(GT_ENV_MANAGED_PREFETCH_MAX);
 
-    puts("\n# hook/gemtrace_region.h: the region and the slot table (their layout: gemtrace/region.py)");
+    puts("\n# hook/gemtrace_region.h: the region and the slot table (their layout: gemtrace/region/layout.py)");
     HEX(GT_REGION_MAGIC);
     INT(GT_REGION_VERSION);
     STR(GT_REGION_FILE);

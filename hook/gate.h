@@ -121,8 +121,11 @@ int gt_current_gpu(void);              /* the current context's GPU, -1 when non
 int gt_stream_gpu(CUstream stream);    /* the GPU a stream's work runs on (multi-GPU processes) */
 void gt_note_gpu(int gpu);             /* set the slot's gpu_mask bit */
 
+/* futex.c: shared futex words (the agent and other processes map them too) */
+void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns); /* may wake early */
+void gt_futex_wake(const uint32_t *word, int count);
+
 /* launch.c */
-void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns); /* shared futex, may wake early */
 /* A sync returned; emptied: it covered every launch of the burst. True when it closed an open burst. */
 bool gt_close_burst(int gpu, bool emptied);
 

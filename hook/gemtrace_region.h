@@ -27,7 +27,7 @@
  *     A bell is a wake-up hint and nothing more: any user may ring or scribble on it, which costs the
  *     agent looks that it spaces (gemtrace/scheduler.py, RING_GAP_NS), and nothing reads a decision
  *     from it. Named "gemtrace-bells-<region_id in hex>".
- * gemtrace/region.py mirrors this header with ctypes; tests/test_region_layout.py compiles a program
+ * gemtrace/region/layout.py mirrors this header with ctypes; tests/test_region_layout.py compiles a program
  * printing sizeof/offsetof of every field and compares, so the two cannot drift. The constants below
  * reach Python through gemtrace/contract.py, generated from this header (gemtrace_contract.h says
  * how). Change a field of the region or a slot: bump GT_REGION_VERSION (the socket's messages carry it).

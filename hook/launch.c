@@ -33,23 +33,14 @@
 
 #include <limits.h>
 #include <pthread.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
-
-void gt_futex_wait(const uint32_t *word, uint32_t expected, uint64_t timeout_ns)
-{
-    struct timespec ts = {.tv_sec = (time_t)(timeout_ns / 1000000000ull), .tv_nsec = (long)(timeout_ns % 1000000000ull)};
-    /* Not FUTEX_PRIVATE: the agent wakes us from another process through the shared mapping. */
-    syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, NULL, 0);
-}
 
 /* The wake tree (gemtrace_region.h, "Launch gating"): a release wakes GT_WAKE_FANOUT waiters, and
  * each woken one GT_WAKE_FANOUT more, so that no one thread pays for waking them all. */
 static void wake_next(const uint32_t *held)
 {
-    syscall(SYS_futex, held, FUTEX_WAKE, GT_WAKE_FANOUT, NULL, NULL, 0);
+    gt_futex_wake(held, GT_WAKE_FANOUT);
 }
 
 static bool is_named_stream(CUstream stream)

@@ -1,5 +1,5 @@
 """Issue 25's shares, without a socket: how ChunkKeeper hands chunks to users who ask as fast as they can,
-and how the socket's refusals are counted and logged (gemtrace/slot_space.py, gemtrace/slot_server.py).
+and how the socket's refusals are counted and logged (gemtrace/region/chunks.py, gemtrace/region/server.py).
 The attacks themselves, as real users against a real agent, are tests/test_trust.py's."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import structlog
 
 from gemtrace import contract
 from gemtrace import region as rg
-from gemtrace.slot_server import DROPPED, LOG_EVERY_SECONDS, MALFORMED, AttachCounts
-from gemtrace.slot_space import ROOT_RESERVED_CHUNKS, SHARED_HEADROOM_CHUNKS, ChunkKeeper, SlotSpace
+from gemtrace.region.chunks import ROOT_RESERVED_CHUNKS, SHARED_HEADROOM_CHUNKS, ChunkKeeper, SlotSpace
+from gemtrace.region.server import DROPPED, LOG_EVERY_SECONDS, MALFORMED, AttachCounts
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from gemtrace import contract, defaults, doorbells, region, slot_server
-from gemtrace.slot_space import SlotSpace, sound_chunk
+from gemtrace import contract, defaults, region
+from gemtrace.region import doorbells, server
+from gemtrace.region.chunks import SlotSpace, sound_chunk
 
 pytestmark = pytest.mark.unit
 
@@ -35,9 +36,9 @@ STRUCTS = {
     "gt_verified": region.Verified,
     "gt_region": region.RegionLayout,
     "gt_slot": region.Slot,
-    "gt_attach_request": slot_server.AttachRequest,
-    "gt_attach_entry": slot_server.AttachEntry,
-    "gt_attach_reply": slot_server.AttachReply,
+    "gt_attach_request": server.AttachRequest,
+    "gt_attach_entry": server.AttachEntry,
+    "gt_attach_reply": server.AttachReply,
     "gt_bells": doorbells.BellsLayout,
 }
 
@@ -150,7 +151,7 @@ def test_a_region_of_another_version_is_refused(tmp_path: Path) -> None:
 
 def _join(state_dir: Path) -> tuple[SlotSpace, list[int]]:
     """Stand in for a gate: ask to join, map what comes back; returns the space and our chunks."""
-    reply, fds = slot_server.ask(state_dir, contract.ATTACH_JOIN)
+    reply, fds = server.ask(state_dir, contract.ATTACH_JOIN)
     space, mine = SlotSpace(), []
     for k, fd in enumerate(fds):
         entry = reply.entries[k]
@@ -208,7 +209,7 @@ def test_the_region_is_roots_read_only_file_and_the_chunks_sealed_memfds(tmp_pat
         sock = os.stat(tmp_path / contract.ATTACH_SOCKET)
         assert stat.S_ISSOCK(sock.st_mode) and stat.S_IMODE(sock.st_mode) == 0o666
         assert sorted(p.name for p in tmp_path.iterdir()) == [contract.ATTACH_SOCKET, region.REGION_FILE]
-        reply, fds = slot_server.ask(tmp_path, contract.ATTACH_JOIN)
+        reply, fds = server.ask(tmp_path, contract.ATTACH_JOIN)
         try:
             assert reply.status == contract.ATTACH_OK and len(fds) == reply.n_entries == 1
             assert sound_chunk(fds[0])
@@ -217,7 +218,7 @@ def test_the_region_is_roots_read_only_file_and_the_chunks_sealed_memfds(tmp_pat
         finally:
             for fd in fds:
                 os.close(fd)
-        view, fds = slot_server.ask(tmp_path, contract.ATTACH_VIEW)
+        view, fds = server.ask(tmp_path, contract.ATTACH_VIEW)
         try:
             assert view.n_entries == 1 and view.entries[0].writable == 0
             assert os.open(f"/proc/self/fd/{fds[0]}", os.O_RDONLY) >= 0  # (closed with the process)

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 from agent_host import wait_until
 
-from gemtrace import contract, region, slot_server, top
+from gemtrace import contract, region, top
+from gemtrace.region.server import ask
 
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = (Path(__file__).parent / "top_metrics.prom").read_text()
@@ -264,7 +265,7 @@ def test_once_reads_a_region_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     try:
         r.set_gpus([(GPU, 16 * GIB)])
         r.set_group("train", 4 * GIB, 0.2, 0.7)
-        reply, fds = slot_server.ask(tmp_path, contract.ATTACH_JOIN)  # a gate's ask makes our user's chunk
+        reply, fds = ask(tmp_path, contract.ATTACH_JOIN)  # a gate's ask makes our user's chunk
         for fd in fds:
             os.close(fd)
         index = reply.entries[0].chunk * contract.CHUNK_SLOTS

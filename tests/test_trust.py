@@ -26,7 +26,7 @@ from simgpu_env import REPO, RT_CLIENT, SimGpu, require_build
 
 from gemtrace import contract
 from gemtrace import region as rg
-from gemtrace.slot_space import ROOT_RESERVED_CHUNKS, SHARED_HEADROOM_CHUNKS
+from gemtrace.region.chunks import ROOT_RESERVED_CHUNKS, SHARED_HEADROOM_CHUNKS
 
 pytestmark = pytest.mark.e2e
 
@@ -113,7 +113,8 @@ ATTEMPTS = r"""
 import ctypes, errno, json, mmap, os, sys
 from gemtrace import region as rg
 state, train, infer = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-from gemtrace import contract, slot_server
+from gemtrace import contract
+from gemtrace.region import server
 region, sock = os.path.join(state, rg.REGION_FILE), os.path.join(state, contract.ATTACH_SOCKET)
 out = {}
 def attempt(name, action):
@@ -139,7 +140,7 @@ layout.header.heartbeat_ns = 0
 out["read_region"] = rg.RegionLayout.from_buffer_copy(os.pread(fd, rg.REGION_SIZE, 0)).header.magic == rg.MAGIC
 # The slot table: our own user's chunk is ours to write, nobody's to shrink; every other chunk is
 # read-only, and its descriptor cannot be made writable.
-reply, fds = slot_server.ask(__import__("pathlib").Path(state), contract.ATTACH_JOIN)
+reply, fds = server.ask(__import__("pathlib").Path(state), contract.ATTACH_JOIN)
 mine = [fd for k, fd in enumerate(fds) if reply.entries[k].writable]
 others = [fd for k, fd in enumerate(fds) if not reply.entries[k].writable]
 out["own_chunks"], out["other_chunks"] = len(mine), len(others)
@@ -204,8 +205,9 @@ def test_another_user_cannot_write_truncate_or_replace_the_region_or_roots_slots
 SCRIBBLER = r"""
 import mmap, os, random, sys, time
 from pathlib import Path
-from gemtrace import contract, slot_server
-reply, fds = slot_server.ask(Path(sys.argv[1]), contract.ATTACH_JOIN)
+from gemtrace import contract
+from gemtrace.region import server
+reply, fds = server.ask(Path(sys.argv[1]), contract.ATTACH_JOIN)
 mine = [fd for k, fd in enumerate(fds) if reply.entries[k].writable]
 chunk = mmap.mmap(mine[0], contract.CHUNK_BYTES, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
 rng, writes, end = random.Random(int(sys.argv[2])), 0, time.monotonic() + float(sys.argv[3])
@@ -242,12 +244,13 @@ def test_a_user_scribbling_over_their_own_chunk_harms_nobody_else(adversary: Adv
 # said to a truncate.
 BELL_RINGER = r"""
 import ctypes, errno, mmap, os, random, socket, sys, time
-from gemtrace import contract, futex, slot_server
+from gemtrace import contract
+from gemtrace.region import futex, server
 with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
     sock.connect(os.path.join(sys.argv[1], contract.ATTACH_SOCKET))
-    sock.send(bytes(slot_server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_JOIN)))
-    data, fds, _, _ = socket.recv_fds(sock, ctypes.sizeof(slot_server.AttachReply), contract.MAX_CHUNKS + 1)
-reply = slot_server.AttachReply.from_buffer_copy(data)
+    sock.send(bytes(server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_JOIN)))
+    data, fds, _, _ = socket.recv_fds(sock, ctypes.sizeof(server.AttachReply), contract.MAX_CHUNKS + 1)
+reply = server.AttachReply.from_buffer_copy(data)
 assert reply.bells == 1 and len(fds) == reply.n_entries + 1
 try:
     os.ftruncate(fds[-1], 0)
@@ -403,9 +406,10 @@ def test_a_gate_in_a_pid_namespace_of_its_own_is_placed_by_its_real_user(adversa
 # bytes), useless (valid joins whose chunks are never used). Prints how many connections it made.
 FLOODER = r"""
 import os, random, select, socket, sys, time
-from gemtrace import contract, slot_server
+from gemtrace import contract
+from gemtrace.region import server
 mode, path, procs, conns, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-JOIN = bytes(slot_server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_JOIN))
+JOIN = bytes(server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_JOIN))
 def flood(seed):
     rng, made, held, end = random.Random(seed), 0, {}, time.monotonic() + seconds
     while time.monotonic() < end:
@@ -423,7 +427,7 @@ def flood(seed):
             for s, since in list(held.items()):
                 if since and time.monotonic() - since > 0.9:
                     try:
-                        s.send(bytes(slot_server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_VIEW)))
+                        s.send(bytes(server.AttachRequest(contract.REGION_VERSION, contract.ATTACH_VIEW)))
                     except OSError:
                         pass
                     held[s] = 0.0
@@ -468,14 +472,15 @@ print(total)
 HOARDER = r"""
 import mmap, os, sys, time
 from pathlib import Path
-from gemtrace import contract, slot_server
+from gemtrace import contract
+from gemtrace.region import server
 state, mine, maps = Path(sys.argv[1]), set(), []
 end = time.monotonic() + float(sys.argv[2])
 slots = contract.CHUNK_SLOTS if sys.argv[3] == "all" else 1
 last_new = time.monotonic()
 while time.monotonic() < end and time.monotonic() - last_new < 2:  # until the agent gives no more
     try:
-        reply, fds = slot_server.ask(state, contract.ATTACH_JOIN)
+        reply, fds = server.ask(state, contract.ATTACH_JOIN)
     except OSError:
         continue
     for k, fd in enumerate(fds):
@@ -693,8 +698,9 @@ def test_the_operator_may_refuse_or_let_through_a_program_without_a_slot(
 OVER_REPORTER = r"""
 import ctypes, mmap, sys
 from pathlib import Path
-from gemtrace import contract, region, slot_server
-reply, fds = slot_server.ask(Path(sys.argv[1]), contract.ATTACH_JOIN)
+from gemtrace import contract, region
+from gemtrace.region import server
+reply, fds = server.ask(Path(sys.argv[1]), contract.ATTACH_JOIN)
 target, figure = int(sys.argv[2]), int(sys.argv[3])
 for k, fd in enumerate(fds[:reply.n_entries]):
     if not reply.entries[k].writable:

@@ -1,7 +1,7 @@
 """The gates' socket: refused and failed attaches per user, and who holds the slot chunks.
 
-Reads copies the socket's thread and the chunk keeper keep (gemtrace/slot_server.py,
-gemtrace/slot_space.py) through two callables; computes nothing. Every reason of a user who was ever
+Reads copies the socket's thread and the chunk keeper keep (gemtrace/region/server.py,
+gemtrace/region/chunks.py) through two callables; computes nothing. Every reason of a user who was ever
 refused is exported, at 0 until it happens, so that increase() sees the first as a step from 0.
 """
 
@@ -13,7 +13,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from gemtrace.metrics import family, spec
-from gemtrace.slot_server import REASONS
+from gemtrace.region.server import REASONS
 
 
 class AttachCollector(Collector):

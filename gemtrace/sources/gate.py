@@ -1,6 +1,6 @@
 """The gates' source: each gated process's slot, read through the region's one slot reader.
 
-Owns turning the slot columns (gemtrace/region.py's SlotColumns) into per-process figures: memory
+Owns turning the slot columns (gemtrace/region/slots.py's SlotColumns) into per-process figures: memory
 the gate reserved (device and managed), launches and the GPU time of finished bursts, on each GPU
 the slot's gpu_mask names. A gate sets a GPU's bit before it counts anything there (hook/attach.c,
 gt_note_gpu), so a slot's counters on the other GPUs are 0: no figure is made for them (the merge

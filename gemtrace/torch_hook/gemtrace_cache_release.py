@@ -5,7 +5,7 @@ becomes held (on any of them).
 
 Stdlib only (the user's interpreter need not have gemtrace): it maps the agent's region read-only and
 reads it at the offsets in GEMTRACE_CACHE_RELEASE_LAYOUT, which `gemtrace run` took from
-gemtrace/region.py. Its slot is the one whose assignment names this pid (the gate claims a slot when
+gemtrace/region/layout.py. Its slot is the one whose assignment names this pid (the gate claims a slot when
 CUDA starts and the agent places it). The slot's own figures (which GPUs it used) are not read: they
 live in the gate's chunk, which only the gate maps, so a hold on any of the region's GPUs counts.
 Nothing it meets is raised into the program: it says why it stopped in one line on stderr.

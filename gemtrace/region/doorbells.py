@@ -3,7 +3,7 @@ when one of its threads starts waiting on a held word, so that a scheduler can s
 wait where it is news, instead of polling for it.
 
 The page is a memfd the agent makes, seals against shrinking and growing, and sends read-write with
-every answer of its socket (gemtrace/slot_server.py). Every user can ring it, or write anything there:
+every answer of its socket (server.py). Every user can ring it, or write anything there:
 a bell only wakes a scheduler up, which spaces the looks a ring brings (gemtrace/scheduler.py).
 """
 
@@ -13,9 +13,9 @@ import ctypes
 import mmap
 import os
 
-from gemtrace import futex
 from gemtrace.contract import BELLS_BYTES, BELLS_MEMFD, MAX_GPUS
-from gemtrace.slot_space import sealed_memfd
+from gemtrace.region import futex
+from gemtrace.region.chunks import sealed_memfd
 
 
 class BellsLayout(ctypes.Structure):

@@ -9,7 +9,7 @@ Chunk c sits at offset c * CHUNK_BYTES of the range on every side, so the table 
 `SlotSpace` is the range and the placing of chunk descriptors in it (agent and observers alike).
 `ChunkKeeper` is the agent's side: it makes chunks for users, knows whose each is (the region's
 chunk_owner[] and chunk_generation, which gates read), and takes back after a restart the chunks that
-live gates still map. gemtrace/slot_server.py hands the chunks out over the socket.
+live gates still map. server.py hands the chunks out over the socket.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gemtrace.contract import (
     CHUNK_BYTES,
@@ -34,9 +33,7 @@ from gemtrace.contract import (
     SLOTS_MEMFD,
     USER_CHUNKS,
 )
-
-if TYPE_CHECKING:
-    from gemtrace.region import RegionLayout, SlotTableLayout
+from gemtrace.region.layout import RegionLayout, SlotTableLayout
 
 TABLE_BYTES = MAX_SLOTS * CHUNK_BYTES // CHUNK_SLOTS
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -145,7 +142,6 @@ class SlotSpace:
                              _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1)
 
     def table(self) -> SlotTableLayout:
-        from gemtrace.region import SlotTableLayout
         return SlotTableLayout.from_address(self.address)
 
     def place(self, chunk: int, fd: int, writable: bool) -> None:
@@ -261,7 +257,7 @@ class ChunkKeeper:
         if len(free) <= kept:
             free += self._reclaimable(uid)
         if len(free) <= kept:
-            return None  # the socket counts and logs the refusal (gemtrace/slot_server.py), once per user
+            return None  # the socket counts and logs the refusal (server.py), once per user
         chunk = free[0]
         fd = sealed_memfd(chunk_name(int(self.layout.header.region_id), chunk, uid), CHUNK_BYTES)
         old = self._fds.get(chunk)

@@ -1,26 +1,22 @@
-"""The memory shared between the agent and the gates: a ctypes mirror of hook/gemtrace_region.h.
+"""`Region`: the region file and the slot table mapped, and the few operations on them that need care.
 
-This module owns the mapping of the region file and the slot table, and the few operations on them
-that need care (creating the region so a gate never maps a half-written file, releasing a futex word,
-storing an assignment in one word, freeing a dead process's slot). It never decides anything: the
-scheduler decides what to hold, gemtrace/membership.py which group a process is in, the agent when to reap.
+This module owns the mapping of the region file and the slot table: creating the region so a gate
+never maps a half-written file, releasing a futex word, storing an assignment in one word, freeing a
+dead process's slot. It never decides anything: the scheduler decides what to hold,
+gemtrace/membership.py which group a process is in, the agent when to reap.
 
 `region` (the agent's word: header, GPUs, groups, control words, assignments, chunk owners) is root's,
 mode 0644: gates map it read-only. The slot table (each gated process's own figures) is made of
-per-user memfd chunks that the agent hands out over its socket (gemtrace/slot_space.py,
-gemtrace/slot_server.py): a process writes only its own user's slots, and nothing read back from them
-is trusted (names are decoded defensively; docs/security.md). A region whose header or tables are not
-sound is replaced rather than adopted (`unsound`). The layout is defined once, in the C header;
-tests/test_region_layout.py compiles a program that prints sizeof/offsetof of every field and
-compares them with the classes below. The header's constants come from gemtrace.contract, which
-`make` generates from it.
+per-user memfd chunks that the agent hands out over its socket (chunks.py, server.py): a process
+writes only its own user's slots, and nothing read back from them is trusted (names are decoded
+defensively; docs/security.md). A region whose header or tables are not sound is replaced rather
+than adopted (layout.unsound). The top of gemtrace/region/: it imports every module below it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import itertools
 import mmap
 import os
 import threading
@@ -28,12 +24,10 @@ from collections.abc import Callable, Iterator, Mapping
 from functools import cached_property
 from pathlib import Path
 
-from gemtrace import futex
 from gemtrace.contract import (
     ATTACH_SOCKET,
     ATTACH_VIEW,
     CHUNK_SLOTS,
-    COMM_LEN,
     GROUP_UNASSIGNED,
     HELD,
     MAX_CHUNKS,
@@ -45,122 +39,34 @@ from gemtrace.contract import (
     NO_OWNER,
     REGION_FILE,
     RELEASED,
-    RELEASED_LONG_QUEUE,
-    RELEASED_OUTRANKED,
-    RELEASED_SHORT_QUEUE,
     UTIL_ONE,
     UUID_LEN,
     WAKE_FANOUT,
 )
 from gemtrace.contract import REGION_MAGIC as MAGIC
 from gemtrace.contract import REGION_VERSION as VERSION
-from gemtrace.doorbells import Doorbells
-from gemtrace.slot_server import SlotServer, ask
-from gemtrace.slot_space import ChunkKeeper, SlotSpace, find_chunks, sound_chunk
+from gemtrace.region import futex
+from gemtrace.region.chunks import ChunkKeeper, SlotSpace, find_chunks, sound_chunk
+from gemtrace.region.doorbells import Doorbells
+from gemtrace.region.layout import (
+    REGION_SIZE,
+    RELEASED_WORDS,
+    Assignment,
+    Control,
+    GroupRecord,
+    Header,
+    RegionLayout,
+    Slot,
+    SlotTableLayout,
+    Verified,
+    assignment_word,
+    decode_name,
+    unsound,
+)
+from gemtrace.region.server import SlotServer, ask
+from gemtrace.region.slots import SlotColumns
 
-# A control word's states that let launches proceed: unbounded (a group not scheduled there), and
-# with the queue bounded for a hold coming, for an outranking group's wait, and with no hold in sight.
-RELEASED_WORDS = (RELEASED, RELEASED_SHORT_QUEUE, RELEASED_OUTRANKED, RELEASED_LONG_QUEUE)
 REGION_MODE = 0o644  # the agent's (root's) word: every user reads it, none writes it
-
-u32, i32, u64 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64
-
-
-class Header(ctypes.Structure):
-    _fields_ = [
-        ("magic", u64),
-        ("version", u32),
-        ("size", u32),
-        ("agent_pid", i32),
-        ("n_gpus", u32),
-        ("heartbeat_ns", u64),
-        ("config_generation", u64),
-        ("managed_host_limit", u64),
-        ("chunk_generation", u64),
-        ("region_id", u64),
-        ("unattached", u32),
-        ("reserved0", u32),
-        ("reserved", u64 * 7),
-    ]
-
-
-class GpuRecord(ctypes.Structure):
-    _fields_ = [("uuid", ctypes.c_char * UUID_LEN), ("memory_total", u64), ("reserved", u64 * 1)]
-
-
-class GroupRecord(ctypes.Structure):
-    _fields_ = [
-        ("name", ctypes.c_char * NAME_LEN),
-        ("memory_limit", u64),
-        ("min_util_ppm", u32),
-        ("max_util_ppm", u32),
-        ("defined", u32),
-        ("reserved0", u32),
-        ("oversubscribe_limit", u64),
-        ("reserved", u64 * 3),
-    ]
-
-
-class Control(ctypes.Structure):
-    _fields_ = [("held", u32), ("reserved0", u32), ("grant_seq", u64), ("reserved", u64 * 6)]
-
-
-class Assignment(ctypes.Structure):
-    _fields_ = [("pid", i32), ("group", u32)]
-
-
-class Slot(ctypes.Structure):
-    _fields_ = [
-        ("pid", i32),
-        ("flags", u32),
-        ("gpu_mask", u32),
-        ("reserved0", u32),
-        ("start_time", u64),
-        ("comm", ctypes.c_char * COMM_LEN),
-        ("requested", ctypes.c_char * NAME_LEN),
-        ("memory", u64 * MAX_GPUS),
-        ("managed", u64 * MAX_GPUS),
-        ("launches", u64 * MAX_GPUS),
-        ("busy_ns", u64 * MAX_GPUS),
-        ("burst_start_ns", u64 * MAX_GPUS),
-        ("drained_ns", u64 * MAX_GPUS),
-        ("waiting", u32 * MAX_GPUS),
-        ("audit_requests", u32),
-        ("reserved1", u32),
-        ("reserved", u64 * 62),
-    ]
-
-
-class Verified(ctypes.Structure):
-    """struct gt_verified: what the agent checked that a slot's process holds (issue 25)."""
-    _fields_ = [("pid", i32), ("reserved0", u32), ("memory", u64 * MAX_GPUS), ("managed", u64 * MAX_GPUS)]
-
-
-class RegionLayout(ctypes.Structure):
-    _fields_ = [
-        ("header", Header),
-        ("gpus", GpuRecord * MAX_GPUS),
-        ("groups", GroupRecord * MAX_GROUPS),
-        ("control", (Control * MAX_GROUPS) * MAX_GPUS),
-        ("assigned", Assignment * MAX_SLOTS),
-        ("chunk_owner", u32 * MAX_CHUNKS),
-        ("verified", Verified * MAX_SLOTS),
-        ("chunk_trusted", u32 * MAX_CHUNKS),
-    ]
-
-
-class SlotTableLayout(ctypes.Structure):
-    """The slot table as both sides map it (struct gt_slot slots[GT_MAX_SLOTS]; no header: the chunks
-    come from the agent's socket, never from a file someone could have replaced)."""
-    _fields_ = [("slots", Slot * MAX_SLOTS)]
-
-
-REGION_SIZE = ctypes.sizeof(RegionLayout)
-
-
-def assignment_word(pid: int, group: int) -> int:
-    """struct gt_assignment as the one little-endian 8-byte word the agent stores (pid low, group high)."""
-    return (pid & 0xFFFF_FFFF) | (group << 32)
 
 
 class RegionError(Exception):
@@ -169,43 +75,6 @@ class RegionError(Exception):
 
 class RegionVersionError(RegionError):
     pass
-
-
-def decode_name(raw: bytes) -> str:
-    """A name read back from the region (any user may have written it): never raises."""
-    return raw.decode("utf-8", "replace")
-
-
-def unsound(layout: RegionLayout) -> str | None:
-    """Why an adopted region cannot be trusted, or None. Checks what the agent would otherwise act
-    on: the GPU count, every group entry (a NUL-terminated UTF-8 name, `defined` 0 or 1, utilisations
-    within 0..1) and every control word."""
-    header = layout.header
-    if header.n_gpus > MAX_GPUS:
-        return f"n_gpus {header.n_gpus} is above {MAX_GPUS}"
-    raw_groups = bytes(memoryview(layout.groups).cast("B"))
-    size = ctypes.sizeof(GroupRecord)
-    for index in range(MAX_GROUPS):
-        name = raw_groups[index * size : index * size + NAME_LEN]
-        if b"\0" not in name:
-            return f"group {index}: its name is not NUL-terminated"
-        name = name.split(b"\0", 1)[0]
-        try:
-            name.decode("utf-8")
-        except UnicodeDecodeError:
-            return f"group {index}: its name is not UTF-8"
-        group = layout.groups[index]
-        if name and (group.defined not in (0, 1) or group.min_util_ppm > UTIL_ONE or group.max_util_ppm > UTIL_ONE):
-            return f"group {index} ({decode_name(name)!r}): defined/utilisation out of range"
-    for gpu in range(MAX_GPUS):
-        for group_index in range(MAX_GROUPS):
-            if layout.control[gpu][group_index].held not in (HELD, *RELEASED_WORDS):
-                return f"control word of GPU {gpu}, group {group_index} is {layout.control[gpu][group_index].held}"
-    groups = memoryview(layout.assigned).cast("B").cast("I")[1::2].tolist()
-    for slot, group in enumerate(groups):
-        if group >= MAX_GROUPS and group != GROUP_UNASSIGNED:
-            return f"slot {slot} is assigned group {group}, outside the table"
-    return None
 
 
 def os_error(path: Path, e: OSError) -> RegionError:
@@ -513,7 +382,7 @@ class Region:
             self.layout.header.unattached = choice
 
     def attach_counts(self) -> dict[tuple[int, str], int]:
-        """Refused and failed attaches per (uid, reason) since the agent started (gemtrace/slot_server.py)."""
+        """Refused and failed attaches per (uid, reason) since the agent started (server.py)."""
         return self._server.counts.counts() if self._server is not None else {}
 
     def chunk_holdings(self) -> tuple[dict[int, int], int]:
@@ -776,84 +645,3 @@ class Region:
         ctypes.memset(ctypes.addressof(slot) + Slot.flags.offset, 0, ctypes.sizeof(Slot) - Slot.flags.offset)
         slot.pid = 0  # last: a gate claiming it with CAS finds a zeroed slot
         return True
-
-
-class SlotColumns:
-    """Strided views of the slots' fields, the one way the slots' counters are read: element i of
-    `pid` is slots[i].pid, element i of `memory(g)` is slots[i].memory[g], and so on; element i of
-    `group` and `assigned_pid` is the agent's assignment of slot i (the region's assigned[i]).
-
-    Reading a column with tolist() runs at C speed; indexing one element is one memory load, so a
-    reader pays a few microseconds plus a little per live slot, and copies nothing it does not read.
-    The views point into the layout they were made from: the live mapping for the agent (which must
-    not read them after Region.close), a copy for a read-only reader. Never writes.
-    """
-
-    def __init__(self, layout: RegionLayout, table: SlotTableLayout) -> None:
-        slots = table.slots
-        raw = memoryview((ctypes.c_char * ctypes.sizeof(slots)).from_address(ctypes.addressof(slots))).cast("B")
-        self._stride = ctypes.sizeof(Slot)
-        self._words32, self._words64 = raw.cast("I"), raw.cast("Q")
-        assigned = layout.assigned
-        raw_assigned = memoryview((ctypes.c_char * ctypes.sizeof(assigned)).from_address(ctypes.addressof(assigned)))
-        words = raw_assigned.cast("B").cast("i")
-        self._raw = (raw, raw_assigned)  # keeps the views' bases alive
-        self._assigned_bytes = raw_assigned.cast("B")
-        self.pid = raw.cast("i")[Slot.pid.offset // 4 :: self._stride // 4]
-        self.gpu_mask = self._col32(Slot.gpu_mask.offset)
-        self.start_time = self._col64(Slot.start_time.offset)
-        self.flags = self._col32(Slot.flags.offset)
-        # The agent's decisions: element i is assigned[i].pid / assigned[i].group (region file).
-        self.assigned_pid = words[0::2]
-        self.group = words.cast("B").cast("I")[1::2]
-
-    def groups(self) -> list[int]:
-        """Each slot's group: its assignment where that names the slot's process, else GROUP_UNASSIGNED
-        (a free slot, a process the agent has not decided yet, a former occupant's entry)."""
-        return [g if p and p == a else GROUP_UNASSIGNED
-                for p, a, g in zip(self.pid.tolist(), self.assigned_pid.tolist(), self.group.tolist(), strict=True)]
-
-    def assignments(self) -> bytes:
-        """Every slot's assignment as it stands, one copy of the region's assigned[] (8 KiB, a
-        microsecond): a reader that keeps it can tell, by one comparison, that no decision changed."""
-        return self._assigned_bytes.tobytes()
-
-    def _col32(self, offset: int) -> memoryview:
-        return self._words32[offset // 4 :: self._stride // 4]
-
-    def _col64(self, offset: int) -> memoryview:
-        return self._words64[offset // 8 :: self._stride // 8]
-
-    def pids(self) -> list[int]:
-        """The pid of every slot (0 = free)."""
-        return self.pid.tolist()
-
-    def live(self) -> list[int]:
-        """The indices of the claimed slots."""
-        return list(itertools.compress(range(MAX_SLOTS), self.pid.tolist()))
-
-    # Per GPU: element i is slots[i].<field>[gpu].
-    def memory(self, gpu: int) -> memoryview:
-        return self._col64(Slot.memory.offset + 8 * gpu)
-
-    def managed(self, gpu: int) -> memoryview:
-        return self._col64(Slot.managed.offset + 8 * gpu)
-
-    def launches(self, gpu: int) -> memoryview:
-        return self._col64(Slot.launches.offset + 8 * gpu)
-
-    def busy_ns(self, gpu: int) -> memoryview:
-        return self._col64(Slot.busy_ns.offset + 8 * gpu)
-
-    def drained_ns(self, gpu: int) -> memoryview:
-        return self._col64(Slot.drained_ns.offset + 8 * gpu)
-
-    def burst_start_ns(self, gpu: int) -> memoryview:
-        return self._col64(Slot.burst_start_ns.offset + 8 * gpu)
-
-    def audit_requests(self) -> memoryview:
-        """Element i: slots[i].audit_requests (a gate asks the agent to look now, issue 25)."""
-        return self._col32(Slot.audit_requests.offset)
-
-    def waiting(self, gpu: int) -> memoryview:
-        return self._col32(Slot.waiting.offset + 4 * gpu)

@@ -1,7 +1,7 @@
 """The agent's socket where gates get their slots (hook/gemtrace_region.h: GT_ATTACH_SOCKET).
 
 One SOCK_SEQPACKET message each way: a request (join, or view), a reply carrying one descriptor per
-chunk and then the doorbells' (SCM_RIGHTS; gemtrace/doorbells.py). The asker's uid comes from the
+chunk and then the doorbells' (SCM_RIGHTS; doorbells.py). The asker's uid comes from the
 kernel (SO_PEERCRED), never from the message, so a process gets writable chunks of its own user
 only. The socket is mode 0666 in the root-owned state dir: any local user may ask, nobody but the
 agent can replace it.
@@ -48,7 +48,7 @@ from gemtrace.contract import (
     REGION_VERSION,
 )
 from gemtrace.eventlog import USER_LINES
-from gemtrace.slot_space import ChunkKeeper
+from gemtrace.region.chunks import ChunkKeeper
 
 log = structlog.get_logger("gemtrace.slots")
 
