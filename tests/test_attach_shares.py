@@ -11,8 +11,9 @@ import structlog
 
 from gemtrace import contract
 from gemtrace import region as rg
+from gemtrace.eventlog import USER_BURST, UserLines
 from gemtrace.region.chunks import ROOT_RESERVED_CHUNKS, SHARED_HEADROOM_CHUNKS, ChunkKeeper, SlotSpace
-from gemtrace.region.server import DROPPED, LOG_EVERY_SECONDS, MALFORMED, AttachCounts
+from gemtrace.region.server import DROPPED, MALFORMED, AttachCounts
 
 pytestmark = pytest.mark.unit
 
@@ -50,15 +51,20 @@ def test_a_user_asking_as_fast_as_it_can_gets_its_cap_and_the_next_leaves_root_a
     assert keeper.holdings()[1] == 0
 
 
-def test_a_users_refusals_are_counted_each_and_logged_once_per_interval() -> None:
+def test_a_users_refusals_are_counted_each_and_logged_within_its_line_limit() -> None:
     now = [100.0]
-    counts = AttachCounts(clock=lambda: now[0])
+    summaries: list[object] = []
+    lines = UserLines(clock=lambda: now[0], schedule=lambda seconds, action: summaries.append(action))
+    counts = AttachCounts(lines)
     with structlog.testing.capture_logs() as logs:
         for _ in range(1000):
             counts.note(1001, DROPPED, pid=7)
         counts.note(1002, MALFORMED, pid=8)
-        now[0] += LOG_EVERY_SECONDS
+        now[0] += 1.0
         counts.note(1001, MALFORMED, pid=7)
+        lines.summarize()
     assert counts.counts() == {(1001, DROPPED): 1000, (1002, MALFORMED): 1, (1001, MALFORMED): 1}
-    assert [(e["uid"], e["reason"], e["also_refused"]) for e in logs] == [
-        (1001, DROPPED, 0), (1002, MALFORMED, 0), (1001, MALFORMED, 999)]
+    refused = [(e["uid"], e["reason"]) for e in logs if e["event"] == "attach_refused"]
+    assert refused == [(1001, DROPPED)] * USER_BURST + [(1002, MALFORMED), (1001, MALFORMED)]
+    dropped = [e for e in logs if e["event"] == "log_lines_dropped"]
+    assert [(e["uid"], e["dropped"]) for e in dropped] == [(1001, 1000 - USER_BURST)]

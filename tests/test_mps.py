@@ -52,8 +52,10 @@ def test_check_config_shows_isolation_and_refuses_a_bad_one(tmp_path: Path) -> N
     bad.write_text("[infer]\n\nIsolation = spatial\n")
     out = subprocess.run(gemtrace("check-config", str(good)), capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 0, out.stderr
-    assert "Isolation" in out.stdout.splitlines()[1]
-    assert next(line for line in out.stdout.splitlines() if line.startswith("infer")).split()[-2] == "mps"
+    header = out.stdout.splitlines()[1]
+    row = next(line for line in out.stdout.splitlines() if line.startswith("infer"))
+    end = header.index("Isolation") + len("Isolation")  # (the columns are right-aligned)
+    assert row[:end].split()[-1] == "mps"
     out = subprocess.run(gemtrace("check-config", str(bad)), capture_output=True, text=True, cwd=REPO)
     assert out.returncode == 1 and f"{bad}:3: Isolation 'spatial' is neither time nor mps" in out.stderr
 

@@ -35,7 +35,7 @@ print(answered)
 
 def refusals(log: str) -> list[dict[str, object]]:
     events = (json.loads(line) for line in log.splitlines() if line.startswith("{"))
-    return [e for e in events if e["event"] in ("slot_request_refused", "log_lines_dropped")]
+    return [e for e in events if e["event"] in ("attach_refused", "log_lines_dropped")]
 
 
 def test_a_users_garbage_logs_a_bounded_number_of_lines_and_one_summary_with_the_count(
@@ -53,9 +53,9 @@ def test_a_users_garbage_logs_a_bounded_number_of_lines_and_one_summary_with_the
         e for e in refusals(agent.log.read_text()) if e["event"] == "log_lines_dropped"],
         timeout=eventlog.SUMMARY_SECONDS + 10)
     lines = refusals(agent.log.read_text())
-    theirs = [e for e in lines if e["event"] == "slot_request_refused" and e["uid"] == adversary.uid]
+    theirs = [e for e in lines if e["event"] == "attach_refused" and e["uid"] == adversary.uid]
     assert 0 < len(theirs) <= eventlog.USER_BURST + flood_seconds / eventlog.LINE_SECONDS + 1
-    assert [e for e in lines if e["event"] == "slot_request_refused" and e["uid"] == 0] != []
+    assert [e for e in lines if e["event"] == "attach_refused" and e["uid"] == 0] != []
     assert [(e["uid"], e["dropped"], e["events"]) for e in summary] == [
-        (adversary.uid, sent - len(theirs), {"slot_request_refused": sent - len(theirs)})]
+        (adversary.uid, sent - len(theirs), {"attach_refused": sent - len(theirs)})]
 

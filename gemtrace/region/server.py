@@ -15,8 +15,9 @@ at the listener, so that a new connection is accepted within one short round wha
 sends. It never blocks on a client (every socket is
 non-blocking). Whatever one user sends, silence, garbage, or valid requests it never uses, costs
 that user's queue and chunks only. Each refused or failed attach is counted per uid
-(`AttachCounts`: gemtrace_attach_refusals_total) and logged through one method, at most one line
-per user and LOG_EVERY_SECONDS.
+(`AttachCounts`: gemtrace_attach_refusals_total) and logged through the per-uid limit on lines a
+user's input triggers (gemtrace/eventlog.py, USER_LINES: a burst, then one a second, and a count of
+the rest).
 `ask()` is the client side for Python observers (`gemtrace top`, the launcher, tests).
 """
 
@@ -47,7 +48,7 @@ from gemtrace.contract import (
     MAX_CHUNKS,
     REGION_VERSION,
 )
-from gemtrace.eventlog import USER_LINES
+from gemtrace.eventlog import USER_LINES, UserLines
 from gemtrace.region.chunks import ChunkKeeper
 
 log = structlog.get_logger("gemtrace.slots")
@@ -60,7 +61,6 @@ PENDING_PER_UID = 256
 LISTEN_BACKLOG = 4096  # the kernel's queue before accept: drained at every wake, so a flood rarely fills it
 ACCEPT_BATCH = 1024  # connections accepted per wake at most, so that ready ones are answered meanwhile
 ANSWERS_PER_UID = 8  # a user's requests answered per wake at most; the rest wait for the next
-LOG_EVERY_SECONDS = 10.0  # one log line per user at most this often for its refused attaches
 
 # Why an attach was refused or failed (the `reason` label of gemtrace_attach_refusals_total).
 FULL = "full"  # the user's chunks (or all chunks) have no free slot
@@ -113,28 +113,19 @@ def reply_for(request: bytes, uid: int, keeper: ChunkKeeper, bells_fd: int) -> t
 
 
 class AttachCounts:
-    """Refused and failed attaches per (uid, reason), and the one place they are logged: a line per
-    user at most every LOG_EVERY_SECONDS, with how many it stands for, so that a user's flood cannot
-    flood the journal. Thread-safe (the socket's thread counts, scrapes read)."""
+    """Refused and failed attaches per (uid, reason), and the one place they are logged, through the
+    per-uid limit on lines a user's input triggers (`lines`), so that a user's flood cannot flood the
+    journal. Thread-safe (the socket's thread counts, scrapes read)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
+    def __init__(self, lines: UserLines = USER_LINES) -> None:
+        self._lines = lines
         self._lock = threading.Lock()
         self._counts: dict[tuple[int, str], int] = {}
-        self._unlogged: dict[int, int] = {}  # uid -> refusals since its last line
-        self._logged_at: dict[int, float] = {}
 
     def note(self, uid: int, reason: str, **fields: object) -> None:
         with self._lock:
             self._counts[uid, reason] = self._counts.get((uid, reason), 0) + 1
-            now = self._clock()
-            last = self._logged_at.get(uid)
-            if last is not None and now - last < LOG_EVERY_SECONDS:
-                self._unlogged[uid] = self._unlogged.get(uid, 0) + 1
-                return
-            self._logged_at[uid] = now
-            also = self._unlogged.pop(uid, 0)
-        log.warning("attach_refused", uid=uid, reason=reason, also_refused=also, **fields)
+        self._lines.log(log.warning, uid, "attach_refused", reason=reason, **fields)
 
     def counts(self) -> dict[tuple[int, str], int]:
         with self._lock:
