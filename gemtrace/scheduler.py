@@ -15,17 +15,17 @@ Cost: a look reads three columns (launches, waiting thread, pid) of this GPU's u
 speed: the live slots that launched, waited or were placed here. The whole table is scanned for them
 only when a gate counted a new user of this GPU in the doorbells (`joined`: its first use of the GPU,
 before its first launch waits and rings) or an assignment changed (the agent assigns a new slot
-before its first launch passes attach), and every second as a net (every 50 ms without doorbells).
+before its first launch passes attach), and every second as a net.
 It visits one by one only the users whose launches moved and the slots of the groups whose end the
 policy waits for (holder, draining, overrunning); the other users' groups come from set
 operations over the columns, with each user's group kept while no pid, assignment or quota changed.
 So a look costs per group in play and per process that launched since the last one, not per process
-of the host. It looks at the policy's next deadline: once a slice while one group has the GPU alone,
-every few ms while another group waits (or a group of a higher priority than the holder's has a
-process here), during a drain every fraction of a ms where no doorbell rings its end (else every few ms,
-as a net), and backing off to every 32 ms while nothing changes.
+of the host. It looks at the policy's next deadline (gemtrace/policy.py, `_wake_at`): a slice's end
+while others wait, every few ms while a holder that idles keeps others waiting, a MaxUtil bucket
+filling, a drain's timeout; every other look is a net for a ring that never came.
 Where the policy says a thread's wait is news (`Decision.wake_on_wait`: a group that outranks the
-holder asks for the GPU, a held group drained while another waits, nobody holds the GPU) it sleeps on
+holder asks for the GPU, a held group drained while another waits, nobody holds the GPU, or another
+group's first wait beside a holder alone) it sleeps on
 the GPU's doorbell, which a gate rings when one of its threads starts waiting on a held word or a
 held process's own sync ends its drain: it looks at once, not a poll later. During a drain a ring
 brings a look only once no process of the drained group has work left; a gate whose group is still
@@ -54,16 +54,11 @@ __all__ = ["GpuScheduler", "GroupUsage", "Quota", "SlotTable"]
 
 log = structlog.get_logger("gemtrace.scheduler")
 
-# How often a look scans the whole slot table for this GPU's users where nothing tells it of new
-# ones (a region without doorbells: tests, benches); between scans it reads only the users it knows.
-# A scan of 1024 live slots costs ~100 us of Python warm, several times that after a sleep: 8 GPUs'
-# schedulers scanning every 50 ms and at every ring took most of the agent's 15% of a core at the
-# region's limit (bench/results/agent_cpu.md, 2026-11-23). A new process's first launch waits at most
-# this long for its first release.
-RESCAN_NS = 50_000_000
-# Where the gates count new users in the doorbells (gt_bells.joined: a gate's first use of a GPU),
-# the table is scanned when that count or an assignment moved, and at least this often: the net for
-# a count that a gate of an older build or a forger did not move (only its own first launch waits).
+# The gates count new users in the doorbells (gt_bells.joined: a gate's first use of a GPU): the
+# whole slot table is scanned for this GPU's users when that count or an assignment moved, and at
+# least this often, a net for a count that a gate of an older build or a forger did not move (only
+# its own first launch waits). A scan of 1024 live slots costs ~100 us of Python warm, several times
+# that after a sleep (bench/results/agent_cpu.md): between scans a look reads only the users it knows.
 RESCAN_NET_NS = 1_000_000_000
 # The least time between the start of a look and a look that a doorbell ring brings (any gated user
 # can ring it: a forged ring loop costs at most this many looks a second, 4000, not a core).
@@ -122,7 +117,10 @@ class GpuScheduler:
                  gang: GangTurns | None = None) -> None:
         if not 0 <= gpu < rg.MAX_GPUS:
             raise ValueError(f"gpu index {gpu} is outside 0..{rg.MAX_GPUS - 1}")
+        if region.doorbells is None:
+            raise ValueError("a scheduler needs the agent's region (Region.create): an opened one has no doorbells")
         self.region = region
+        self._bells = region.doorbells
         self.gpu = gpu
         self._clock = clock
         self._slots = SlotTable(region, gpu)
@@ -137,10 +135,7 @@ class GpuScheduler:
         self._gang = gang
         self._gang_here = False
         self._lock = threading.Lock()
-        params = params or PolicyParams()
-        if region.doorbells is not None:  # the agent's region: the gates ring it
-            params = dataclasses.replace(params, drains_ring=True)
-        self._policy = TimeSharePolicy(params, now=clock())
+        self._policy = TimeSharePolicy(params or PolicyParams(), now=clock())
         self._pending_quotas: dict[int, Quota] | None = None
         self._scheduled: frozenset[int] = frozenset()  # groups whose words this scheduler drives
         self._released: int | None = None
@@ -159,12 +154,12 @@ class GpuScheduler:
         self._by_group_assignments = b""
         self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool], list[int]] | None = None
         if rescan_ns is None:
-            rescan_ns = RESCAN_NS if region.doorbells is None else RESCAN_NET_NS
+            rescan_ns = RESCAN_NET_NS
         self._rescan_ns = rescan_ns
         self._scanned_at = clock() - rescan_ns
         # The assignments and the doorbells' count of new users as of the last scan of the whole table.
         self._live_assignments = b""
-        self._joined: int | None = None
+        self._joined = -1
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
         self.scans = 0  # how often a look scanned the whole slot table for users (most of a look's CPU)
         self.switches = 0  # how often it held a released group to hand the GPU on (or to cap it)
@@ -180,8 +175,7 @@ class GpuScheduler:
             self._pending_quotas = dict(quotas)
             for group in quotas.keys() - self._scheduled:
                 self.region.hold(self.gpu, group)
-        if self.region.doorbells is not None:
-            self.region.doorbells.ring(self.gpu)  # (it may be asleep on the bell for long)
+        self._bells.ring(self.gpu)  # (it may be asleep on the bell for long)
 
     def usage(self) -> dict[int, GroupUsage]:
         with self._lock:
@@ -195,12 +189,12 @@ class GpuScheduler:
     def run(self, stop: threading.Event) -> None:
         """Schedule until `stop` is set; every word it held is released on the way out."""
         log.info("scheduler_started", gpu=self.gpu)
-        bells = self.region.doorbells
+        bells = self._bells
         try:
             while not stop.is_set():
                 try:
                     # Read before the look: a gate that rings during it makes the wait below return at once.
-                    rung = bells.rung(self.gpu) if bells is not None else 0
+                    rung = bells.rung(self.gpu)
                     looked = self._clock()
                     wake_at = self.step()
                 except Exception:
@@ -210,7 +204,7 @@ class GpuScheduler:
                     stop.wait(0.1)
                     continue
                 delay = wake_at - self._clock()
-                if (self._wake_on_wait or self._gang_here) and bells is not None:
+                if self._wake_on_wait or self._gang_here:
                     bells.wait(self.gpu, rung, delay)
                     # A ring during a drain while a process of the drained group still has work: the
                     # ring was another of its processes' (two finishing at once, an older gate) or
@@ -301,9 +295,9 @@ class GpuScheduler:
         """
         return waiting > 0 or drained >= burst_start
 
-    def _rescan(self, now: int, assignments: bytes, joined: int | None) -> None:
-        """When a gate began to use this GPU or an assignment changed, and at the net (RESCAN_NS,
-        RESCAN_NET_NS): the live slots of the whole table (1024 pids), and among them this GPU's users."""
+    def _rescan(self, now: int, assignments: bytes, joined: int) -> None:
+        """When a gate began to use this GPU or an assignment changed, and at the net (RESCAN_NET_NS):
+        the live slots of the whole table (1024 pids), and among them this GPU's users."""
         slots = self._slots
         live = slots.live()
         gather = _gatherer(live)
@@ -374,8 +368,7 @@ class GpuScheduler:
         # that count moved, or an assignment did (a slot is claimed and assigned, by the agent's
         # keeper, before its first launch passes attach), not at every ring (two a switch).
         assignments = slots.assignments()
-        bells = self.region.doorbells
-        joined = bells.joined(self.gpu) if bells is not None else None
+        joined = self._bells.joined(self.gpu)
         if (now - self._scanned_at >= self._rescan_ns or joined != self._joined
                 or assignments != self._live_assignments):
             self._rescan(now, assignments, joined)
@@ -479,10 +472,10 @@ class GpuScheduler:
             # When its last process finished; with no process left, when it was held.
             drained_at = min(now, max(drain_ends)) if drain_ends else drain.hold_at
         # An overrunning group with no process left (they exited) is done when it was held.
-        finished = {g: min(now, overrun_ends.get(g, hold_at)) for g, hold_at in overrun.items()
-                    if g not in overrun_busy}
+        overrun_done = {g: min(now, overrun_ends.get(g, hold_at)) for g, hold_at in overrun.items()
+                        if g not in overrun_busy}
         quiet_holder = holder is not None and not holder_busy
-        return Observation(frozenset(demand), holder_drained if quiet_holder else None, drained_at, finished,
+        return Observation(frozenset(demand), holder_drained if quiet_holder else None, drained_at, overrun_done,
                            frozenset(present), holder_burst_from if quiet_holder else holder_open_from,
                            holder_burst_ns)
 
