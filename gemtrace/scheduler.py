@@ -108,6 +108,87 @@ class _Drain:
     hold_at: int
 
 
+@dataclass(slots=True)
+class _SlotLook:
+    """What a look read of one user's slot on this GPU."""
+
+    group: int
+    launched: int
+    waits: int
+    drained: int  # drained_ns
+    burst_start: int  # burst_start_ns
+    moved: bool  # it launched since the last visit (or, at its first sight, ever)
+    busy_added: int  # busy_ns added since the last visit: the bursts it closed meanwhile
+    quiet: bool  # nothing queued (GpuScheduler._quiet)
+    finished: int  # when it last finished its work
+
+
+class _Ends:
+    """What a look's visits tell of the groups whose end the policy waits for: the holder going quiet
+    (and the bursts it ran), the held group finishing its drain, overrunning groups finishing."""
+
+    def __init__(self, holder: int | None, drain: _Drain | None, overrun: Mapping[int, int]) -> None:
+        self.holder, self.drain, self.overrun = holder, drain, overrun
+        self.groups = {g for g in (holder, drain.group if drain is not None else None, *overrun) if g is not None}
+        self.holder_busy = False
+        self.holder_drained = 0
+        # The earliest burst the quiet holder ran since the last look; of a busy one, its open bursts'
+        # earliest opening. And the length of the bursts it closed since the last look (busy_ns).
+        self.holder_burst_from: int | None = None
+        self.holder_open_from: int | None = None
+        self.holder_burst_ns = 0
+        self.drain_done = True
+        self.drain_ends: list[int] = []
+        # Overrunning groups (still finishing work queued before a drain that timed out): those with
+        # work left, and when the others' processes finished.
+        self.overrun_busy: set[int] = set()
+        self.overrun_ends: dict[int, int] = {}
+
+    def add(self, look: _SlotLook) -> None:
+        group = look.group
+        if group == self.holder:
+            self._add_holder(look)
+        if self.drain is not None and group == self.drain.group:
+            if look.drained >= self.drain.hold_at or look.quiet:
+                self.drain_ends.append(look.finished)
+            else:
+                self.drain_done = False
+        if group in self.overrun:
+            if look.drained >= self.overrun[group] or look.quiet:
+                self.overrun_ends[group] = max(self.overrun_ends.get(group, 0), look.finished)
+            else:
+                self.overrun_busy.add(group)
+
+    def _add_holder(self, look: _SlotLook) -> None:
+        self.holder_burst_ns += look.busy_added
+        if look.quiet and look.waits == 0:
+            self.holder_drained = max(self.holder_drained, look.drained)
+            if look.moved and look.burst_start:
+                self.holder_burst_from = min(self.holder_burst_from or look.burst_start, look.burst_start)
+        else:
+            self.holder_busy = True
+            if not look.quiet and look.burst_start:
+                self.holder_open_from = min(self.holder_open_from or look.burst_start, look.burst_start)
+
+    def observation(self, now: int, demand: set[int], present: set[int]) -> Observation:
+        holder, drain = self.holder, self.drain
+        if holder is not None and self.holder_busy:
+            demand.add(holder)
+        elif holder is not None:
+            demand.discard(holder)
+        drained_at = None
+        if drain is not None and self.drain_done:
+            # When its last process finished; with no process left, when it was held.
+            drained_at = min(now, max(self.drain_ends)) if self.drain_ends else drain.hold_at
+        # An overrunning group with no process left (they exited) is done when it was held.
+        overrun_done = {g: min(now, self.overrun_ends.get(g, hold_at)) for g, hold_at in self.overrun.items()
+                        if g not in self.overrun_busy}
+        quiet_holder = holder is not None and not self.holder_busy
+        return Observation(frozenset(demand), self.holder_drained if quiet_holder else None, drained_at,
+                           overrun_done, frozenset(present),
+                           self.holder_burst_from if quiet_holder else self.holder_open_from, self.holder_burst_ns)
+
+
 class GpuScheduler:
     """Schedules the groups on one GPU of the region. `set_quotas` and `usage` may be called from any
     thread; `run` (or, in tests, `step`) from one thread only."""
@@ -345,39 +426,45 @@ class GpuScheduler:
         return [index for group in groups for index in by_group.get(group, ())]
 
     def _observe(self, now: int) -> Observation:
-        slots = self._slots
-        holder = self._released
-        drain = self._drain
-        holder_busy = False
-        holder_drained = 0
-        # The earliest burst the quiet holder ran since the last look; of a busy one, its open bursts'
-        # earliest opening. And the length of the bursts it closed since the last look (busy_ns).
-        holder_burst_from: int | None = None
-        holder_open_from: int | None = None
-        holder_burst_ns = 0
-        drain_done = True
-        drain_ends: list[int] = []
-        # Groups still finishing work queued before a drain that timed out: held when, done so far,
-        # and when their processes finished.
-        overrun = self._policy.overrunning()
-        overrun_busy: set[int] = set()
-        overrun_ends: dict[int, int] = {}
-        seen = self._seen
-        # A process's first launch here sets its gpu_mask bit and counts itself in the doorbells'
-        # `joined` before its thread waits (and rings, once): the table is scanned for users only when
-        # that count moved, or an assignment did (a slot is claimed and assigned, by the agent's
-        # keeper, before its first launch passes attach), not at every ring (two a switch).
-        assignments = slots.assignments()
+        """What the gates' slots of this GPU say at `now`: the groups present and wanting the GPU from
+        the columns, and from the slots visited one by one (the users whose launches moved, and those
+        of the groups whose end the policy waits for), whether those groups ended."""
+        assignments = self._slots.assignments()
+        self._scan_if_news(now, assignments)
+        present, demand, changed = self._read_users(assignments)
+        ends = _Ends(self._released, self._drain, self._policy.overrunning())
+        indices = set(changed)
+        if ends.groups:
+            indices.update(self._slots_of_groups(ends.groups, assignments))
+        for index in indices:
+            look = self._visit(index, now)
+            if look is None:
+                continue
+            if look.launched or look.waits > 0:
+                present.add(look.group)
+            if look.waits > 0 or look.moved:
+                demand.add(look.group)
+            ends.add(look)
+        self._forget_freed()
+        return ends.observation(now, demand, present)
+
+    def _scan_if_news(self, now: int, assignments: bytes) -> None:
+        """Scan the table for users when the doorbells' count of new users or an assignment moved, or
+        at the net. A process's first launch here sets its gpu_mask bit and counts itself in `joined`
+        before its thread waits (and rings, once), and the agent's keeper assigns a slot before its
+        first launch passes attach: not at every ring (two a switch)."""
         joined = self._bells.joined(self.gpu)
         if (now - self._scanned_at >= self._rescan_ns or joined != self._joined
                 or assignments != self._live_assignments):
             self._rescan(now, assignments, joined)
-        # This GPU's users, three columns read at C speed. Each user's group (its assignment where
-        # that names its process, and scheduled here) is kept while no pid, assignment or quota
-        # changed: then a user whose launches did not move since the last look tells only that its
-        # group is present (launches or a waiting thread) and, if a thread waits, wants the GPU,
-        # which set operations over the columns say without visiting it.
-        gather = self._gather_users
+
+    def _read_users(self, assignments: bytes) -> tuple[set[int], set[int], Iterable[int]]:
+        """The groups present (launched or waiting) and wanting the GPU (waiting) from three columns of
+        this GPU's users read at C speed, and the users to visit one by one: those whose launches moved,
+        or all of them where a pid, an assignment or the quotas changed. Each user's group (its
+        assignment where that names its process, and scheduled here) is kept while none of those
+        changed: a user whose launches did not move tells nothing that the columns do not say."""
+        slots, gather = self._slots, self._gather_users
         launches, waiting, pids = gather(slots.launches), gather(slots.waiting), gather(slots.pid)
         user_groups = self._user_groups
         if (user_groups is None or pids != self._user_pids or assignments != self._user_assignments
@@ -394,90 +481,53 @@ class GpuScheduler:
         else:
             changed = ()
         self._user_launches = launches
-        present = set(itertools.compress(user_groups, launches))
-        waiting_groups = set(itertools.compress(user_groups, waiting))
-        present |= waiting_groups
-        demand = waiting_groups
+        demand = set(itertools.compress(user_groups, waiting))
+        present = set(itertools.compress(user_groups, launches)) | demand
         present.discard(rg.GROUP_UNASSIGNED)
         demand.discard(rg.GROUP_UNASSIGNED)
-        # One by one: the users whose launches moved (or that are new), and every user of the groups
-        # whose end the policy waits for (a group with no user here ends at once).
-        special = {g for g in (holder, drain.group if drain is not None else None, *overrun) if g is not None}
-        indices = set(changed)
-        if special:
-            indices.update(self._slots_of_groups(special, assignments))
-        for index in indices:
-            pid = slots.pid[index]
-            if not pid:
-                continue  # freed since the last scan
-            group = slots.group[index] if slots.assigned_pid[index] == pid else rg.GROUP_UNASSIGNED
-            if group not in self._scheduled:
-                continue
-            launched = slots.launches[index]
-            waits = slots.waiting[index]
-            drained = slots.drained_ns[index]
-            # Read after drained_ns: a burst that opens between the two reads is seen open (the gate
-            # stores its start before counting its first launch).
-            burst_start = slots.burst_start_ns[index]
-            busy = slots.busy_ns[index]
-            slot = seen.get(index)
-            if slot is None or slot.pid != pid:
-                # First sight (a new process, or the agent restarted): work it launched may be queued.
-                slot = seen[index] = _SlotSeen(pid, launched, busy)
-                moved = launched != 0
-            else:
-                moved = launched != slot.launches
-                slot.launches = launched
-            quiet = self._quiet(waits, drained, burst_start)
-            # When it finished: its last drain, unless it had work after that and is quiet only because a
-            # thread now waits on its word: a process with work on several streams whose stream sync
-            # closed its burst stores no drain time (hook/launch.c, synced), and its old one would make
-            # the drain end before the hold, the whole slice refunded. Then this look is the end.
-            finished = now if waits > 0 and drained < burst_start else drained
-            if launched or waits > 0:
-                present.add(group)
-            if waits > 0 or moved:
-                demand.add(group)
-            slot_busy, slot.busy_ns = slot.busy_ns, busy
-            if group == holder:
-                holder_burst_ns += max(0, busy - slot_busy)
-                if quiet and waits == 0:
-                    holder_drained = max(holder_drained, drained)
-                    if moved and burst_start:
-                        holder_burst_from = min(holder_burst_from or burst_start, burst_start)
-                else:
-                    holder_busy = True
-                    if not quiet and burst_start:
-                        holder_open_from = min(holder_open_from or burst_start, burst_start)
-            if drain is not None and group == drain.group:
-                if drained >= drain.hold_at or quiet:
-                    drain_ends.append(finished)
-                else:
-                    drain_done = False
-            if group in overrun:
-                if drained >= overrun[group] or quiet:
-                    overrun_ends[group] = max(overrun_ends.get(group, 0), finished)
-                else:
-                    overrun_busy.add(group)
+        return present, demand, changed
+
+    def _visit(self, index: int, now: int) -> _SlotLook | None:
+        """One slot read field by field (None: freed, or of no group scheduled here), remembering its
+        launches and busy time for the next visit."""
+        slots = self._slots
+        pid = slots.pid[index]
+        if not pid:
+            return None  # freed since the last scan
+        group = slots.group[index] if slots.assigned_pid[index] == pid else rg.GROUP_UNASSIGNED
+        if group not in self._scheduled:
+            return None
+        launched = slots.launches[index]
+        waits = slots.waiting[index]
+        drained = slots.drained_ns[index]
+        # Read after drained_ns: a burst that opens between the two reads is seen open (the gate
+        # stores its start before counting its first launch).
+        burst_start = slots.burst_start_ns[index]
+        busy = slots.busy_ns[index]
+        slot = self._seen.get(index)
+        if slot is None or slot.pid != pid:
+            # First sight (a new process, or the agent restarted): work it launched may be queued.
+            slot = self._seen[index] = _SlotSeen(pid, launched, busy)
+            moved = launched != 0
+        else:
+            moved = launched != slot.launches
+            slot.launches = launched
+        busy_added, slot.busy_ns = max(0, busy - slot.busy_ns), busy
+        # When it finished: its last drain, unless it had work after that and is quiet only because a
+        # thread now waits on its word: a process with work on several streams whose stream sync
+        # closed its burst stores no drain time (hook/launch.c, synced), and its old one would make
+        # the drain end before the hold, the whole slice refunded. Then this look is the end.
+        finished = now if waits > 0 and drained < burst_start else drained
+        return _SlotLook(group, launched, waits, drained, burst_start, moved, busy_added,
+                         self._quiet(waits, drained, burst_start), finished)
+
+    def _forget_freed(self) -> None:
+        """Drop what visits remembered of slots no longer live."""
+        seen = self._seen
         if len(seen) > len(self._live):
             known = set(self._live)
             for index in [i for i in seen if i not in known]:
                 del seen[index]
-        if holder is not None and holder_busy:
-            demand.add(holder)
-        elif holder is not None:
-            demand.discard(holder)
-        drained_at = None
-        if drain is not None and drain_done:
-            # When its last process finished; with no process left, when it was held.
-            drained_at = min(now, max(drain_ends)) if drain_ends else drain.hold_at
-        # An overrunning group with no process left (they exited) is done when it was held.
-        overrun_done = {g: min(now, overrun_ends.get(g, hold_at)) for g, hold_at in overrun.items()
-                        if g not in overrun_busy}
-        quiet_holder = holder is not None and not holder_busy
-        return Observation(frozenset(demand), holder_drained if quiet_holder else None, drained_at, overrun_done,
-                           frozenset(present), holder_burst_from if quiet_holder else holder_open_from,
-                           holder_burst_ns)
 
     def _carry_out(self, now: int, decision: Decision) -> None:
         if decision.draining is not None and self._drain is None:
