@@ -499,7 +499,7 @@ def test_a_higher_priority_group_revokes_a_lower_holder_at_the_next_look() -> No
         assert decision.released == 1
 
 
-def test_where_the_gates_ring_a_holder_outranked_by_an_idle_group_is_not_polled() -> None:
+def test_a_holder_outranked_by_an_idle_group_is_looked_at_its_ring_not_every_poll() -> None:
     """A request of the higher priority rings (its thread blocks on its held word) and the scheduler
     looks then (wake_on_wait): while the service idles, its hog is looked at once a slice, not every
     poll."""

@@ -395,6 +395,17 @@ def test_a_dead_process_does_not_hold_up_a_drain(region: rg.Region) -> None:
     assert not held(region, b)
 
 
+def test_a_scheduler_refuses_a_region_without_doorbells(region: rg.Region, tmp_path: Path) -> None:
+    """Only the agent's region has the doorbells the scheduler sleeps on: an opened one is refused at
+    once, not scheduled with looks that no ring ever brings."""
+    opened = rg.Region.open(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="no doorbells"):
+            GpuScheduler(opened, GPU)
+    finally:
+        opened.close()
+
+
 def test_run_releases_every_word_when_stopped(region: rg.Region) -> None:
     scheduler = GpuScheduler(region, GPU)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 0.5)
