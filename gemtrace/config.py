@@ -102,6 +102,7 @@ class GroupConfig:
 class _Draft:
     """A section while it is being read."""
 
+    name: str
     line: int
     min_util: float = 0.0
     max_util: float = 1.0
@@ -119,6 +120,7 @@ class _Draft:
     admission_line: int = 0
     gpus: tuple[str, ...] = ()
     isolation: str = ISOLATION_TIME
+    keys_seen: dict[str, int] = field(default_factory=dict)  # key -> the line that set it
 
 
 @dataclass(frozen=True)
@@ -152,8 +154,6 @@ _RATIO = re.compile(r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
 _SECTION = re.compile(r"\[([^\[\]]+)\]")
 _KEY = re.compile(r"([A-Za-z][A-Za-z0-9-]*)\s*=\s*(.*)", re.ASCII)
 _GROUP_NAME = re.compile(rf"[A-Za-z0-9_.:@+-]{{1,{MAX_NAME_BYTES}}}", re.ASCII)
-KEYS = ("MinUtil", "MaxUtil", "Priority", "MemoryLimit", "Oversubscribe", "Cgroup", "Users", "UnixGroups",
-        "Gpus", "Isolation")
 
 MAX_ID = 2**32 - 2  # uid_t/gid_t; 2**32-1 is (uid_t)-1, "no id"
 # A size's decimals past this many cannot change its byte count: n / 2**40 has at most 40 decimals.
@@ -317,106 +317,157 @@ class _Parsed:
     min_util_lines: dict[str, int]  # group -> its MinUtil's line (0: none)
 
 
+def _set_min_util(group: _Draft, value: str, line: int) -> None:
+    group.min_util, group.min_util_line = _ratio("MinUtil", value), line
+
+
+def _set_max_util(group: _Draft, value: str, line: int) -> None:
+    group.max_util, group.max_util_line = _ratio("MaxUtil", value), line
+    if group.max_util < MIN_MAX_UTIL:
+        # A group that may never run holds its programs at their first launch for ever, with nothing
+        # to say why: refuse it here, where the reason can be given.
+        raise ValueError(f"MaxUtil {_shown(value)} of [{group.name}] would stop its programs for ever; give a "
+                         f"positive share of at least {MIN_MAX_UTIL:g}, or remove the group")
+
+
+def _set_priority(group: _Draft, value: str, line: int) -> None:
+    group.priority = _priority(value)
+
+
+def _set_memory_limit(group: _Draft, value: str, line: int) -> None:
+    size = parse_size(value)
+    if size <= 0:
+        raise ValueError(f"MemoryLimit {_shown(value)} must be above 0; leave it out for no limit")
+    group.memory_limit, group.memory_limit_line = size, line
+
+
+def _set_oversubscribe(group: _Draft, value: str, line: int) -> None:
+    group.oversubscribe, group.oversubscribe_limit = _oversubscribe(value)
+    group.oversubscribe_line = line
+
+
+def _add_cgroups(group: _Draft, value: str, line: int) -> None:
+    group.cgroups.extend(_cgroups(value))
+
+
+def _set_users(group: _Draft, value: str, line: int) -> None:
+    group.users = _ids("Users", value, _uid, "user")
+    group.admission_line = group.admission_line or line
+
+
+def _set_unix_groups(group: _Draft, value: str, line: int) -> None:
+    group.unix_groups = _ids("UnixGroups", value, _gid, "Unix group")
+    group.admission_line = group.admission_line or line
+
+
+def _set_gpus(group: _Draft, value: str, line: int) -> None:
+    group.gpus = _gpus(value)
+
+
+def _set_isolation(group: _Draft, value: str, line: int) -> None:
+    group.isolation = _isolation(value)
+
+
+# Every key a section may hold, with what reads its value into the section (a ValueError says what
+# is wrong with it). Only Cgroup may be given more than once: each adds cgroups.
+_SETTERS: dict[str, Callable[[_Draft, str, int], None]] = {
+    "MinUtil": _set_min_util,
+    "MaxUtil": _set_max_util,
+    "Priority": _set_priority,
+    "MemoryLimit": _set_memory_limit,
+    "Oversubscribe": _set_oversubscribe,
+    "Cgroup": _add_cgroups,
+    "Users": _set_users,
+    "UnixGroups": _set_unix_groups,
+    "Gpus": _set_gpus,
+    "Isolation": _set_isolation,
+}
+KEYS = tuple(_SETTERS)
+_REPEATABLE = frozenset({"Cgroup"})
+
+
 def _parse_sections(text: str, filename: str) -> _Parsed:
     """The groups of one file, each checked on its own; the checks across groups are _combine's."""
     groups: dict[str, _Draft] = {}
-    current: str | None = None
-    seen_keys: dict[str, int] = {}
-
-    def fail(lineno: int, message: str) -> ConfigError:
-        return ConfigError(f"{filename}:{lineno}: {message}")
-
+    current: _Draft | None = None
     for lineno, raw in enumerate(text.split("\n"), start=1):
         line = raw.removesuffix("\r").strip()
         if not line or line.startswith("#"):
             continue
-        section = _SECTION.fullmatch(line)
-        if section:
-            name = section.group(1).strip()
-            if not _GROUP_NAME.fullmatch(name):
-                raise fail(lineno, f"group name {_quote(name)} must be 1 to {MAX_NAME_BYTES} letters, digits "
-                                   "or _.:@+-")
-            if name in groups:
-                raise fail(lineno, f"group [{name}] is defined twice (first at line {groups[name].line}); "
-                                   "merge the two sections")
-            # `default` always exists, so it counts whether or not the file has come to it yet.
-            if name != defaults.DEFAULT_GROUP and len(groups.keys() - {defaults.DEFAULT_GROUP}) + 1 >= MAX_GROUPS:
-                raise fail(lineno, f"[{name}] is one group too many: the agent has room for {MAX_GROUPS} groups, "
-                                   f"{defaults.DEFAULT_GROUP} included; merge or remove some groups")
-            groups[name] = _Draft(line=lineno)
-            current = name
-            seen_keys = {}
-            continue
-        key_value = _KEY.fullmatch(line)
-        if not key_value:
-            raise fail(lineno, f"cannot read {_quote(line)}; expected [group] or Key = value")
-        key, value = key_value.group(1), key_value.group(2).strip()
-        if current is None:
-            raise fail(lineno, f"{key} is outside any [group] section; put it under the group it belongs to")
-        if key not in KEYS:
-            raise fail(lineno, f"unknown key {_quote(key)}; known keys: {', '.join(KEYS)}")
-        if key != "Cgroup" and key in seen_keys:
-            raise fail(lineno, f"{key} is set twice in [{current}] (first at line {seen_keys[key]}); keep one")
-        seen_keys[key] = lineno
-        group = groups[current]
         try:
-            if key == "MinUtil":
-                group.min_util = _ratio(key, value)
-                group.min_util_line = lineno
-            elif key == "MaxUtil":
-                group.max_util = _ratio(key, value)
-                group.max_util_line = lineno
-                if group.max_util < MIN_MAX_UTIL:
-                    # A group that may never run holds its programs at their first launch for ever,
-                    # with nothing to say why: refuse it here, where the reason can be given.
-                    raise ValueError(f"MaxUtil {_shown(value)} of [{current}] would stop its programs for ever; give a "
-                                     f"positive share of at least {MIN_MAX_UTIL:g}, or remove the group")
-            elif key == "Priority":
-                group.priority = _priority(value)
-            elif key == "MemoryLimit":
-                size = parse_size(value)
-                if size <= 0:
-                    raise ValueError(f"MemoryLimit {_shown(value)} must be above 0; leave it out for no limit")
-                group.memory_limit = size
-                group.memory_limit_line = lineno
-            elif key == "Oversubscribe":
-                group.oversubscribe, group.oversubscribe_limit = _oversubscribe(value)
-                group.oversubscribe_line = lineno
-            elif key == "Users":
-                group.users = _ids(key, value, _uid, "user")
-                group.admission_line = group.admission_line or lineno
-            elif key == "UnixGroups":
-                group.unix_groups = _ids(key, value, _gid, "Unix group")
-                group.admission_line = group.admission_line or lineno
-            elif key == "Gpus":
-                group.gpus = _gpus(value)
-            elif key == "Isolation":
-                group.isolation = _isolation(value)
+            section = _SECTION.fullmatch(line)
+            if section:
+                current = _new_section(groups, section.group(1).strip(), lineno)
             else:
-                group.cgroups.extend(_cgroups(value))
+                _set_key(current, line, lineno)
         except ValueError as e:
-            raise fail(lineno, str(e)) from None
-
+            raise ConfigError(f"{filename}:{lineno}: {e}") from None
     result: dict[str, GroupConfig] = {}
-    for name, g in groups.items():
-        if g.min_util > g.max_util:
-            raise fail(g.min_util_line or g.line,
-                       f"MinUtil {g.min_util:g} of [{name}] is above its MaxUtil {g.max_util:g}"
-                       + (f" (line {g.max_util_line})" if g.max_util_line else ""))
-        if (g.oversubscribe_limit is not None and g.memory_limit is not None
-                and g.oversubscribe_limit <= g.memory_limit):
-            raise fail(g.oversubscribe_line,
-                       f"Oversubscribe {format_size(g.oversubscribe_limit)} of [{name}] is not above its MemoryLimit "
-                       f"{format_size(g.memory_limit)} (line {g.memory_limit_line}), so it would never allow managed "
-                       "memory; give the total the group may hold in device and managed memory, or true")
-        if name == defaults.DEFAULT_GROUP and g.admission_line:
-            raise fail(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
-                                         "group runs there; remove Users/UnixGroups from it")
-        result[name] = GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users,
-                                   g.unix_groups, g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus,
-                                   g.isolation)
+    for name, draft in groups.items():
+        try:
+            result[name] = _group_config(draft)
+        except _RuleError as e:
+            raise ConfigError(f"{filename}:{e.line}: {e}") from None
     return _Parsed(filename, result, {name: g.line for name, g in groups.items()},
                    {name: g.min_util_line for name, g in groups.items()})
+
+
+def _new_section(groups: dict[str, _Draft], name: str, line: int) -> _Draft:
+    """A `[name]` line: the group it starts, added to `groups`."""
+    if not _GROUP_NAME.fullmatch(name):
+        raise ValueError(f"group name {_quote(name)} must be 1 to {MAX_NAME_BYTES} letters, digits or _.:@+-")
+    if name in groups:
+        raise ValueError(f"group [{name}] is defined twice (first at line {groups[name].line}); merge the two sections")
+    # `default` always exists, so it counts whether or not the file has come to it yet.
+    if name != defaults.DEFAULT_GROUP and len(groups.keys() - {defaults.DEFAULT_GROUP}) + 1 >= MAX_GROUPS:
+        raise ValueError(f"[{name}] is one group too many: the agent has room for {MAX_GROUPS} groups, "
+                         f"{defaults.DEFAULT_GROUP} included; merge or remove some groups")
+    groups[name] = _Draft(name, line)
+    return groups[name]
+
+
+def _set_key(group: _Draft | None, text: str, line: int) -> None:
+    """A `Key = value` line of the section `group` (None: before any section)."""
+    key_value = _KEY.fullmatch(text)
+    if not key_value:
+        raise ValueError(f"cannot read {_quote(text)}; expected [group] or Key = value")
+    key, value = key_value.group(1), key_value.group(2).strip()
+    if group is None:
+        raise ValueError(f"{key} is outside any [group] section; put it under the group it belongs to")
+    setter = _SETTERS.get(key)
+    if setter is None:
+        raise ValueError(f"unknown key {_quote(key)}; known keys: {', '.join(KEYS)}")
+    if key not in _REPEATABLE and key in group.keys_seen:
+        raise ValueError(f"{key} is set twice in [{group.name}] (first at line {group.keys_seen[key]}); keep one")
+    group.keys_seen[key] = line
+    setter(group, value, line)
+
+
+class _RuleError(ValueError):
+    """A rule across a section's keys broken, at `line`: the line of the key to change."""
+
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+
+
+def _group_config(g: _Draft) -> GroupConfig:
+    """A whole section, checked across its keys."""
+    name = g.name
+    if g.min_util > g.max_util:
+        raise _RuleError(g.min_util_line or g.line,
+                         f"MinUtil {g.min_util:g} of [{name}] is above its MaxUtil {g.max_util:g}"
+                         + (f" (line {g.max_util_line})" if g.max_util_line else ""))
+    if g.oversubscribe_limit is not None and g.memory_limit is not None and g.oversubscribe_limit <= g.memory_limit:
+        raise _RuleError(g.oversubscribe_line,
+                         f"Oversubscribe {format_size(g.oversubscribe_limit)} of [{name}] is not above its MemoryLimit "
+                         f"{format_size(g.memory_limit)} (line {g.memory_limit_line}), so it would never allow managed "
+                         "memory; give the total the group may hold in device and managed memory, or true")
+    if name == defaults.DEFAULT_GROUP and g.admission_line:
+        raise _RuleError(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
+                                           "group runs there; remove Users/UnixGroups from it")
+    return GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users, g.unix_groups,
+                       g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus, g.isolation)
 
 
 def _combine(files: list[_Parsed]) -> ResourceConfig:

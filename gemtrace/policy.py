@@ -109,25 +109,21 @@ class PolicyParams:
     # 16 us: bench/results/agent_cpu.md, 2026-11-23 19:54), so looks count more than their work; with
     # capped groups taking turns, the looks at a steady holder were most of them.
     steady_poll_ns: int = 60 * MS
-    # Nothing changing (no demand; an uncapped holder idle with nobody else waiting): the look for
-    # demand backs off to an eighth of the quiet time, up to this.
-    max_poll_ns: int = 32 * MS
+    # A drain of a holder that was quiet when held ends at once and may not ring: it is looked at once
+    # more this soon (or an eighth of the measured drain, up to 1 ms).
     drain_poll_ns: int = 250_000
     # The gates ring when a held process's drain ends (hook/launch.c: its thread blocks on the hold,
-    # or its own sync empties its queue while held), and the scheduler sleeps on the bell: then a
-    # drain needs no fine polling, only a look now and then for the ends that do not ring (a process
-    # that died, or went off to other work with its queue full).
-    drains_ring: bool = False
-    # Where they ring, a drain is looked at this often besides, a net for the ends that do not ring:
-    # a process that died (its slot freed), or one that went off to CPU work with its queue full
-    # (seen only at the drain timeout, whatever the net). A drain with a short queue lasts about
-    # GT_QUEUE_BOUND_NS and rings at its end: a net of poll_ns (4 ms) fired before the ring in most
-    # drains of processes running 2 ms kernels.
+    # or its own sync empties its queue while held), and the scheduler sleeps on the bell: a drain
+    # needs no fine polling, only a look this often besides, a net for the ends that do not ring: a
+    # process that died (its slot freed), or one that went off to CPU work with its queue full (seen
+    # only at the drain timeout, whatever the net). A drain with a short queue lasts about
+    # GT_QUEUE_BOUND_NS and rings at its end: a net of poll_ns fires before the ring in most drains of
+    # processes running 2 ms kernels.
     drain_net_ns: int = 16 * MS
-    # Where the gates ring, a group's first launch rings too (it blocks on its held word): while
-    # nobody is released, or the holder is alone on the GPU, the scheduler sleeps on the bell, and
-    # looks anyway this often, a net for a ring that never came. (At 32 ms an agent with no process
-    # at all took 0.9% of a core in its scheduler thread: bench/results/agent_cpu.md.)
+    # A group's first launch rings too (it blocks on its held word): while nobody is released, or the
+    # holder is alone on the GPU, the scheduler sleeps on the bell and looks anyway this often, a net
+    # for a ring that never came (each look of an agent with no process at all costs CPU for nothing:
+    # bench/results/agent_cpu.md).
     ring_net_ns: int = 250 * MS
     # A group owed less than this much wall time is not worth a switch.
     owed_min_ns: int = 1 * MS
@@ -268,7 +264,6 @@ class TimeSharePolicy:
         self._window_weight = 0.0  # decayed wall time, the denominator of util_ratio
         self._last = self.now
         self._looked = self.now  # the last step's time
-        self._changed_at = self.now  # the last look that saw the phase, the holder or the others' demand change
         # Groups whose drain outlasted the timeout while another group waited: that group was
         # released, but their queued work still runs (beside it) and is charged to them until they
         # finish (group -> when they were held). Without this, a process that syncs rarely (hundreds
@@ -351,9 +346,6 @@ class TimeSharePolicy:
 
     def step(self, now: int, obs: Observation) -> Decision:
         self._advance(now)
-        # (Not the holder going busy and quiet: each burst is charged from the gates' figures however
-        # late a look sees it, and a service alone would otherwise keep the looks at a poll apart.)
-        before = self._what_changes()
         demand = obs.demand | (obs.pending & obs.present) if obs.pending else obs.demand
         self._set_demand(frozenset(demand & self._accounts.keys()))
         self._present = obs.present
@@ -378,8 +370,6 @@ class TimeSharePolicy:
             self._step_draining(now, obs)
         if self._phase is Phase.IDLE:
             self._step_idle(now)
-        if self._what_changes() != before:
-            self._changed_at = now
         self._looked = now  # (the gates' figures at the next look tell of the time since)
         released = self._holder if self._phase is Phase.RUNNING else None
         outranked = released is not None and self._outranked_present(released) and not self._is_owed(released)
@@ -429,14 +419,10 @@ class TimeSharePolicy:
                 self._settle(account, self._last).wanting = group in demand
         self._demand = demand
 
-    def _what_changes(self) -> tuple[frozenset[int], Phase, int | None]:
-        return self._demand - {self._holder}, self._phase, self._holder
-
     def _wake_on_wait(self, now: int, outranked: bool) -> bool:
         if self._phase is Phase.DRAINING:
             return self._someone_waits(now)
-        return outranked or self._phase is Phase.IDLE or (self.params.drains_ring and (
-            self._holder_alone() or self._guarantee_unseen()))
+        return outranked or self._phase is Phase.IDLE or self._holder_alone() or self._guarantee_unseen()
 
     def _guarantee_unseen(self) -> bool:
         """Is a group with a MinUtil present on this GPU but not wanting it now? Its debt accrues from
@@ -729,60 +715,67 @@ class TimeSharePolicy:
         return max(1, int(length))
 
     def _wake_at(self, now: int) -> int:
-        p = self.params
+        """When to look again at the latest. Every news that the policy acts on at once rings the
+        GPU's doorbell (Decision.wake_on_wait) or comes at a deadline of the policy's own (a slice's
+        end, a MaxUtil bucket filling, a drain's timeout); the rest are nets for a ring that never came."""
         if self._phase is Phase.DRAINING:
-            timeout = self._hold_at + self.drain_timeout_ns()
-            if not self._someone_waits(now):
-                # Nobody to hand the GPU to: the drain's end comes from the gate's own timestamp,
-                # seeing it late costs nothing (and only max_overrun_ns cuts it short).
-                return min(now + p.poll_ns, self._hold_at + p.max_overrun_ns)
-            # Someone waits: the GPU idles from the drain's end until this look sees it. Look once
-            # at once where the holder was quiet (it drains at once, and may not ring), then at the
-            # ring of the drain's end, or else from half the usual drain on, finely.
-            if p.drains_ring and (now > self._hold_at or self._charging):
-                return min(now + p.drain_net_ns, timeout)
-            fine = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
-            if now - self._hold_at >= fine:
-                return min(max(now + fine, self._hold_at + int(self._drain_ns / 2)), timeout)
-            return min(now + fine, timeout)
-        # Nothing changed for a while: look for new demand less often (a few ms of latency for the
-        # first launch after a long quiet spell, for far fewer wake-ups of an idle agent).
-        backoff = min(p.max_poll_ns, max(p.poll_ns, (now - self._changed_at) // 8))
+            return self._wake_draining(now)
         if self._phase is Phase.RUNNING:
-            assert self._holder is not None
-            if any(g != self._holder for g in self._demand):
-                # Revoke early if the holder idles; within a poll where a group of a higher priority
-                # waits or may launch any moment.
-                holder = self._accounts[self._holder]
-                if self._owed_pause(self._holder, now):
-                    assert self._holder_idle_since is not None
-                    return min(self._slice_end, self._holder_idle_since + p.owed_pause_ns)
-                steady = (holder.steady and not holder.idled and not self._outranked_present(self._holder)
-                          and (p.drains_ring or not self._guarantee_unseen()))
-                return min(self._slice_end, now + (p.steady_poll_ns if steady else p.poll_ns))
-            if self._outranked_present(self._holder):
-                # A request of the higher priority blocks on its held word and rings: where the gates
-                # ring, the look comes with it (Decision.wake_on_wait), and the poll is only a net (at
-                # 4 ms, 250 looks a second of a hog beside an idle service: 7.9% of a core on the
-                # H100). An owed holder is not revoked, and sleeps through rings: polled as before.
-                rings = p.drains_ring and not self._is_owed(self._holder)
-                return min(self._slice_end, now + (p.steady_poll_ns if rings else p.poll_ns))
-            capped = self._accounts[self._holder].quota.max_util < 1.0
-            if not self._charging:
-                # The holder idles: see when it is busy again, so that its charge starts at most a
-                # look late; promptly for a capped group (its cap counts on that charge).
-                return min(self._slice_end, now + (p.poll_ns if capped else
-                                                   p.ring_net_ns if p.drains_ring else backoff))
-            if not capped and p.drains_ring:
-                # Alone and uncapped: the slice's end would only renew it; the gates' figures charge
-                # it however late the next look, and another group's first launch rings.
-                return now + p.ring_net_ns
-            return min(self._slice_end, now + p.max_slice_ns)  # (a debt's slice may be longer)
-        # Nobody released: where the gates ring, a group's first launch rings (it blocks on its held
-        # word), so the look for new demand is only a net for a ring that never came; the looks that
-        # matter are when a waiting capped group's credit is back. (A capped group alone was looked at
-        # every 4-20 ms between its slices for nothing: bench/results/agent_cpu.md, 2026-11-23.)
-        wake = now + (p.ring_net_ns if p.drains_ring else backoff)
+            return self._wake_running(now)
+        return self._wake_idle(now)
+
+    def _wake_draining(self, now: int) -> int:
+        p = self.params
+        if not self._someone_waits(now):
+            # Nobody to hand the GPU to: the drain's end comes from the gate's own timestamp, seeing
+            # it late costs nothing (and only max_overrun_ns cuts it short).
+            return min(now + p.poll_ns, self._hold_at + p.max_overrun_ns)
+        # Someone waits: the GPU idles from the drain's end until a look sees it, and that end rings.
+        # A holder quiet when held drains at once and may not ring: looked at once more, finely.
+        timeout = self._hold_at + self.drain_timeout_ns()
+        if now > self._hold_at or self._charging:
+            return min(now + p.drain_net_ns, timeout)
+        fine = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
+        return min(now + fine, timeout)
+
+    def _wake_running(self, now: int) -> int:
+        p = self.params
+        holder = self._holder
+        assert holder is not None
+        if any(g != holder for g in self._demand):
+            return min(self._slice_end, self._wake_to_revoke(holder, now))
+        if self._outranked_present(holder):
+            # A request of the higher priority blocks on its held word and rings (Decision.wake_on_wait):
+            # the look comes with it, the poll is only a net. An owed holder is not revoked and sleeps
+            # through rings: polled.
+            return min(self._slice_end, now + (p.poll_ns if self._is_owed(holder) else p.steady_poll_ns))
+        capped = self._accounts[holder].quota.max_util < 1.0
+        if not self._charging:
+            # The holder idles: see when it is busy again, so that its charge starts at most a look
+            # late; promptly for a capped group (its cap counts on that charge).
+            return min(self._slice_end, now + (p.poll_ns if capped else p.ring_net_ns))
+        if not capped:
+            # Alone and uncapped: the slice's end would only renew it; the gates' figures charge it
+            # however late the next look, and another group's first launch rings.
+            return now + p.ring_net_ns
+        return min(self._slice_end, now + p.max_slice_ns)  # (a debt's slice may be longer)
+
+    def _wake_to_revoke(self, holder: int, now: int) -> int:
+        """Another group wants the GPU: look for the holder going idle (it is revoked early then), at
+        the end of an owed holder's pause, every poll where it idles or is outranked, and once a slice
+        where it is steady (it idled neither in its last holding nor so far in this one)."""
+        p = self.params
+        if self._owed_pause(holder, now):
+            assert self._holder_idle_since is not None
+            return self._holder_idle_since + p.owed_pause_ns
+        account = self._accounts[holder]
+        steady = account.steady and not account.idled and not self._outranked_present(holder)
+        return now + (p.steady_poll_ns if steady else p.poll_ns)
+
+    def _wake_idle(self, now: int) -> int:
+        """Nobody released: a group's first launch rings (it blocks on its held word), so the look for
+        new demand is only a net; the looks that matter are when a waiting capped group's credit is back."""
+        wake = now + self.params.ring_net_ns
         short = self._caps_fill_gpu()
         for group in self._demand:
             quota = self._accounts[group].quota

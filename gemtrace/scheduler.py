@@ -15,17 +15,17 @@ Cost: a look reads three columns (launches, waiting thread, pid) of this GPU's u
 speed: the live slots that launched, waited or were placed here. The whole table is scanned for them
 only when a gate counted a new user of this GPU in the doorbells (`joined`: its first use of the GPU,
 before its first launch waits and rings) or an assignment changed (the agent assigns a new slot
-before its first launch passes attach), and every second as a net (every 50 ms without doorbells).
+before its first launch passes attach), and every second as a net.
 It visits one by one only the users whose launches moved and the slots of the groups whose end the
 policy waits for (holder, draining, overrunning); the other users' groups come from set
 operations over the columns, with each user's group kept while no pid, assignment or quota changed.
 So a look costs per group in play and per process that launched since the last one, not per process
-of the host. It looks at the policy's next deadline: once a slice while one group has the GPU alone,
-every few ms while another group waits (or a group of a higher priority than the holder's has a
-process here), during a drain every fraction of a ms where no doorbell rings its end (else every few ms,
-as a net), and backing off to every 32 ms while nothing changes.
+of the host. It looks at the policy's next deadline (gemtrace/policy.py, `_wake_at`): a slice's end
+while others wait, every few ms while a holder that idles keeps others waiting, a MaxUtil bucket
+filling, a drain's timeout; every other look is a net for a ring that never came.
 Where the policy says a thread's wait is news (`Decision.wake_on_wait`: a group that outranks the
-holder asks for the GPU, a held group drained while another waits, nobody holds the GPU) it sleeps on
+holder asks for the GPU, a held group drained while another waits, nobody holds the GPU, or another
+group's first wait beside a holder alone) it sleeps on
 the GPU's doorbell, which a gate rings when one of its threads starts waiting on a held word or a
 held process's own sync ends its drain: it looks at once, not a poll later. During a drain a ring
 brings a look only once no process of the drained group has work left; a gate whose group is still
@@ -54,16 +54,11 @@ __all__ = ["GpuScheduler", "GroupUsage", "Quota", "SlotTable"]
 
 log = structlog.get_logger("gemtrace.scheduler")
 
-# How often a look scans the whole slot table for this GPU's users where nothing tells it of new
-# ones (a region without doorbells: tests, benches); between scans it reads only the users it knows.
-# A scan of 1024 live slots costs ~100 us of Python warm, several times that after a sleep: 8 GPUs'
-# schedulers scanning every 50 ms and at every ring took most of the agent's 15% of a core at the
-# region's limit (bench/results/agent_cpu.md, 2026-11-23). A new process's first launch waits at most
-# this long for its first release.
-RESCAN_NS = 50_000_000
-# Where the gates count new users in the doorbells (gt_bells.joined: a gate's first use of a GPU),
-# the table is scanned when that count or an assignment moved, and at least this often: the net for
-# a count that a gate of an older build or a forger did not move (only its own first launch waits).
+# The gates count new users in the doorbells (gt_bells.joined: a gate's first use of a GPU): the
+# whole slot table is scanned for this GPU's users when that count or an assignment moved, and at
+# least this often, a net for a count that a gate of an older build or a forger did not move (only
+# its own first launch waits). A scan of 1024 live slots costs ~100 us of Python warm, several times
+# that after a sleep (bench/results/agent_cpu.md): between scans a look reads only the users it knows.
 RESCAN_NET_NS = 1_000_000_000
 # The least time between the start of a look and a look that a doorbell ring brings (any gated user
 # can ring it: a forged ring loop costs at most this many looks a second, 4000, not a core).
@@ -113,6 +108,87 @@ class _Drain:
     hold_at: int
 
 
+@dataclass(slots=True)
+class _SlotLook:
+    """What a look read of one user's slot on this GPU."""
+
+    group: int
+    launched: int
+    waits: int
+    drained: int  # drained_ns
+    burst_start: int  # burst_start_ns
+    moved: bool  # it launched since the last visit (or, at its first sight, ever)
+    busy_added: int  # busy_ns added since the last visit: the bursts it closed meanwhile
+    quiet: bool  # nothing queued (GpuScheduler._quiet)
+    finished: int  # when it last finished its work
+
+
+class _Ends:
+    """What a look's visits tell of the groups whose end the policy waits for: the holder going quiet
+    (and the bursts it ran), the held group finishing its drain, overrunning groups finishing."""
+
+    def __init__(self, holder: int | None, drain: _Drain | None, overrun: Mapping[int, int]) -> None:
+        self.holder, self.drain, self.overrun = holder, drain, overrun
+        self.groups = {g for g in (holder, drain.group if drain is not None else None, *overrun) if g is not None}
+        self.holder_busy = False
+        self.holder_drained = 0
+        # The earliest burst the quiet holder ran since the last look; of a busy one, its open bursts'
+        # earliest opening. And the length of the bursts it closed since the last look (busy_ns).
+        self.holder_burst_from: int | None = None
+        self.holder_open_from: int | None = None
+        self.holder_burst_ns = 0
+        self.drain_done = True
+        self.drain_ends: list[int] = []
+        # Overrunning groups (still finishing work queued before a drain that timed out): those with
+        # work left, and when the others' processes finished.
+        self.overrun_busy: set[int] = set()
+        self.overrun_ends: dict[int, int] = {}
+
+    def add(self, look: _SlotLook) -> None:
+        group = look.group
+        if group == self.holder:
+            self._add_holder(look)
+        if self.drain is not None and group == self.drain.group:
+            if look.drained >= self.drain.hold_at or look.quiet:
+                self.drain_ends.append(look.finished)
+            else:
+                self.drain_done = False
+        if group in self.overrun:
+            if look.drained >= self.overrun[group] or look.quiet:
+                self.overrun_ends[group] = max(self.overrun_ends.get(group, 0), look.finished)
+            else:
+                self.overrun_busy.add(group)
+
+    def _add_holder(self, look: _SlotLook) -> None:
+        self.holder_burst_ns += look.busy_added
+        if look.quiet and look.waits == 0:
+            self.holder_drained = max(self.holder_drained, look.drained)
+            if look.moved and look.burst_start:
+                self.holder_burst_from = min(self.holder_burst_from or look.burst_start, look.burst_start)
+        else:
+            self.holder_busy = True
+            if not look.quiet and look.burst_start:
+                self.holder_open_from = min(self.holder_open_from or look.burst_start, look.burst_start)
+
+    def observation(self, now: int, demand: set[int], present: set[int]) -> Observation:
+        holder, drain = self.holder, self.drain
+        if holder is not None and self.holder_busy:
+            demand.add(holder)
+        elif holder is not None:
+            demand.discard(holder)
+        drained_at = None
+        if drain is not None and self.drain_done:
+            # When its last process finished; with no process left, when it was held.
+            drained_at = min(now, max(self.drain_ends)) if self.drain_ends else drain.hold_at
+        # An overrunning group with no process left (they exited) is done when it was held.
+        overrun_done = {g: min(now, self.overrun_ends.get(g, hold_at)) for g, hold_at in self.overrun.items()
+                        if g not in self.overrun_busy}
+        quiet_holder = holder is not None and not self.holder_busy
+        return Observation(frozenset(demand), self.holder_drained if quiet_holder else None, drained_at,
+                           overrun_done, frozenset(present),
+                           self.holder_burst_from if quiet_holder else self.holder_open_from, self.holder_burst_ns)
+
+
 class GpuScheduler:
     """Schedules the groups on one GPU of the region. `set_quotas` and `usage` may be called from any
     thread; `run` (or, in tests, `step`) from one thread only."""
@@ -122,7 +198,10 @@ class GpuScheduler:
                  gang: GangTurns | None = None) -> None:
         if not 0 <= gpu < rg.MAX_GPUS:
             raise ValueError(f"gpu index {gpu} is outside 0..{rg.MAX_GPUS - 1}")
+        if region.doorbells is None:
+            raise ValueError("a scheduler needs the agent's region (Region.create): an opened one has no doorbells")
         self.region = region
+        self._bells = region.doorbells
         self.gpu = gpu
         self._clock = clock
         self._slots = SlotTable(region, gpu)
@@ -137,10 +216,7 @@ class GpuScheduler:
         self._gang = gang
         self._gang_here = False
         self._lock = threading.Lock()
-        params = params or PolicyParams()
-        if region.doorbells is not None:  # the agent's region: the gates ring it
-            params = dataclasses.replace(params, drains_ring=True)
-        self._policy = TimeSharePolicy(params, now=clock())
+        self._policy = TimeSharePolicy(params or PolicyParams(), now=clock())
         self._pending_quotas: dict[int, Quota] | None = None
         self._scheduled: frozenset[int] = frozenset()  # groups whose words this scheduler drives
         self._released: int | None = None
@@ -159,12 +235,12 @@ class GpuScheduler:
         self._by_group_assignments = b""
         self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool], list[int]] | None = None
         if rescan_ns is None:
-            rescan_ns = RESCAN_NS if region.doorbells is None else RESCAN_NET_NS
+            rescan_ns = RESCAN_NET_NS
         self._rescan_ns = rescan_ns
         self._scanned_at = clock() - rescan_ns
         # The assignments and the doorbells' count of new users as of the last scan of the whole table.
         self._live_assignments = b""
-        self._joined: int | None = None
+        self._joined = -1
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
         self.scans = 0  # how often a look scanned the whole slot table for users (most of a look's CPU)
         self.switches = 0  # how often it held a released group to hand the GPU on (or to cap it)
@@ -180,8 +256,7 @@ class GpuScheduler:
             self._pending_quotas = dict(quotas)
             for group in quotas.keys() - self._scheduled:
                 self.region.hold(self.gpu, group)
-        if self.region.doorbells is not None:
-            self.region.doorbells.ring(self.gpu)  # (it may be asleep on the bell for long)
+        self._bells.ring(self.gpu)  # (it may be asleep on the bell for long)
 
     def usage(self) -> dict[int, GroupUsage]:
         with self._lock:
@@ -195,12 +270,12 @@ class GpuScheduler:
     def run(self, stop: threading.Event) -> None:
         """Schedule until `stop` is set; every word it held is released on the way out."""
         log.info("scheduler_started", gpu=self.gpu)
-        bells = self.region.doorbells
+        bells = self._bells
         try:
             while not stop.is_set():
                 try:
                     # Read before the look: a gate that rings during it makes the wait below return at once.
-                    rung = bells.rung(self.gpu) if bells is not None else 0
+                    rung = bells.rung(self.gpu)
                     looked = self._clock()
                     wake_at = self.step()
                 except Exception:
@@ -210,7 +285,7 @@ class GpuScheduler:
                     stop.wait(0.1)
                     continue
                 delay = wake_at - self._clock()
-                if (self._wake_on_wait or self._gang_here) and bells is not None:
+                if self._wake_on_wait or self._gang_here:
                     bells.wait(self.gpu, rung, delay)
                     # A ring during a drain while a process of the drained group still has work: the
                     # ring was another of its processes' (two finishing at once, an older gate) or
@@ -301,9 +376,9 @@ class GpuScheduler:
         """
         return waiting > 0 or drained >= burst_start
 
-    def _rescan(self, now: int, assignments: bytes, joined: int | None) -> None:
-        """When a gate began to use this GPU or an assignment changed, and at the net (RESCAN_NS,
-        RESCAN_NET_NS): the live slots of the whole table (1024 pids), and among them this GPU's users."""
+    def _rescan(self, now: int, assignments: bytes, joined: int) -> None:
+        """When a gate began to use this GPU or an assignment changed, and at the net (RESCAN_NET_NS):
+        the live slots of the whole table (1024 pids), and among them this GPU's users."""
         slots = self._slots
         live = slots.live()
         gather = _gatherer(live)
@@ -351,40 +426,45 @@ class GpuScheduler:
         return [index for group in groups for index in by_group.get(group, ())]
 
     def _observe(self, now: int) -> Observation:
-        slots = self._slots
-        holder = self._released
-        drain = self._drain
-        holder_busy = False
-        holder_drained = 0
-        # The earliest burst the quiet holder ran since the last look; of a busy one, its open bursts'
-        # earliest opening. And the length of the bursts it closed since the last look (busy_ns).
-        holder_burst_from: int | None = None
-        holder_open_from: int | None = None
-        holder_burst_ns = 0
-        drain_done = True
-        drain_ends: list[int] = []
-        # Groups still finishing work queued before a drain that timed out: held when, done so far,
-        # and when their processes finished.
-        overrun = self._policy.overrunning()
-        overrun_busy: set[int] = set()
-        overrun_ends: dict[int, int] = {}
-        seen = self._seen
-        # A process's first launch here sets its gpu_mask bit and counts itself in the doorbells'
-        # `joined` before its thread waits (and rings, once): the table is scanned for users only when
-        # that count moved, or an assignment did (a slot is claimed and assigned, by the agent's
-        # keeper, before its first launch passes attach), not at every ring (two a switch).
-        assignments = slots.assignments()
-        bells = self.region.doorbells
-        joined = bells.joined(self.gpu) if bells is not None else None
+        """What the gates' slots of this GPU say at `now`: the groups present and wanting the GPU from
+        the columns, and from the slots visited one by one (the users whose launches moved, and those
+        of the groups whose end the policy waits for), whether those groups ended."""
+        assignments = self._slots.assignments()
+        self._scan_if_news(now, assignments)
+        present, demand, changed = self._read_users(assignments)
+        ends = _Ends(self._released, self._drain, self._policy.overrunning())
+        indices = set(changed)
+        if ends.groups:
+            indices.update(self._slots_of_groups(ends.groups, assignments))
+        for index in indices:
+            look = self._visit(index, now)
+            if look is None:
+                continue
+            if look.launched or look.waits > 0:
+                present.add(look.group)
+            if look.waits > 0 or look.moved:
+                demand.add(look.group)
+            ends.add(look)
+        self._forget_freed()
+        return ends.observation(now, demand, present)
+
+    def _scan_if_news(self, now: int, assignments: bytes) -> None:
+        """Scan the table for users when the doorbells' count of new users or an assignment moved, or
+        at the net. A process's first launch here sets its gpu_mask bit and counts itself in `joined`
+        before its thread waits (and rings, once), and the agent's keeper assigns a slot before its
+        first launch passes attach: not at every ring (two a switch)."""
+        joined = self._bells.joined(self.gpu)
         if (now - self._scanned_at >= self._rescan_ns or joined != self._joined
                 or assignments != self._live_assignments):
             self._rescan(now, assignments, joined)
-        # This GPU's users, three columns read at C speed. Each user's group (its assignment where
-        # that names its process, and scheduled here) is kept while no pid, assignment or quota
-        # changed: then a user whose launches did not move since the last look tells only that its
-        # group is present (launches or a waiting thread) and, if a thread waits, wants the GPU,
-        # which set operations over the columns say without visiting it.
-        gather = self._gather_users
+
+    def _read_users(self, assignments: bytes) -> tuple[set[int], set[int], Iterable[int]]:
+        """The groups present (launched or waiting) and wanting the GPU (waiting) from three columns of
+        this GPU's users read at C speed, and the users to visit one by one: those whose launches moved,
+        or all of them where a pid, an assignment or the quotas changed. Each user's group (its
+        assignment where that names its process, and scheduled here) is kept while none of those
+        changed: a user whose launches did not move tells nothing that the columns do not say."""
+        slots, gather = self._slots, self._gather_users
         launches, waiting, pids = gather(slots.launches), gather(slots.waiting), gather(slots.pid)
         user_groups = self._user_groups
         if (user_groups is None or pids != self._user_pids or assignments != self._user_assignments
@@ -401,90 +481,53 @@ class GpuScheduler:
         else:
             changed = ()
         self._user_launches = launches
-        present = set(itertools.compress(user_groups, launches))
-        waiting_groups = set(itertools.compress(user_groups, waiting))
-        present |= waiting_groups
-        demand = waiting_groups
+        demand = set(itertools.compress(user_groups, waiting))
+        present = set(itertools.compress(user_groups, launches)) | demand
         present.discard(rg.GROUP_UNASSIGNED)
         demand.discard(rg.GROUP_UNASSIGNED)
-        # One by one: the users whose launches moved (or that are new), and every user of the groups
-        # whose end the policy waits for (a group with no user here ends at once).
-        special = {g for g in (holder, drain.group if drain is not None else None, *overrun) if g is not None}
-        indices = set(changed)
-        if special:
-            indices.update(self._slots_of_groups(special, assignments))
-        for index in indices:
-            pid = slots.pid[index]
-            if not pid:
-                continue  # freed since the last scan
-            group = slots.group[index] if slots.assigned_pid[index] == pid else rg.GROUP_UNASSIGNED
-            if group not in self._scheduled:
-                continue
-            launched = slots.launches[index]
-            waits = slots.waiting[index]
-            drained = slots.drained_ns[index]
-            # Read after drained_ns: a burst that opens between the two reads is seen open (the gate
-            # stores its start before counting its first launch).
-            burst_start = slots.burst_start_ns[index]
-            busy = slots.busy_ns[index]
-            slot = seen.get(index)
-            if slot is None or slot.pid != pid:
-                # First sight (a new process, or the agent restarted): work it launched may be queued.
-                slot = seen[index] = _SlotSeen(pid, launched, busy)
-                moved = launched != 0
-            else:
-                moved = launched != slot.launches
-                slot.launches = launched
-            quiet = self._quiet(waits, drained, burst_start)
-            # When it finished: its last drain, unless it had work after that and is quiet only because a
-            # thread now waits on its word: a process with work on several streams whose stream sync
-            # closed its burst stores no drain time (hook/launch.c, synced), and its old one would make
-            # the drain end before the hold, the whole slice refunded. Then this look is the end.
-            ended = now if waits > 0 and drained < burst_start else drained
-            if launched or waits > 0:
-                present.add(group)
-            if waits > 0 or moved:
-                demand.add(group)
-            slot_busy, slot.busy_ns = slot.busy_ns, busy
-            if group == holder:
-                holder_burst_ns += max(0, busy - slot_busy)
-                if quiet and waits == 0:
-                    holder_drained = max(holder_drained, drained)
-                    if moved and burst_start:
-                        holder_burst_from = min(holder_burst_from or burst_start, burst_start)
-                else:
-                    holder_busy = True
-                    if not quiet and burst_start:
-                        holder_open_from = min(holder_open_from or burst_start, burst_start)
-            if drain is not None and group == drain.group:
-                if drained >= drain.hold_at or quiet:
-                    drain_ends.append(ended)
-                else:
-                    drain_done = False
-            if group in overrun:
-                if drained >= overrun[group] or quiet:
-                    overrun_ends[group] = max(overrun_ends.get(group, 0), ended)
-                else:
-                    overrun_busy.add(group)
+        return present, demand, changed
+
+    def _visit(self, index: int, now: int) -> _SlotLook | None:
+        """One slot read field by field (None: freed, or of no group scheduled here), remembering its
+        launches and busy time for the next visit."""
+        slots = self._slots
+        pid = slots.pid[index]
+        if not pid:
+            return None  # freed since the last scan
+        group = slots.group[index] if slots.assigned_pid[index] == pid else rg.GROUP_UNASSIGNED
+        if group not in self._scheduled:
+            return None
+        launched = slots.launches[index]
+        waits = slots.waiting[index]
+        drained = slots.drained_ns[index]
+        # Read after drained_ns: a burst that opens between the two reads is seen open (the gate
+        # stores its start before counting its first launch).
+        burst_start = slots.burst_start_ns[index]
+        busy = slots.busy_ns[index]
+        slot = self._seen.get(index)
+        if slot is None or slot.pid != pid:
+            # First sight (a new process, or the agent restarted): work it launched may be queued.
+            slot = self._seen[index] = _SlotSeen(pid, launched, busy)
+            moved = launched != 0
+        else:
+            moved = launched != slot.launches
+            slot.launches = launched
+        busy_added, slot.busy_ns = max(0, busy - slot.busy_ns), busy
+        # When it finished: its last drain, unless it had work after that and is quiet only because a
+        # thread now waits on its word: a process with work on several streams whose stream sync
+        # closed its burst stores no drain time (hook/launch.c, synced), and its old one would make
+        # the drain end before the hold, the whole slice refunded. Then this look is the end.
+        finished = now if waits > 0 and drained < burst_start else drained
+        return _SlotLook(group, launched, waits, drained, burst_start, moved, busy_added,
+                         self._quiet(waits, drained, burst_start), finished)
+
+    def _forget_freed(self) -> None:
+        """Drop what visits remembered of slots no longer live."""
+        seen = self._seen
         if len(seen) > len(self._live):
             known = set(self._live)
             for index in [i for i in seen if i not in known]:
                 del seen[index]
-        if holder is not None and holder_busy:
-            demand.add(holder)
-        elif holder is not None:
-            demand.discard(holder)
-        drained_at = None
-        if drain is not None and drain_done:
-            # When its last process finished; with no process left, when it was held.
-            drained_at = min(now, max(drain_ends)) if drain_ends else drain.hold_at
-        # An overrunning group with no process left (they exited) is done when it was held.
-        finished = {g: min(now, overrun_ends.get(g, hold_at)) for g, hold_at in overrun.items()
-                    if g not in overrun_busy}
-        quiet_holder = holder is not None and not holder_busy
-        return Observation(frozenset(demand), holder_drained if quiet_holder else None, drained_at, finished,
-                           frozenset(present), holder_burst_from if quiet_holder else holder_open_from,
-                           holder_burst_ns)
 
     def _carry_out(self, now: int, decision: Decision) -> None:
         if decision.draining is not None and self._drain is None:

@@ -103,7 +103,7 @@ def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds:
     hogs). Looks come at each policy's wake_at, and at once where a turn changes (the doorbell). Each
     GPU's first look is half a slice after the last one's, and their drains differ (1, 1.7, 2.4 ms...):
     their clocks are apart, as real ones are."""
-    params = params or PolicyParams(drains_ring=True)
+    params = params or PolicyParams()
     woken: set[int] = set()
     turns = GangTurns(woken.add)
     gpus = []
@@ -274,7 +274,7 @@ def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> No
 def test_a_stall_of_the_agent_leaves_no_group_held_for_long() -> None:
     # The agent stopped (SIGSTOP) for 10 s while a capped group held the GPU: charged all of it, its
     # bucket would take 23 s to refill.
-    policy = TimeSharePolicy(PolicyParams(drains_ring=True), now=0)
+    policy = TimeSharePolicy(PolicyParams(), now=0)
     policy.set_quotas(0, {0: Quota(0, 0.3), 1: Quota()})
     busy = frozenset({0, 1})
     t = 0

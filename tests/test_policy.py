@@ -4,7 +4,6 @@ conservation, and what an idle group costs. No region, no processes, no sleeping
 from __future__ import annotations
 
 from dataclasses import astuple, dataclass, field
-from typing import Any
 
 import pytest
 
@@ -129,12 +128,12 @@ class FakeGpu:
         return any(g not in (self.released, self.draining) and work.on_ns and work.pending == 0
                    and t0 < work.arrived_until <= t for g, work in self.workloads.items())
 
-    def run(self, t0: int, t1: int, doorbell: bool = False) -> int:
-        """GPU time between two looks, 0.1 ms at a time; with `doorbell`, until a thread starts
+    def run(self, t0: int, t1: int, wake_on_wait: bool = False) -> int:
+        """GPU time between two looks, 0.1 ms at a time; with `wake_on_wait`, until a thread starts
         waiting on a held word if that comes first. Returns when the next look is."""
         step = MS // 10
         for t in range(t0, t1, step):
-            if doorbell and t > t0 and self.rung(t0, t):
+            if wake_on_wait and t > t0 and self.rung(t0, t):
                 return t
             dt = min(step, t1 - t)
             if self.released is not None and self.workloads[self.released].wants(t):
@@ -172,10 +171,11 @@ class FakeGpu:
 
 def simulate(quotas: dict[int, Quota], workloads: dict[int, Workload], duration: int = 10 * SECOND,
              drain_ns: int = 1 * MS, params: PolicyParams | None = None,
-             policy: TimeSharePolicy | None = None, start: int = 0, outranked_drain_ns: int | None = None,
-             doorbell: bool = False) -> tuple[FakeGpu, TimeSharePolicy]:
-    """With `doorbell`, a look also comes when a thread starts waiting on a held word, where the
-    decision asks for it (Decision.wake_on_wait), as the scheduler sleeps on the gates' doorbell."""
+             policy: TimeSharePolicy | None = None, start: int = 0,
+             outranked_drain_ns: int | None = None) -> tuple[FakeGpu, TimeSharePolicy]:
+    """As the scheduler runs it: a look comes at the decision's wake_at, or when a thread starts
+    waiting on a held word where the decision asks for it (Decision.wake_on_wait: the scheduler
+    sleeps on the GPU's doorbell, which the gates ring then)."""
     if policy is None:
         policy = TimeSharePolicy(params or PolicyParams(), now=start)
         policy.set_quotas(start, quotas)
@@ -186,7 +186,7 @@ def simulate(quotas: dict[int, Quota], workloads: dict[int, Workload], duration:
         gpu.apply(t, decision)
         gpu.steps += 1
         nxt = min(max(decision.wake_at, t + 1), start + duration)
-        t = gpu.run(t, nxt, doorbell and decision.wake_on_wait)
+        t = gpu.run(t, nxt, decision.wake_on_wait)
     return gpu, policy
 
 
@@ -208,7 +208,7 @@ def test_caps_within_the_gpu_each_get_their_whole_max_util(caps: tuple[float, ..
     # Least usage first left the largest cap behind: its bucket full while the others ran, and the GPU
     # idle while nobody had a whole slice's credit (the 0.4 group got 0.35 and 0.38 here).
     quotas = {g: Quota(0, cap) for g, cap in enumerate(caps)}
-    gpu, _ = simulate(quotas, {g: hog() for g in quotas}, **drains_ring_params())
+    gpu, _ = simulate(quotas, {g: hog() for g in quotas})
     for g, cap in enumerate(caps):
         assert gpu.share(g, 10 * SECOND) == pytest.approx(cap, abs=0.012), (g, cap)
     assert gpu.switches < 10 * 20
@@ -217,15 +217,11 @@ def test_caps_within_the_gpu_each_get_their_whole_max_util(caps: tuple[float, ..
 def test_caps_beyond_the_gpu_still_share_max_min() -> None:
     # Caps that add up to more than the GPU are ceilings, not weights: 0.5 and 0.6 get half each, as
     # two uncapped groups would; and a capped 0.7 beside an uncapped hog gets half, not its cap.
-    gpu, _ = simulate({0: Quota(0, 0.5), 1: Quota(0, 0.6)}, {0: hog(), 1: hog()}, **drains_ring_params())
+    gpu, _ = simulate({0: Quota(0, 0.5), 1: Quota(0, 0.6)}, {0: hog(), 1: hog()})
     assert gpu.share(0, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
     assert gpu.share(1, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
-    gpu, _ = simulate({0: Quota(0, 0.7), 1: Quota(0, 1)}, {0: hog(), 1: hog()}, **drains_ring_params())
+    gpu, _ = simulate({0: Quota(0, 0.7), 1: Quota(0, 1)}, {0: hog(), 1: hog()})
     assert gpu.share(0, 10 * SECOND) == pytest.approx(0.5, abs=0.02)
-
-
-def drains_ring_params() -> dict[str, Any]:
-    return {"params": PolicyParams(drains_ring=True), "doorbell": True}
 
 
 def test_min_util_holds_against_two_uncapped_hogs() -> None:
@@ -248,9 +244,8 @@ def test_max_util_holds_for_a_group_alone() -> None:
     assert policy.usage(10 * SECOND)[0].throttled_seconds == pytest.approx(5.0, abs=0.3)
 
 
-@pytest.mark.parametrize("doorbell", [True, False])
 @pytest.mark.parametrize("gap_ns", [300_000, 1 * MS, 5 * MS, 20 * MS])
-def test_min_util_holds_for_a_training_loop_that_pauses_between_steps(gap_ns: int, doorbell: bool) -> None:
+def test_min_util_holds_for_a_training_loop_that_pauses_between_steps(gap_ns: int) -> None:
     """A training loop's step ends in a sync and CPU work before the next step's first launch.
     - Held at its slice's end, it drains, often to its step's sync, and blocks on its word only after
       the CPU work: the look that saw the drain end saw it want nothing. Its wait rings, and its debt
@@ -260,10 +255,8 @@ def test_min_util_holds_for_a_training_loop_that_pauses_between_steps(gap_ns: in
       next holder's slice ends once it is owed a slice (else one step of debt was paid a slice).
     MinUtil counts the time it wants the GPU, not its CPU work: of its solo throughput it gets 0.6."""
     step_ns = 33 * MS
-    params = PolicyParams(drains_ring=doorbell)
     gpu, _ = simulate({0: Quota(0.6, 1.0), 1: Quota(0, 1), 2: Quota(0, 1)},
-                      {0: steps(step_ns, gap_ns), 1: hog(), 2: hog()}, drain_ns=5 * MS, params=params,
-                      doorbell=doorbell)
+                      {0: steps(step_ns, gap_ns), 1: hog(), 2: hog()}, drain_ns=5 * MS)
     of_solo = gpu.share(0, 10 * SECOND) * (step_ns + gap_ns) / step_ns
     assert of_solo >= 0.6 - 0.01
     assert gpu.share(1, 10 * SECOND) == pytest.approx(gpu.share(2, 10 * SECOND), abs=0.02)
@@ -276,7 +269,7 @@ def test_a_guaranteed_service_owed_a_slice_goes_before_the_holder_s_slice_ends()
     hog's slices, each request took 50 ms and the debt grew to its bound, never paid (a request
     cannot use it). Owed a slice, a request now goes first: half the GPU while it has work."""
     gpu, _ = simulate({0: Quota(0.5, 1.0), 1: Quota(0, 1.0)}, {0: bursty(2 * MS, 20 * MS), 1: hog()},
-                      **drains_ring_params())
+                      )
     latencies = sorted(gpu.workloads[0].latencies)
     assert gpu.share(0, 10 * SECOND) == pytest.approx(0.1, abs=0.005)
     assert latencies[len(latencies) // 2] <= 5 * MS
@@ -389,18 +382,19 @@ def test_quota_rejects_min_above_max() -> None:
 
 def test_an_idle_gpu_is_looked_at_rarely() -> None:
     gpu, _ = simulate({0: Quota(), 1: Quota(0, 0.5)}, {0: idle(), 1: idle()}, duration=2 * SECOND)
-    # Backs off from a look every 4 ms to one every 32 ms within a quarter second.
-    assert gpu.steps < 2 * SECOND // (32 * MS) + 60
+    # Nobody wants it: a group's first launch would ring, so it is looked at only at the net.
+    assert gpu.steps <= 2 * SECOND // PolicyParams().ring_net_ns + 1, gpu.steps
     assert not gpu.busy_ns
 
 
-def test_first_launch_after_a_quiet_spell_waits_at_most_the_longest_poll() -> None:
+def test_first_launch_after_a_quiet_spell_is_released_at_its_ring() -> None:
     late = Workload(5 * MS, 10**18)
-    late.arrived_until = 3 * SECOND  # its first work arrives after 3 s of nothing
+    late.arrived_until = 3 * SECOND + 7 * MS  # its first work arrives after 3 s of nothing, off the net
     gpu, policy = simulate({0: Quota()}, {0: late}, duration=4 * SECOND)
     assert gpu.busy_ns[0] == 5 * MS
-    usage = policy.usage(4 * SECOND)[0]
-    assert usage.throttled_seconds <= PolicyParams().max_poll_ns / 1e9 + 0.001
+    # Its 5 ms and the look its ring brings, within one 0.1 ms step of the fake GPU (not the 250 ms net).
+    assert late.latencies == [pytest.approx(5 * MS, abs=MS // 10)]
+    assert policy.usage(4 * SECOND)[0].throttled_seconds <= 0.001
 
 
 def test_a_drain_is_waited_out_when_nobody_else_wants_the_gpu() -> None:
@@ -491,8 +485,9 @@ def test_a_higher_priority_group_revokes_a_lower_holder_at_the_next_look() -> No
     both = frozenset({0, 1})
     decision = policy.step(0, Observation(frozenset({0}), present=both))
     assert decision.released == 0
-    # A higher-priority group present: the holder is looked at every poll, with its queue short.
-    assert decision.wake_at == policy.params.poll_ns and decision.short_queue
+    # A higher-priority group present: the holder's queue is short, and the look comes at that group's
+    # request (its thread waits on its held word and rings).
+    assert decision.wake_on_wait and decision.short_queue
     # Group 1 launches 1 ms into group 0's 20 ms slice: group 0 is held at this look, not at the slice's end.
     decision = policy.step(1 * MS, Observation(both, present=both))
     assert decision.draining == 0 and decision.released is None
@@ -504,27 +499,24 @@ def test_a_higher_priority_group_revokes_a_lower_holder_at_the_next_look() -> No
         assert decision.released == 1
 
 
-def test_where_the_gates_ring_a_holder_outranked_by_an_idle_group_is_not_polled() -> None:
+def test_a_holder_outranked_by_an_idle_group_is_looked_at_its_ring_not_every_poll() -> None:
     """A request of the higher priority rings (its thread blocks on its held word) and the scheduler
     looks then (wake_on_wait): while the service idles, its hog is looked at once a slice, not every
     poll."""
-    params = PolicyParams(drains_ring=True)
+    params = PolicyParams()
     policy = TimeSharePolicy(params, now=0)
     policy.set_quotas(0, {0: Quota(priority=0), 1: Quota(priority=5)})
     decision = policy.step(0, Observation(frozenset({0}), present=frozenset({0, 1})))
     assert decision.released == 0 and decision.outranked and decision.wake_on_wait
     assert decision.wake_at == min(params.slice_ns, params.steady_poll_ns)
-    # Without the ring (a region with no doorbells page), polled.
-    polled = TimeSharePolicy(PolicyParams(), now=0)
-    polled.set_quotas(0, {0: Quota(priority=0), 1: Quota(priority=5)})
-    assert polled.step(0, Observation(frozenset({0}), present=frozenset({0, 1}))).wake_at == polled.params.poll_ns
 
 
 def test_equal_priorities_keep_the_slices() -> None:
     policy = TimeSharePolicy(now=0)
     policy.set_quotas(0, {0: Quota(priority=3), 1: Quota(priority=3)})
     both = frozenset({0, 1})
-    assert policy.step(0, Observation(frozenset({0}), present=both)).wake_at == policy.params.slice_ns
+    # Group 1 outranks nobody: the holder alone is looked at only at the net (group 1's wait rings).
+    assert policy.step(0, Observation(frozenset({0}), present=both)).wake_at == policy.params.ring_net_ns
     assert policy.step(1 * MS, Observation(both, present=both)).released == 0  # kept to its slice's end
 
 
@@ -602,17 +594,19 @@ def test_a_high_priority_group_is_still_capped() -> None:
 
 
 def test_no_extra_looks_without_a_higher_priority_process() -> None:
-    # The higher-priority group is configured but has no process on this GPU: one look a slice.
+    # The higher-priority group is configured but has no process on this GPU: the holder alone is
+    # looked at only at the net, its queue long.
     policy = TimeSharePolicy(now=0)
     policy.set_quotas(0, {0: Quota(), 1: Quota(priority=5)})
     decision = policy.step(0, Observation(frozenset({0}), present=frozenset({0})))
-    assert decision.wake_at == policy.params.slice_ns and not decision.short_queue
+    assert decision.wake_at == policy.params.ring_net_ns and not decision.short_queue
 
 
 def test_an_outranked_holder_keeps_a_tight_queue_and_its_waits_are_news() -> None:
     """The holder of a lower priority than a present group's is released outranked (the gate keeps
     its queue to GT_OUTRANKED_QUEUE_BOUND_NS), and the scheduler looks as soon as a thread waits;
-    not so at equal priorities, nor for a holder being paid its MinUtil debt."""
+    not so at equal priorities, nor for a holder being paid its MinUtil debt. (At equal priorities
+    the holder alone sleeps on the bell too: another group's wait is news there.)"""
     both = frozenset({0, 1})
     policy = TimeSharePolicy(now=0)
     policy.set_quotas(0, {0: Quota(), 1: Quota(priority=5)})
@@ -626,7 +620,7 @@ def test_an_outranked_holder_keeps_a_tight_queue_and_its_waits_are_news() -> Non
     equal = TimeSharePolicy(now=0)
     equal.set_quotas(0, {0: Quota(priority=5), 1: Quota(priority=5)})
     decision = equal.step(0, Observation(frozenset({0}), present=both))
-    assert decision.released == 0 and not decision.outranked and not decision.wake_on_wait
+    assert decision.released == 0 and not decision.outranked and not decision.short_queue
 
     owed = TimeSharePolicy(now=0)
     owed.set_quotas(0, {0: Quota(0.5, 1.0), 1: Quota(priority=5)})
@@ -637,17 +631,17 @@ def test_an_outranked_holder_keeps_a_tight_queue_and_its_waits_are_news() -> Non
     assert not decision.outranked  # paid its debt first: no request revokes it meanwhile
 
 
-def requests_beside_a_hog(doorbell: bool, outranked_drain_ns: int | None) -> tuple[FakeGpu, Workload]:
+def requests_beside_a_hog(outranked_drain_ns: int | None) -> tuple[FakeGpu, Workload]:
     """2 ms requests every 20 ms in group 0 (Priority 1) beside a hog in group 1 whose queue takes
     10 ms to drain (GT_QUEUE_BOUND_NS), or `outranked_drain_ns` where it was released outranked."""
     requests = bursty(2 * MS, 20 * MS)
     gpu, _ = simulate({0: Quota(priority=1), 1: Quota()}, {0: requests, 1: hog()}, duration=3 * SECOND,
-                      drain_ns=10 * MS, outranked_drain_ns=outranked_drain_ns, doorbell=doorbell)
+                      drain_ns=10 * MS, outranked_drain_ns=outranked_drain_ns)
     return gpu, requests
 
 
 def test_a_request_waits_the_outranked_drain_only() -> None:
-    gpu, requests = requests_beside_a_hog(doorbell=True, outranked_drain_ns=2 * MS)
+    gpu, requests = requests_beside_a_hog(outranked_drain_ns=2 * MS)
     assert len(requests.latencies) >= 149
     # Each request: its own 2 ms and the hog's outranked drain (2 ms); the looks come at the rings
     # (the request's wait, then the drained hog's), within one 0.1 ms step of the fake GPU each.
@@ -656,8 +650,9 @@ def test_a_request_waits_the_outranked_drain_only() -> None:
     # look that sees the service quiet (a poll at most after its release).
     assert gpu.share(1, 3 * SECOND) >= 0.7
     assert gpu.share(0, 3 * SECOND) == pytest.approx(2 / 20, abs=0.005)
-    # Before (a poll to see the request, the hog's 10 ms drain): the worst request waited 4x longer.
-    before, before_requests = requests_beside_a_hog(doorbell=False, outranked_drain_ns=None)
+    # Where the outranked hog's queue were bounded as any released group's (a 10 ms drain), the
+    # worst request waited for all of it.
+    before, before_requests = requests_beside_a_hog(outranked_drain_ns=None)
     assert max(before_requests.latencies) > 2 * MS + 10 * MS
     assert before.share(1, 3 * SECOND) <= gpu.share(1, 3 * SECOND) + 0.02
 
@@ -671,7 +666,7 @@ def test_groups_out_of_play_are_brought_up_to_date_as_if_look_by_look() -> None:
     workloads = {g: hog() if g in (2, 5, 8) else bursty(2 * MS, (60 + 13 * g) * MS) for g in range(40)}
     # 20 ms slices: the hogs' drains of 20 ms move the slice (the buckets' capacity) off it, and the
     # quiet holders' empty ones back.
-    params = PolicyParams(drains_ring=True, slice_ns=20 * MS, min_slice_ns=5 * MS)
+    params = PolicyParams(slice_ns=20 * MS, min_slice_ns=5 * MS)
     lazy, eager = (TimeSharePolicy(params) for _ in range(2))
     for policy in (lazy, eager):
         policy.set_quotas(0, quotas)
@@ -688,7 +683,7 @@ def test_groups_out_of_play_are_brought_up_to_date_as_if_look_by_look() -> None:
         capacities.add(eager.slice_ns())
         gpu.apply(t, decision)
         wanting, finishing = observation.demand, {decision.draining, *lazy.overrunning()}
-        after = gpu.run(t, min(max(decision.wake_at, t + 1), 5 * SECOND))
+        after = gpu.run(t, min(max(decision.wake_at, t + 1), 5 * SECOND), decision.wake_on_wait)
         for group in quotas:
             if group != decision.released:
                 waited[group] += (after - t) * (group in wanting)
@@ -705,7 +700,7 @@ def test_groups_out_of_play_are_brought_up_to_date_as_if_look_by_look() -> None:
 def test_a_holder_whose_processes_exit_keeps_the_time_it_was_seen_busy() -> None:
     # Its slots freed, the holder has no drain time to tell (0): refunded from its release, a group that
     # held the GPU alone for seconds lost them all, its GPU-seconds counter going backwards.
-    policy = TimeSharePolicy(PolicyParams(drains_ring=True), now=0)
+    policy = TimeSharePolicy(PolicyParams(), now=0)
     policy.set_quotas(0, {0: Quota()})
     busy = frozenset({0})
     t = 0
