@@ -1,8 +1,8 @@
 """`make bench`: run every benchmark on the simulated GPU, one after the other.
 
 Each bench/bench_<name>.py is standalone: it prints a table and appends its dated results, with the
-machine, to bench/results/<name>.md. GPU benchmarks live in bench/gpu/ and run on the GPU machine
-(bench/gpu/run_all.sh).
+machine, to bench/results/<name>.md. GPU benchmarks live in bench/gpu/; each is run by hand on a
+GPU machine, with the command its docstring gives.
 """
 
 from __future__ import annotations

@@ -84,11 +84,6 @@ class Snapshot:
         return out
 
 
-class _GroupConfig(Protocol):
-    memory_limit: int | None
-    cgroups: tuple[str, ...]
-
-
 class _Config(Protocol):
     @property
     def groups(self) -> Mapping[str, Any]: ...

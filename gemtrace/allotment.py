@@ -12,7 +12,6 @@ the command may have: --gpus chooses among those, and the answer names them by U
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -23,10 +22,6 @@ from gemtrace.gpus import GpuDiscoveryError, discover
 from gemtrace.groups_of import ENV_VISIBLE_DEVICES, visible_devices
 from gemtrace.launcher import LaunchError
 from gemtrace.placement import GpuNode, GroupUse
-
-
-def _warn(message: str) -> None:
-    print(f"gemtrace: warning: {message}", file=sys.stderr)
 
 
 def group_uses(layout: rg.RegionLayout, table: rg.SlotTableLayout, index_of_uuid: Mapping[str, int]) -> list[GroupUse]:
