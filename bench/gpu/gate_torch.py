@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from gemtrace.gpus import discover  # noqa: E402
 from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
@@ -52,15 +53,8 @@ print(json.dumps({"total": total, "free": free, "past_limit": outcome}))
 
 
 def nvml_gpus() -> list[tuple[str, int]]:
-    import pynvml
-
-    pynvml.nvmlInit()
-    gpus = []
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        h = pynvml.nvmlDeviceGetHandleByIndex(i)
-        uuid = pynvml.nvmlDeviceGetUUID(h)
-        gpus.append((uuid.decode() if isinstance(uuid, bytes) else uuid, pynvml.nvmlDeviceGetMemoryInfo(h).total))
-    return gpus
+    """The GPUs as the region lists them: UUID and memory, found as the agent finds them."""
+    return [(gpu.uuid, gpu.memory_total) for gpu in discover()]
 
 
 def decide_groups(region: Region, stop: threading.Event) -> threading.Thread:

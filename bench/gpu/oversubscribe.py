@@ -24,10 +24,10 @@ runs with them, without them, or both ways.
 
     python3 bench/gpu/oversubscribe.py [--cases limited,squeezed,pair] [--limit-ratio 0.5]
         [--oversubscription 1.5] [--cache-release on|off|both] [--hints on|off|both] [--seconds 20]
-        [--settle 5] [--gpu 0] [--record]
+        [--settle 5] [--gpu 0] [--no-record]
 
-Prints a markdown table; --record appends it, dated, to bench/results/oversubscribe.md; with $OUT set,
-also writes oversubscribe.md and oversubscribe.json there. Exit status 0 when every run finished, 2 on
+Prints a markdown table and appends it, dated, to bench/results/oversubscribe.md (not with --no-record);
+with $OUT set, also writes oversubscribe.md and oversubscribe.json there. Exit status 0 when every run finished, 2 on
 a failed run or bad usage. Needs what models_torch.py needs (build/libgemgate.so, torch with CUDA,
 torchvision, the agent's Python dependencies).
 """
@@ -51,6 +51,7 @@ sys.path.insert(0, str(HERE))
 from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, machine, parse_list, publish, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
 
+from bench.recording import add_record_flag  # noqa: E402 (models_torch puts the checkout on sys.path)
 from gemtrace.cache_release import ENV_RELEASE_CACHE  # noqa: E402 (models_torch puts the checkout on sys.path)
 from gemtrace.contract import ENV_MANAGED_HINTS  # noqa: E402
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds after the warm-up before the window: paging settles (default 5)")
     ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) (default 0)")
-    ap.add_argument("--record", action="store_true", help=f"append the dated table to {RESULTS.relative_to(REPO)}")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args(argv)
     if not 0 < args.limit_ratio < 1 or args.oversubscription <= 1 or args.seconds <= 0 or args.settle < 0:
         ap.error("--limit-ratio must be in (0, 1), --oversubscription above 1, --seconds positive")
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     report = render(header, before, after, rows, failures)
     publish(report, "oversubscribe",
             {"header": header, "solo_before": before, "solo_after": after, "rows": rows, "failures": failures},
-            RESULTS if args.record else None,
+            None if args.no_record or args.stand_in else RESULTS,
             "Oversubscription: PyTorch training past its MemoryLimit (bench/gpu/oversubscribe.py)")
     return 2 if failures else 0
 
