@@ -85,3 +85,18 @@ def trees(values: list[str]) -> list[tuple[str, Path | None]]:
     """The trees `--tree` named, then this checkout (None)."""
     named: list[tuple[str, Path | None]] = [(name, Path(path)) for name, _, path in (v.partition("=") for v in values)]
     return [*named, ("this checkout", None)]
+
+
+def gpus() -> str:
+    """The GPUs as a GPU bench's results name them: how many of which, and the driver, found as the
+    agent finds them (gemtrace.gpus; the simulated NVML's under --stand-in)."""
+    from gemtrace.gpus import GpuDiscoveryError, discover, nvml
+
+    try:
+        found = discover()
+        driver = nvml().nvmlSystemGetDriverVersion()
+    except GpuDiscoveryError as e:  # the figures still stand; the heading says what was not known
+        return f"GPU unknown ({e})"
+    names = sorted({gpu.name for gpu in found})
+    driver = driver.decode() if isinstance(driver, bytes) else str(driver)
+    return f"{len(found)} x {' + '.join(names) or 'no GPU'}, driver {driver}"

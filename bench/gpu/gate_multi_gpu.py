@@ -30,6 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.recording import gpus as describe_gpus  # noqa: E402
+from bench.recording import stamp  # noqa: E402
 from gemtrace.gpus import discover  # noqa: E402
 from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
@@ -226,15 +228,8 @@ def main() -> int:
         region.stop()
         region.close()
 
-    try:
-        smi = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
-        ).stdout.strip()
-    except FileNotFoundError:
-        smi = ""
-    machine = f"{platform.node()}, {len(gpus)} x {smi.splitlines()[0] if smi else 'GPU'}"
     text = [
-        f"# Gate on a host of several GPUs, {time.strftime('%Y-%m-%d')} ({machine})",
+        f"# Gate on a host of several GPUs, {stamp()} ({platform.node()}, {describe_gpus()})",
         "",
         "| check | expected | measured |",
         "| --- | --- | --- |",

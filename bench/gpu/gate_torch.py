@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from bench.recording import gpus, stamp  # noqa: E402
 from gemtrace.gpus import discover  # noqa: E402
 from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
@@ -139,11 +140,7 @@ def main() -> int:
         region.stop()
         region.close()
 
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.split("\n")
-    gpus = [line.strip() for line in smi if line.strip()]
-    machine = f"{platform.node()}, {len(gpus)} x {gpus[0] if gpus else 'GPU'}"
-    text = [f"# Gate on a real GPU, {time.strftime('%Y-%m-%d')} ({machine})", "",
+    text = [f"# Gate on a real GPU, {stamp()} ({platform.node()}, {gpus()})", "",
             "| check | expected | measured |", "| --- | --- | --- |"]
     text += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     report = "\n".join(text) + "\n"

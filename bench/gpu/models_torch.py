@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from models_worker import WORKLOADS  # noqa: E402
 from scheduler_torch import CPUS, pin_self, worker_cpu  # noqa: E402
 
+from bench.recording import gpus, stamp  # noqa: E402
 from gemtrace.metrics import spec  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "models_worker.py"
@@ -391,19 +392,6 @@ def publish(report: str, name: str, data: dict[str, Any], results: Path | None =
         Path(out, f"{name}.json").write_text(json.dumps(data, indent=1))
 
 
-def machine() -> str:
-    """The GPU's name and the driver, from NVML (the simulated one's under --stand-in)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        return f"{text(name)}, driver {text(driver)}"
-    except Exception as e:  # noqa: BLE001 - the header says it did not know, the figures still stand
-        return f"GPU unknown ({e})"
-
-
 def text(value: object) -> str:
     """An NVML string: bytes from older nvidia-ml-py, str from newer."""
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -413,7 +401,7 @@ def report_header(about: dict[str, str], args: argparse.Namespace, what_ran: str
     """The dated heading of a bench/gpu report: the machine and its software, how the agent ran,
     `what_ran` (the bench's own words), and how long it all took."""
     software = ", ".join(f"{k} {about[k]}" for k in ("torch", "torchvision", "cuda") if k in about)
-    return (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}"
+    return (f"## {stamp()}, {gpus()}, {platform.node()}"
             f"{', ' + software if software else ''}\n\n"
             f"`gemtrace agent{'' if args.ebpf else ' --no-ebpf'}` and `gemtrace run`, one agent per run; "
             f"{what_ran}; {(time.monotonic() - began) / 60:.1f} min in all"

@@ -48,10 +48,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, machine, parse_list, publish, run  # noqa: E402
+from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, parse_list, publish, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
 
-from bench.recording import add_record_flag  # noqa: E402 (models_torch puts the checkout on sys.path)
+from bench.recording import add_record_flag, gpus, stamp  # noqa: E402 (models_torch puts the checkout on sys.path)
 from gemtrace.cache_release import ENV_RELEASE_CACHE  # noqa: E402 (models_torch puts the checkout on sys.path)
 from gemtrace.contract import ENV_MANAGED_HINTS  # noqa: E402
 
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:
         after = None
         failures.append(f"solo after ({str(e).splitlines()[0]})")
-    header = (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}\n\n"
+    header = (f"## {stamp()}, {gpus()}, {platform.node()}\n\n"
               f"{WORKLOAD} (ResNet-50 bf16, batch 64), `gemtrace agent --no-ebpf` and `gemtrace run`; "
               f"{args.seconds:g} s windows after {args.settle:g} s of settling; throughput = steps/s / the mean "
               f"of solo before and after; MemoryLimit {args.limit_ratio:g} of the need (limited, squeezed), "

@@ -66,6 +66,7 @@ except ImportError:  # the GPU machine has no structlog: gemtrace.scheduler only
     _shim.get_logger = _Log  # type: ignore[attr-defined]
     sys.modules["structlog"] = _shim
 
+from bench.recording import stamp  # noqa: E402
 from gemtrace import defaults  # noqa: E402
 from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.policy import PolicyParams  # noqa: E402
@@ -454,9 +455,8 @@ def main() -> int:
         finally:
             rig.close()
     text = table(rows)
-    stamp = time.strftime("%Y-%m-%d %H:%M %Z")
     slice_note = "" if args.slice_ms is None else f"; slice {args.slice_ms:g} ms"
-    header = (f"{stamp}, {rig.device}, {platform.node()}{slice_note}; {args.seconds:g} s windows after "
+    header = (f"{stamp()}, {rig.device}, {platform.node()}{slice_note}; {args.seconds:g} s windows after "
               f"{args.warmup:g} s warm-up; share = it/s shared / it/s alone ungated")
     print(f"\n{header}\n\n{text}")
     ok = all(abs(r["share"] - r["target"]) <= 0.02 if r["kind"] == "=" else r["share"] >= r["target"] - 0.02
