@@ -82,6 +82,17 @@ def environments(sim: SimGpu, tree: Path | None) -> tuple[dict[str, str], dict[s
     return env, agent_env
 
 
+def agent_on_simgpu(tmp: Path, tree: Path | None) -> tuple[Path, Path, dict[str, str],
+                                                           tuple[subprocess.Popen[bytes], str, BinaryIO]]:
+    """A private simulated GPU and the agent on it (from `tree` where given), on CONFIG: the resource
+    file, the state dir, the gated programs' environment, and start_agent's answer."""
+    config = tmp / "resource.conf"
+    config.write_text(CONFIG)
+    state = tmp / "state"
+    env, agent_env = environments(SimGpu(tmp / "sim"), tree)
+    return config, state, env, start_agent(tmp, config, state, agent_env)
+
+
 def idle_holders(state: Path, env: dict[str, str], count: int, seconds: float) -> list[subprocess.Popen[bytes]]:
     """Gated processes that hold a little memory and launch nothing: series for /metrics to carry."""
     gate = find_gate({"GEMTRACE_GATE": str(REPO / "build" / "libgemgate.so")})
@@ -108,12 +119,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def latency(tmp: Path, tree: Path | None, clients: int, samples: int, idle: int) -> list[tuple[str, list[float]]]:
     """A legitimate scrape's seconds, `samples` of them, alone and under `clients` other clients."""
-    sim = SimGpu(tmp / "sim")
-    config = tmp / "resource.conf"
-    config.write_text(CONFIG)
-    state = tmp / "state"
-    env, agent_env = environments(sim, tree)
-    agent, url, log = start_agent(tmp, config, state, agent_env)
+    config, state, env, (agent, url, log) = agent_on_simgpu(tmp, tree)
     holders = idle_holders(state, env, idle, 600)
     port = int(url.split(":")[2].split("/")[0])
     cases: list[tuple[str, list[float]]] = []
@@ -149,12 +155,7 @@ def latency(tmp: Path, tree: Path | None, clients: int, samples: int, idle: int)
 
 
 def run(tmp: Path, tree: Path | None, scrapers: int, seconds: float, warmup: float, idle: int) -> dict:
-    sim = SimGpu(tmp / "sim")
-    config = tmp / "resource.conf"
-    config.write_text(CONFIG)
-    state = tmp / "state"
-    env, agent_env = environments(sim, tree)
-    agent, url, log = start_agent(tmp, config, state, agent_env)
+    config, state, env, (agent, url, log) = agent_on_simgpu(tmp, tree)
     loops = {group: subprocess.Popen(
         [sys.executable, "-m", "gemtrace.cli", "run", "--group", group, "--config", str(config), "--state-dir",
          str(state), "--", str(RT_CLIENT), "launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter",
