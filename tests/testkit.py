@@ -1,7 +1,8 @@
 """What the tests share that belongs to no one fixture: units, a free port, waiting on a condition,
 and a gate's claim of a slot. Each is written here once; test modules and bench/ import it.
 
-Must stay light: no fixture, no build, nothing started on import (unit tests import it).
+Must stay light: no fixture, no build, nothing started on import (unit tests import it), and no
+pytest (the GPU benches import it on machines that have only their own dependencies).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
-
-import pytest
 
 from gemtrace import contract
 from gemtrace import region as rg
@@ -42,7 +41,7 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float = 20, step: f
     last: Any = None
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            pytest.fail(f"{what}: the process exited with status {proc.returncode}")
+            raise AssertionError(f"{what}: the process exited with status {proc.returncode}")
         try:
             last = check()
         except retry_on as exc:
@@ -51,7 +50,7 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float = 20, step: f
             if last:
                 return last
         time.sleep(step)
-    pytest.fail(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
 
 
 def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:

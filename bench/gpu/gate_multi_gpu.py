@@ -28,7 +28,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+# Run by path, on a GPU machine or loaded so by the stand-in tests: the checkout (gemtrace, bench)
+# and tests/ (testkit) go on the path here.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from testkit import GiB  # noqa: E402
 
 from bench.recording import gpus as describe_gpus  # noqa: E402
 from bench.recording import stamp  # noqa: E402
@@ -37,7 +41,6 @@ from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
 GATE = REPO / "build" / "libgemgate.so"
-GiB = 1 << 30
 HOLD_S = 1.0
 
 UUIDS = r"""

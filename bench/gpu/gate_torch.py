@@ -28,7 +28,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+# Run by path, on a GPU machine or loaded so by the stand-in tests: the checkout (gemtrace, bench)
+# and tests/ (testkit) go on the path here.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+from testkit import GiB  # noqa: E402
 
 from bench.recording import gpus, stamp  # noqa: E402
 from gemtrace.gpus import discover  # noqa: E402
@@ -36,7 +40,6 @@ from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
 GATE = REPO / "build" / "libgemgate.so"
-GiB = 1 << 30
 LOOP_ROUNDS = 11
 LOOP_LAUNCHES = 500_000
 

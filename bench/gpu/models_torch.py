@@ -47,7 +47,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,11 +58,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+# Run by path, on a GPU machine or loaded so by the stand-in tests: the checkout (gemtrace, bench)
+# and tests/ (testkit) go on the path here.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models_worker import WORKLOADS  # noqa: E402
 from scheduler_torch import CPUS, pin_self, worker_cpu  # noqa: E402
+from testkit import free_port  # noqa: E402
 
 from bench.recording import gpus, stamp  # noqa: E402
 from gemtrace.metrics import spec  # noqa: E402
@@ -157,13 +159,6 @@ PLAN = (("caps", "cnn-train"), ("minutil", "cnn-train"), ("maxutil", "cnn-train"
         ("minutil", "transformer-train"), ("maxutil", "transformer-train"), ("4x2", "transformer-train"))
 SOLO = GroupSpec("solo")
 AGENT_CPU_TARGET = 2.0  # % of one core, with 8 processes in 4 capped groups (issue 13)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def gemtrace(*args: str) -> list[str]:

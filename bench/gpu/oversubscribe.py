@@ -50,6 +50,7 @@ sys.path.insert(0, str(HERE))
 
 from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, parse_list, publish, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
+from testkit import GiB  # noqa: E402 (models_torch puts tests/ on sys.path)
 
 from bench.recording import add_record_flag, gpus, stamp  # noqa: E402 (models_torch puts the checkout on sys.path)
 from gemtrace.cache_release import ENV_RELEASE_CACHE  # noqa: E402 (models_torch puts the checkout on sys.path)
@@ -59,7 +60,6 @@ WORKLOAD = "cnn-train"
 CASES = ("limited", "squeezed", "pair")
 BOTH_WAYS = {"on": ("on",), "off": ("off",), "both": ("on", "off")}
 RESULTS = REPO / "bench" / "results" / "oversubscribe.md"
-GiB = 1 << 30
 # What a CUDA context of PyTorch takes outside its allocations on the H100 (FACTS.md: about 810 MB per
 # process before any tensor); the balloon leaves it to each job on top of its share.
 CONTEXT_BYTES = 900 << 20
