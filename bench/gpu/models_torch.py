@@ -64,7 +64,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models_worker import WORKLOADS  # noqa: E402
-from scheduler_torch import CPUS, pin_self, worker_cpu  # noqa: E402
+from scheduler_torch import CPUS, end, pin_self, worker_cpu  # noqa: E402
 from testkit import free_port  # noqa: E402
 
 from bench.recording import gpus, stamp  # noqa: E402
@@ -221,13 +221,7 @@ class Worker:
         self.proc.stdin.flush()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc)
 
 
 class Agent:

@@ -222,6 +222,17 @@ def pin_self() -> None:
         os.sched_setaffinity(0, set(CORES[0]))
 
 
+def end(proc: subprocess.Popen[Any]) -> None:
+    """Stop a worker: SIGTERM, then SIGKILL if it is not gone within 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Worker:
     def __init__(self, load: Load, state_dir: Path, cpu: int | None = None) -> None:
         env = dict(os.environ)
@@ -275,13 +286,7 @@ class Worker:
         return self.proc.stderr.read() if self.proc.stderr else ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc)
 
 
 class Rig:
