@@ -17,19 +17,16 @@ and prints the top frames per thread (the sampling costs CPU itself: never in th
 
 Appends the dated table, with the machine and its load, to bench/results/agent_cpu.md.
 
-    .venv/bin/python bench/bench_agent_cpu.py [--case 8x4x1 --case 256x16x1 ...] [--seconds 20]
+    .venv/bin/python -m bench.bench_agent_cpu [--case 8x4x1 --case 256x16x1 ...] [--seconds 20]
         [--ebpf memory|launches] [--profile] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,13 +35,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
+from simgpu_env import RT_CLIENT, SimGpu, require_build
+from testkit import free_port, wait_until
 
-from simgpu_env import RT_CLIENT, SimGpu, require_build  # noqa: E402
-
-from gemtrace.launcher import child_environment, find_gate  # noqa: E402
+from bench.recording import REPO, add_record_flag, add_tree_flag, record, trees
+from gemtrace.launcher import child_environment, find_gate
 
 RESULTS = REPO / "bench" / "results" / "agent_cpu.md"
 SAMPLER = REPO / "bench" / "agent_sampler.py"
@@ -70,11 +65,16 @@ class Case:
         return f"{self.processes} processes, {self.groups} groups ({self.capped} capped), {self.gpus} GPU(s)"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+def serving(agent: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    """Wait for the agent's /metrics on `port`; fail with its log's end if it exits first."""
+    def answers() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2):
+            return True
+    try:
+        wait_until("the agent's /metrics", answers, timeout=30, step=0.1, proc=agent, retry_on=(OSError,))
+    except AssertionError:  # the log says why
+        print(log.read_text()[-2000:], file=sys.stderr)
+        raise
 
 
 def cpu_ticks(stat: Path) -> int:
@@ -135,17 +135,7 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
                   *(("--probe-mode", args.ebpf) if args.ebpf else ("--no-ebpf",))]
     agent = subprocess.Popen([sys.executable, str(SAMPLER), str(out), "--hz", str(profile_hz), "--", *agent_args],
                              env=agent_env, stdout=subprocess.DEVNULL, stderr=log)
-    deadline = time.monotonic() + 30
-    while True:
-        if agent.poll() is not None:
-            raise RuntimeError(f"the agent exited: {(tmp / 'agent.log').read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    serving(agent, port, tmp / "agent.log")
     gate = find_gate({"GEMTRACE_GATE": str(REPO / "build" / "libgemgate.so")})
     lasting = warmup + seconds + 30 + case.processes * 0.02
     clients = []
@@ -206,19 +196,16 @@ def main() -> int:
     ap.add_argument("--ebpf", choices=("memory", "launches"), help="with the eBPF accounting (root, bcc)")
     ap.add_argument("--profile", type=float, nargs="?", const=500.0, default=0.0, metavar="HZ",
                     help="then run each case again with its stacks sampled at HZ (default 500)")
-    ap.add_argument("--agent-tree", action="append", metavar="NAME=DIR",
-                    help="also run the agent from DIR/gemtrace (e.g. `git archive` of an older commit), side by side")
+    add_tree_flag(ap, "the agent")
     ap.add_argument("--note", default="", help="a line recorded above the table (what code this is)")
-    ap.add_argument("--no-record", action="store_true")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args()
     require_build()
     cases = [Case.parse(c) for c in (args.case or DEFAULT_CASES)]
-    trees: list[tuple[str, Path | None]] = [(name, Path(path)) for name, _, path in
-                                            (t.partition("=") for t in args.agent_tree or ())]
-    trees.append(("this checkout", None))
+    side_by_side = trees(args.tree)
     rows = []
     for case in cases:
-        for code, tree in trees:  # side by side, case by case: the host's load moves in between
+        for code, tree in side_by_side:  # side by side, case by case: the host's load moves in between
             with tempfile.TemporaryDirectory(prefix="gemtrace-cpu-") as tmp:
                 r = run_case(case, Path(tmp), args.seconds, args.warmup + case.processes * 0.01, args, tree=tree)
             rows.append((case, code, r))
@@ -254,15 +241,8 @@ def main() -> int:
     text = "\n".join(table)
     print(text)
     if not args.no_record:
-        stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "?"
-        machine = f"{platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, gemtrace {commit}"
-        with RESULTS.open("a") as f:
-            f.write(f"## {stamp} on {machine}: the whole agent (issue 13)\n\n")
-            if args.note:
-                f.write(f"{args.note}\n\n")
-            f.write(f"{text}\n\n")
+        record(RESULTS, "Agent CPU and probe cost on the simulated GPU", f"{args.note}\n\n{text}",
+               about="the whole agent (bench/bench_agent_cpu.py)")
     return 0
 
 

@@ -10,16 +10,14 @@ sampled from the region every millisecond while the processes start, run and exi
 100 ms; gates ignore a silent agent after GT_HEARTBEAT_STALE_NS). Appends a dated table to
 bench/results/agent_stop.md.
 
-    sudo .venv/bin/python bench/bench_agent_stop.py [--processes 1000] [--runs 5] [--no-ebpf] [--no-record]
+    sudo .venv/bin/python -m bench.bench_agent_stop [--processes 1000] [--runs 5] [--no-ebpf] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import resource
 import signal
 import socket
@@ -31,13 +29,10 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
+from simgpu_env import RT_CLIENT, require_build, simgpu_env
 
-from simgpu_env import RT_CLIENT, require_build, simgpu_env  # noqa: E402
-
-from gemtrace import region as rg  # noqa: E402
+from bench.recording import REPO, add_record_flag, record
+from gemtrace import region as rg
 
 RESULTS = REPO / "bench" / "results" / "agent_stop.md"
 GATE = REPO / "build" / "libgemgate.so"
@@ -146,7 +141,7 @@ def main() -> int:
     ap.add_argument("--processes", type=int, default=1000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-ebpf", action="store_true")
-    ap.add_argument("--no-record", action="store_true")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args()
     require_build()
     if os.geteuid() != 0 and not args.no_ebpf:
@@ -173,12 +168,7 @@ def main() -> int:
     ]
     print("\n".join(table))
     if not args.no_record:
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True).stdout.strip()
-        with RESULTS.open("a") as f:
-            f.write(f"\n## {stamp}, {platform.node()}, {os.cpu_count()} CPUs, commit {commit}\n\n")
-            f.write("\n".join(table) + "\n")
+        record(RESULTS, "Agent stop time and heartbeat age", "\n".join(table))
     return 0
 
 

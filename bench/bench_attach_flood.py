@@ -8,13 +8,12 @@ root's request to the socket answered (a view, the same queue a gate's join wait
 the program's wall time is measured too. Appends a dated table, with the commit, to
 bench/results/attach_flood.md; run it on an older checkout for the "before" rows.
 
-    sudo .venv/bin/python bench/bench_attach_flood.py [--programs 20] [--asks 200] [--no-record]
+    sudo .venv/bin/python -m bench.bench_attach_flood [--programs 20] [--asks 200] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -26,25 +25,20 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO / "bench"))
-sys.path.insert(0, str(REPO))
+from agent_host import Host, stop
+from simgpu_env import RT_CLIENT, SimGpu, require_build
+from test_trust import FLOODER, HOARDER, SETPRIV
+from testkit import MiB
 
-from agent_host import Host, stop  # noqa: E402
-from bench_gate_overhead import machine  # noqa: E402
-from simgpu_env import RT_CLIENT, SimGpu, require_build  # noqa: E402
-from test_trust import FLOODER, HOARDER, SETPRIV  # noqa: E402
-
-from gemtrace import contract  # noqa: E402
-from gemtrace.region import server  # noqa: E402
+from bench.recording import REPO, add_record_flag, append_rows, commit, machine, stamp
+from gemtrace import contract
+from gemtrace.region import server
 
 RESULTS = REPO / "bench" / "results" / "attach_flood.md"
 GATE = REPO / "build" / "libgemgate.so"
 CONFIG = "[train]\nMaxUtil = 0.8\nMemoryLimit = 1GiB\n"
 CASES = ("none", "silent", "slow", "garbage", "useless", "hoard")
 UIDS = (61031, 61032)  # no account needed: the socket and the checkout are all they use
-MiB = 1 << 20
 HEADER = """# Root's attaches under another user's flood of the attach socket
 
 `bench/bench_attach_flood.py` (issue 25; docs/security.md, "Attaching"): a real agent on the simulated GPU,
@@ -127,12 +121,10 @@ def main() -> int:
     parser.add_argument("--programs", type=int, default=20)
     parser.add_argument("--asks", type=int, default=200)
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--no-record", action="store_true", help=f"do not append to {RESULTS}")
+    add_record_flag(parser, RESULTS)
     args = parser.parse_args()
     require_build()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip() or "?"
-    where = machine()
+    where, at, gemtrace_commit = machine(), stamp(), commit()
     base = Path(tempfile.mkdtemp(prefix="gemtrace-attach-bench-"))
     base.chmod(0o755)
     rows = []
@@ -155,13 +147,10 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     if not args.no_record:
-        if not RESULTS.exists():
-            RESULTS.write_text(HEADER)
-        with RESULTS.open("a") as out:
-            for case, f in rows:
-                out.write(f"| {datetime.date.today()} | {where} | {commit} | {case} | {f['gated']} of "
-                          f"{f['programs']} | {f['unanswered']} of {f['asks']} | {f['ask_p50']:.2f} | "
-                          f"{f['ask_p99']:.2f} | {f['wall_p50']:.0f} | {f['wall_p99']:.0f} |\n")
+        append_rows(RESULTS, HEADER, [
+            f"| {at} | {where} | {gemtrace_commit} | {case} | {f['gated']} of {f['programs']} | {f['unanswered']} "
+            f"of {f['asks']} | {f['ask_p50']:.2f} | {f['ask_p99']:.2f} | {f['wall_p50']:.0f} | {f['wall_p99']:.0f} |"
+            for case, f in rows])
         print(f"appended to {RESULTS.relative_to(REPO)}")
     return 0 if all(f["gated"] == f["programs"] for _, f in rows) else 1
 

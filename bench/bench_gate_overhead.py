@@ -24,10 +24,8 @@ bench/results/gate_overhead.md with the date and the machine.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,12 +34,11 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from gemtrace import region as rg  # noqa: E402
-from gemtrace.membership import Membership  # noqa: E402
-from gemtrace.region import Region  # noqa: E402
+from bench.recording import REPO, add_record_flag, machine, stamp
+from bench.recording import RESULTS as RESULTS_DIR
+from gemtrace import region as rg
+from gemtrace.membership import Membership
+from gemtrace.region import Region
 
 SIM = REPO / "build" / "simgpu"
 GATE = REPO / "build" / "libgemgate.so"
@@ -51,15 +48,6 @@ TARGET_NS = 50.0  # released gate, added to no gate (issue 2)
 SHORT_QUEUE_TARGET_NS = 10.0  # short queue, added to released (issue 13)
 HEARTBEAT_S = 0.1  # as the agent's tick does it, well inside GT_HEARTBEAT_STALE_NS
 CASES = ("no gate", "released", "short queue")
-
-
-def machine() -> str:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return f"{platform.node()} ({cpu}, {os.cpu_count()} cores)"
 
 
 def one_run(env: dict[str, str], launches: int) -> float:
@@ -125,6 +113,7 @@ def measure(tmp: str, devices: int, gate: Path, rounds: int, launches: int) -> d
 
 
 
+RESULTS = RESULTS_DIR / "gate_overhead.md"
 HEADER = (
     "# Gate overhead per launch, simulated GPU (bench/bench_gate_overhead.py)\n\n"
     "| date | machine | GPUs visible | no gate ns | gate ns | added ns | target |\n"
@@ -148,7 +137,7 @@ def verdict(figures: dict[str, float]) -> tuple[bool, bool]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--no-record", action="store_true", help="do not append to bench/results/gate_overhead.md")
+    add_record_flag(parser, RESULTS)
     parser.add_argument("--gate", type=Path, default=GATE, help="the gate library to measure (default: %(default)s)")
     parser.add_argument("--label", default="", help="what the gate is (a commit), written to the results")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
@@ -164,8 +153,7 @@ def main() -> int:
     met = all(all(verdict(f)) for f in figures.values())
     if args.no_record:
         return 0 if met else 1
-    results = REPO / "bench" / "results" / "gate_overhead.md"
-    results.parent.mkdir(parents=True, exist_ok=True)
+    results = RESULTS
     if not results.exists():
         results.write_text(HEADER)
     if SECTION not in results.read_text():
@@ -176,7 +164,7 @@ def main() -> int:
             p, r, s = f["no gate"], f["released"], f["short queue"]
             released_met, short_met = verdict(f)
             out.write(
-                f"| {datetime.date.today()} | {machine()} | {args.label or args.gate.name} | {devices} | {p:.1f} | "
+                f"| {stamp()} | {machine()} | {args.label or args.gate.name} | {devices} | {p:.1f} | "
                 f"{r:.1f} ({r - p:+.1f}) | {s:.1f} ({s - p:+.1f}) | {s - r:+.1f} | "
                 f"released {'met' if released_met else 'MISSED'} (<= {TARGET_NS:.0f}), "
                 f"short queue {'met' if short_met else 'MISSED'} (<= {SHORT_QUEUE_TARGET_NS:.0f}) |\n"

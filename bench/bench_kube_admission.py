@@ -6,31 +6,28 @@ mounted). Reports the time from the first create to the last Running, against th
 for nothing of gemtrace (the cluster's own pace), and appends a dated table to
 bench/results/kube_admission.md.
 
-    sudo .venv/bin/python bench/bench_kube_admission.py [--pods 16] [--no-record]
+    sudo .venv/bin/python -m bench.bench_kube_admission [--pods 16] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
+from agent_host import Host, gemtrace, stop
+from k8s_cluster import CLUSTER_SH, K8sCluster, cluster_env, pod_manifest
+from simgpu_env import SimGpu
 
-from agent_host import Host, gemtrace, stop  # noqa: E402
-from k8s_cluster import CLUSTER_SH, K8sCluster, cluster_env, pod_manifest  # noqa: E402
-from simgpu_env import SimGpu  # noqa: E402
+from bench.recording import REPO, add_record_flag, record
+from bench.recording import RESULTS as RESULTS_DIR
+from gemtrace.kube import shares
 
-from gemtrace.kube import shares  # noqa: E402
+RESULTS = RESULTS_DIR / "kube_admission.md"
 
 
 def admit(cluster: K8sCluster, n: int, limits: dict[str, str] | None, prefix: str) -> float:
@@ -58,7 +55,7 @@ def admit(cluster: K8sCluster, n: int, limits: dict[str, str] | None, prefix: st
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pods", type=int, default=16)
-    ap.add_argument("--no-record", action="store_true")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args()
     subprocess.run([str(CLUSTER_SH), "up"], check=True, capture_output=True)
     cluster = K8sCluster(cluster_env())
@@ -82,18 +79,13 @@ def main() -> int:
         plugin.wait(timeout=20)
         stop(agent)
         subprocess.run([str(CLUSTER_SH), "down"], capture_output=True)
-    table = (f"\n## {datetime.date.today()} on {platform.node()} ({os.cpu_count()} CPUs)\n\n"
-             "| pods | asking | first create to last Running | pods/s |\n| --- | --- | --- | --- |\n"
+    table = ("| pods | asking | first create to last Running | pods/s |\n| --- | --- | --- | --- |\n"
              f"| {args.pods} | nothing of gemtrace | {plain:.1f} s | {args.pods / plain:.1f} |\n"
              f"| {args.pods} | 1 GiB + 1% each | {shared:.1f} s | {args.pods / shared:.1f} |\n")
     print(table)
     if not args.no_record:
-        out = REPO / "bench" / "results" / "kube_admission.md"
-        if not out.exists():
-            out.write_text("# Pods admitted per second through the device plugin\n\n"
-                           "Written by bench/bench_kube_admission.py.\n")
-        with out.open("a") as f:
-            f.write(table)
+        record(RESULTS, "Pods admitted per second through the device plugin", table,
+               about="bench/bench_kube_admission.py")
     return 0
 
 

@@ -9,16 +9,14 @@ Measures, with no pod and then with all of them Running and holding: the agent's
 from /proc/PID/stat over --window seconds, as % of one core) and its /metrics scrape time (median and
 worst of --scrapes) and size; appends a dated table to bench/results/kube_admission.md.
 
-    sudo .venv/bin/python bench/bench_kube_agent_cost.py [--pods 100] [--shared 15] [--no-record]
+    sudo .venv/bin/python -m bench.bench_kube_agent_cost [--pods 100] [--shared 15] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,19 +26,19 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
+from agent_host import Host, gemtrace, stop
+from k8s_cluster import CLUSTER_SH, K8sCluster, cluster_env, pod_manifest
+from simgpu_env import SIMGPU_DIR, SimGpu
 
-from agent_host import Host, gemtrace, stop  # noqa: E402
-from k8s_cluster import CLUSTER_SH, K8sCluster, cluster_env, pod_manifest  # noqa: E402
-from simgpu_env import SIMGPU_DIR, SimGpu  # noqa: E402
-
-from gemtrace.kube import shares  # noqa: E402
-from gemtrace.kube.injection import Injection  # noqa: E402
+from bench.recording import REPO, add_record_flag, record
+from bench.recording import RESULTS as RESULTS_DIR
+from gemtrace.kube import shares
+from gemtrace.kube.injection import Injection
 
 HOLD = "/simgpu/simgpu-rt alloc --hold 3600 16MiB"
 GROUP = "pods"
+
+RESULTS = RESULTS_DIR / "kube_admission.md"
 
 
 def holder(name: str, sim_state: str, limits: dict[str, str] | None, injection: Injection) -> dict[str, Any]:
@@ -92,7 +90,7 @@ def main() -> int:
     ap.add_argument("--shared", type=int, default=15)
     ap.add_argument("--window", type=float, default=30)
     ap.add_argument("--scrapes", type=int, default=10)
-    ap.add_argument("--no-record", action="store_true")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args()
     subprocess.run([str(CLUSTER_SH), "up"], check=True, capture_output=True)
     cluster = K8sCluster(cluster_env())
@@ -141,17 +139,15 @@ def main() -> int:
     rows = "".join(f"| {label} | {m['processes']:.0f} | {m['cpu'] * 100:.1f}% | {m['median_ms']:.1f} ms | "
                    f"{m['max_ms']:.1f} ms | {m['kib']:.0f} KiB |\n"
                    for label, m in (("no pod", idle), (f"{args.pods} pods ({args.shared} with shares)", busy)))
-    table = (f"\n## {datetime.date.today()} on {platform.node()} ({os.cpu_count()} CPUs): the agent's cost with "
-             f"{args.pods} pods (bench/bench_kube_agent_cost.py)\n\n"
-             f"Each pod holds 16 MiB of the simulated GPU; agent CPU over {args.window:g} s, {args.scrapes} scrapes; "
+    table = (f"Each pod holds 16 MiB of the simulated GPU; agent CPU over {args.window:g} s, {args.scrapes} scrapes; "
              f"{args.pods} pods Running and followed {admitted:.0f} s after the first create; "
              f"load {load:.1f} at the end.\n\n"
              "| pods on the node | processes exported | agent CPU (one core) | scrape median | scrape worst "
              "| /metrics size |\n| --- | --- | --- | --- | --- | --- |\n" + rows)
     print(table)
     if not args.no_record:
-        with (REPO / "bench" / "results" / "kube_admission.md").open("a") as f:
-            f.write(table)
+        record(RESULTS, "Pods admitted per second through the device plugin", table,
+               about=f"the agent's cost with {args.pods} pods (bench/bench_kube_agent_cost.py)")
     print(json.dumps({"idle": idle, "busy": busy, "admitted_s": admitted}))
     return 0
 

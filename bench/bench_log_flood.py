@@ -7,33 +7,28 @@ sender runs as the bench's own user, so one uid's budget: gemtrace/eventlog.py).
 `--agent-tree NAME=DIR` adds the agent from DIR/gemtrace (a `git archive` of a commit before the
 limiter, with the checkout's generated gemtrace/contract.py copied in), run the same way.
 
-    sudo .venv/bin/python bench/bench_log_flood.py [--senders 6] [--seconds 10] [--agent-tree NAME=DIR]
+    sudo .venv/bin/python -m bench.bench_log_flood [--senders 6] [--seconds 10] [--agent-tree NAME=DIR]
         [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
+from simgpu_env import SimGpu, require_build
+from testkit import free_port
 
-from bench_agent_cpu import free_port  # noqa: E402
-from simgpu_env import SimGpu, require_build  # noqa: E402
-
-from gemtrace.contract import ATTACH_SOCKET  # noqa: E402
+from bench.bench_agent_cpu import serving
+from bench.recording import REPO, add_record_flag, add_tree_flag, record, trees
+from gemtrace.contract import ATTACH_SOCKET
 
 RESULTS = REPO / "bench" / "results" / "log_flood.md"
 
@@ -68,17 +63,7 @@ def run(tmp: Path, tree: Path | None, senders: int, seconds: float) -> dict[str,
                                   "--state-dir", str(state), "--listen", f"127.0.0.1:{port}", "--no-ebpf"],
                                  env=env, stdout=subprocess.DEVNULL, stderr=log, cwd=tmp)
         try:
-            deadline = time.monotonic() + 30
-            while True:
-                if agent.poll() is not None:
-                    raise RuntimeError(f"the agent exited: {log_path.read_text()[-2000:]}")
-                try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2):
-                        break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
+            serving(agent, port, log_path)
             before = log_path.stat().st_size, len(log_path.read_bytes().splitlines())
             procs = [subprocess.Popen([sys.executable, "-c", SENDER, str(state / ATTACH_SOCKET), str(seconds)],
                                       stdout=subprocess.PIPE, text=True) for _ in range(senders)]
@@ -98,15 +83,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--senders", type=int, default=6)
     ap.add_argument("--seconds", type=float, default=10.0)
-    ap.add_argument("--agent-tree", action="append", metavar="NAME=DIR", help="also the agent from DIR/gemtrace")
-    ap.add_argument("--no-record", action="store_true")
+    add_tree_flag(ap, "the agent")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args()
     require_build()
-    trees: list[tuple[str, Path | None]] = [(name, Path(path)) for name, _, path in
-                                            (t.partition("=") for t in args.agent_tree or ())]
-    trees.append(("this checkout", None))
+    side_by_side = trees(args.tree)
     rows = []
-    for code, tree in trees:
+    for code, tree in side_by_side:
         with tempfile.TemporaryDirectory(prefix="gemtrace-flood-") as tmp:
             r = run(Path(tmp), tree, args.senders, args.seconds)
         rows.append(f"| {code} | {r['answered']:.0f} | {r['lines']:.0f} | {r['bytes'] / 1e3:.1f} | "
@@ -121,13 +104,8 @@ def main() -> int:
         *rows])
     print(text)
     if not args.no_record:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip() or "?"
-        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-        header = "" if RESULTS.exists() else ("# Garbage on the attach socket against the agent's log, simulated "
-                                              "GPU (bench/bench_log_flood.py)\n\n")
-        with RESULTS.open("a") as f:
-            f.write(f"{header}## {stamp} on {platform.node()}, {os.cpu_count()} CPUs, gemtrace {commit}\n\n{text}\n\n")
+        record(RESULTS, "Garbage on the attach socket against the agent's log, simulated GPU "
+               "(bench/bench_log_flood.py)", text)
     return 0
 
 

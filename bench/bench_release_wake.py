@@ -22,21 +22,17 @@ machine.
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+from held_waiters import GATE, Waiters, agent_stand_in
+from simgpu_env import require_build
 
-from bench_gate_overhead import machine  # noqa: E402
-from held_waiters import GATE, Waiters, agent_stand_in  # noqa: E402
-from simgpu_env import require_build  # noqa: E402
-
-from gemtrace.region import WAKE_ALL, WAKE_FANOUT  # noqa: E402
+from bench.recording import RESULTS as RESULTS_DIR
+from bench.recording import add_record_flag, append_rows, machine, stamp
+from gemtrace.region import WAKE_ALL, WAKE_FANOUT
 
 SIZES = (16, 64, 256)
 ROUNDS = 9
@@ -68,6 +64,7 @@ def measure(tmp: Path, n: int, rounds: int) -> dict[str, tuple[float, float, flo
             for mode in MODES}
 
 
+RESULTS = RESULTS_DIR / "release_wake.md"
 HEADER = (
     "# Release to the last held launch's return, simulated GPU (bench/bench_release_wake.py)\n\n"
     "Medians over interleaved rounds; \"last\" is the latest of the N launches to return after the\n"
@@ -81,7 +78,7 @@ HEADER = (
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--no-record", action="store_true", help="do not append to bench/results/release_wake.md")
+    add_record_flag(parser, RESULTS)
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="N, comma-separated (default: %(default)s)")
     args = parser.parse_args()
@@ -101,16 +98,13 @@ def main() -> int:
     met = TARGET_N not in figures or figures[TARGET_N]["tree"][0] <= TARGET_MS
     if args.no_record:
         return 0 if met else 1
-    results = REPO / "bench" / "results" / "release_wake.md"
-    if not results.exists():
-        results.write_text(HEADER)
-    with results.open("a") as out:
-        for n, f in figures.items():
-            (all_last, all_call, all_cpu), (tree_last, tree_call, tree_cpu) = f["wake all"], f["tree"]
-            verdict = ("met" if tree_last <= TARGET_MS else "MISSED") if n == TARGET_N else ""
-            out.write(f"| {datetime.date.today()} | {machine()} | {args.rounds} | {n} | {all_last:.2f} | "
-                      f"{all_call:.1f} / {all_cpu:.1f} | {tree_last:.2f} | {tree_call:.1f} / {tree_cpu:.1f} "
-                      f"| {verdict} |\n")
+    rows = []
+    for n, f in figures.items():
+        (all_last, all_call, all_cpu), (tree_last, tree_call, tree_cpu) = f["wake all"], f["tree"]
+        verdict = ("met" if tree_last <= TARGET_MS else "MISSED") if n == TARGET_N else ""
+        rows.append(f"| {stamp()} | {machine()} | {args.rounds} | {n} | {all_last:.2f} | {all_call:.1f} / "
+                    f"{all_cpu:.1f} | {tree_last:.2f} | {tree_call:.1f} / {tree_cpu:.1f} | {verdict} |")
+    append_rows(RESULTS, HEADER, rows)
     return 0 if met else 1
 
 

@@ -8,47 +8,30 @@ tolerances). A group's share is its kernel throughput divided by
 that of the same loop alone and ungated; the target is within 2 points. Prints a table and appends it,
 dated, with the machine, to bench/results/scheduler_accuracy.md.
 
-    .venv/bin/python bench/bench_scheduler_accuracy.py [--seconds 10] [--warmup 2] [--no-record]
+    .venv/bin/python -m bench.bench_scheduler_accuracy [--seconds 10] [--warmup 2] [--no-record]
         [--only TEXT] [--slice-ms 20]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
+import scheduler_harness as harness
+from simgpu_env import SimGpu, require_build
 
-import scheduler_harness as harness  # noqa: E402
-from simgpu_env import SimGpu, require_build  # noqa: E402
-
-from gemtrace.policy import MS, PolicyParams  # noqa: E402
+from bench.recording import REPO, add_record_flag, record
+from gemtrace.policy import MS, PolicyParams
 
 RESULTS = REPO / "bench" / "results" / "scheduler_accuracy.md"
 POINTS = 2.0
 RARE = harness.RARE_SYNC_PER_ITER
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg()[0]
-    return f"{platform.node()}, {os.cpu_count()} CPUs ({cpu}), load {load:.1f} at start"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -70,7 +53,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="measurement window per case")
     parser.add_argument("--warmup", type=float, default=2.0)
-    parser.add_argument("--no-record", action="store_true", help=f"do not append to {RESULTS}")
+    add_record_flag(parser, RESULTS)
     parser.add_argument("--no-rare-sync", dest="rare_sync", action="store_false",
                         help="leave out the cases of loops that sync every 100 kernels or never")
     parser.add_argument("--no-launch-bound", dest="launch_bound", action="store_false",
@@ -85,7 +68,7 @@ def main() -> int:
     except BaseException as exc:  # pytest.fail outside pytest: say what to build
         print(exc, file=sys.stderr)
         return 2
-    where = machine()
+    load_at_start = os.getloadavg()[0]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="gemtrace-bench-") as tmp:
         cases = (*harness.CASES, harness.FOUR_CAPPED, harness.TWO_GPUS,
@@ -125,25 +108,20 @@ def main() -> int:
     print(text)
     ok = all(harness.within(r, POINTS) for r in rows)
     if not args.no_record:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        new = not RESULTS.exists()
-        with RESULTS.open("a") as out:
-            if new:
-                out.write("# Scheduler accuracy on the simulated GPU\n\n"
-                          "Written by bench/bench_scheduler_accuracy.py. Share = the group's kernel "
-                          "throughput over that of the same launch loop alone and ungated; target within "
-                          f"{POINTS:g} points (\">=\": at least). Device share = kernel time / wall time. "
-                          "Scheduler CPU = one scheduler thread's CPU time / wall time; looks/s = its wake-ups; "
-                          "holds/s = groups held to switch or cap.\n")
-            stamp = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-            # The solo device shares of the kinds that ran (nan: not measured).
-            measured = [f"2 ms kernels {solo:.3f}" * (not math.isnan(solo)),
-                        (f"launch-bound ({harness.LAUNCH_BOUND_KERNEL_NS / 1e3:g} us kernels after "
-                         f"{harness.LAUNCH_BOUND_CPU_NS / 1e3:g} us of CPU, {harness.LAUNCH_BOUND_PER_ITER} per sync) "
-                         f"{bound_solo:.3f}") * (not math.isnan(bound_solo))]
-            slices = "" if params.slice_ns == PolicyParams.slice_ns else f"; {args.slice_ms:g} ms slices"
-            out.write(f"\n## {stamp}\n\n{where}; {args.seconds:g} s windows after {args.warmup:g} s, "
-                      f"solo device share: {', '.join(filter(None, measured))}{slices}.\n\n{text}\n")
+        # The solo device shares of the kinds that ran (nan: not measured).
+        measured = [f"2 ms kernels {solo:.3f}" * (not math.isnan(solo)),
+                    (f"launch-bound ({harness.LAUNCH_BOUND_KERNEL_NS / 1e3:g} us kernels after "
+                     f"{harness.LAUNCH_BOUND_CPU_NS / 1e3:g} us of CPU, {harness.LAUNCH_BOUND_PER_ITER} per sync) "
+                     f"{bound_solo:.3f}") * (not math.isnan(bound_solo))]
+        slices = "" if params.slice_ns == PolicyParams.slice_ns else f"; {args.slice_ms:g} ms slices"
+        record(RESULTS, "Scheduler accuracy on the simulated GPU\n\n"
+               "Written by bench/bench_scheduler_accuracy.py. Share = the group's kernel throughput over that of "
+               f"the same launch loop alone and ungated; target within {POINTS:g} points (\">=\": at least). Device "
+               "share = kernel time / wall time. Scheduler CPU = one scheduler thread's CPU time / wall time; "
+               "looks/s = its wake-ups; holds/s = groups held to switch or cap.",
+               f"{args.seconds:g} s windows after {args.warmup:g} s, solo device share: "
+               f"{', '.join(filter(None, measured))}{slices}.\n\n{text}",
+               about=f"load {load_at_start:.1f} at the start")
         print(f"appended to {RESULTS.relative_to(REPO)}")
     return 0 if ok else 1
 

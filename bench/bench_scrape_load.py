@@ -14,17 +14,15 @@ idle (the other half), beside the same idle gated processes.
 Each agent tree runs every case, side by side (`--agent-tree NAME=DIR` adds the agent from DIR/gemtrace,
 e.g. a `git archive` of an older commit).
 
-    .venv/bin/python bench/bench_scrape_load.py [--seconds 10] [--scrapers 4] [--idle 200] [--clients 200]
+    .venv/bin/python -m bench.bench_scrape_load [--seconds 10] [--scrapers 4] [--idle 200] [--clients 200]
         [--samples 50] [--agent-tree NAME=DIR] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -36,14 +34,12 @@ import urllib.request
 from pathlib import Path
 from typing import Any, BinaryIO
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))
-sys.path.insert(0, str(REPO))
+from simgpu_env import RT_CLIENT, SimGpu, require_build
+from testkit import free_port
 
-from bench_agent_cpu import cpu_ticks, free_port  # noqa: E402
-from simgpu_env import RT_CLIENT, SimGpu, require_build  # noqa: E402
-
-from gemtrace.launcher import child_environment, find_gate  # noqa: E402
+from bench.bench_agent_cpu import cpu_ticks, serving
+from bench.recording import REPO, add_record_flag, add_tree_flag, record, trees
+from gemtrace.launcher import child_environment, find_gate
 
 RESULTS = REPO / "bench" / "results" / "scrape_load.md"
 SLOW_CLIENTS = REPO / "tests" / "slow_clients.py"
@@ -72,17 +68,7 @@ def start_agent(tmp: Path, config: Path, state: Path, env: dict[str, str]
                               str(state), "--listen", f"127.0.0.1:{port}", "--no-ebpf"],
                              env=env, stdout=subprocess.DEVNULL, stderr=log,
                              cwd=tmp)  # not the repo: `python -m` puts the cwd before PYTHONPATH
-    deadline = time.monotonic() + 30
-    while True:
-        if agent.poll() is not None:
-            raise RuntimeError(f"the agent exited: {(tmp / 'agent.log').read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2):
-                break
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
+    serving(agent, port, tmp / "agent.log")
     return agent, url, log
 
 
@@ -94,6 +80,17 @@ def environments(sim: SimGpu, tree: Path | None) -> tuple[dict[str, str], dict[s
     if tree is not None:
         agent_env["PYTHONPATH"] = str(tree) + os.pathsep + env["PYTHONPATH"]
     return env, agent_env
+
+
+def agent_on_simgpu(tmp: Path, tree: Path | None) -> tuple[Path, Path, dict[str, str],
+                                                           tuple[subprocess.Popen[bytes], str, BinaryIO]]:
+    """A private simulated GPU and the agent on it (from `tree` where given), on CONFIG: the resource
+    file, the state dir, the gated programs' environment, and start_agent's answer."""
+    config = tmp / "resource.conf"
+    config.write_text(CONFIG)
+    state = tmp / "state"
+    env, agent_env = environments(SimGpu(tmp / "sim"), tree)
+    return config, state, env, start_agent(tmp, config, state, agent_env)
 
 
 def idle_holders(state: Path, env: dict[str, str], count: int, seconds: float) -> list[subprocess.Popen[bytes]]:
@@ -122,12 +119,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def latency(tmp: Path, tree: Path | None, clients: int, samples: int, idle: int) -> list[tuple[str, list[float]]]:
     """A legitimate scrape's seconds, `samples` of them, alone and under `clients` other clients."""
-    sim = SimGpu(tmp / "sim")
-    config = tmp / "resource.conf"
-    config.write_text(CONFIG)
-    state = tmp / "state"
-    env, agent_env = environments(sim, tree)
-    agent, url, log = start_agent(tmp, config, state, agent_env)
+    config, state, env, (agent, url, log) = agent_on_simgpu(tmp, tree)
     holders = idle_holders(state, env, idle, 600)
     port = int(url.split(":")[2].split("/")[0])
     cases: list[tuple[str, list[float]]] = []
@@ -163,12 +155,7 @@ def latency(tmp: Path, tree: Path | None, clients: int, samples: int, idle: int)
 
 
 def run(tmp: Path, tree: Path | None, scrapers: int, seconds: float, warmup: float, idle: int) -> dict:
-    sim = SimGpu(tmp / "sim")
-    config = tmp / "resource.conf"
-    config.write_text(CONFIG)
-    state = tmp / "state"
-    env, agent_env = environments(sim, tree)
-    agent, url, log = start_agent(tmp, config, state, agent_env)
+    config, state, env, (agent, url, log) = agent_on_simgpu(tmp, tree)
     loops = {group: subprocess.Popen(
         [sys.executable, "-m", "gemtrace.cli", "run", "--group", group, "--config", str(config), "--state-dir",
          str(state), "--", str(RT_CLIENT), "launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter",
@@ -206,18 +193,6 @@ def run(tmp: Path, tree: Path | None, scrapers: int, seconds: float, warmup: flo
             "cpu_pct": (cpu1 - cpu0) / TICKS / (wall1 - wall0) * 100}
 
 
-def record(results: Path, title: str, text: str) -> None:
-    """Append `text` to `results` under a dated heading naming the machine and the commit (and `title`
-    atop a new file)."""
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "?"
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    header = "" if results.exists() else f"# {title}\n\n"
-    with results.open("a") as f:
-        f.write(f"{header}## {stamp} on {platform.node()}, {os.cpu_count()} CPUs (load {os.getloadavg()[0]:.1f} at the "
-                f"end), gemtrace {commit}\n\n{text}\n\n")
-
-
 def latency_row(code: str, case: str, times: list[float]) -> str:
     answered = [t for t in times if t != float("inf")]
     return (f"| {code} | {case} | {statistics.median(times) * 1e3:.0f} | {percentile(times, 0.99) * 1e3:.0f} | "
@@ -229,18 +204,16 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=3.0)
     ap.add_argument("--scrapers", type=int, default=4, help="threads scraping back to back")
-    ap.add_argument("--agent-tree", action="append", metavar="NAME=DIR", help="also the agent from DIR/gemtrace")
+    add_tree_flag(ap, "the agent")
     ap.add_argument("--idle", type=int, default=0, help="gated processes holding 1 MiB, launching nothing")
     ap.add_argument("--clients", type=int, default=200, help="other clients while a legitimate scrape is timed")
     ap.add_argument("--samples", type=int, default=50, help="legitimate scrapes timed per case")
-    ap.add_argument("--no-record", action="store_true")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args()
     require_build()
-    trees: list[tuple[str, Path | None]] = [(name, Path(path)) for name, _, path in
-                                            (t.partition("=") for t in args.agent_tree or ())]
-    trees.append(("this checkout", None))
+    side_by_side = trees(args.tree)
     rows, latencies = [], []
-    for code, tree in trees:
+    for code, tree in side_by_side:
         quiet = None
         for scrapers in (0, args.scrapers):
             with tempfile.TemporaryDirectory(prefix="gemtrace-scrape-") as tmp:

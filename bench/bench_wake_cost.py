@@ -9,30 +9,27 @@ thread's caches and branch history go cold and a VM's idle vCPU is descheduled, 
 follows its wake-ups more than its work per look. Appends the dated table to
 bench/results/agent_cpu.md.
 
-    .venv/bin/python bench/bench_wake_cost.py [--looks 300] [--no-record]
+    .venv/bin/python -m bench.bench_wake_cost [--looks 300] [--no-record]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from testkit import claim
 
-from gemtrace import contract  # noqa: E402
-from gemtrace import region as rg  # noqa: E402
-from gemtrace.scheduler import GpuScheduler, Quota  # noqa: E402
+from bench.recording import RESULTS as RESULTS_DIR
+from bench.recording import add_record_flag, record
+from gemtrace import region as rg
+from gemtrace.scheduler import GpuScheduler, Quota
 
-RESULTS = REPO / "bench" / "results" / "agent_cpu.md"
+RESULTS = RESULTS_DIR / "agent_cpu.md"
 SLEEPS_MS = (0, 1, 5, 20, 60)
 GPU = 0
 
@@ -54,11 +51,8 @@ def scheduler_look(state: Path, processes: int = 8, groups: int = 4, gpus: int =
     here: dict[int, list[int]] = {}  # group -> its slots on GPU 0
     for i in range(processes):
         gpu, group = i % gpus, indices[i % groups]
-        slot = region.slots[i]
-        slot.flags = contract.SLOT_GATED
+        slot = claim(region, i, os.getpid() + 1 + i, group)  # a pid never read as a process: the bench only looks
         slot.gpu_mask = 1 << gpu
-        slot.pid = os.getpid() + 1 + i  # never read as a process: the bench only looks
-        region.assign(i, slot.pid, group)
         slot.burst_start_ns[gpu] = now
         slot.launches[gpu] = 1
         slot.waiting[gpu] = 1
@@ -99,7 +93,7 @@ def cpu_per_call(fn: Callable[[], None], sleep_ms: float, calls: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--looks", type=int, default=300, help="looks per sleep length (default 300)")
-    ap.add_argument("--no-record", action="store_true")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args()
     # The 4x2 look; at the region's limit (1024 processes, 63 groups, 8 GPUs: 128 users of GPU 0 in
     # every group), a look, and one that scans the table for a new user.
@@ -118,13 +112,7 @@ def main() -> int:
     rows = [(ms, costs["4x2"][k], cpu_per_call(trivial, ms, args.looks), costs["limit"][k], costs["limit, scan"][k])
             for k, ms in enumerate(SLEEPS_MS)]
     warm_look, warm_trivial = rows[0][1], rows[0][2]
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "?"
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M")
-    machine = f"{platform.node()}, {os.cpu_count()} CPUs, kernel {platform.release()}, gemtrace {commit}"
-    table = [f"## {when} on {machine}: a look's CPU after a sleep (bench/bench_wake_cost.py)", "",
-             f"Median thread CPU of one call over {args.looks} calls per row; the load average was "
-             f"{os.getloadavg()[0]:.1f}.", "",
+    table = [f"Median thread CPU of one call over {args.looks} calls per row.", "",
              "| sleep before each call | scheduler look, us | x back to back | sum of 200 ints, us | x back to back "
              "| look at the region's limit, us | the same, scanning for a new user, us |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -135,8 +123,8 @@ def main() -> int:
     text = "\n".join(table) + "\n"
     print(text)
     if not args.no_record:
-        with RESULTS.open("a") as f:
-            f.write("\n" + text)
+        record(RESULTS, "Agent CPU and probe cost on the simulated GPU", text,
+               about="a look's CPU after a sleep (bench/bench_wake_cost.py)")
     return 0
 
 

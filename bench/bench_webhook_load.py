@@ -8,7 +8,7 @@ server's timeout (`--timeout`, 5 s) counts as unanswered: with `failurePolicy: F
 Each tree runs every case, side by side (`--tree NAME=DIR` adds the webhook from DIR/gemtrace, e.g. a
 `git archive` of an older commit).
 
-    .venv/bin/python bench/bench_webhook_load.py [--connections 100] [--samples 30] [--tree NAME=DIR]
+    .venv/bin/python -m bench.bench_webhook_load [--connections 100] [--samples 30] [--tree NAME=DIR]
         [--no-record]
 """
 
@@ -28,8 +28,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_agent_cpu import free_port
-from bench_scrape_load import REPO, flood, percentile, record
+from testkit import free_port
+
+from bench.bench_scrape_load import flood, percentile
+from bench.recording import REPO, add_record_flag, add_tree_flag, record, trees
 
 RESULTS = REPO / "bench" / "results" / "webhook_load.md"
 MODES = ("idle", "slow", "partial")
@@ -125,14 +127,12 @@ def main() -> int:
     ap.add_argument("--connections", type=int, default=100, help="hostile connections held in each case")
     ap.add_argument("--samples", type=int, default=30, help="reviews timed per case")
     ap.add_argument("--timeout", type=float, default=5.0, help="the API server's timeout for a review, seconds")
-    ap.add_argument("--tree", action="append", metavar="NAME=DIR", help="also the webhook from DIR/gemtrace")
-    ap.add_argument("--no-record", action="store_true")
+    add_tree_flag(ap, "the webhook")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args()
-    trees: list[tuple[str, Path | None]] = [(name, Path(path)) for name, _, path in
-                                            (t.partition("=") for t in args.tree or ())]
-    trees.append(("this checkout", None))
+    side_by_side = trees(args.tree)
     rows = []
-    for code, tree in trees:
+    for code, tree in side_by_side:
         rows += [row(code, case, times) for case, times in measure(tree, args.connections, args.samples, args.timeout)]
     text = "\n".join([
         f"{args.samples} valid reviews per case, each on a new TLS connection, 0.1 s apart; a review past "

@@ -51,9 +51,6 @@ from gemtrace.sources.nvml import NvmlLike, NvmlSource
 log = structlog.get_logger("gemtrace.accounting")
 
 
-class _GroupConfig(Protocol):
-    memory_limit: int | None
-    cgroups: tuple[str, ...]
 
 
 class _Config(Protocol):

@@ -77,8 +77,9 @@ AUDIT_AGAIN_SECONDS = 0.2
 # How often the main loop looks for slots it does not watch yet, for JOIN_FAST_SECONDS after a gate
 # asked for one (it claims it within that), and else. A watched process's exit wakes the loop at once
 # (its pidfd), so this bounds only the reaping of a process that died before its first look: within
-# 100 ms where it claimed its slot within a second of asking, a quarter second at worst. Each wake-up
-# costs 50-250 us of CPU on a VM (bench/results/agent_cpu.md): an idle agent looks 4 times a second.
+# 100 ms where it claimed its slot within a second of asking, a quarter second at worst. A wake-up
+# costs more CPU than the look it makes (cold caches; a VM deschedules an idle vCPU:
+# bench/results/agent_cpu.md), so an idle agent looks only 4 times a second.
 REAPER_SCAN_SECONDS = 0.050
 REAPER_IDLE_SCAN_SECONDS = 0.250
 # A slot claimed but never filled (its gate killed in between: microseconds) is judged after this long.
@@ -695,8 +696,8 @@ class Agent:
 
     def close(self) -> None:
         """Clean stop, gates first: the keeper stops beating and every word is released with the
-        heartbeat 0 before anything slow, then the schedulers and the probes stop (detaching uprobes
-        takes the kernel about a tenth of a second each: bench/results/agent_stop.md)."""
+        heartbeat 0 before anything slow, then the schedulers and the probes stop (the kernel detaches
+        uprobes slowly: bench/results/agent_stop.md)."""
         steps: dict[str, float] = {}
         started = mark = time.monotonic()
 

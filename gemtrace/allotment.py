@@ -12,7 +12,6 @@ the command may have: --gpus chooses among those, and the answer names them by U
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -31,10 +30,6 @@ class AllotmentError(Exception):
     def __init__(self, message: str, status: int = 2) -> None:
         super().__init__(message)
         self.status = status
-
-
-def _warn(message: str) -> None:
-    print(f"gemtrace: warning: {message}", file=sys.stderr)
 
 
 def group_uses(layout: rg.RegionLayout, table: rg.SlotTableLayout, index_of_uuid: Mapping[str, int]) -> list[GroupUse]:

@@ -171,7 +171,8 @@ def context_overhead(gate: SourceReading, nvml: SourceReading, ebpf: SourceReadi
                      inherited: Collection[int], reused: Collection[int]) -> dict[str, int]:
     """Per GPU, the smallest NVML - true figure among the processes whose true figure is known: gated
     ones (their slot; a slot whose pid was reused left out) and ungated ones that eBPF saw from their
-    start. NVML's per-process figure also holds the context (about 800 MB a process on an H100)."""
+    start. NVML's per-process figure also holds the context (hundreds of MiB a process:
+    bench/results/gpu_ebpf.md)."""
     overhead: dict[str, int] = {}
 
     def note(uuid: str, diff: int) -> None:

@@ -7,9 +7,9 @@
  * the prototype that cuda_driver_api.h declares for it (copied from cuda.h): launches and
  * synchronisation in launch.c, memory in memory.c, cuGetProcAddress(_v2) in intercept.c.
  *
- * Launch entry points include cuLaunchKernelEx, which cuBLAS uses for its matmuls (a small PyTorch
- * 2.11 script on the H100 made 50 cuLaunchKernelEx calls to 5 cuLaunchKernel, counted with uprobes) and
- * which went unthrottled in HAMi-core until PR #143 (https://github.com/Project-HAMi/HAMi-core/pull/143),
+ * Launch entry points include cuLaunchKernelEx, which cuBLAS uses for its matmuls (so a PyTorch
+ * program's matmuls never reach cuLaunchKernel) and which went unthrottled in HAMi-core until PR #143
+ * (https://github.com/Project-HAMi/HAMi-core/pull/143),
  * and the _ptsz variants that cuGetProcAddress hands out for the per-thread default stream.
  */
 #ifndef GEMTRACE_GATED_SYMBOLS_H

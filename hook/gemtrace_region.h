@@ -94,8 +94,8 @@
  * them: a wake tree. A thread that leaves step 2 seeing a released value wakes GT_WAKE_FANOUT more
  * on the same word before its launch proceeds (never when it leaves with the word still held: a
  * recheck timeout, a move, a silent agent), so N waiters resume in about log2(N) rounds spread over
- * the CPUs, and the agent's wake call costs the same however many wait, where waking all 256 of a
- * group took it 1.3 ms (issue 13; bench/bench_release_wake.py). A word held again before the tree
+ * the CPUs, and the agent's wake call costs the same however many wait, where waking them all grows
+ * with their number (bench/results/release_wake.md). A word held again before the tree
  * has run leaves the rest asleep, as it should. A woken thread killed before it wakes its share cuts
  * its branch, and one slow to run (stopped, CPU-throttled) delays it: those waiters resume at their
  * next recheck at the latest, within GT_HOLD_RECHECK_NS of the release. (Gates of an older region

@@ -4,10 +4,10 @@
  *  - linked with -lcuda: the wrappers carry the exported names, and LD_PRELOAD puts them first;
  *  - dlsym on a libcuda handle: our dlsym answers gated names with our wrappers;
  *  - cuGetProcAddress(_v2), which is how the CUDA runtime reaches every function: it fetches
- *    cuGetProcAddress_v2 with dlsym on its libcuda handle, then everything through it (seen on the
- *    H100 with PyTorch 2.11, nvcc's static cudart and -cudart shared: a preload library defining only
- *    cuGetProcAddress_v2 was never called, one overriding dlsym saw that look-up; simgpu/clients/rt.c
- *    reaches the simulated driver the same way). We ask the real one first, for the requested version
+ *    cuGetProcAddress_v2 with dlsym on its libcuda handle, then everything through it, whether
+ *    cudart is linked statically or shared: so defining cuGetProcAddress_v2 alone would never be
+ *    called, and our dlsym must answer that look-up (simgpu/clients/rt.c reaches the simulated
+ *    driver the same way, so the tests take this path). We ask the real one first, for the requested version
  *    and flags, then hand out our wrapper for whichever real entry point it chose (matched by
  *    address), so version answers stay the driver's own: always answering the newest _vN broke vLLM
  *    (HAMi-core #57, https://github.com/Project-HAMi/HAMi-core/issues/57).

@@ -359,9 +359,9 @@ static void gate_launch(CUstream stream)
 {
     if (GT_UNLIKELY(!gt_attached())) {
         /* Not attached (no agent yet, or no slot free when we asked): look again every 64 launches,
-         * and gt_attach_slow asks the agent at most once a second. Every 4096 launches left a loop of
-         * 2 ms kernels ungated for minutes: at the region's limit a fifth of 1024 processes that
-         * started at once ran ungated through the whole bench (bench/results/agent_cpu.md). */
+         * and gt_attach_slow asks the agent at most once a second. Looking seldom (every few thousand
+         * launches) would leave a loop of long kernels ungated for minutes, and where many programs
+         * start at once, many ask while no slot is free yet (bench/results/agent_cpu.md). */
         if (gt_attach_held_back()) {
             /* A live agent had no slot for us and the operator's choice holds the program back until
              * one is free (or, under ungated and refuse, for a few seconds): its launches wait too, not

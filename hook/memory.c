@@ -442,8 +442,8 @@ static CUresult reserve_managed(int gpu, uint64_t bytes)
  * prefetch_max bytes a release, the oldest allocations first (a training job's weights and optimizer
  * state come first), once per release and process (control.grant_seq): a walk of the hinted entries
  * of the pointers table (above), under the lock its allocations and frees take; the launch fast path
- * never sees it. Off unless GEMTRACE_MANAGED_HINTS=1: on the H100, two jobs that page each other's
- * memory out at every switch did 2.4 times less with them (bench/results/oversubscribe.md). The
+ * never sees it. Off unless GEMTRACE_MANAGED_HINTS=1: where two jobs page each other's memory out at
+ * every switch, the hints cost more than the faults they save (bench/results/oversubscribe.md). The
  * program's own cuMemAllocManaged gets no hints: its advice is its own business. */
 
 #define GT_PREFETCH_MAX_DEFAULT (4ull << 30) /* bytes one prefetch moves, unless GEMTRACE_MANAGED_PREFETCH_MAX */

@@ -5,44 +5,22 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from simgpu_env import REPO, RT_CLIENT, SimGpu
+from testkit import free_port, wait_until
 
 from gemtrace import region as rg
 
-GiB = 1 << 30
-MiB = 1 << 20
 CONFIG = "[train]\nMinUtil = 0.2\nMaxUtil = 0.8\nMemoryLimit = 1GiB\n\n[infer]\nMaxUtil = 0.5\n"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 20, step: float = 0.01) -> Any:
-    """Wait for `check()` to be true and return it; fail naming `what` after `timeout` seconds. Tests
-    wait on a condition this way, never on a fixed sleep: a sleep is either too short on a loaded
-    machine or longer than needed everywhere else."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def gemtrace(*args: str) -> list[str]:

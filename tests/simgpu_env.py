@@ -42,7 +42,6 @@ LIBNVML = SIMGPU_DIR / "libnvidia-ml.so.1"
 RT_CLIENT = SIMGPU_DIR / "simgpu-rt"
 LINKED_CLIENT = SIMGPU_DIR / "simgpu-linked"
 
-GiB = 1 << 30
 
 
 class ClientError(RuntimeError):

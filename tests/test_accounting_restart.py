@@ -14,10 +14,11 @@ import sys
 import time
 
 import pytest
-from agent_host import Host, MiB, Running, stop, wait_until
+from agent_host import Host, Running, stop
 from prometheus_client.parser import text_string_to_metric_families
 from simgpu_env import REPO, RT_CLIENT
 from test_bpf_accounting import require_bcc
+from testkit import MiB, wait_until
 
 from gemtrace.contract import HEARTBEAT_STALE_NS
 from gemtrace.metrics import POD_LABELS

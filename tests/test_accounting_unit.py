@@ -4,12 +4,13 @@ from gate slots (no eBPF), GPU time from slots, and per-process series leaving a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from testkit import MiB, claim
 
 from gemtrace.accounting import Accounting, GpuTimeShare, ProcessAccount, Snapshot
 from gemtrace.collectors.processes import ProcessCollector
@@ -22,8 +23,7 @@ from gemtrace.probes.bpf_loader import has_bpf_privilege
 from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.region import Region
 from gemtrace.sources import Figures, Key
-from gemtrace.sources.fakes import FakeEbpf, FakeGate
-from gemtrace.sources.fakes import FakeNvml as FakeNvmlReader
+from gemtrace.sources.fakes import FakeEbpf, FakeGate, FakeNvml
 
 pytestmark = pytest.mark.unit
 
@@ -144,21 +144,6 @@ def test_proc_reader_zombie_counts_as_gone(tmp_path: Path) -> None:
     assert reader.start_time(21) == 4242 and reader.comm(21) == "python3"
 
 
-@dataclass
-class FakeNvml:
-    available: bool = False
-    procs: list = field(default_factory=list)
-
-    def gpu_uuids(self) -> list[str]:
-        return []
-
-    def processes(self) -> list:
-        return self.procs
-
-    def utilization(self) -> dict[str, float]:
-        return {}
-
-
 def group(memory_limit: int | None = None, cgroups: tuple[str, ...] = ()) -> GroupConfig:
     """A resource file's group as the accounting reads it (open to every user)."""
     return GroupConfig("", memory_limit=memory_limit, cgroups=cgroups)
@@ -179,11 +164,9 @@ class Clock:
 
 def _claim_slot(region: Region, index: int, pid: int, group: int, gpu: int, memory: int, launches: int,
                 busy_ns: int) -> None:
-    slot = region.slots[index]
-    slot.flags, slot.gpu_mask = 1, 1 << gpu
+    slot = claim(region, index, pid, group)
+    slot.gpu_mask = 1 << gpu
     slot.memory[gpu], slot.launches[gpu], slot.busy_ns[gpu] = memory, launches, busy_ns
-    slot.pid = pid
-    region.assign(index, pid, group)
 
 
 def test_gated_processes_from_slots_and_series_leave_at_the_exit(tmp_path: Path) -> None:
@@ -195,7 +178,7 @@ def test_gated_processes_from_slots_and_series_leave_at_the_exit(tmp_path: Path)
     _claim_slot(region, 3, 301, g, 1, memory=123 << 20, launches=4567, busy_ns=2_500_000_000)
     clock = Clock()
     acc = Accounting(region, lambda: Config({"train": group(1 << 30)}), proc_root=proc, use_ebpf=False,
-                     nvml=FakeNvml(), clock=clock)  # type: ignore[arg-type]
+                     nvml=FakeNvml(available=False), clock=clock)  # type: ignore[arg-type]
     assert "disabled" in acc.ebpf_status
     snap = acc.poll(clock.now)
     assert snap.processes == (
@@ -250,15 +233,14 @@ def test_a_groups_processes_share_its_time_and_never_get_more() -> None:
 
 # -- the accounting with fake sources (gemtrace/sources/fakes.py): no root, no bcc ---------------------
 
-MiB = 1 << 20
 
 
-def _fake_accounting(tmp_path: Path, ebpf: FakeEbpf, gate: FakeGate | None = None, nvml: FakeNvmlReader | None = None,
+def _fake_accounting(tmp_path: Path, ebpf: FakeEbpf, gate: FakeGate | None = None, nvml: FakeNvml | None = None,
                      limit: int | None = 100 * MiB, **kw: object) -> tuple[Accounting, MemoryEnforcer, list[int]]:
     killed: list[int] = []
     enforcer = MemoryEnforcer(kill=killed.append, clock=lambda: 1_000_000_500)
     acc = Accounting(None, lambda: Config({"train": group(limit)}), proc_root=tmp_path, ebpf=ebpf,
-                     gate=gate or FakeGate(), nvml=nvml or FakeNvmlReader(gpus=UUIDS), enforcer=enforcer,
+                     gate=gate or FakeGate(), nvml=nvml or FakeNvml(gpus=UUIDS), enforcer=enforcer,
                      **kw)  # type: ignore[arg-type]
     return acc, enforcer, killed
 
@@ -290,7 +272,7 @@ def test_inherited_processes_are_rebuilt_from_slot_and_nvml_less_the_context_and
     ebpf = FakeEbpf(since_ticks=5000)  # the probes attached after both started: eBPF missed their memory
     # 502 is gated: its slot (30 MiB) against NVML (830 MiB) says the context costs 800 MiB.
     gate = FakeGate({(502, UUIDS[0]): Figures(memory=30 * MiB, launches=3, busy_ns=0)}, {502: 4242})
-    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(502, UUIDS[0], 830 * MiB)])
+    nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(502, UUIDS[0], 830 * MiB)])
     acc, _, killed = _fake_accounting(tmp_path, ebpf, gate, nvml)
     assert killed == []  # checked at start: 30 MiB fit
     nvml.procs.append(NvmlProcess(501, UUIDS[0], 890 * MiB))  # first seen now (a container's libcuda)
@@ -333,7 +315,7 @@ def test_a_slot_that_claims_more_than_the_agent_verified_is_over_reporting(tmp_p
     included) is counted as over-reporting, and the process's verified figure stays what it holds."""
     _proc_tree(tmp_path, 611, environ=b"GEMTRACE_GROUP=train\0")
     gate = FakeGate({(611, UUIDS[0]): Figures(memory=64 << 30, launches=0, busy_ns=0)}, {611: 4242})
-    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(611, UUIDS[0], 8 * MiB)])
+    nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(611, UUIDS[0], 8 * MiB)])
     if with_ebpf:
         ebpf = FakeEbpf()
         acc, enforcer, killed = _fake_accounting(tmp_path, ebpf, gate, nvml, limit=None)
@@ -370,7 +352,7 @@ def test_ungated_gpu_time_is_nvmls_utilisation_less_the_gates_share_split_equall
         _proc_tree(tmp_path, pid, environ=b"GEMTRACE_GROUP=train\0")
     busy = [0]
     gate = FakeGate({(703, UUIDS[0]): Figures(memory=0, launches=0, busy_ns=0)}, {703: 4242})
-    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(701, UUIDS[0], MiB), NvmlProcess(702, UUIDS[0], MiB)],
+    nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(701, UUIDS[0], MiB), NvmlProcess(702, UUIDS[0], MiB)],
                           busy={UUIDS[0]: 0.9})
     clock = Clock()
     acc = Accounting(None, lambda: None, proc_root=tmp_path, use_ebpf=False, gate=gate, nvml=nvml,
@@ -391,7 +373,7 @@ def test_a_process_that_is_gone_or_whose_pid_names_another_is_never_exported(tmp
     for pid in (801, 802, 803):
         _proc_tree(tmp_path, pid, environ=b"GEMTRACE_GROUP=train\0", comm=f"p{pid}")  # started at tick 4242
     gate = FakeGate({(802, UUIDS[0]): Figures(memory=MiB, launches=0, busy_ns=0)}, {802: 4242})
-    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(801, UUIDS[0], MiB), NvmlProcess(803, UUIDS[0], MiB)],
+    nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(801, UUIDS[0], MiB), NvmlProcess(803, UUIDS[0], MiB)],
                           busy={UUIDS[0]: 0.5})
     clock = Clock()
     acc = Accounting(None, lambda: None, proc_root=tmp_path, use_ebpf=False, gate=gate, nvml=nvml, clock=clock)
@@ -421,7 +403,7 @@ def test_the_verified_figures_reach_the_region_and_follow_the_process(tmp_path: 
     region.set_gpus([(UUIDS[0], 16 << 30), (UUIDS[1], 16 << 30)])
     g = region.set_group("train", 1 << 30, 0.0, 1.0)
     _claim_slot(region, 3, 301, g, 1, memory=1 << 40, launches=0, busy_ns=0)
-    nvml = FakeNvmlReader(gpus=UUIDS, procs=[NvmlProcess(301, UUIDS[1], 8 * MiB)])
+    nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(301, UUIDS[1], 8 * MiB)])
     acc = Accounting(region, lambda: Config({"train": group(1 << 30)}), proc_root=proc, use_ebpf=False,
                      nvml=nvml)  # type: ignore[arg-type]
     acc.poll()

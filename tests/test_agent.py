@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from agent_host import CONFIG, Host, MiB, gemtrace, stop, wait_until
+from agent_host import CONFIG, Host, gemtrace, stop
 from simgpu_env import REPO, RT_CLIENT
+from testkit import MiB, wait_until
 
 from gemtrace import region as rg
 

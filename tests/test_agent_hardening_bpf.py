@@ -8,8 +8,9 @@ import json
 import time
 
 import pytest
-from agent_host import Host, MiB, stop, wait_until
+from agent_host import Host, stop
 from test_bpf_accounting import DriverClient, require_bcc
+from testkit import MiB, wait_until
 
 from gemtrace import region as rg
 

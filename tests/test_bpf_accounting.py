@@ -21,6 +21,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from simgpu_env import LIBCUDA, REPO, SimGpu
+from testkit import MiB
 
 from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.collectors.enforcement import EnforcementCollector
@@ -34,7 +35,6 @@ from gemtrace.region import Region
 pytestmark = pytest.mark.bpf
 
 CLIENT = REPO / "tests" / "cuda_driver_client.py"
-MiB = 1 << 20
 
 
 def group(memory_limit: int | None = None, cgroups: tuple[str, ...] = ()) -> GroupConfig:

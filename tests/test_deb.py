@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from simgpu_env import LIBCUDA, RT_CLIENT, simgpu_env
+from testkit import GiB
 
 pytestmark = pytest.mark.e2e
 
@@ -33,7 +34,6 @@ BUILD = REPO / "build"
 GEMTRACE = Path("/usr/bin/gemtrace")
 UNIT = Path("/lib/systemd/system/gemtrace.service")
 CONF = Path("/etc/gemtrace/resource.conf")
-GiB = 1 << 30
 
 
 def _version() -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
+from testkit import GiB, MiB
 
 from gemtrace.collectors.enforcement import EnforcementCollector
 from gemtrace.enforcement import Holding, MemoryEnforcer
@@ -15,7 +16,6 @@ from gemtrace.groups_of import ProcReader, parse_uid
 pytestmark = pytest.mark.unit
 
 GPU = "GPU-0"
-MiB = 1 << 20
 
 
 def test_kills_the_group_s_last_allocator_only_and_counts_once() -> None:
@@ -97,7 +97,6 @@ def test_among_processes_of_unknown_allocation_time_an_ungated_one_goes_before_a
 # -- who made the group go over: the victim's user (docs/accounting.md, "Who is killed") -------------
 
 ROOT, ALICE, BOB = 0, 1000, 1001
-GiB = 1 << 30
 
 
 def test_another_users_ungated_memory_in_the_group_gets_that_users_process_killed_not_roots() -> None:

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
-from agent_host import Host, free_port, stop
+from agent_host import Host, stop
 from golden_metrics import GOLDEN, differences, normalise
 from test_metrics_access import PASSWORD, basic_auth_yaml, get, make_cert, write_config
+from testkit import free_port
 
 from gemtrace import top
 from gemtrace.metrics import CATALOGUE

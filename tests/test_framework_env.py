@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from testkit import GiB
 
 from gemtrace.framework_env import variables
 
 pytestmark = pytest.mark.unit
 
-GiB = 1 << 30
 
 
 def test_a_limit_sets_growth_on_demand_and_the_byte_pair() -> None:

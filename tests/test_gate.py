@@ -18,9 +18,9 @@ from pathlib import Path
 import held_waiters
 import psutil
 import pytest
-from agent_host import wait_until
 from held_waiters import Waiters
 from simgpu_env import LINKED_CLIENT, REPO, RT_CLIENT, SimGpu
+from testkit import GiB, MiB, wait_until
 
 from gemtrace import contract
 from gemtrace import region as rg
@@ -32,8 +32,6 @@ pytestmark = pytest.mark.e2e
 GATE = REPO / "build" / "libgemgate.so"
 GATE_CLIENTS = REPO / "tests" / "gate_clients"
 HOOK = REPO / "hook"  # cuda_driver_api.h: the clients need no CUDA toolkit
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 class Agent:

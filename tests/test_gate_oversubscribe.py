@@ -11,16 +11,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_host import Host, gemtrace, stop, wait_until
+from agent_host import Host, gemtrace, stop
 from test_gate import GATE, Agent, run
+from testkit import GiB, MiB, wait_until
 
 from gemtrace import region as rg
 from gemtrace.contract import ENV_MANAGED_HINTS
 
 pytestmark = pytest.mark.e2e
 
-MiB = 1 << 20
-GiB = 1 << 30
 
 
 @pytest.fixture

@@ -13,15 +13,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from agent_host import CONFIG, Host, Running, free_port, gemtrace, stop, wait_until
+from agent_host import CONFIG, Host, Running, gemtrace, stop
 from k8s_cluster import K8sCluster, pod_manifest
 from simgpu_env import REPO, SIMGPU_DIR
+from testkit import GiB, free_port, wait_until
 
 from gemtrace.kube import shares
 
 pytestmark = [pytest.mark.e2e, pytest.mark.k8s]
 
-GiB = 1 << 30
 GATE = REPO / "build" / "libgemgate.so"
 WINDOW_S = 8  # of both pods busy: 4000 kernels of 2 ms; a share's error of a kernel or two is 0.05 points
 

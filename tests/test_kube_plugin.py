@@ -17,8 +17,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from agent_host import CONFIG, Host, Running, stop, wait_until
+from agent_host import CONFIG, Host, Running, stop
 from simgpu_env import REPO, SimGpu
+from testkit import GiB, wait_until
 
 from gemtrace import region as rg
 from gemtrace.config import dropin_dir, load
@@ -33,7 +34,6 @@ from gemtrace.kube.pb import podresources_pb2_grpc as pr_grpc
 
 pytestmark = pytest.mark.e2e
 
-GiB = 1 << 30
 
 
 class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServicer):

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from testkit import GiB
 
 from gemtrace.config import parse_text
 from gemtrace.kube import pods, shares, webhook
@@ -15,7 +16,6 @@ from gemtrace.kube.injection import Injection
 
 pytestmark = pytest.mark.unit
 
-GiB = 1 << 30
 UID = "0d6f6c2e-3c1a-4c3e-9a51-7b1c2d3e4f50"
 CID = "a" * 64
 

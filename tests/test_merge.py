@@ -6,6 +6,7 @@ Each test names its row; the figures of each source differ, so a test fails if t
 from __future__ import annotations
 
 import pytest
+from testkit import MiB
 
 from gemtrace import merge
 from gemtrace.sources import Figures, SourceReading
@@ -13,7 +14,6 @@ from gemtrace.sources import Figures, SourceReading
 pytestmark = pytest.mark.unit
 
 GPU = "GPU-aaaaaaaa-0000-0000-0000-000000000000"
-MiB = 1 << 20
 KEY = (100, GPU)
 
 EBPF = Figures(memory=300 * MiB, last_alloc_ns=5, launches=77)

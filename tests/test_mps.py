@@ -12,15 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_host import Host, gemtrace, stop, wait_until
+from agent_host import Host, gemtrace, stop
 from simgpu_env import REPO
+from testkit import GiB, wait_until
 
 from gemtrace import mps
 from gemtrace import region as rg
 from gemtrace.config import ConfigError, GroupConfig, parse_text
 
 FAKE_CONTROL = REPO / "simgpu" / "nvidia-cuda-mps-control"
-GiB = 1 << 30
 
 # -- the key ---------------------------------------------------------------------------------------
 

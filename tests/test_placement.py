@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import pytest
 from simgpu_env import REPO, SimGpu
+from testkit import GiB
 
 from gemtrace.placement import (
     POLICIES,
@@ -30,7 +31,6 @@ from gemtrace.placement import (
 
 pytestmark = pytest.mark.unit
 
-GiB = 1 << 30
 TOPOLOGIES = ["dgx1", "dgx-a100", "pcie", "hostbridge"]
 
 

@@ -313,7 +313,7 @@ def test_time_a_group_does_not_use_goes_to_the_others() -> None:
 
 def test_unused_slices_are_revoked_early() -> None:
     # Group 0 has work 2 ms in every 20 ms; group 1 is a hog. Group 0's idle time goes to group 1
-    # within a poll or two, not at the end of a 20 ms slice.
+    # within a poll or two, not at the end of its slice.
     gpu, _ = simulate({0: Quota(0.5, 1.0), 1: Quota(0, 1.0)}, {0: bursty(2 * MS, 20 * MS), 1: hog()})
     assert gpu.share(0, 10 * SECOND) == pytest.approx(0.1, abs=0.005)  # all its bursts ran
     # The GPU idles only while the policy has not yet seen group 0 go quiet (a poll, 4 ms).
@@ -344,8 +344,8 @@ def test_a_service_alone_is_charged_about_what_it_runs() -> None:
 
 def test_few_wakeups_for_a_group_alone() -> None:
     gpu, _ = simulate({0: Quota()}, {0: hog()}, duration=1 * SECOND)
-    # One look per slice (20 ms), no polling while nobody else wants the GPU.
-    assert gpu.steps <= 1 * SECOND // (20 * MS) + 2
+    # One look per slice, no polling while nobody else wants the GPU.
+    assert gpu.steps <= 1 * SECOND // PolicyParams().slice_ns + 2
 
 
 def test_overrun_of_a_long_drain_is_charged_to_the_group() -> None:
@@ -488,7 +488,7 @@ def test_a_higher_priority_group_revokes_a_lower_holder_at_the_next_look() -> No
     # A higher-priority group present: the holder's queue is short, and the look comes at that group's
     # request (its thread waits on its held word and rings).
     assert decision.wake_on_wait and decision.short_queue
-    # Group 1 launches 1 ms into group 0's 20 ms slice: group 0 is held at this look, not at the slice's end.
+    # Group 1 launches 1 ms into group 0's slice: group 0 is held at this look, not at the slice's end.
     decision = policy.step(1 * MS, Observation(both, present=both))
     assert decision.draining == 0 and decision.released is None
     decision = policy.step(2 * MS, Observation(both, drained_at=2 * MS, present=both))

@@ -10,7 +10,8 @@ import json
 import subprocess
 
 import pytest
-from agent_host import Host, stop, wait_until
+from agent_host import Host, stop
+from testkit import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -52,7 +53,7 @@ def test_a_higher_priority_service_waits_a_poll_per_burst_not_a_slice(host: Host
                f"{equal_hog['launches']} launches; priority 10: p50 {first['iter_p50_s'] * 1e3:.1f} ms, p99 "
                f"{first['iter_p99_s'] * 1e3:.1f} ms, hog {first_hog['launches']} launches")
     # What the worst bursts wait beyond their own 2 ms of kernels: at least halved by the priority (the
-    # hog's slice, about 20 ms, against a poll and its drain; about a third here). The typical burst
+    # hog's slice, 60 ms, against a poll and its drain; about a third here). The typical burst
     # finds the GPU free either way (the service holds it while it seems busy): no worse.
     assert first["iter_p99_s"] - burst < 0.5 * (equal["iter_p99_s"] - burst), summary
     assert first["iter_p50_s"] <= 1.25 * equal["iter_p50_s"], summary

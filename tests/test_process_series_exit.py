@@ -10,8 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_host import Host, MiB, stop, wait_until
+from agent_host import Host, stop
 from simgpu_env import RT_CLIENT
+from testkit import MiB, wait_until
 
 pytestmark = pytest.mark.e2e
 

@@ -10,12 +10,12 @@ or firing while the alerts that must not fire do not.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,8 +28,10 @@ from typing import Any
 
 import promql_catalogue
 import pytest
+import testkit
 import yaml
 from simgpu_env import RT_CLIENT, require_build, simgpu_env
+from testkit import free_port
 
 from dev import dashboards
 from gemtrace.kube.pods import Names
@@ -38,7 +40,6 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "grafana" / "rules" / "gemtrace.rules.yml"
-GiB = 1 << 30
 
 RESOURCE_FILE = """\
 # Two groups at work, one that goes over its memory limit.
@@ -63,34 +64,15 @@ GRAFANA_INTERVALS = {"$__rate_interval": "4s", "$__range": "1m", "$__interval": 
 QUIET_ALERTS = {"GemtraceAgentDown", "GemtraceAgentAbsent", "GemtraceConfigReloadFailing"}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def http_get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         body: bytes = response.read()
         return body
 
 
-def wait_until(what: str, check: Any, timeout: float, proc: subprocess.Popen[Any] | None = None) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"{what}: the process exited with status {proc.returncode}")
-        try:
-            last = check()
-        except (OSError, ValueError, KeyError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(0.25)
-    pytest.fail(f"{what}: not within {timeout} s (last: {last!r})")
+# Prometheus and the agent answer errors until they are up, and a query's answer may lack a key
+# until the first scrape: those mean "not yet" here. A quarter second between tries spares the API.
+wait_until = functools.partial(testkit.wait_until, step=0.25, retry_on=(OSError, ValueError, KeyError))
 
 
 @dataclass
@@ -120,7 +102,7 @@ class Prometheus:
             stdout=subprocess.DEVNULL, stderr=log.open("wb"), start_new_session=True,
         )
         prom = cls(f"http://127.0.0.1:{port}", proc, log)
-        wait_until("prometheus ready", lambda: http_get(prom.url + "/-/ready"), 60, proc)
+        wait_until("prometheus ready", lambda: http_get(prom.url + "/-/ready"), 60, proc=proc)
         return prom
 
     def api(self, path: str, **params: str) -> Any:
@@ -210,7 +192,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=agent_log.open("wb"))
         procs.append(agent)
         wait_until("agent serving /metrics", lambda: b"gemtrace_agent_info" in http_get(f"http://{listen}/metrics"),
-                   60, agent)
+                   60, proc=agent)
         prom = server = Prometheus.start(work, listen)
         # Prometheus must have scraped the agent before the breach, so that the breach is news.
         wait_until("first scrape", lambda: server.query('up{job="gemtrace"} == 1'), 30)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from agent_host import wait_until
+from testkit import claim, wait_until
 
 from gemtrace import contract, defaults
 from gemtrace import region as rg
@@ -52,14 +52,6 @@ def reload(agent: Agent, text: str) -> None:
 
 def sleeper() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-
-
-def claim(region: rg.Region, index: int, pid: int, group: int) -> None:
-    """A gate's claim and the agent's decision, as they would leave the two files."""
-    slot = region.slots[index]
-    slot.flags = contract.SLOT_GATED
-    slot.pid = pid
-    region.assign(index, pid, group)
 
 
 # -- 1. one agent per state dir ---------------------------------------------------------------------

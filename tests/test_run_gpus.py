@@ -8,13 +8,12 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from agent_host import Host, gemtrace, stop, wait_until
+from agent_host import Host, gemtrace, stop
+from testkit import GiB, wait_until
 
 from gemtrace import region as rg
 from gemtrace.allotment import group_uses
 from gemtrace.placement import GroupUse
-
-GiB = 1 << 30
 
 
 def uuids(host: Host) -> list[str]:

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import testkit
 
-from gemtrace import contract
 from gemtrace import region as rg
 from gemtrace.policy import MS, PolicyParams
 from gemtrace.scheduler import RESCAN_NET_NS, GpuScheduler, Quota, SlotTable
@@ -40,10 +40,8 @@ def region(tmp_path: Path) -> Iterator[rg.Region]:
 
 
 def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
-    slot = region.slots[index]
-    slot.flags = contract.SLOT_GATED
-    slot.pid = pid
-    region.assign(index, pid, group)  # the agent's decision (gemtrace/membership.py)
+    """A gate's claim, the agent's decision, and the slot's first use of GPU."""
+    slot = testkit.claim(region, index, pid, group)
     use_gpu(region, slot)
     return slot
 
@@ -154,9 +152,7 @@ def test_the_table_is_scanned_for_users_when_a_gate_counts_a_new_one_not_at_ever
         clock.advance(1 * MS)
         scheduler.step()
     assert scheduler.scans == scans
-    slot = region.slots[5]
-    slot.flags, slot.pid = contract.SLOT_GATED, 1005
-    region.assign(5, 1005, a)
+    slot = testkit.claim(region, 5, 1005, a)
     use_gpu(region, slot, 0)  # the other GPU first: the scan its assignment brings passes it over
     clock.advance(1 * MS)
     scheduler.step()

@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 
 import pytest
-from simgpu_env import LIBCUDA, LINKED_CLIENT, RT_CLIENT, GiB, SimGpu
+from simgpu_env import LIBCUDA, LINKED_CLIENT, RT_CLIENT, SimGpu
+from testkit import GiB
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from agent_host import wait_until
+from testkit import wait_until
 
 from gemtrace import contract, region, top
 from gemtrace.region.server import ask

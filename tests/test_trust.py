@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from agent_host import Host, Running, stop, wait_until
+from agent_host import Host, Running, stop
 from simgpu_env import REPO, RT_CLIENT, SimGpu, require_build
+from testkit import MiB, wait_until
 
 from gemtrace import contract
 from gemtrace import region as rg
@@ -34,7 +35,6 @@ pytestmark = pytest.mark.e2e
 USER = "gemtrace-adv"
 GATE = REPO / "build" / "libgemgate.so"
 SETPRIV = shutil.which("setpriv") or "/usr/bin/setpriv"
-MiB = 1 << 20
 
 
 @dataclass

@@ -11,9 +11,10 @@ import sys
 import time
 
 import pytest
-from agent_host import Host, Running, wait_until
+from agent_host import Host, Running
 from simgpu_env import REPO
 from test_trust import Adversary, adversary, agent, as_user, host  # noqa: F401  (fixtures)
+from testkit import wait_until
 
 from gemtrace import contract, eventlog
 

@@ -28,13 +28,19 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+# Run by path, on a GPU machine or loaded so by the stand-in tests: the checkout (gemtrace, bench)
+# and tests/ (testkit) go on the path here.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+from testkit import GiB  # noqa: E402
+
+from bench.recording import gpus as describe_gpus  # noqa: E402
+from bench.recording import stamp  # noqa: E402
+from gemtrace.gpus import discover  # noqa: E402
 from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
 GATE = REPO / "build" / "libgemgate.so"
-GiB = 1 << 30
 HOLD_S = 1.0
 
 UUIDS = r"""
@@ -78,15 +84,8 @@ print(json.dumps({"elapsed_s": time.monotonic() - started}), flush=True)
 
 
 def nvml_gpus() -> list[tuple[str, int]]:
-    import pynvml
-
-    pynvml.nvmlInit()
-    gpus = []
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        h = pynvml.nvmlDeviceGetHandleByIndex(i)
-        uuid = pynvml.nvmlDeviceGetUUID(h)
-        gpus.append((uuid.decode() if isinstance(uuid, bytes) else uuid, pynvml.nvmlDeviceGetMemoryInfo(h).total))
-    return gpus
+    """The GPUs as the region lists them: UUID and memory, found as the agent finds them."""
+    return [(gpu.uuid, gpu.memory_total) for gpu in discover()]
 
 
 def bare(uuid: str) -> str:
@@ -232,15 +231,8 @@ def main() -> int:
         region.stop()
         region.close()
 
-    try:
-        smi = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
-        ).stdout.strip()
-    except FileNotFoundError:
-        smi = ""
-    machine = f"{platform.node()}, {len(gpus)} x {smi.splitlines()[0] if smi else 'GPU'}"
     text = [
-        f"# Gate on a host of several GPUs, {time.strftime('%Y-%m-%d')} ({machine})",
+        f"# Gate on a host of several GPUs, {stamp()} ({platform.node()}, {describe_gpus()})",
         "",
         "| check | expected | measured |",
         "| --- | --- | --- |",

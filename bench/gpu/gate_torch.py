@@ -28,13 +28,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+# Run by path, on a GPU machine or loaded so by the stand-in tests: the checkout (gemtrace, bench)
+# and tests/ (testkit) go on the path here.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+from testkit import GiB  # noqa: E402
+
+from bench.recording import gpus, stamp  # noqa: E402
+from gemtrace.gpus import discover  # noqa: E402
 from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
 GATE = REPO / "build" / "libgemgate.so"
-GiB = 1 << 30
 LOOP_ROUNDS = 11
 LOOP_LAUNCHES = 500_000
 
@@ -52,15 +57,8 @@ print(json.dumps({"total": total, "free": free, "past_limit": outcome}))
 
 
 def nvml_gpus() -> list[tuple[str, int]]:
-    import pynvml
-
-    pynvml.nvmlInit()
-    gpus = []
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        h = pynvml.nvmlDeviceGetHandleByIndex(i)
-        uuid = pynvml.nvmlDeviceGetUUID(h)
-        gpus.append((uuid.decode() if isinstance(uuid, bytes) else uuid, pynvml.nvmlDeviceGetMemoryInfo(h).total))
-    return gpus
+    """The GPUs as the region lists them: UUID and memory, found as the agent finds them."""
+    return [(gpu.uuid, gpu.memory_total) for gpu in discover()]
 
 
 def decide_groups(region: Region, stop: threading.Event) -> threading.Thread:
@@ -145,11 +143,7 @@ def main() -> int:
         region.stop()
         region.close()
 
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.split("\n")
-    gpus = [line.strip() for line in smi if line.strip()]
-    machine = f"{platform.node()}, {len(gpus)} x {gpus[0] if gpus else 'GPU'}"
-    text = [f"# Gate on a real GPU, {time.strftime('%Y-%m-%d')} ({machine})", "",
+    text = [f"# Gate on a real GPU, {stamp()} ({platform.node()}, {gpus()})", "",
             "| check | expected | measured |", "| --- | --- | --- |"]
     text += [f"| {a} | {b} | {c} |" for a, b, c in rows]
     report = "\n".join(text) + "\n"

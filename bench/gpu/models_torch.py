@@ -47,7 +47,6 @@ import math
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,12 +58,16 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+# Run by path, on a GPU machine or loaded so by the stand-in tests: the checkout (gemtrace, bench)
+# and tests/ (testkit) go on the path here.
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models_worker import WORKLOADS  # noqa: E402
-from scheduler_torch import CPUS, pin_self, worker_cpu  # noqa: E402
+from scheduler_torch import CPUS, end, pin_self, worker_cpu  # noqa: E402
+from testkit import free_port  # noqa: E402
 
+from bench.recording import gpus, stamp  # noqa: E402
 from gemtrace.metrics import spec  # noqa: E402
 
 WORKER = Path(__file__).resolve().parent / "models_worker.py"
@@ -158,13 +161,6 @@ SOLO = GroupSpec("solo")
 AGENT_CPU_TARGET = 2.0  # % of one core, with 8 processes in 4 capped groups (issue 13)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def gemtrace(*args: str) -> list[str]:
     return [sys.executable, "-m", "gemtrace.cli", *args]
 
@@ -225,13 +221,7 @@ class Worker:
         self.proc.stdin.flush()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc)
 
 
 class Agent:
@@ -391,19 +381,6 @@ def publish(report: str, name: str, data: dict[str, Any], results: Path | None =
         Path(out, f"{name}.json").write_text(json.dumps(data, indent=1))
 
 
-def machine() -> str:
-    """The GPU's name and the driver, from NVML (the simulated one's under --stand-in)."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        return f"{text(name)}, driver {text(driver)}"
-    except Exception as e:  # noqa: BLE001 - the header says it did not know, the figures still stand
-        return f"GPU unknown ({e})"
-
-
 def text(value: object) -> str:
     """An NVML string: bytes from older nvidia-ml-py, str from newer."""
     return value.decode() if isinstance(value, bytes) else str(value)
@@ -413,7 +390,7 @@ def report_header(about: dict[str, str], args: argparse.Namespace, what_ran: str
     """The dated heading of a bench/gpu report: the machine and its software, how the agent ran,
     `what_ran` (the bench's own words), and how long it all took."""
     software = ", ".join(f"{k} {about[k]}" for k in ("torch", "torchvision", "cuda") if k in about)
-    return (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}"
+    return (f"## {stamp()}, {gpus()}, {platform.node()}"
             f"{', ' + software if software else ''}\n\n"
             f"`gemtrace agent{'' if args.ebpf else ' --no-ebpf'}` and `gemtrace run`, one agent per run; "
             f"{what_ran}; {(time.monotonic() - began) / 60:.1f} min in all"

@@ -14,11 +14,12 @@ run a thread reads NVML every half second (nvmlDeviceGetComputeRunningProcesses,
 nvmlDeviceGetProcessUtilization) to record what is known per process under MPS.
 
     python3 bench/gpu/mps.py [--seconds 8] [--settle 2] [--workloads cnn-infer,cnn-train] [--gpu 0]
-        [--record] [--ebpf] [--stand-in]
+        [--no-record] [--ebpf] [--stand-in]
 
 Needs nvidia-cuda-mps-control in PATH (/usr/local/nvidia/bin on the lent H100), and what
-models_torch.py needs. --record appends the dated table to bench/results/mps.md; with $OUT set, also
-writes mps.md and mps.json there. Leaves no MPS daemon running: it waits for each run's daemon and
+models_torch.py needs. Appends the dated table to bench/results/mps.md (not with --no-record, nor
+with --stand-in, whose figures say nothing of a GPU); with $OUT set, also writes mps.md and mps.json
+there. Leaves no MPS daemon running: it waits for each run's daemon and
 server to go and says so if one is left. Exit status 0, or 2 on a failed run.
 """
 
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models_torch import GATE, REPO, SOLO, GroupSpec, Options, RunFailed, publish, report_header, run, text  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
+
+from bench.recording import add_record_flag  # noqa: E402 (models_torch puts the checkout on sys.path)
 
 RESULTS = REPO / "bench" / "results" / "mps.md"
 MPS_PROCESSES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="cnn-infer,cnn-train", help="models_worker.py workloads")
     ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) the workers run on (default 0)")
     ap.add_argument("--ebpf", action="store_true", help="run the agent with its eBPF probes (root, bcc)")
-    ap.add_argument("--record", action="store_true", help=f"append the dated table to {RESULTS.relative_to(REPO)}")
+    add_record_flag(ap, RESULTS)
     ap.add_argument("--stand-in", action="store_true", help="simulated GPU kernels instead of torch")
     args = ap.parse_args(argv)
     if not GATE.exists():
@@ -181,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"- MPS processes left after a run: {sorted({x for r in rows for x in r['left']})}")
     report = "\n".join(lines) + "\n"
     publish(report, "mps", {"header": header, "about": about, "solo": solo, "rows": rows},
-            RESULTS if args.record else None, "Isolation=mps against time slicing (bench/gpu/mps.py)")
+            None if args.no_record or args.stand_in else RESULTS,
+            "Isolation=mps against time slicing (bench/gpu/mps.py)")
     left = mps_left(5)
     if left:
         print(f"MPS processes still running at the end: {left}", file=sys.stderr)

@@ -24,10 +24,10 @@ runs with them, without them, or both ways.
 
     python3 bench/gpu/oversubscribe.py [--cases limited,squeezed,pair] [--limit-ratio 0.5]
         [--oversubscription 1.5] [--cache-release on|off|both] [--hints on|off|both] [--seconds 20]
-        [--settle 5] [--gpu 0] [--record]
+        [--settle 5] [--gpu 0] [--no-record]
 
-Prints a markdown table; --record appends it, dated, to bench/results/oversubscribe.md; with $OUT set,
-also writes oversubscribe.md and oversubscribe.json there. Exit status 0 when every run finished, 2 on
+Prints a markdown table and appends it, dated, to bench/results/oversubscribe.md (not with --no-record);
+with $OUT set, also writes oversubscribe.md and oversubscribe.json there. Exit status 0 when every run finished, 2 on
 a failed run or bad usage. Needs what models_torch.py needs (build/libgemgate.so, torch with CUDA,
 torchvision, the agent's Python dependencies).
 """
@@ -48,9 +48,11 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, machine, parse_list, publish, run  # noqa: E402
+from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, parse_list, publish, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
+from testkit import GiB  # noqa: E402 (models_torch puts tests/ on sys.path)
 
+from bench.recording import add_record_flag, gpus, stamp  # noqa: E402 (models_torch puts the checkout on sys.path)
 from gemtrace.cache_release import ENV_RELEASE_CACHE  # noqa: E402 (models_torch puts the checkout on sys.path)
 from gemtrace.contract import ENV_MANAGED_HINTS  # noqa: E402
 
@@ -58,7 +60,6 @@ WORKLOAD = "cnn-train"
 CASES = ("limited", "squeezed", "pair")
 BOTH_WAYS = {"on": ("on",), "off": ("off",), "both": ("on", "off")}
 RESULTS = REPO / "bench" / "results" / "oversubscribe.md"
-GiB = 1 << 30
 # What a CUDA context of PyTorch takes outside its allocations on the H100 (FACTS.md: about 810 MB per
 # process before any tensor); the balloon leaves it to each job on top of its share.
 CONTEXT_BYTES = 900 << 20
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=5.0,
                     help="seconds after the warm-up before the window: paging settles (default 5)")
     ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) (default 0)")
-    ap.add_argument("--record", action="store_true", help=f"append the dated table to {RESULTS.relative_to(REPO)}")
+    add_record_flag(ap, RESULTS)
     args = ap.parse_args(argv)
     if not 0 < args.limit_ratio < 1 or args.oversubscription <= 1 or args.seconds <= 0 or args.settle < 0:
         ap.error("--limit-ratio must be in (0, 1), --oversubscription above 1, --seconds positive")
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:
         after = None
         failures.append(f"solo after ({str(e).splitlines()[0]})")
-    header = (f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {machine()}, {platform.node()}\n\n"
+    header = (f"## {stamp()}, {gpus()}, {platform.node()}\n\n"
               f"{WORKLOAD} (ResNet-50 bf16, batch 64), `gemtrace agent --no-ebpf` and `gemtrace run`; "
               f"{args.seconds:g} s windows after {args.settle:g} s of settling; throughput = steps/s / the mean "
               f"of solo before and after; MemoryLimit {args.limit_ratio:g} of the need (limited, squeezed), "
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     report = render(header, before, after, rows, failures)
     publish(report, "oversubscribe",
             {"header": header, "solo_before": before, "solo_after": after, "rows": rows, "failures": failures},
-            RESULTS if args.record else None,
+            None if args.no_record or args.stand_in else RESULTS,
             "Oversubscription: PyTorch training past its MemoryLimit (bench/gpu/oversubscribe.py)")
     return 2 if failures else 0
 

@@ -13,14 +13,15 @@ and for each the service's p50 / p99 / max latency per request over the window (
 on <= 1.5 x solo p99.
 
     python3 bench/gpu/priority_latency.py [--seconds 20] [--settle 2] [--pause-ms 20] [--gpu 0] [--ebpf]
-        [--record] [--stand-in]
+        [--no-record] [--stand-in]
 
-Prints a markdown table; --record appends it, dated, to bench/results/priority_latency.md; with $OUT
-set, also writes priority_latency.md and priority_latency.json there. Exit status 0 when the target was
-met, 1 when missed, 2 on bad usage or a failed run. Needs, from the repo root: build/libgemgate.so
-(`make -C hook BUILD=$PWD/build`), torch with CUDA and torchvision, and what the agent needs on
-PYTHONPATH. --stand-in runs the simulated GPU's kernels instead of torch (a check of the orchestration
-on a machine without a GPU, as tests/test_models_torch_standin.py does for models_torch.py).
+Prints a markdown table and appends it, dated, to bench/results/priority_latency.md (not with
+--no-record, nor with --stand-in, whose figures say nothing of a GPU); with $OUT set, also writes
+priority_latency.md and priority_latency.json there. Exit status 0 when the target was met, 1 when
+missed, 2 on bad usage or a failed run. Needs, from the repo root: build/libgemgate.so (`make -C hook
+BUILD=$PWD/build`), torch with CUDA and torchvision, and what the agent needs on PYTHONPATH.
+--stand-in runs the simulated GPU's kernels instead of torch (a check of the orchestration on a
+machine without a GPU, as tests/test_models_torch_standin.py does for models_torch.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, publish, report_header, run  # noqa: E402
 from scheduler_torch import pin_self  # noqa: E402
+
+from bench.recording import add_record_flag  # noqa: E402 (models_torch puts the checkout on sys.path)
 
 RESULTS = REPO / "bench" / "results" / "priority_latency.md"
 SERVICE, HOG = "cnn-infer", "cnn-train"
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the service's pause between an answer and its next request (default 20)")
     ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) the workers run on (default 0)")
     ap.add_argument("--ebpf", action="store_true", help="run the agent with its eBPF probes (root, bcc)")
-    ap.add_argument("--record", action="store_true", help=f"append the dated table to {RESULTS.relative_to(REPO)}")
+    add_record_flag(ap, RESULTS)
     ap.add_argument("--stand-in", action="store_true",
                     help="workers run the simulated GPU's kernels instead of torch (no GPU needed)")
     args = ap.parse_args(argv)
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     publish(report, "priority_latency",
             {"header": header, "about": about, "seconds": args.seconds, "pause_ms": args.pause_ms, "rows": rows,
              "p99_on_over_solo": ratio, "target": TARGET, "met": met},
-            RESULTS if args.record else None,
+            None if args.no_record or args.stand_in else RESULTS,
             "Priority: inference latency beside a training hog (bench/gpu/priority_latency.py)")
     return 0 if met else 1
 

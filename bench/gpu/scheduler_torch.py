@@ -66,6 +66,7 @@ except ImportError:  # the GPU machine has no structlog: gemtrace.scheduler only
     _shim.get_logger = _Log  # type: ignore[attr-defined]
     sys.modules["structlog"] = _shim
 
+from bench.recording import stamp  # noqa: E402
 from gemtrace import defaults  # noqa: E402
 from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.policy import PolicyParams  # noqa: E402
@@ -221,6 +222,17 @@ def pin_self() -> None:
         os.sched_setaffinity(0, set(CORES[0]))
 
 
+def end(proc: subprocess.Popen[Any]) -> None:
+    """Stop a worker: SIGTERM, then SIGKILL if it is not gone within 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 class Worker:
     def __init__(self, load: Load, state_dir: Path, cpu: int | None = None) -> None:
         env = dict(os.environ)
@@ -274,13 +286,7 @@ class Worker:
         return self.proc.stderr.read() if self.proc.stderr else ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        end(self.proc)
 
 
 class Rig:
@@ -454,9 +460,8 @@ def main() -> int:
         finally:
             rig.close()
     text = table(rows)
-    stamp = time.strftime("%Y-%m-%d %H:%M %Z")
     slice_note = "" if args.slice_ms is None else f"; slice {args.slice_ms:g} ms"
-    header = (f"{stamp}, {rig.device}, {platform.node()}{slice_note}; {args.seconds:g} s windows after "
+    header = (f"{stamp()}, {rig.device}, {platform.node()}{slice_note}; {args.seconds:g} s windows after "
               f"{args.warmup:g} s warm-up; share = it/s shared / it/s alone ungated")
     print(f"\n{header}\n\n{text}")
     ok = all(abs(r["share"] - r["target"]) <= 0.02 if r["kind"] == "=" else r["share"] >= r["target"] - 0.02

@@ -8,8 +8,8 @@ can be unmounted (Datadog #13803). Never kills, never decides: gemtrace.accounti
 
 Where the kernel has them (Linux 6.6+), the probes of one program on one file are one uprobe_multi
 link (BPF_LINK_CREATE, BPF_TRACE_UPROBE_MULTI) rather than a perf event each: closing a perf event
-waits for an RCU tasks-trace grace period under a global mutex, one probe after another (37 probes
-took 4 to 10 s, so a stop outlived systemd's TimeoutStopSec), while a link waits once for all its
+waits for an RCU tasks-trace grace period under a global mutex, one probe after another (so a stop
+with a few dozen probes can outlive systemd's TimeoutStopSec), while a link waits once for all its
 probes and links close in parallel (bench/results/agent_stop.md). Older kernels get bcc's per-probe
 attachment.
 

@@ -2,9 +2,9 @@
 
 Bound with ctypes to the library named at construction (default libnvidia-ml.so.1), so a test can
 point it at the simulated NVML. NVML's figures are coarse (per-process utilisation often answers
-Not Found and blurs processes together: on the H100 two processes at 100% and 30% duty both read about
-27% smUtil, docs/scheduler.md; the device figure is a busy fraction over about a second) and memory
-includes the context overhead (518-588 MiB a PyTorch process on the H100: bench/results/gpu_ebpf.md):
+Not Found and blurs processes together: processes of very different duty read alike; the device
+figure is a busy fraction over about a second) and memory includes the context overhead (hundreds of
+MiB a PyTorch process: bench/results/gpu_ebpf.md):
 gemtrace uses them only where nothing better exists and says so.
 Never raises on a missing or broken NVML: `available` is False and the readers return nothing.
 """

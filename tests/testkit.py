@@ -1,0 +1,63 @@
+"""What the tests share that belongs to no one fixture: units, a free port, waiting on a condition,
+and a gate's claim of a slot. Each is written here once; test modules and bench/ import it.
+
+Must stay light: no fixture, no build, nothing started on import (unit tests import it), and no
+pytest (the GPU benches import it on machines that have only their own dependencies).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gemtrace import contract
+from gemtrace import region as rg
+
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+def free_port() -> int:
+    """A loopback port nobody holds now (the kernel's choice, so parallel tests do not collide)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 20, step: float = 0.01, *,
+               proc: subprocess.Popen[Any] | None = None,
+               retry_on: tuple[type[BaseException], ...] = ()) -> Any:
+    """Wait for `check()` to be true and return it; fail naming `what`, and the last value seen, after
+    `timeout` seconds. Tests wait on a condition this way, never on a fixed sleep: a sleep is either too
+    short on a loaded machine or longer than needed everywhere else.
+
+    `proc`: fail at once when that process exits (a server that died will never answer).
+    `retry_on`: exceptions that mean "not yet" (a server that does not listen yet raises OSError)."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process exited with status {proc.returncode}")
+        try:
+            last = check()
+        except retry_on as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last: {last!r})")
+
+
+def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
+    """A gate's claim of slot `index` and the agent's decision putting it in `group`, as they would
+    leave the region (gemtrace/membership.py decides for real)."""
+    slot = region.slots[index]
+    slot.flags = contract.SLOT_GATED
+    slot.pid = pid
+    region.assign(index, pid, group)
+    return slot
