@@ -6,11 +6,12 @@ set is never replaced, and for JAX a user who set any of its memory variables ke
 behaviour as they chose it. Without a limit nothing is added: the group may use the whole GPU, as
 the frameworks' defaults assume.
 
-JAX gets XLA_PYTHON_CLIENT_PREALLOCATE=false rather than XLA_PYTHON_CLIENT_MEM_FRACTION: under the
-gate cuMemGetInfo already reports the limit as the GPU's total (docs/gate.md), so a fraction
-limit/total would shrink the share twice, and JAX's default of preallocating 75% of that total in
-one process would leave the group's other processes without memory. Growing on demand, every
-process of the group gets what it uses, up to the limit the gate enforces.
+JAX gets XLA_PYTHON_CLIENT_PREALLOCATE=false and XLA_PYTHON_CLIENT_MEM_FRACTION=1.0. Under the gate
+cuMemGetInfo reports the limit as the GPU's total (docs/gate.md), and XLA's allocator stops at the
+fraction of that total, 0.75 by default, with preallocation off too: without a fraction of 1.0 a
+JAX process alone in its group could use only three quarters of the limit. A fraction limit/total
+would shrink the share twice. Growing on demand, every process of the group gets what it uses, up
+to the limit the gate enforces; preallocating, the first would take the whole share.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ ENV_MEMORY_TOTAL = "GEMTRACE_GPU_MEMORY_TOTAL"
 JAX_MEMORY_VARIABLES = (
     "XLA_PYTHON_CLIENT_PREALLOCATE",
     "XLA_PYTHON_CLIENT_MEM_FRACTION",
+    "XLA_CLIENT_MEM_FRACTION",  # the newer name of the fraction (JAX's docs/gpu-memory)
     "XLA_PYTHON_CLIENT_ALLOCATOR",
 )
 
@@ -36,6 +38,8 @@ def variables(limit: int | None, gpu_memory: int | None, environ: Mapping[str, s
     wanted: dict[str, str] = {}
     if not any(name in environ for name in JAX_MEMORY_VARIABLES):
         wanted["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        # The old name: every JAX version reads it, the newer ones as a deprecated alias.
+        wanted["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "1.0"
     wanted["TF_FORCE_GPU_ALLOW_GROWTH"] = "true"
     # GPUShare's ALIYUN_COM_GPU_MEM_CONTAINER / _DEV pair, in bytes, for programs that size their
     # own share. A fraction handed to a framework is of cuMemGetInfo's total, which under the gate is

@@ -52,10 +52,20 @@ def test_best_effort_sets_the_uuids_of_the_best_pair_and_warns_without_an_agent(
     assert "agent is not running" in out.stderr and "every GPU counts as free for --gpus" in out.stderr
     # train's 1 GiB limit on 16 GiB GPUs: the frameworks' share (docs/frameworks.md).
     assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "1.0"  # all of the limit to a JAX process alone in train
     assert env["GEMTRACE_GPU_MEMORY_LIMIT"] == str(GiB)
     assert env["GEMTRACE_GPU_MEMORY_TOTAL"] == str(16 * GiB)
     assert environment(run_env(host, "--gpus", "2", "--policy", "simple"))["CUDA_VISIBLE_DEVICES"] == \
         f"{uuid[0]},{uuid[1]}"
+
+
+@pytest.mark.e2e
+def test_a_jax_memory_variable_the_user_set_keeps_jax_as_they_chose(dgx1: tuple[Host, list[str]]) -> None:
+    host, _ = dgx1
+    env = environment(run_env(host, "--gpus", "1", XLA_PYTHON_CLIENT_MEM_FRACTION="0.5"))
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
+    assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in env
+    assert env["TF_FORCE_GPU_ALLOW_GROWTH"] == "true"
 
 
 @pytest.mark.e2e
