@@ -105,7 +105,11 @@ _SPECS = [
     MetricSpec("gemtrace_process_memory_bytes", "gauge", "bytes", PROCESS_LABELS,
                "Device memory the process holds through libcuda allocations."),
     MetricSpec("gemtrace_process_gpu_seconds_total", "counter", "seconds", PROCESS_LABELS,
-               "GPU time of the process's kernels."),
+               "GPU time of the process's kernels. Gated: measured by its gate, within its group's time. "
+               "Ungated: an estimate, NVML's device utilisation x time less the gated processes' time on "
+               "that GPU, split equally among the ungated processes there; it undercounts beside a gated "
+               "process, whose time includes its kernels' waits behind the ungated ones "
+               "(docs/accounting.md)."),
     MetricSpec("gemtrace_process_kernel_launches_total", "counter", "", PROCESS_LABELS,
                "Kernel launches of the process."),
 ]
