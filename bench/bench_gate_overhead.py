@@ -5,7 +5,9 @@ gate and with LD_PRELOAD=build/libgemgate.so, the process's group released plain
 group the agent does not schedule) or with a short queue (GT_RELEASED_SHORT_QUEUE: a hold is coming;
 a scheduled group alone, GT_RELEASED_LONG_QUEUE, takes the same path with a longer bound, so it costs
 at most this and checks its queue less often), interleaved round by round so that
-drifts of the machine hit every case alike, and reports the median ns per launch of each. The
+drifts of the machine hit every case alike (bench/recording.py's `interleave`, 20 rounds by
+default), and reports the median ns per launch of each and the paired statistic of each step: the
+median of the differences within a round, its interquartile range and a 95% bootstrap interval. The
 agent's heartbeat is kept fresh by a thread, as the agent does: the gate reads a beat older than
 GT_HEARTBEAT_STALE_NS, or one in its future (now - beat is unsigned), as no agent, and then the
 short-queue path stands aside. Two cases: one GPU visible (the common case: the gate knows the GPU
@@ -15,8 +17,8 @@ default-stream launch).
 The held path is not benched: a held launch waits for the agent's release, its cost is that wait
 (bench_scheduler_accuracy.py and the scheduler's e2e tests measure it), not a figure per launch.
 
-Targets: at most 50 ns added by the released gate (issue 2); the short-queue path within 10 ns of
-the released one (issue 13). On a machine without a GPU only the differences and ratios mean
+Targets, on the paired medians: at most 50 ns added by the released gate (issue 2); the short-queue
+path within 10 ns of the released one (issue 13). On a machine without a GPU only the differences and ratios mean
 something; the GPU machine's figures are in bench/results/gpu_gate.md. Results are appended to
 bench/results/gate_overhead.md with the date and the machine.
 """
@@ -32,9 +34,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from bench.recording import REPO, add_record_flag, machine, stamp
+from bench.recording import MIN_ROUNDS, REPO, Paired, add_record_flag, interleave, machine, paired, stamp
 from bench.recording import RESULTS as RESULTS_DIR
 from gemtrace import region as rg
 from gemtrace.membership import Membership
@@ -43,11 +47,13 @@ from gemtrace.region import Region
 SIM = REPO / "build" / "simgpu"
 GATE = REPO / "build" / "libgemgate.so"
 LAUNCHES = 2_000_000
-ROUNDS = 7
+ROUNDS = MIN_ROUNDS
 TARGET_NS = 50.0  # released gate, added to no gate (issue 2)
 SHORT_QUEUE_TARGET_NS = 10.0  # short queue, added to released (issue 13)
 HEARTBEAT_S = 0.1  # as the agent's tick does it, well inside GT_HEARTBEAT_STALE_NS
 CASES = ("no gate", "released", "short queue")
+# The paired steps: (case, against), each difference taken within one round.
+STEPS = (("released", "no gate"), ("short queue", "released"))
 
 
 def one_run(env: dict[str, str], launches: int) -> float:
@@ -71,8 +77,16 @@ def keep_beating(region: Region, stop: threading.Event) -> None:
         stop.wait(min(HEARTBEAT_S, 0.005))
 
 
-def measure(tmp: str, devices: int, gate: Path, rounds: int, launches: int) -> dict[str, float]:
-    """Median ns per launch of each case, `devices` simulated GPUs visible."""
+@dataclass(frozen=True)
+class Figures:
+    """One count of visible GPUs: each case's median ns per launch, and each step's paired statistic."""
+
+    medians: dict[str, float]
+    steps: dict[tuple[str, str], Paired]
+
+
+def measure(tmp: str, devices: int, gate: Path, rounds: int, launches: int) -> Figures:
+    """The cases with `devices` simulated GPUs visible, `rounds` interleaved rounds."""
     base = dict(
         os.environ,
         LD_LIBRARY_PATH=str(SIM),
@@ -94,45 +108,49 @@ def measure(tmp: str, devices: int, gate: Path, rounds: int, launches: int) -> d
     region.heartbeat(time.monotonic_ns())
     beat.start()
     gated = dict(base, LD_PRELOAD=str(gate), GEMTRACE_STATE_DIR=state, GEMTRACE_GROUP="bench")
-    runs: dict[str, list[float]] = {case: [] for case in CASES}
+
+    def released(how: int) -> Callable[[], float]:
+        def run() -> float:
+            for gpu in range(devices):
+                region.release(gpu, group, how)
+            return one_run(gated, launches)
+        return run
+
     try:
-        for _ in range(rounds):  # interleaved, so drifts of the machine hit every case alike
-            runs["no gate"].append(one_run(base, launches))
-            for gpu in range(devices):
-                region.release(gpu, group)
-            runs["released"].append(one_run(gated, launches))
-            for gpu in range(devices):
-                region.release(gpu, group, rg.RELEASED_SHORT_QUEUE)
-            runs["short queue"].append(one_run(gated, launches))
+        runs = interleave([("no gate", lambda: one_run(base, launches)),
+                           ("released", released(rg.RELEASED)),
+                           ("short queue", released(rg.RELEASED_SHORT_QUEUE))], rounds)
     finally:
         stop.set()
         beat.join()
         region.stop()
         region.close()
-    return {case: statistics.median(values) for case, values in runs.items()}
-
+    return Figures({case: statistics.median(values) for case, values in runs.items()},
+                   {(case, against): paired(runs[against], runs[case], " ns") for case, against in STEPS})
 
 
 RESULTS = RESULTS_DIR / "gate_overhead.md"
-HEADER = (
-    "# Gate overhead per launch, simulated GPU (bench/bench_gate_overhead.py)\n\n"
-    "| date | machine | GPUs visible | no gate ns | gate ns | added ns | target |\n"
-    "| --- | --- | --- | --- | --- | --- | --- |\n"
-)
+HEADER = "# Gate overhead per launch, simulated GPU (bench/bench_gate_overhead.py)\n"
 SECTION = (
-    "\n## Released and short-queue paths side by side (medians of interleaved rounds)\n\n"
-    "Added ns are against no gate; the short queue's target is against released. On a machine without a\n"
-    "GPU the simulated driver's launch is the denominator: read the differences, not the absolute times.\n\n"
-    "| date | machine | gate | GPUs visible | no gate ns | released ns (added) | short queue ns (added) "
-    "| short queue - released | targets |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+    "\n## Released and short-queue paths side by side: paired differences of interleaved rounds\n\n"
+    "Each step is the median of the differences within a round (the case's run less the run it is\n"
+    "compared with, in the same round), its interquartile range and a 95% bootstrap interval of that\n"
+    "median; the targets are on the median. On a machine without a GPU the simulated driver's launch\n"
+    "is the denominator: read the differences, not the absolute times.\n\n"
+    "| date | machine | gate | GPUs visible | rounds | no gate ns | released ns | short queue ns "
+    "| released - no gate (IQR; 95% interval) | short queue - released (IQR; 95% interval) | targets |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
 )
+STEP_TARGETS = {("released", "no gate"): TARGET_NS, ("short queue", "released"): SHORT_QUEUE_TARGET_NS}
 
 
-def verdict(figures: dict[str, float]) -> tuple[bool, bool]:
-    released = figures["released"] - figures["no gate"] <= TARGET_NS
-    short = figures["short queue"] - figures["released"] <= SHORT_QUEUE_TARGET_NS
-    return released, short
+def verdict(figures: Figures) -> dict[tuple[str, str], bool]:
+    """Each step's paired median against its target."""
+    return {step: figures.steps[step].median <= target for step, target in STEP_TARGETS.items()}
+
+
+def cell(p: Paired) -> str:
+    return f"{p.median:+.1f} ({p.q1:+.1f} to {p.q3:+.1f}; {p.low:+.1f} to {p.high:+.1f})"
 
 
 def main() -> int:
@@ -140,17 +158,25 @@ def main() -> int:
     add_record_flag(parser, RESULTS)
     parser.add_argument("--gate", type=Path, default=GATE, help="the gate library to measure (default: %(default)s)")
     parser.add_argument("--label", default="", help="what the gate is (a commit), written to the results")
-    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help="interleaved rounds, each one run of every case (default: %(default)s)")
     parser.add_argument("--launches", type=int, default=LAUNCHES)
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error(f"--rounds {args.rounds}: the paired statistic needs at least 2 rounds; "
+                     f"{MIN_ROUNDS} or more place its median")
     with tempfile.TemporaryDirectory() as tmp:
         figures = {devices: measure(tmp, devices, args.gate, args.rounds, args.launches) for devices in (1, 2)}
-    print(f"{'GPUs visible':<13} {'no gate':>8} {'released':>9} {'added':>6} {'short queue':>12} {'added':>6} "
-          f"{'sq - rel':>9}   targets: released <= {TARGET_NS:.0f}, sq - rel <= {SHORT_QUEUE_TARGET_NS:.0f}")
+    print(f"medians of {args.rounds} interleaved rounds of {args.launches} launches; targets on the paired "
+          f"medians: released - no gate <= {TARGET_NS:.0f} ns, short queue - released <= "
+          f"{SHORT_QUEUE_TARGET_NS:.0f} ns")
     for devices, f in figures.items():
-        p, r, s = f["no gate"], f["released"], f["short queue"]
-        print(f"{devices:<13} {p:>8.1f} {r:>9.1f} {r - p:>6.1f} {s:>12.1f} {s - p:>6.1f} {s - r:>9.1f}")
-    met = all(all(verdict(f)) for f in figures.values())
+        m = f.medians
+        print(f"{devices} GPU(s) visible: no gate {m['no gate']:.1f}, released {m['released']:.1f}, "
+              f"short queue {m['short queue']:.1f} ns per launch")
+        for (case, against), p in f.steps.items():
+            print(f"  {case} - {against}: {p}")
+    met = all(all(verdict(f).values()) for f in figures.values())
     if args.no_record:
         return 0 if met else 1
     results = RESULTS
@@ -161,13 +187,14 @@ def main() -> int:
             out.write(SECTION)
     with results.open("a") as out:
         for devices, f in figures.items():
-            p, r, s = f["no gate"], f["released"], f["short queue"]
-            released_met, short_met = verdict(f)
+            m, met_steps = f.medians, verdict(f)
+            targets = ", ".join(f"{case} {'met' if met_steps[(case, against)] else 'MISSED'} (<= {target:.0f})"
+                                for (case, against), target in STEP_TARGETS.items())
             out.write(
-                f"| {stamp()} | {machine()} | {args.label or args.gate.name} | {devices} | {p:.1f} | "
-                f"{r:.1f} ({r - p:+.1f}) | {s:.1f} ({s - p:+.1f}) | {s - r:+.1f} | "
-                f"released {'met' if released_met else 'MISSED'} (<= {TARGET_NS:.0f}), "
-                f"short queue {'met' if short_met else 'MISSED'} (<= {SHORT_QUEUE_TARGET_NS:.0f}) |\n"
+                f"| {stamp()} | {machine()} | {args.label or args.gate.name} | {devices} | {args.rounds} | "
+                f"{m['no gate']:.1f} | {m['released']:.1f} | {m['short queue']:.1f} | "
+                f"{cell(f.steps[('released', 'no gate')])} | {cell(f.steps[('short queue', 'released')])} | "
+                f"{targets} |\n"
             )
     return 0 if met else 1
 

@@ -9,8 +9,9 @@ heartbeat, a group `bench` with MemoryLimit 4 GiB and a group `free` without lim
      allocation past 4 GiB raises torch.cuda.OutOfMemoryError;
   2. a program built by nvcc with the static cudart (bench/gpu/gate_probe.cu) is gated the same way;
   3. the empty-kernel launch loop of that program, gate (group within quota) against no gate,
-     interleaved rounds, with one GPU visible and (on a host of several) all of them: the overhead
-     in percent (target <= 2%).
+     20 interleaved rounds (bench/recording.py's `interleave`), with one GPU visible and (on a host
+     of several) all of them: the overhead in percent as the median of the paired differences, its
+     interquartile range and a 95% bootstrap interval (`paired`; target: median <= 2%).
 Prints a table; with $OUT set, writes gate_gpu.md there.
 """
 
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,13 +36,13 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from testkit import GiB  # noqa: E402
 
-from bench.recording import gpus, stamp  # noqa: E402
+from bench.recording import MIN_ROUNDS, gpus, interleave, paired, stamp  # noqa: E402
 from gemtrace.gpus import discover  # noqa: E402
 from gemtrace.membership import Membership  # noqa: E402
 from gemtrace.region import Region  # noqa: E402
 
 GATE = REPO / "build" / "libgemgate.so"
-LOOP_ROUNDS = 11
+LOOP_ROUNDS = MIN_ROUNDS
 LOOP_LAUNCHES = 500_000
 
 TORCH_CHECK = r"""
@@ -125,21 +127,26 @@ def main() -> int:
         def pinned() -> None:
             os.sched_setaffinity(0, {cpu})
 
+        def launch_loop(env: dict[str, str]) -> float:
+            run = subprocess.run([str(probe), "launch", str(LOOP_LAUNCHES)], env=env, capture_output=True,
+                                 text=True, check=True, preexec_fn=pinned)
+            return float(json.loads(run.stdout)["ns_per_launch"])
+
         for case, visible in cases:
-            plain, with_gate = [], []
-            for _ in range(LOOP_ROUNDS):
-                for env, into in ((dict(os.environ, **visible), plain), (dict(free_env, **visible), with_gate)):
-                    run = subprocess.run([str(probe), "launch", str(LOOP_LAUNCHES)], env=env, capture_output=True,
-                                         text=True, check=True, preexec_fn=pinned)
-                    into.append(json.loads(run.stdout)["ns_per_launch"])
+            plain_env, gate_env = dict(os.environ, **visible), dict(free_env, **visible)
+            runs = interleave([("no gate", partial(launch_loop, plain_env)),
+                               ("gate", partial(launch_loop, gate_env))], LOOP_ROUNDS)
+            plain, with_gate = runs["no gate"], runs["gate"]
             print(f"{case}, CPU {cpu}: no gate {plain}\n{case}, CPU {cpu}: gate    {with_gate}")
             p, g = statistics.median(plain), statistics.median(with_gate)
-            overhead = statistics.median((b - a) / a * 100 for a, b in zip(plain, with_gate, strict=True))
-            failures += overhead > 2.0
-            rows.append((f"empty-kernel launch loop, {case}", "<= 2% added",
-                         f"{p:.0f} ns -> {g:.0f} ns per launch (medians); {overhead:+.2f}% (median of the "
-                         f"differences within {LOOP_ROUNDS} interleaved rounds of {LOOP_LAUNCHES} launches, "
-                         f"pinned to one CPU)"))
+            overhead = paired(plain, with_gate, relative=True)
+            print(f"{case}: gate - no gate {overhead}")
+            failures += overhead.median > 2.0
+            rows.append((f"empty-kernel launch loop, {case}", "<= 2% added (paired median)",
+                         f"{p:.0f} ns -> {g:.0f} ns per launch (medians); {overhead.median:+.2f}% median of the "
+                         f"paired differences (IQR {overhead.q1:+.2f}% to {overhead.q3:+.2f}%, 95% interval "
+                         f"{overhead.low:+.2f}% to {overhead.high:+.2f}%), {LOOP_ROUNDS} interleaved rounds of "
+                         f"{LOOP_LAUNCHES} launches, pinned to one CPU"))
         region.stop()
         region.close()
 

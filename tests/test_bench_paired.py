@@ -1,0 +1,56 @@
+"""The benches' paired statistic over interleaved rounds (bench/recording.py): pure, no GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from bench.recording import interleave, paired
+
+pytestmark = pytest.mark.unit
+
+
+def test_rounds_run_every_case_once_in_order() -> None:
+    order: list[str] = []
+
+    def case(name: str, figure: float) -> Callable[[], float]:
+        def run() -> float:
+            order.append(name)
+            return figure
+        return run
+
+    runs = interleave([("a", case("a", 1.0)), ("b", case("b", 2.0))], 3)
+    assert order == ["a", "b"] * 3
+    assert runs == {"a": [1.0] * 3, "b": [2.0] * 3}
+
+
+def test_the_median_is_of_the_differences_within_a_round_not_of_the_medians() -> None:
+    # The rounds drift (100, 200, 300 ns): each case's median says -10 ns, the rounds say +30 ns.
+    baseline = [100.0, 200.0, 300.0]
+    case = [150.0, 190.0, 330.0]
+    p = paired(baseline, case, " ns")
+    assert (p.median, p.q1, p.q3, p.rounds) == (30.0, 10.0, 40.0, 3)
+    assert -10.0 <= p.low <= 30.0 <= p.high <= 50.0
+    assert str(p).startswith("+30.0 ns (median of 3 paired differences; IQR +10.0 ns to +40.0 ns")
+
+
+def test_five_rounds_of_the_issue_place_the_median_nowhere() -> None:
+    # The 5-round check of issue 30: paired differences +436, +535, -528, +312, +73 ns.
+    diffs = [436.0, 535.0, -528.0, 312.0, 73.0]
+    p = paired([3966.0] * 5, [3966.0 + d for d in diffs], " ns")
+    assert p.median == 312.0
+    assert (p.q1, p.q3) == (73.0, 436.0)
+    assert p.low < 0 < p.high  # the interval does not even give the sign
+
+
+def test_relative_differences_are_percent_of_the_rounds_baseline() -> None:
+    p = paired([100.0, 200.0, 400.0], [102.0, 204.0, 404.0], relative=True)
+    assert p.median == pytest.approx(2.0) and p.unit == "%"
+
+
+def test_unequal_or_single_rounds_are_refused() -> None:
+    with pytest.raises(ValueError, match="two equal runs"):
+        paired([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="at least 2 rounds"):
+        paired([1.0], [1.0])
