@@ -30,7 +30,6 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
       ebpf.py          the probes, the libcuda rescans, the ring-buffer thread
       gate.py          the gates' slots, through region.SlotColumns
       nvml.py          NVML's per-process memory and device utilisation
-      fakes.py         a fake of each, which tests pass to Accounting
     merge.py         the best figure of each process: docs/accounting.md's table, a function a row
     enforcement.py   memory enforcement: which process dies when a group is over its MemoryLimit
     groups_of.py     the group of a process and the GPUs it sees, from /proc (pure parsers)

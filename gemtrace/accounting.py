@@ -195,7 +195,7 @@ class Accounting:
     ) -> None:
         """The sources: `ebpf` (None: bcc's EbpfSource when `use_ebpf`, else none), `gate` (None: the
         slots of `region`), `nvml` (an NVML reader; None: the host's libnvidia-ml); tests pass the
-        fakes of gemtrace/sources/fakes.py. `libcuda_paths`: files probed from the start (None: the
+        fakes of tests/fake_sources.py. `libcuda_paths`: files probed from the start (None: the
         host's, from ldconfig). `scan_host` False: probe only those, never the other libcuda files
         that processes map (the demo, which must not account for, nor kill, the host's other
         programs). `group_seconds`: (GPU UUID, group) -> the GPU seconds the scheduler charged the

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fake_sources import FakeEbpf, FakeGate, FakeNvml
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from testkit import MiB, claim
@@ -23,7 +24,6 @@ from gemtrace.probes.bpf_loader import has_bpf_privilege
 from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.region import Region
 from gemtrace.sources import Figures, Key
-from gemtrace.sources.fakes import FakeEbpf, FakeGate, FakeNvml
 
 pytestmark = pytest.mark.unit
 
@@ -231,7 +231,7 @@ def test_a_groups_processes_share_its_time_and_never_get_more() -> None:
     assert got[(6, UUIDS[0])] == pytest.approx(0.5)
 
 
-# -- the accounting with fake sources (gemtrace/sources/fakes.py): no root, no bcc ---------------------
+# -- the accounting with fake sources (tests/fake_sources.py): no root, no bcc ---------------------
 
 
 
