@@ -25,7 +25,8 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     mps.py           the MPS control daemons of the GPUs that Isolation=mps groups use
     gang.py          the turns of groups that span GPUs, shared by every GPU's scheduler
     accounting.py    the merge of the sources it is given (agent.py opens them), kept across polls: rebuilt
-                     memory, GPU time within a group
+                     memory, each process's facts, NVML's time integrated
+    gpu_time.py      GPU time within a group: its processes never get more than the group (pure)
     snapshot.py      a poll's per-process view (Snapshot): what the accounting publishes, the rest reads
     sources/         what eBPF, the gates' slots and NVML know, behind one interface:
       ebpf.py          the probes, the libcuda rescans, the ring-buffer thread

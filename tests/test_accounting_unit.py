@@ -13,10 +13,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from testkit import MiB, claim
 
-from gemtrace.accounting import Accounting, GpuTimeShare, ProcessAccount, Snapshot, Sources
+from gemtrace.accounting import Accounting, ProcessAccount, Snapshot, Sources
 from gemtrace.collectors.processes import ProcessCollector
 from gemtrace.config import GroupConfig
 from gemtrace.enforcement import Enforcement, MemoryEnforcer
+from gemtrace.gpu_time import GpuTimeShare
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
 from gemtrace.merge import Merged
 from gemtrace.probes import libcuda
