@@ -24,13 +24,14 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     scheduler.py     one GPU's adapter between the region's slots and the policy (futex words)
     mps.py           the MPS control daemons of the GPUs that Isolation=mps groups use
     gang.py          the turns of groups that span GPUs, shared by every GPU's scheduler
-    accounting.py    per-process figures kept across polls: rebuilt memory, GPU time within a group
+    accounting.py    the merge of the sources it is given (agent.py opens them), kept across polls: rebuilt
+                     memory, each process's facts, NVML's time integrated
+    gpu_time.py      GPU time within a group: its processes never get more than the group (pure)
     snapshot.py      a poll's per-process view (Snapshot): what the accounting publishes, the rest reads
     sources/         what eBPF, the gates' slots and NVML know, behind one interface:
       ebpf.py          the probes, the libcuda rescans, the ring-buffer thread
       gate.py          the gates' slots, through region.SlotColumns
       nvml.py          NVML's per-process memory and device utilisation
-      fakes.py         a fake of each, which tests pass to Accounting
     merge.py         the best figure of each process: docs/accounting.md's table, a function a row
     enforcement.py   memory enforcement: which process dies when a group is over its MemoryLimit
     groups_of.py     the group of a process and the GPUs it sees, from /proc (pure parsers)

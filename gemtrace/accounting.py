@@ -4,13 +4,13 @@ Owns the per-process view (Snapshot) and what it keeps across polls: the facts o
 (/proc: group, GPUs), the memory rebuilt after an agent restart, GPU time shared within a group, NVML's
 time integrated. A process is in a snapshot only while it runs: one whose /proc entry is gone, a
 zombie, or one whose pid now names another process (another start time) is left out at the next poll,
-whatever a source still says of it (its series leave /metrics within a poll). It reads three
-sources behind one interface (gemtrace/sources/: eBPF, the gates' slots, NVML; each with a fake a
-test passes in) and merges them with gemtrace/merge.py, whose functions are docs/accounting.md's table
-"Sources, best first", row by row. Enforcement (gemtrace/enforcement.py) subscribes: to eBPF's
-allocation events (the source's thread wakes it within milliseconds) and to each snapshot (the audit
-of the slots). If bcc cannot run, one log line says why (ebpf_status keeps it) and the gates and NVML
-still count.
+whatever a source still says of it (its series leave /metrics within a poll). It merges the three
+sources it is given behind one interface (gemtrace/sources/: eBPF, the gates' slots, NVML; the agent
+opens the host's, gemtrace.agent.open_accounting, a test passes fakes) with gemtrace/merge.py, whose
+functions are docs/accounting.md's table "Sources, best first", row by row. The enforcement it is
+given (gemtrace/enforcement.py, at start()) subscribes: to eBPF's allocation events (the source's
+thread wakes it within milliseconds) and to each snapshot (the audit of the slots). Without eBPF
+(bcc cannot run, or disabled) ebpf_status says why and the gates and NVML still count.
 
 eBPF cannot know what a process allocated before its libcuda was probed (an agent restart, a
 container's copy found late): for such an inherited process the memory is rebuilt from its gate's
@@ -27,30 +27,27 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
 
-from gemtrace import defaults, merge
-from gemtrace.enforcement import Enforcement, Holding, MemoryEnforcer
+from gemtrace import merge
+from gemtrace.enforcement import Enforcement, Holding
+from gemtrace.gpu_time import GpuTimeShare
 from gemtrace.groups_of import ENV_VISIBLE_DEVICES, ProcReader, visible_devices
 from gemtrace.membership import group_of
 from gemtrace.merge import Merged
-from gemtrace.probes.bpf_loader import BpfProbes, BpfUnavailable
-from gemtrace.probes.nvml import NvmlReader
+from gemtrace.probes.bpf_loader import BpfProbes
 from gemtrace.region import Region
 from gemtrace.snapshot import ProcessAccount, Snapshot
 from gemtrace.sources import AllocationSource, Figures, Key, Source, SourceReading
 from gemtrace.sources.ebpf import EbpfSource, boot_ticks
-from gemtrace.sources.gate import GateSource
 from gemtrace.sources.nvml import NvmlLike, NvmlSource
 
 log = structlog.get_logger("gemtrace.accounting")
-
-
 
 
 class _Config(Protocol):
@@ -88,90 +85,47 @@ def _monotonic_of_ticks(ticks: int | None, suspended_ns: int) -> int:
     return max(0, since_boot_ns - suspended_ns)
 
 
-@dataclass
-class _Share:
-    raw_seen: float  # the gate's busy seconds at the last apportioning
-    charged: float  # what the process has been given
-
-
-class GpuTimeShare:
-    """Per-process GPU time of gated processes, so that a group's processes together never get more
-    than the group's time on that GPU (the scheduler's figure, charged once per interval).
-
-    The gate measures a burst from its first launch to the sync that drains it; on a time-sliced GPU
-    that includes the time its kernels waited behind the group's other processes, so three busy
-    processes of one group measure about three times the group's time. Each poll, the bursts that
-    ended since the last (the increase of each process's busy seconds) are paid out of what the group
-    was given and not yet paid to its processes: in full if it covers them all, else that remainder is
-    split in proportion and the excess (the waiting) is dropped. The remainder carries over, because
-    the gate counts a burst only when it ends while the scheduler charges it as it runs.
-    Pure: plain figures in, figures out; `apportion` is called with every live gated process.
-    """
-
-    def __init__(self) -> None:
-        self._procs: dict[tuple[int, str], _Share] = {}
-        self._paid: dict[tuple[str, str], float] = {}  # (gpu, group) -> given to its processes so far
-
-    def apportion(self, raw: Mapping[tuple[str, str], Mapping[int, float]],
-                  group_seconds: Mapping[tuple[str, str], float],
-                  inherited: Collection[int] = ()) -> dict[tuple[int, str], float]:
-        """`raw`: (gpu, group) -> pid -> the gate's busy seconds; `group_seconds`: (gpu, group) -> the
-        group's GPU seconds; `inherited`: pids whose earlier bursts predate the group's figure (not
-        paid). Returns (pid, gpu) -> seconds, never decreasing for a process; a group without a
-        figure gets its raw increases unchanged."""
-        out: dict[tuple[int, str], float] = {}
-        kept: dict[tuple[int, str], _Share] = {}  # processes gone are dropped: the snapshot keeps their figure
-        for (gpu, group), procs in raw.items():
-            shares: dict[int, _Share] = {}
-            increase: dict[int, float] = {}
-            for pid, seconds in procs.items():
-                share = self._procs.get((pid, gpu))
-                if share is None:
-                    share = _Share(seconds if pid in inherited else 0.0, 0.0)
-                shares[pid] = kept[(pid, gpu)] = share
-                increase[pid] = max(0.0, seconds - share.raw_seen)
-                share.raw_seen = seconds
-            total = sum(increase.values())
-            figure = group_seconds.get((gpu, group))
-            paid = self._paid.get((gpu, group), 0.0)
-            scale = 1.0
-            if figure is not None and total > 0:
-                scale = min(1.0, max(0.0, figure - paid) / total)
-            for pid, share in shares.items():
-                share.charged += increase[pid] * scale
-                out[(pid, gpu)] = share.charged
-            self._paid[(gpu, group)] = paid + total * scale
-        self._procs = kept
-        return out
-
-
 class SnapshotListener(Protocol):
     def on_snapshot(self, snapshot: Snapshot, merged: Mapping[Key, Merged]) -> None:
         """A poll's live processes, with the figures they were merged from (called on the poller)."""
 
 
 class _Devices:
-    """The host's GPUs and each process's ordinals as UUIDs, for the sources of one reading."""
+    """The host's GPUs and each process's ordinals as UUIDs, for the sources of one reading: what the
+    accounting knows, through the three functions it hands over."""
 
-    def __init__(self, accounting: Accounting, config: _Config | None) -> None:
-        self._accounting = accounting
-        self._config = config
+    def __init__(self, gpu_list: Callable[[], list[str]], info_of: Callable[[int], _Info | None],
+                 forget: Callable[[int], object]) -> None:
+        self._gpu_list = gpu_list
+        self._info_of = info_of
+        self._forget = forget
         self._physical: list[str] | None = None
 
     def physical(self) -> list[str]:
         if self._physical is None:
-            self._physical = self._accounting._gpu_list()
+            self._physical = self._gpu_list()
         return self._physical
 
     def of(self, pid: int, ordinal: int) -> str | None:
-        info = self._accounting._info_of(pid, self._config)
+        info = self._info_of(pid)
         if info is None or ordinal >= len(info.uuids):
             return None
         return info.uuids[ordinal]
 
     def forget(self, pids: Collection[int]) -> None:
         for pid in pids:
-            self._accounting._info.pop(pid, None)
+            self._forget(pid)
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What the accounting merges, opened by whoever builds it: the agent (gemtrace.agent.open_accounting,
+    the host's) or a test (the fakes of tests/fake_sources.py)."""
+
+    gate: Source  # the gates' slots
+    nvml: NvmlLike
+    ebpf: AllocationSource | None = None
+    ebpf_reason: str = "eBPF disabled by configuration"  # why `ebpf` is None, for ebpf_status
 
 
 class Accounting:
@@ -179,37 +133,27 @@ class Accounting:
         self,
         region: Region | None,
         config_getter: Callable[[], _Config | None],
+        sources: Sources,
         proc_root: Path = Path("/proc"),
-        use_ebpf: bool = True,
-        probe_mode: str = defaults.PROBE_MODE,
-        nvml: NvmlLike | None = None,
-        enforcer: MemoryEnforcer | None = None,
-        rescan_seconds: float = defaults.LIBCUDA_RESCAN_SECONDS,
         clock: Callable[[], int] = time.monotonic_ns,
-        libcuda_paths: Sequence[Path] | None = None,
-        scan_host: bool = True,
         group_seconds: Callable[[], Mapping[tuple[str, str], float]] | None = None,
-        ebpf: AllocationSource | None = None,
-        gate: Source | None = None,
         watched: Callable[[int], int | None] | None = None,
     ) -> None:
-        """The sources: `ebpf` (None: bcc's EbpfSource when `use_ebpf`, else none), `gate` (None: the
-        slots of `region`), `nvml` (an NVML reader; None: the host's libnvidia-ml); tests pass the
-        fakes of gemtrace/sources/fakes.py. `libcuda_paths`: files probed from the start (None: the
-        host's, from ldconfig). `scan_host` False: probe only those, never the other libcuda files
-        that processes map (the demo, which must not account for, nor kill, the host's other
-        programs). `group_seconds`: (GPU UUID, group) -> the GPU seconds the scheduler charged the
-        group; with it, a group's gated processes together are never given more (None: the gates'
-        figures as they are). `watched(pid)`: the start time of a process that something watching its
-        exit (the agent's reaper, through a pidfd) knows runs, else None; such a process needs no
-        /proc read at each poll (None: every process's liveness from /proc)."""
+        """Merges `sources`; start() subscribes the enforcement and starts eBPF's thread. `group_seconds`:
+        (GPU UUID, group) -> the GPU seconds the scheduler charged the group; with it, a group's gated
+        processes together are never given more (None: the gates' figures as they are). `watched(pid)`:
+        the start time of a process that something watching its exit (the agent's reaper, through a
+        pidfd) knows runs, else None; such a process needs no /proc read at each poll (None: every
+        process's liveness from /proc)."""
         self.region = region
         self.config_getter = config_getter
         self.proc = ProcReader(proc_root)
-        self.nvml_reader = nvml if nvml is not None else NvmlReader()
+        self.nvml_reader = sources.nvml
         self.nvml = NvmlSource(self.nvml_reader)
-        self.gate: Source = gate if gate is not None else GateSource(region)
-        self.enforcer = enforcer or MemoryEnforcer()
+        self.gate = sources.gate
+        self.ebpf = sources.ebpf
+        self.ebpf_reason = sources.ebpf_reason
+        self.enforcement: Enforcement | None = None
         self.clock = clock
         self._watched = watched
         self._info: dict[int, _Info] = {}
@@ -227,20 +171,16 @@ class Accounting:
         self._listeners: list[SnapshotListener] = []
         self._untrusted_uids: frozenset[int] = frozenset()  # users caught over-reporting (_trust_chunks)
         self._trusted_generation = -1  # the chunk generation _trust_chunks last looked at
-        self.ebpf: AllocationSource | None = ebpf
-        self.ebpf_reason = "eBPF disabled by configuration"
-        if self.ebpf is None and use_ebpf:
-            try:
-                self.ebpf = EbpfSource(probe_mode, proc_root, libcuda_paths, scan_host, rescan_seconds, clock)
-            except BpfUnavailable as e:
-                self.ebpf_reason = str(e)
-                log.warning("ebpf_unavailable", reason=self.ebpf_reason,
-                            consequence="memory and launches come from the gates and NVML only")
-        self.enforcement = Enforcement(self.enforcer, self._limits, self.holdings)
-        self.subscribe(self.enforcement)
+
+    def start(self, enforcement: Enforcement) -> None:
+        """Subscribes `enforcement` (built on limits() and holdings()) to each snapshot (the audit of the
+        slots) and to eBPF's allocations, then starts eBPF's thread: its first look enforces on the
+        figures rebuilt at start."""
+        self.enforcement = enforcement
+        self.subscribe(enforcement)
         if self.ebpf is not None:
-            self.ebpf.subscribe(self.enforcement)
-            self.ebpf.start()  # its first look enforces on the figures rebuilt at start
+            self.ebpf.subscribe(enforcement)
+            self.ebpf.start()
 
     def subscribe(self, listener: SnapshotListener) -> None:
         self._listeners.append(listener)
@@ -272,7 +212,7 @@ class Accounting:
 
     # -- what enforcement reads --------------------------------------------------------------------
 
-    def _limits(self) -> dict[str, int | None]:
+    def limits(self) -> dict[str, int | None]:
         config = self.config_getter()
         if config is None:
             return {}
@@ -284,7 +224,7 @@ class Accounting:
         slots and NVML only while a rebuilt figure matters): this is on the OOM killer's path."""
         assert self.ebpf is not None
         config = self.config_getter()
-        devices = _Devices(self, config)
+        devices = self._devices(config)
         ebpf = self.ebpf.memory(devices)
         memory = {key: f.memory or 0 for key, f in ebpf.figures.items()}
         self._publish_verified_from_ebpf(devices, ebpf)
@@ -336,7 +276,7 @@ class Accounting:
     def _untrust_over_reporters(self) -> None:
         """The users of the processes the audit just counted over-reporting lose the trust of the
         other users' gates (the poller's: the audit's state is the poller's)."""
-        if self.region is None:
+        if self.region is None or self.enforcement is None:
             return
         for pid in self.enforcement.over_reporters():
             uid = self.region.owner_of(pid)
@@ -423,6 +363,9 @@ class Accounting:
 
     # -- per-process facts -------------------------------------------------------------------------
 
+    def _devices(self, config: _Config | None) -> _Devices:
+        return _Devices(self._gpu_list, lambda pid: self._info_of(pid, config), lambda pid: self._info.pop(pid, None))
+
     def _gpu_list(self) -> list[str]:
         if self.region is not None:
             uuids = list(self.region.gpu_uuids())
@@ -460,7 +403,7 @@ class Accounting:
     def poll(self, now_ns: int | None = None) -> Snapshot:
         now = self.clock() if now_ns is None else now_ns
         config = self.config_getter()
-        devices = _Devices(self, config)
+        devices = self._devices(config)
         ebpf = self.ebpf.read(now, devices) if self.ebpf is not None else None
         gate = self.gate.read(now, devices)
         nvml = self.nvml.read(now, devices, utilization=self._last_poll_ns is not None)

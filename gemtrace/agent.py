@@ -30,14 +30,14 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import structlog
 
 from gemtrace import contract, defaults, mps
 from gemtrace import region as rg
-from gemtrace.accounting import Accounting, Snapshot
+from gemtrace.accounting import Accounting, Snapshot, Sources
 from gemtrace.collectors.agent import AgentView
 from gemtrace.collectors.groups import GroupQuota, GroupsView
 from gemtrace.config import (
@@ -51,14 +51,20 @@ from gemtrace.config import (
     load,
     unknown_gpus,
 )
+from gemtrace.enforcement import Enforcement, MemoryEnforcer
 from gemtrace.gang import GangTurns
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
 from gemtrace.kube.pods import NAMES_FILE, PodLabels
 from gemtrace.membership import Membership
+from gemtrace.probes.bpf_loader import BpfUnavailable
+from gemtrace.probes.nvml import NvmlReader
 from gemtrace.region import Region, RegionError
 from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
 from gemtrace.signals import SignalInbox
+from gemtrace.sources.ebpf import EbpfSource
+from gemtrace.sources.gate import GateSource
+from gemtrace.sources.nvml import NvmlLike
 from gemtrace.state_dir import StateDirError, open_lock_file, open_state_dir, storage_error
 
 log = structlog.get_logger("gemtrace.agent")
@@ -347,6 +353,41 @@ class Reaper:
         self._poll.close()
 
 
+def open_accounting(
+    region: Region | None,
+    config_getter: Callable[[], ResourceConfig | None],
+    *,
+    use_ebpf: bool = True,
+    probe_mode: str = defaults.PROBE_MODE,
+    libcuda_paths: Sequence[Path] | None = None,
+    scan_host: bool = True,
+    rescan_seconds: float = defaults.LIBCUDA_RESCAN_SECONDS,
+    nvml: NvmlLike | None = None,
+    enforcer: MemoryEnforcer | None = None,
+    group_seconds: Callable[[], Mapping[tuple[str, str], float]] | None = None,
+    watched: Callable[[int], int | None] | None = None,
+) -> Accounting:
+    """The host's accounting, started: the gates' slots of `region`, NVML (`nvml`; None: the host's
+    libnvidia-ml), eBPF through bcc when `use_ebpf` (if bcc cannot run, one log line says why and the
+    gates and NVML still count), and memory enforcement by `enforcer` (None: one that kills).
+    `libcuda_paths`: files probed from the start (None: the host's, from ldconfig). `scan_host` False:
+    probe only those, never the other libcuda files that processes map (the demo, which must not
+    account for, nor kill, the host's other programs). `group_seconds`, `watched`: Accounting's."""
+    ebpf: EbpfSource | None = None
+    reason = "eBPF disabled by configuration"
+    if use_ebpf:
+        try:
+            ebpf = EbpfSource(probe_mode, Path("/proc"), libcuda_paths, scan_host, rescan_seconds, time.monotonic_ns)
+        except BpfUnavailable as e:
+            reason = str(e)
+            log.warning("ebpf_unavailable", reason=reason,
+                        consequence="memory and launches come from the gates and NVML only")
+    sources = Sources(GateSource(region), nvml if nvml is not None else NvmlReader(), ebpf, reason)
+    accounting = Accounting(region, config_getter, sources, group_seconds=group_seconds, watched=watched)
+    accounting.start(Enforcement(enforcer or MemoryEnforcer(), accounting.limits, accounting.holdings))
+    return accounting
+
+
 def host_memory() -> int:
     """The host's physical memory in bytes (MemTotal)."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -416,9 +457,11 @@ class Agent:
         if libcuda_paths is None and os.environ.get(ENV_PROBE_LIBCUDA):
             libcuda_paths = [Path(p) for p in os.environ[ENV_PROBE_LIBCUDA].split(":") if p]
         self.reaper = Reaper(self.region)
-        self.accounting = Accounting(self.region, lambda: self.config, use_ebpf=use_ebpf, probe_mode=probe_mode,
-                                     libcuda_paths=libcuda_paths, scan_host=libcuda_paths is None,
-                                     group_seconds=self.group_seconds, watched=self.reaper.start_time)
+        self.enforcer = MemoryEnforcer()  # its kills and tampering are counted on /metrics
+        self.accounting = open_accounting(self.region, lambda: self.config, use_ebpf=use_ebpf, probe_mode=probe_mode,
+                                          libcuda_paths=libcuda_paths, scan_host=libcuda_paths is None,
+                                          enforcer=self.enforcer, group_seconds=self.group_seconds,
+                                          watched=self.reaper.start_time)
         self.snapshot: Snapshot | None = None
         self.pod_labels = PodLabels(pod_names)
         self.watcher = ConfigWatcher(config_path, self.reload, config_poll_seconds)
@@ -645,7 +688,8 @@ class Agent:
                 # second look counts it, its user's figure still holds the others' allocations back.
                 # Each wait drawn at random around its mean, so that a liar cannot time its figure
                 # between the agent's looks (the verified figures it publishes show when it looked).
-                again = self.accounting.enforcement.over_reporting_suspected()
+                enforcement = self.accounting.enforcement
+                again = enforcement is not None and enforcement.over_reporting_suspected()
                 mean = AUDIT_AGAIN_SECONDS if again else ACCOUNTING_POLL_SECONDS
                 next_poll = now + random.uniform(0.75 * mean, 1.25 * mean)
             if on_tick is not None:

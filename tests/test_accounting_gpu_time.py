@@ -15,11 +15,11 @@ pytestmark = pytest.mark.e2e
 
 CHILD = r"""
 import json, select, subprocess, sys, time
-from gemtrace.accounting import Accounting
+from gemtrace.agent import open_accounting
 from gemtrace.probes.nvml import NvmlReader
 nvml = NvmlReader(sys.argv[1])
 assert nvml.available, nvml.reason
-acc = Accounting(None, lambda: None, use_ebpf=False, nvml=nvml)
+acc = open_accounting(None, lambda: None, use_ebpf=False, nvml=nvml)
 end = time.monotonic() + 1.2  # an agent polls all along: NVML's window is full before the work starts
 while time.monotonic() < end:
     acc.poll()

@@ -24,6 +24,7 @@ from simgpu_env import LIBCUDA, REPO, SimGpu
 from testkit import MiB
 
 from gemtrace.accounting import Accounting, Snapshot
+from gemtrace.agent import open_accounting
 from gemtrace.collectors.enforcement import EnforcementCollector
 from gemtrace.collectors.processes import ProcessCollector
 from gemtrace.config import GroupConfig
@@ -130,7 +131,7 @@ def make_accounting(sim: SimGpu) -> Iterator:
     def make(config: Config | None = None, **kw: object) -> Accounting:
         kw.setdefault("libcuda_paths", [LIBCUDA])
         region = kw.pop("region", None)
-        acc = Accounting(region, lambda: config, nvml=StaticGpus(uuids_of(sim)), **kw)  # type: ignore[arg-type]
+        acc = open_accounting(region, lambda: config, nvml=StaticGpus(uuids_of(sim)), **kw)  # type: ignore[arg-type,return-value]
         made.append(acc)
         assert acc.probes is not None, acc.ebpf_status
         return acc
@@ -326,8 +327,8 @@ def test_a_slot_that_hides_memory_is_tampering_and_ebpf_wins(sim: SimGpu, make_a
 
 def test_without_privilege_the_reason_is_said_and_gates_still_count() -> None:
     require_bcc()
-    code = ("from gemtrace.accounting import Accounting; "
-            "a = Accounting(None, lambda: None); print(a.ebpf_status); a.close()")
+    code = ("from gemtrace.agent import open_accounting; "
+            "a = open_accounting(None, lambda: None); print(a.ebpf_status); a.close()")
     # Root stripped of every capability, as in an unprivileged container: files stay readable.
     out = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code],
                          capture_output=True, text=True, timeout=60, cwd=REPO,

@@ -1,7 +1,7 @@
 """The package can be drawn bottom-up: no import circle anywhere in gemtrace/ (an import inside a function
 or under TYPE_CHECKING counts: it is a circle broken at run time, not gone), the region's subpackage
 imports only downwards in the order its __init__ lists, and no two files of the gate (hook/) lean on
-each other's functions (issue 28)."""
+each other's functions, and nothing shipped imports what only tests/ holds (issue 28)."""
 
 from __future__ import annotations
 
@@ -145,6 +145,20 @@ def test_no_import_circle_in_gemtrace() -> None:
     found = circles(graph)
     assert not found, "import circles (move the shared piece into a module below both): " + "; ".join(
         " -> ".join(c) for c in found)
+
+
+def test_no_shipped_module_imports_a_test_helper() -> None:
+    """The .deb copies gemtrace/ whole (packaging/deb/build.sh) and tests/ not at all: a shipped module
+    importing the fakes or another helper of tests/ would fail on every host it is installed on."""
+    helpers = {path.stem for path in (ROOT / "tests").glob("*.py")}
+    assert {"fake_sources", "testkit"} <= helpers
+    offenders = []
+    for path in module_files().values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            offenders += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n.split(".")[0] in helpers]
+    assert not offenders, "move what they need into gemtrace/, or the import into tests/: " + "; ".join(offenders)
 
 
 def region_order() -> list[str]:

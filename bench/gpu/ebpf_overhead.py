@@ -50,6 +50,7 @@ except ImportError:  # the lent GPU machine's python3 has no structlog: a JSON-l
     sys.modules["structlog"] = types.SimpleNamespace(get_logger=lambda *a, **k: _Log())  # type: ignore[assignment]
 
 from gemtrace.accounting import Accounting  # noqa: E402
+from gemtrace.agent import open_accounting  # noqa: E402
 from gemtrace.probes.nvml import NvmlReader  # noqa: E402
 
 MODES = (None, "memory", "launches")
@@ -126,7 +127,7 @@ def run_worker(code: str, *args: str, env: dict[str, str] | None = None) -> dict
 def with_mode(mode: str | None, lib: Path, nvml: NvmlReader) -> Accounting | None:
     if mode is None:
         return None
-    acc = Accounting(None, lambda: None, probe_mode=mode, nvml=nvml, libcuda_paths=[lib])
+    acc = open_accounting(None, lambda: None, probe_mode=mode, nvml=nvml, libcuda_paths=[lib])
     assert acc.probes is not None, acc.ebpf_status
     return acc
 
@@ -169,7 +170,7 @@ def memory_agreement(lib: Path, nvml: NvmlReader) -> list[tuple[str, int, int, i
 
 
 def gpu_time(lib: Path, nvml: NvmlReader, seconds: float) -> tuple[float, float]:
-    acc = Accounting(None, lambda: None, nvml=nvml, libcuda_paths=[lib])
+    acc = open_accounting(None, lambda: None, nvml=nvml, libcuda_paths=[lib])
     try:
         end = time.monotonic() + 1.5  # an agent polls all along: NVML's window is full before the work
         while time.monotonic() < end:

@@ -49,7 +49,7 @@ def _processes(agent: Agent) -> Collector:
 def _enforcement(agent: Agent) -> Collector:
     from gemtrace.collectors.enforcement import EnforcementCollector
 
-    return EnforcementCollector(agent.accounting.enforcer, lambda: agent.config.groups)
+    return EnforcementCollector(agent.enforcer, lambda: agent.config.groups)
 
 
 def _attach(agent: Agent) -> Collector:

@@ -3,7 +3,7 @@
 A source reads one thing (eBPF's maps: gemtrace/sources/ebpf.py; the gates' slots: gate.py; NVML:
 nvml.py) into a SourceReading of plain figures per (pid, GPU UUID). It never merges (gemtrace/merge.py
 picks the best figure for each process, as docs/accounting.md's table says), keeps no figure across
-reads that the accounting keeps, and never kills. Each source has a fake (gemtrace/sources/fakes.py)
+reads that the accounting keeps, and never kills. Each source has a fake (tests/fake_sources.py)
 that a test passes to Accounting's constructor in place of the real one: no patching, no root.
 """
 

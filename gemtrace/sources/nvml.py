@@ -15,7 +15,7 @@ from gemtrace.sources import Devices, Figures, Key, SourceReading
 
 
 class NvmlLike(Protocol):
-    """NvmlReader's shape (gemtrace/probes/nvml.py); gemtrace/sources/fakes.py has a fake."""
+    """NvmlReader's shape (gemtrace/probes/nvml.py); tests/fake_sources.py has a fake."""
 
     @property
     def available(self) -> bool: ...

@@ -4,7 +4,7 @@ constructor (`ebpf=`, `gate=`, `nvml=`) where the agent passes the real one. No 
 Each fake keeps the figures a test sets and turns them into readings through the same pure functions
 as the real source (eBPF's maps -> figures: gemtrace/sources/ebpf.py), so what is tested is what
 runs. FakeEbpf replays eBPF's allocation and exit events: its listeners are woken synchronously,
-in the caller's thread, as the real watcher thread would wake them. Never used by the agent.
+in the caller's thread, as the real watcher thread would wake them. Lives in tests/: it never ships.
 """
 
 from __future__ import annotations
