@@ -44,6 +44,26 @@ def test_sourcing_the_script_runs_nothing(tmp_path: Path) -> None:
     assert (out.returncode, out.stdout, out.stderr) == (0, "sourced\n", "")
 
 
+def test_another_instances_kubelet_is_found_and_our_own_is_not(tmp_path: Path) -> None:
+    # A process named kubelet that is not ours: `up` refuses to start beside it (they would share
+    # /var/lib/kubelet and the kubepods cgroups).
+    fake = tmp_path / "bin" / "kubelet"  # sleep, by the name the kernel shows (comm)
+    fake.parent.mkdir()
+    shutil.copy(shutil.which("sleep") or "/bin/sleep", fake)
+    other = subprocess.Popen([str(fake), "30"])
+    try:
+        run = tmp_path / "run"
+        out = sourced(f'RUN="{run}"; sleep 0.2; foreign_cluster', tmp_path)
+        assert out.returncode == 0 and out.stdout.split() == [str(other.pid), "kubelet"], out
+        (run / "pids").mkdir(parents=True)
+        (run / "pids" / "kubelet").write_text(f"{other.pid}\n")  # now it is this run dir's own
+        out = sourced(f'RUN="{run}"; foreign_cluster', tmp_path)
+        assert out.returncode == 1 and out.stdout == "", out
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_the_deb_src_lines_name_the_keyring_and_bookworm(tmp_path: Path) -> None:
     out = sourced("deb_src_lines /usr/share/keyrings/k.gpg http://mirror.example/debian", tmp_path)
     assert out.stdout.splitlines() == [

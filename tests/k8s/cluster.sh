@@ -346,6 +346,22 @@ pid_alive() {
 
 alive() { [ -f "$RUN/pids/$1" ] && pid_alive "$(cat "$RUN/pids/$1")"; }
 
+# A cluster of this script's that another run dir started: its kubelet and apiserver share the host's
+# /var/lib/kubelet and /kubepods cgroups with ours (one kubelet killed the other's pods, one device plugin
+# rewrote the other's grants), so a second one is refused. Prints the first such process: pid and name.
+foreign_cluster() {
+    local name pid
+    for name in kubelet kube-apiserver; do
+        for pid in $(pgrep -x "$name" 2>/dev/null || true); do
+            if ! [ -f "$RUN/pids/$name" ] || [ "$(cat "$RUN/pids/$name")" != "$pid" ]; then
+                echo "$pid $name"
+                return 0
+            fi
+        done
+    done
+    return 1
+}
+
 # wait_for WHAT SECONDS NAME COMMAND...: until COMMAND succeeds, while NAME's process lives.
 wait_for() {
     local what=$1 secs=$2 name=$3 deadline
@@ -434,6 +450,11 @@ cmd_up() {
     need_root
     if alive kube-apiserver || alive kubelet || alive containerd || alive etcd; then
         die "a cluster is already up (pids in $RUN/pids); run: $0 down"
+    fi
+    local other
+    if other=$(foreign_cluster); then
+        die "another cluster runs on this host (${other#* } pid ${other%% *}, not of $RUN): only one can, as they" \
+            "share /var/lib/kubelet and the kubepods cgroups; stop it first (GEMTRACE_K8S_RUN=its run dir $0 down)"
     fi
     local start_s=$SECONDS bin
     cmd_build
