@@ -226,8 +226,9 @@ def test_check_config_and_status(host: Host) -> None:
 def test_a_gpus_uuid_no_gpu_has_is_warned_of_by_check_config_and_the_agents_log(host: Host) -> None:
     agent = host.start_agent()
     try:
-        started = next(json.loads(line) for line in agent.log.read_text().splitlines()
-                       if '"agent_started"' in line)
+        # (/metrics answers before the agent logs agent_started: wait for the line, not a read.)
+        (started,) = wait_until("the agent's start line", lambda: [
+            json.loads(line) for line in agent.log.read_text().splitlines() if '"agent_started"' in line])
         here = started["gpus"][0]
         host.config.write_text(CONFIG + f"\n[pinned]\nGpus = {here};GPU-not-here\n")
         warned = wait_until("the agent's warning", lambda: [json.loads(line) for line in agent.log.read_text()

@@ -391,7 +391,8 @@ def test_a_gate_in_a_pid_namespace_of_its_own_is_placed_by_its_real_user(adversa
         assert wait_until("both placed", placed, timeout=10) == {"admins": index["default"], "team": index["team"]}
         pids = {r.slots[i].requested.decode(): s.pid for i, s in r.live_slots()}
         assert 1 not in pids.values()  # the host pids, not the namespace's
-        event = next(json.loads(line) for line in agent.log.read_text().splitlines() if '"group_refused"' in line)
+        event = wait_until("the refusal's line", lambda: next((json.loads(line) for line in agent.log.read_text()
+                                                                .splitlines() if '"group_refused"' in line), None))
         assert (event["pid"], event["uid"], event["requested"]) == (pids["admins"], adversary.uid, "admins")
     finally:
         for proc in procs.values():
