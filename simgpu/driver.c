@@ -1008,6 +1008,22 @@ static inline void enqueue_kernel(struct CUstream_st *s, uint64_t ns)
     atomic_max_u64(&c->last_end, end);
 }
 
+/* A launch's `extra` array: its CU_LAUNCH_PARAM_BUFFER_POINTER (NULL if none) and the size its
+ * CU_LAUNCH_PARAM_BUFFER_SIZE gives (`*size` unchanged if none); any other entry is invalid. */
+static inline CUresult extra_buffer(void **extra, void **buffer, size_t *size)
+{
+    *buffer = NULL;
+    for (int i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+        if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER)
+            *buffer = extra[i + 1];
+        else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1])
+            *size = *(size_t *)extra[i + 1];
+        else
+            return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
 /* The kernel's duration: the uint64_t that its first parameter holds. */
 static inline CUresult kernel_ns(void **params, void **extra, uint64_t *ns)
 {
@@ -1020,16 +1036,10 @@ static inline CUresult kernel_ns(void **params, void **extra, uint64_t *ns)
         return CUDA_SUCCESS;
     }
     if (extra) {
-        void *buffer = NULL;
+        void *buffer;
         size_t size = sizeof *ns;
-        for (int i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
-            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER)
-                buffer = extra[i + 1];
-            else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1])
-                size = *(size_t *)extra[i + 1];
-            else
-                return CUDA_ERROR_INVALID_VALUE;
-        }
+        if (extra_buffer(extra, &buffer, &size) != CUDA_SUCCESS)
+            return CUDA_ERROR_INVALID_VALUE;
         if (buffer && size >= sizeof *ns)
             memcpy(ns, buffer, sizeof *ns);
     }
@@ -1049,17 +1059,9 @@ static CUresult collective_args(void **params, void **extra, uint64_t a[COLLECTI
     }
     if (!extra || params)
         return CUDA_ERROR_INVALID_VALUE;
-    void *buffer = NULL;
+    void *buffer;
     size_t size = 0;
-    for (int i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
-        if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER)
-            buffer = extra[i + 1];
-        else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1])
-            size = *(size_t *)extra[i + 1];
-        else
-            return CUDA_ERROR_INVALID_VALUE;
-    }
-    if (!buffer || size < COLLECTIVE_ARGS * sizeof a[0])
+    if (extra_buffer(extra, &buffer, &size) != CUDA_SUCCESS || !buffer || size < COLLECTIVE_ARGS * sizeof a[0])
         return CUDA_ERROR_INVALID_VALUE;
     memcpy(a, buffer, COLLECTIVE_ARGS * sizeof a[0]);
     return CUDA_SUCCESS;
