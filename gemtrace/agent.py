@@ -30,7 +30,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 import structlog
@@ -48,6 +48,7 @@ from gemtrace.config import (
     ConfigWatcher,
     GroupConfig,
     ResourceConfig,
+    dropin_dir,
     load,
     unknown_gpus,
 )
@@ -55,7 +56,7 @@ from gemtrace.enforcement import Enforcement, MemoryEnforcer
 from gemtrace.gang import GangTurns
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
-from gemtrace.kube.pods import NAMES_FILE, PodLabels
+from gemtrace.kube.pods import NAMES_FILE, PodLabels, refused_file, write_refusals
 from gemtrace.membership import Membership
 from gemtrace.probes.bpf_loader import BpfUnavailable
 from gemtrace.probes.nvml import NvmlReader
@@ -418,11 +419,13 @@ class Agent:
                                    else managed_host_limit)
         self.config_path = config_path
         self.state_dir = state_dir
-        self.config: ResourceConfig = load(config_path)  # a bad file at start is fatal: nothing to keep
+        self.gpus = discover() if gpus is None else gpus
+        self.refused_file = refused_file(pod_names)
+        self._refused: dict[str, str] = {}  # drop-in file name -> why it is left out, as last told
+        self.config: ResourceConfig = self._load(config_path, in_force=())  # a bad file at start is fatal
         # Written by the reload thread only; read by /metrics.
         self.reloads = {"success": 1, "failure": 0}
         self.last_reload_ok = True
-        self.gpus = discover() if gpus is None else gpus
         self._warn_unknown_gpus(self.config)
         self.fd_limit = raise_fd_limit()
         self._lock = AgentLock(state_dir)  # before the region is touched: one agent per region
@@ -588,7 +591,7 @@ class Agent:
         /metrics says so (the failure counter, last reload success 0)."""
         with self._reload_lock:
             try:
-                config = load(path)
+                config = self._load(path, in_force=self.config.groups)
                 self._apply(config)
             except (ConfigError, RegionError) as e:
                 return self._reload_failed(str(e))
@@ -607,6 +610,22 @@ class Agent:
             # A MemoryLimit lowered below what a group holds acts now, not at its next allocation.
             self.accounting.enforce_soon()
             return True
+
+    def _load(self, path: Path, in_force: Iterable[str]) -> ResourceConfig:
+        """The resource file and the drop-ins that fit (gemtrace.config.load); each drop-in left out
+        is logged once per reason and told to the device plugin (gemtrace.kube.pods.write_refusals)."""
+        config = load(path, gpu_memory={g.uuid: g.memory_total for g in self.gpus}, in_force=frozenset(in_force))
+        refused = {Path(r.path).name: r.reason for r in config.refused}
+        for name, reason in refused.items():
+            if self._refused.get(name) != reason:
+                log.warning("dropin_refused", path=str(dropin_dir(path) / name), reason=reason,
+                            consequence="its groups are not defined; every other file stays in force")
+        self._refused = refused
+        try:
+            write_refusals(self.refused_file, refused)
+        except OSError as e:  # the plugin then waits its full time for the group: no more than that
+            log.warning("refusals_unwritable", path=str(self.refused_file), error=e.strerror)
+        return config
 
     def _warn_unknown_gpus(self, config: ResourceConfig) -> None:
         for warning in unknown_gpus(config, (g.uuid for g in self.gpus)):

@@ -145,6 +145,8 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fail(str(e))
     print(f"{args.file}: OK, {len(config.groups)} groups")
+    for refusal in config.refused:  # the agent leaves these out too, and keeps the rest
+        print(f"gemtrace: warning: drop-in left out: {refusal.reason}", file=sys.stderr)
     groups = sorted(config.groups.values(), key=lambda g: g.name)
     gpus = {g.name: ";".join(g.gpus) or "all" for g in groups}
     width = max(len("Gpus"), *(len(text) for text in gpus.values()))

@@ -15,13 +15,19 @@
                          # (docs/mps.md)
 
 Drop-ins: `*.conf` files in the directory beside it named after it (resource.d for resource.conf)
-add groups, read after the main file in name order and checked with it as one file.
+add groups, read after the main file. Each drop-in is taken or refused alone: one that is bad in
+itself, or does not fit beside the main file and the drop-ins taken before it (a group defined
+twice, MinUtils over 1 on a GPU, a MemoryLimit above its GPU's memory), is left out with its reason
+while every other one stays in force. Those already in force are taken first, so a newcomer never
+pushes out a running group. Programs that own groups write drop-ins (the Kubernetes device plugin:
+one per container), and one pod's grant that does not fit must cost only that pod.
 
 Owns reading (`read_file`: a bounded regular file), parsing (pure, over text: `parse_text`), and
 watching for changes (`ConfigWatcher`). Every bound a value must meet to fit the region is checked
 here, once, so `gemtrace check-config` and the agent accept exactly the same files. Never applies
 anything: the agent writes accepted settings into the region and the schedulers. A bad file is a
 `ConfigError` naming the file and line and saying what to do; the caller keeps the last good settings.
+That holds for the operator's own file: a bad main file refuses the whole load.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import pwd
 import re
 import stat
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,9 +130,18 @@ class _Draft:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """A drop-in left out of the settings: its path and why ("FILE:LINE: what; what to do")."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class ResourceConfig:
     groups: dict[str, GroupConfig] = field(default_factory=dict)
     source: str = ""
+    refused: tuple[Refusal, ...] = ()  # the drop-ins left out (load)
 
 
 # Bounds. The region is the one home of its capacities; these follow from it.
@@ -589,11 +604,52 @@ def dropins(path: Path) -> list[Path]:
         raise ConfigError(f"{dropin_dir(path)}: cannot list the drop-in directory: {e.strerror}") from None
 
 
-def load(path: Path) -> ResourceConfig:
+def load(path: Path, gpu_memory: Mapping[str, int] | None = None, in_force: Collection[str] = ()) -> ResourceConfig:
     """Read and parse a resource file and then its drop-ins (`dropins`), with the same checks and
-    FILE:LINE errors: what `gemtrace check-config` and the agent both call."""
-    files = [path, *dropins(path)]
-    return _combine([_parse_sections(decode(read_file(p), str(p)), str(p)) for p in files])
+    FILE:LINE errors: what `gemtrace check-config` and the agent both call.
+
+    A bad main file raises ConfigError. A drop-in is refused alone (`ResourceConfig.refused`): bad in
+    itself, or not fitting beside what was taken before it. `gpu_memory` (GPU UUID -> bytes): a
+    drop-in's MemoryLimit above the memory of a GPU it may run on is refused too. `in_force`: the
+    groups of the settings in force; drop-ins holding only those are taken first, then the others,
+    each in name order."""
+    main = _parse_sections(decode(read_file(path), str(path)), str(path))
+    taken = [main]
+    _combine(taken)  # the operator's file must hold on its own
+    parsed: list[_Parsed] = []
+    refused: list[Refusal] = []
+    for p in dropins(path):
+        try:
+            parsed.append(_parse_sections(decode(read_file(p), str(p)), str(p)))
+        except ConfigError as e:
+            refused.append(Refusal(str(p), str(e)))
+    parsed.sort(key=lambda f: not f.groups or not f.groups.keys() <= set(in_force))  # stable: by name within
+    for dropin in parsed:
+        try:
+            _check_memory(dropin, gpu_memory or {})
+            _combine([*taken, dropin])
+        except ConfigError as e:
+            refused.append(Refusal(dropin.filename, str(e)))
+            continue
+        taken.append(dropin)
+    config = _combine(taken)
+    return ResourceConfig(config.groups, config.source, tuple(sorted(refused, key=lambda r: r.path)))
+
+
+def _check_memory(parsed: _Parsed, gpu_memory: Mapping[str, int]) -> None:
+    """A drop-in's MemoryLimit must fit the smallest GPU it may run on (its Gpus, or every GPU): a
+    grant past the GPU would promise memory that is not there."""
+    for name, g in parsed.groups.items():
+        if g.memory_limit is None or not gpu_memory:
+            continue
+        on = [(memory, uuid) for uuid, memory in gpu_memory.items() if not g.gpus or uuid in g.gpus]
+        if not on:
+            continue  # no GPU of this host: unknown_gpus says so
+        memory, uuid = min(on)
+        if g.memory_limit > memory:
+            raise ConfigError(f"{parsed.filename}:{parsed.lines[name]}: MemoryLimit {format_size(g.memory_limit)} of "
+                              f"[{name}] is above the {format_size(memory)} of GPU {uuid}; ask for at most the GPU's "
+                              "memory")
 
 
 def _stamp(path: Path) -> tuple[int, int, int, int, int] | None:

@@ -361,13 +361,55 @@ def test_dropins_add_groups_after_the_main_file(tmp_path: Path) -> None:
         ("[a]\nMaxUtil = 2\n", "pod.conf:2: MaxUtil 2 is above 1"),
         ("\n[train]\n", "pod.conf:2: group [train] is already defined in {main}:1; remove one of them"),
         ("[a]\nMinUtil = 0.9\n", "pod.conf:2: the MinUtils add up to 1.1, above 1 (train 0.2, a 0.9)"),
+        ("[a]\nMemoryLimit = 17GiB\n", "pod.conf:1: MemoryLimit 17.0 GiB of [a] is above the 16.0 GiB of GPU "
+                                        "GPU-small; ask for at most the GPU's memory"),
     ],
 )
-def test_a_bad_dropin_is_refused_naming_itself(tmp_path: Path, dropin: str, message: str) -> None:
-    path = _with_dropins(tmp_path, "[train]\nMinUtil = 0.2\n", pod=dropin)
-    with pytest.raises(ConfigError) as err:
+def test_a_bad_dropin_is_refused_alone_naming_itself(tmp_path: Path, dropin: str, message: str) -> None:
+    path = _with_dropins(tmp_path, "[train]\nMinUtil = 0.2\n", pod=dropin, other="[b]\nMaxUtil = 0.5\n")
+    config = load(path, gpu_memory={"GPU-small": 16 * 2**30, "GPU-large": 80 * 2**30})
+    directory = tmp_path / "resource.d"
+    (refusal,) = config.refused
+    assert refusal.path == str(directory / "pod.conf")
+    assert refusal.reason.startswith(f"{directory}/{message.format(main=path)}")
+    # Every other file stays in force: the main file's groups and the other drop-in's.
+    assert list(config.groups) == ["train", "b", "default"]
+    assert config.groups["b"].max_util == 0.5
+
+
+def test_a_memory_limit_counts_against_the_gpus_its_group_may_run_on(tmp_path: Path) -> None:
+    path = _with_dropins(tmp_path, "", pod="[a]\nMemoryLimit = 40GiB\nGpus = GPU-large\n",
+                         wide="[b]\nMemoryLimit = 40GiB\n", far="[c]\nMemoryLimit = 40GiB\nGpus = GPU-elsewhere\n")
+    config = load(path, gpu_memory={"GPU-small": 16 * 2**30, "GPU-large": 80 * 2**30})
+    assert [r.path.rsplit("/", 1)[1] for r in config.refused] == ["wide.conf"]
+    assert {"a", "c"} <= set(config.groups)
+    assert not load(path).refused  # no GPUs given: no memory to compare with
+
+
+def test_a_bad_main_file_refuses_the_whole_load_whatever_the_dropins(tmp_path: Path) -> None:
+    path = _with_dropins(tmp_path, "[train]\nMinUtil = 2\n", pod="[a]\nMinUtil = 0.1\n")
+    with pytest.raises(ConfigError, match=r"resource.conf:2: MinUtil 2 is above 1"):
         load(path)
-    assert str(err.value).startswith(str(tmp_path / "resource.d") + "/" + message.format(main=path))
+
+
+def test_dropins_in_force_are_taken_before_newcomers_whatever_their_names(tmp_path: Path) -> None:
+    # Two grants of 0.6 cannot both fit: the one already running keeps its place, though the newcomer
+    # sorts first, and the newcomer alone is refused.
+    path = _with_dropins(tmp_path, "", a_new="[new]\nMinUtil = 0.6\n", b_running="[running]\nMinUtil = 0.6\n")
+    assert [r.path.rsplit("/", 1)[1] for r in load(path).refused] == ["b_running.conf"]
+    config = load(path, in_force={"running", "default"})
+    assert [r.path.rsplit("/", 1)[1] for r in config.refused] == ["a_new.conf"]
+    assert "running" in config.groups and "new" not in config.groups
+    assert "the MinUtils add up to 1.2, above 1 (running 0.6, new 0.6)" in config.refused[0].reason
+
+
+def test_an_unreadable_dropin_is_refused_alone(tmp_path: Path) -> None:
+    path = _with_dropins(tmp_path, "[train]\n", good="[a]\n")
+    (tmp_path / "resource.d" / "bad.conf").write_bytes(b"[b]\n\xff\n")
+    config = load(path)
+    assert [r.path.rsplit("/", 1)[1] for r in config.refused] == ["bad.conf"]
+    assert "bad.conf:2: byte 0xff is not UTF-8 text" in config.refused[0].reason
+    assert "a" in config.groups
 
 
 def test_the_watcher_sees_a_dropin_come_and_go(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ The kubelet puts every container in a cgroup under its pod's, both named after t
 Pure parsers over the path, plus `pod_cgroup`, which looks for a pod's directory under a cgroup
 root. Never talks to the kubelet: names for the UIDs come from the device plugin, which writes them
 (from the apiserver) to NAMES_FILE; the agent's `PodLabels` reads that file and /proc/PID/cgroup.
+The other way, the agent writes the drop-ins it left out, and why, to REFUSED_FILE beside it, so
+that the plugin can tell each pod (an event) and stop waiting for a group that will not come.
 """
 
 from __future__ import annotations
@@ -106,7 +108,37 @@ class Names:
 
 def write_names(path: Path, names: Names) -> bool:
     """The names file, if its text changed (atomically); True when written."""
-    text = names.to_json()
+    return _write_if_changed(path, names.to_json())
+
+
+# --- refusals: the drop-ins the agent left out, for the plugin -------------------------------------
+
+REFUSED_FILE = NAMES_FILE.with_name("refused.json")  # host-only, as the names file
+
+
+def refused_file(names_file: Path) -> Path:
+    """Where the refusals are, beside the names file (both follow --pod-names)."""
+    return names_file.with_name(REFUSED_FILE.name)
+
+
+def write_refusals(path: Path, refused: dict[str, str]) -> bool:
+    """drop-in file name -> reason (gemtrace.config.Refusal), if changed; True when written. Nothing is
+    written while there is nothing to say and no file yet: a host without pods gets no file."""
+    if not refused and not path.exists():
+        return False
+    return _write_if_changed(path, json.dumps({"refused": dict(sorted(refused.items()))}, indent=1))
+
+
+def read_refusals(path: Path) -> dict[str, str]:
+    """What write_refusals wrote; {} without a file or with one that cannot be read."""
+    try:
+        data = json.loads(path.read_text())
+        return {str(k): str(v) for k, v in data["refused"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _write_if_changed(path: Path, text: str) -> bool:
     try:
         if path.read_text() == text:
             return False
