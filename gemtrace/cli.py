@@ -184,7 +184,7 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
     from gemtrace.gpus import GpuDiscoveryError, discover
 
     try:
-        from gemtrace.kube.deviceplugin import DevicePlugin
+        from gemtrace.kube.deviceplugin import EVENT_REASON, DevicePlugin
         from gemtrace.kube.grants import Grants
         from gemtrace.kube.injection import Injection
     except ImportError as e:
@@ -203,7 +203,7 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
     from gemtrace.kube.apiserver import ApiError, Apiserver
     from gemtrace.signals import SignalInbox
 
-    pods = None
+    pods = tell = None
     if args.node_name:
         try:
             api = Apiserver.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Apiserver.in_cluster()
@@ -211,9 +211,12 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
             return _fail(str(e))
         node = args.node_name
         pods = lambda: api.pods_of_node(node)  # noqa: E731
+        tell = lambda namespace, pod, uid, message: api.pod_event(  # noqa: E731
+            namespace, pod, uid, EVENT_REASON, message, node)
     plugin = DevicePlugin(gpus, args.state_dir, Grants(dropin_dir(args.config)), injection,
                           device_plugins=args.device_plugins, pod_resources=args.pod_resources,
-                          gpus_present=lambda: {g.uuid for g in discover()}, pods=pods, names_file=args.pod_names)
+                          gpus_present=lambda: {g.uuid for g in discover()}, pods=pods, names_file=args.pod_names,
+                          tell=tell)
     # The plugin runs in a thread; the main thread only takes the signals (gemtrace.signals says why).
     signals = SignalInbox((signal.SIGTERM, signal.SIGINT))
     worker = threading.Thread(target=plugin.run, name="gemtrace-plugin", daemon=True)

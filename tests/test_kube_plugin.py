@@ -24,8 +24,8 @@ from testkit import GiB, wait_until
 from gemtrace import region as rg
 from gemtrace.config import dropin_dir, load
 from gemtrace.kube import kubelet, shares
-from gemtrace.kube.deviceplugin import DevicePlugin, group_defined, socket_name
-from gemtrace.kube.grants import Grants
+from gemtrace.kube.deviceplugin import ALLOCATE_WAIT_S, DevicePlugin, group_defined, socket_name
+from gemtrace.kube.grants import Grants, PodInfo, Pods
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
@@ -43,6 +43,7 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
         self.dir = directory
         self.registrations: queue.Queue[dp.RegisterRequest] = queue.Queue()
         self.pods: list[pr.PodResources] = []
+        self.listed: list[tuple[float, list[str]]] = []  # (time, pod names) of each List answered
         self.server: grpc.Server | None = None
         self.start()
 
@@ -66,7 +67,16 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
         return dp.Empty()
 
     def List(self, request: pr.ListPodResourcesRequest, context: object) -> pr.ListPodResourcesResponse:
-        return pr.ListPodResourcesResponse(pod_resources=self.pods)
+        pods = list(self.pods)
+        self.listed.append((time.monotonic(), [p.name for p in pods]))
+        return pr.ListPodResourcesResponse(pod_resources=pods)
+
+    def seen_without(self, pod: str, since: float) -> float:
+        """When the plugin first listed the pods without `pod`, after `since` (when it left the list)."""
+        def first() -> float | None:
+            times = [t for t, names in self.listed if t >= since and pod not in names]
+            return times[0] if times else None
+        return float(wait_until(f"a List without {pod}", first, timeout=20))
 
     def registered(self) -> dict[str, dp.RegisterRequest]:
         got = {}
@@ -79,6 +89,23 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
         return dp_grpc.DevicePluginStub(kubelet.channel(self.dir / socket_name(resource)))
 
 
+class FakeApiserver:
+    """The apiserver's pods of the node: those the kubelet lists, running unless said `finished`; and
+    the events the plugin posts."""
+
+    def __init__(self, kubelet: FakeKubelet) -> None:
+        self.kubelet = kubelet
+        self.finished: set[str] = set()
+        self.events: list[tuple[str, str, str, str]] = []
+
+    def pods(self) -> Pods:
+        return {(p.namespace, p.name): PodInfo(f"uid-{p.name}", finished=p.name in self.finished)
+                for p in self.kubelet.pods}
+
+    def tell(self, namespace: str, pod: str, uid: str, message: str) -> None:
+        self.events.append((namespace, pod, uid, message))
+
+
 @pytest.fixture
 def short_dir() -> Iterator[Path]:
     # A unix socket's path must fit in 108 bytes: pytest's tmp_path may not.
@@ -89,31 +116,40 @@ def short_dir() -> Iterator[Path]:
 
 class Stack:
     def __init__(self, host: Host, directory: Path, agent: Running) -> None:
-        self.host, self.agent = host, agent
+        self.host, self.agent, self.directory = host, agent, directory
         self.kubelet = FakeKubelet(directory)
+        self.api = FakeApiserver(self.kubelet)
         region = host.region()
         gpus = [(uuid, region.layout.gpus[i].memory_total) for i, uuid in enumerate(region.gpu_uuids())]
         region.close()
         self.gpus = gpus
-        self.grants = Grants(dropin_dir(host.config))
         self.injection = Injection(gate=REPO / "build" / "libgemgate.so", state_dir=host.state_dir,
                                    preload_file=host.tmp / "ld.so.preload")
         self.injection.write_preload_file()
-        self.plugin = DevicePlugin(gpus, host.state_dir, self.grants, self.injection, device_plugins=directory,
-                                   pod_resources=directory / "pod-resources.sock")
+        self.start_plugin()
+
+    def start_plugin(self) -> None:
+        """A plugin process's state, new: its grants known only from the files and the kubelet."""
+        self.grants = Grants(dropin_dir(self.host.config))
+        self.plugin = DevicePlugin(self.gpus, self.host.state_dir, self.grants, self.injection,
+                                   device_plugins=self.directory, pod_resources=self.directory / "pod-resources.sock",
+                                   pods=self.api.pods, names_file=self.host.tmp / "pods.json", tell=self.api.tell)
         self.thread = threading.Thread(target=self.plugin.run, daemon=True)
         self.thread.start()
 
-    def close(self) -> None:
+    def stop_plugin(self) -> None:
         self.plugin.close()
         self.thread.join(timeout=10)
+
+    def close(self) -> None:
+        self.stop_plugin()
         assert self.kubelet.server is not None
         self.kubelet.server.stop(0)
 
 
 def running_stack(host: Host, short_dir: Path) -> Iterator[Stack]:
     """The agent on `host` and the plugin beside a fake kubelet, both stopped afterwards."""
-    agent = host.start_agent("--config-poll", "0.1")
+    agent = host.start_agent("--config-poll", "0.1", "--pod-names", str(host.tmp / "pods.json"))
     s = Stack(host, short_dir, agent)
     yield s
     s.close()
@@ -192,9 +228,8 @@ def test_allocate_gates_the_container_and_the_agent_defines_its_group(stack: Sta
     time.sleep(1.5)  # a reconciliation or two after the restart
     assert [p.name for p in dropin_dir(stack.host.config).iterdir()] == [f"{group}.conf"]
 
-    # The pod is gone: its file goes once past the grace an Allocate is given.
+    # The pod is gone: its file goes at once, not after the grace an Allocate's file is given.
     stack.kubelet.pods = []
-    stack.grants.clock = lambda: time.time() + 3600
     wait_until("the drop-in removed", lambda: not stack.grants.path(group).exists())
     wait_until("the agent dropped the group", lambda: group not in load(stack.host.config).groups)
 
@@ -239,6 +274,101 @@ def test_minutils_add_up_per_gpu_and_a_spread_grant_gets_what_it_holds_on_each(t
         dp.ContainerAllocateRequest(devicesIDs=devices(gpu1, "u", range(80, 90)))]), timeout=30)
     (allocated,) = response.container_responses
     assert allocated.envs["CUDA_VISIBLE_DEVICES"] == gpu1 and "GEMTRACE_GROUP" not in allocated.envs
+
+
+def pod(name: str, memory: list[str], util: list[str] | None = None) -> pr.PodResources:
+    devices = [pr.ContainerDevices(resource_name=shares.GPU_MEMORY, device_ids=memory)]
+    if util:
+        devices.append(pr.ContainerDevices(resource_name=shares.GPU_UTIL, device_ids=util))
+    return pr.PodResources(name=name, namespace="ml", containers=[pr.ContainerResources(name="main", devices=devices)])
+
+
+def test_a_deleted_pods_grant_goes_within_a_second_of_the_deletion_being_seen(stack: Stack) -> None:
+    stack.kubelet.registered()
+    (uuid, _), = stack.gpus
+    memory = {name: [f"{uuid}-m{i}"] for i, name in enumerate(("deleted", "ended", "stays"))}
+    stack.kubelet.pods = [pod("deleted", memory["deleted"], [f"{uuid}-u{i}" for i in range(40)]),
+                          pod("ended", memory["ended"], [f"{uuid}-u{i}" for i in range(40, 70)]),
+                          pod("stays", memory["stays"], [f"{uuid}-u{i}" for i in range(70, 80)])]
+    group = {name: shares.group_name(m) for name, m in memory.items()}
+    wait_until("the three pods' groups", lambda: all(group_defined(stack.host.state_dir, g) for g in group.values()))
+
+    # The kubelet no longer lists it: the file goes at the reconciliation that sees it (the old grace
+    # kept it 60 s, its MinUtil still counted), and the agent drops the group.
+    deleted = time.monotonic()
+    stack.kubelet.pods = [p for p in stack.kubelet.pods if p.name != "deleted"]
+    seen = stack.kubelet.seen_without("deleted", deleted)
+    wait_until("the deleted pod's drop-in removed", lambda: not stack.grants.path(group["deleted"]).exists(),
+               timeout=5, step=0.005)
+    assert time.monotonic() - seen < 1.0
+    wait_until("the agent dropping its group", lambda: not group_defined(stack.host.state_dir, group["deleted"]))
+
+    # A pod that ended is still listed by the kubelet until it is deleted: the apiserver says it ended.
+    stack.api.finished.add("ended")
+    wait_until("the ended pod's drop-in removed", lambda: not stack.grants.path(group["ended"]).exists(), timeout=5)
+    assert stack.grants.path(group["stays"]).exists() and group_defined(stack.host.state_dir, group["stays"])
+
+
+def test_a_grant_that_does_not_fit_is_refused_alone_and_its_pod_told_why(stack: Stack) -> None:
+    stack.kubelet.registered()
+    (uuid, _), = stack.gpus
+    # [train] reserves 0.2 of every GPU, which the kubelet does not know: its 100 util devices are
+    # all given, 70 + 30, and the second grant takes the GPU's MinUtils to 1.2.
+    first, over, memory_only = [f"{uuid}-m0"], [f"{uuid}-m1"], [f"{uuid}-m2"]
+    stack.kubelet.pods = [pod("first", first, [f"{uuid}-u{i}" for i in range(70)])]
+    wait_until("the first grant defined", lambda: group_defined(stack.host.state_dir, shares.group_name(first)))
+    stack.kubelet.pods.append(pod("over", over, [f"{uuid}-u{i}" for i in range(70, 100)]))
+    wait_until("the pod told", lambda: stack.api.events, timeout=20)
+    ((namespace, name, uid, message),) = stack.api.events
+    assert (namespace, name, uid) == ("ml", "over", "uid-over")
+    refused_file = stack.grants.path(shares.group_name(over))
+    assert message == (f"gemtrace refused container main's GPU share: {refused_file}:4: the MinUtils add up to 1.2 "
+                       f"on GPU {uuid}, above 1 (train 0.2, {shares.group_name(first)} 0.7, "
+                       f"{shares.group_name(over)} 0.3); lower some of them")
+    assert "dropin_refused" in stack.agent.log.read_text()
+
+    # Every other grant stays in force, and a later one that fits is defined: the set is not refused.
+    stack.kubelet.pods.append(pod("later", memory_only))
+    wait_until("the later grant defined", lambda: group_defined(stack.host.state_dir, shares.group_name(memory_only)))
+    assert group_defined(stack.host.state_dir, shares.group_name(first))
+    assert not group_defined(stack.host.state_dir, shares.group_name(over))
+    time.sleep(1.5)  # reconciliations enough to tell it twice
+    assert len(stack.api.events) == 1
+
+    # Allocate for the refused grant stops waiting for a group that will not come.
+    started = time.monotonic()
+    stack.kubelet.plugin(shares.GPU_MEMORY).Allocate(
+        dp.AllocateRequest(container_requests=[dp.ContainerAllocateRequest(devicesIDs=over)]), timeout=30)
+    assert time.monotonic() - started < ALLOCATE_WAIT_S
+
+    # The first pod goes: the refused grant now fits, is defined, and its refusal is forgotten.
+    stack.kubelet.pods = [p for p in stack.kubelet.pods if p.name != "first"]
+    wait_until("the refused grant defined once it fits",
+               lambda: group_defined(stack.host.state_dir, shares.group_name(over)), timeout=20)
+
+
+def test_a_restarted_plugin_keeps_the_running_pods_grants(stack: Stack) -> None:
+    stack.kubelet.registered()
+    (uuid, _), = stack.gpus
+    running, gone = [f"{uuid}-m0", f"{uuid}-m1"], [f"{uuid}-m2"]
+    stack.kubelet.pods = [pod("running", running, [f"{uuid}-u{i}" for i in range(30)]),
+                          pod("gone", gone, [f"{uuid}-u{i}" for i in range(30, 80)])]
+    path = {name: stack.grants.path(shares.group_name(m)) for name, m in (("running", running), ("gone", gone))}
+    wait_until("both groups", lambda: all(group_defined(stack.host.state_dir, p.stem) for p in path.values()))
+    before = path["running"].stat()
+
+    stack.stop_plugin()
+    stack.kubelet.pods = stack.kubelet.pods[:1]  # deleted while no plugin ran
+    listed = len(stack.kubelet.listed)
+    stack.start_plugin()
+    wait_until("the new plugin's reconciliations", lambda: len(stack.kubelet.listed) >= listed + 3, timeout=20)
+    after = path["running"].stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # never rewritten nor removed
+    assert group_defined(stack.host.state_dir, path["running"].stem)
+    # Its file says a pod was behind it: gone at once, not after the grace an unknown file gets.
+    assert not path["gone"].exists()
+    wait_until("the agent dropping the gone pod's group", lambda: not group_defined(stack.host.state_dir,
+                                                                                   path["gone"].stem))
 
 
 def test_health_follows_the_agent(stack: Stack) -> None:

@@ -150,3 +150,24 @@ def test_a_containers_util_only_grant_goes_once_its_whole_grant_is_known(tmp_pat
     grants.write(shares.Grant(memory=(f"{uuid}-m1",)))
     grants.reconcile([ContainerDevices("default", "p", "main", {shares.GPU_UTIL: util, shares.GPU_MEMORY: memory})])
     assert len(list(tmp_path.glob("*.conf"))) == 2
+
+
+def test_a_pod_is_finished_once_nothing_of_it_can_run_any_more() -> None:
+    from gemtrace.kube.apiserver import _finished
+
+    def pod(phase: str, deleted: bool, *states: str) -> dict[str, object]:
+        metadata = {"deletionTimestamp": "2026-11-26T20:00:00Z"} if deleted else {}
+        return {"metadata": metadata, "status": {"phase": phase,
+                                                 "containerStatuses": [{"state": {s: {}}} for s in states]}}
+
+    assert _finished(pod("Succeeded", False, "terminated")) and _finished(pod("Failed", False))
+    assert _finished(pod("Running", True, "terminated", "terminated"))
+    # Deleted but a container still stopping (its grace period): its processes still hold the GPU.
+    assert not _finished(pod("Running", True, "terminated", "running"))
+    assert not _finished(pod("Running", False, "terminated")) and not _finished(pod("Pending", True))
+
+
+def test_a_dropin_says_whose_it_is_once_the_kubelet_has_named_the_pod() -> None:
+    listed = shares.Grant(memory=("GPU-0-m0",), namespace="ml", pod="trainer", container="main")
+    assert shares.dropin_container(shares.dropin_text(listed)) == ("ml", "trainer", "main")
+    assert shares.dropin_container(shares.dropin_text(shares.Grant(memory=("GPU-0-m0",)))) is None

@@ -1,15 +1,17 @@
-"""The apiserver, read-only: the pods of this node, for what PodResources does not say of them.
+"""The apiserver: the pods of this node, for what PodResources does not say of them, and events on them.
 
 PodResources names a container's pod but not its UID (the pod's cgroup path is made of it) nor its
-annotations (`gemtrace.io/max-util`). One GET of the node's pods per reconciliation gives both. The
-credentials: a kubeconfig (its current context; certificate and key files or data, or a token), or
-inside a pod its service account. Optional: without it the plugin writes no Cgroup rule and takes
-MaxUtil from the util request alone. Never writes to the apiserver.
+annotations (`gemtrace.io/max-util`), nor whether it has ended. One GET of the node's pods per
+reconciliation gives all three. The credentials: a kubeconfig (its current context; certificate and
+key files or data, or a token), or inside a pod its service account. Optional: without it the plugin
+writes no Cgroup rule, takes MaxUtil from the util request alone and tells the pods nothing. The one
+write is an Event on a pod whose grant the agent refused (deploy/rbac.yaml allows events create).
 """
 
 from __future__ import annotations
 
 import base64
+import datetime
 import json
 import os
 import ssl
@@ -68,8 +70,14 @@ class Apiserver:
         return cls(cluster["server"].rstrip("/"), ssl_context, user.get("token"))
 
     def get(self, path: str, **query: str) -> dict[str, Any]:
-        url = self.server + path + ("?" + urllib.parse.urlencode(query) if query else "")
-        request = urllib.request.Request(url, headers={"Accept": "application/json"})
+        return self._call("GET", path + ("?" + urllib.parse.urlencode(query) if query else ""))
+
+    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        url = self.server + path
+        request = urllib.request.Request(url, method=method, headers={"Accept": "application/json"},
+                                         data=None if body is None else json.dumps(body).encode())
+        if body is not None:
+            request.add_header("Content-Type", "application/json")
         if self.token:
             request.add_header("Authorization", f"Bearer {self.token}")
         try:
@@ -77,14 +85,43 @@ class Apiserver:
                 result: dict[str, Any] = json.load(response)
                 return result
         except OSError as e:
-            raise ApiError(f"GET {url}: {e}") from None
+            raise ApiError(f"{method} {url}: {e}") from None
 
     def pods_of_node(self, node: str) -> dict[tuple[str, str], PodInfo]:
         """(namespace, name) -> PodInfo of every pod bound to `node`."""
         items = self.get("/api/v1/pods", fieldSelector=f"spec.nodeName={node}")["items"]
         return {(p["metadata"]["namespace"], p["metadata"]["name"]):
-                PodInfo(p["metadata"]["uid"], dict(p["metadata"].get("annotations") or {}), _containers(p))
+                PodInfo(p["metadata"]["uid"], dict(p["metadata"].get("annotations") or {}), _containers(p),
+                        _finished(p))
                 for p in items}
+
+    def pod_event(self, namespace: str, pod: str, uid: str, reason: str, message: str, node: str) -> None:
+        """A Warning event on the pod (`kubectl describe pod` shows it); raises ApiError."""
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self._call("POST", f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/events", event_body(
+            namespace, pod, uid, reason, message, node, now))
+
+
+def event_body(namespace: str, pod: str, uid: str, reason: str, message: str, node: str, now: str) -> dict[str, Any]:
+    """A core/v1 Event on a pod, as the kubelet's own are made (pure)."""
+    return {
+        "apiVersion": "v1", "kind": "Event",
+        "metadata": {"generateName": f"{pod}.", "namespace": namespace},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": namespace, "name": pod, "uid": uid},
+        "reason": reason, "message": message, "type": "Warning", "count": 1,
+        "firstTimestamp": now, "lastTimestamp": now,
+        "source": {"component": "gemtrace-kube-plugin", "host": node},
+    }
+
+
+def _finished(pod: dict[str, Any]) -> bool:
+    """Ended (Succeeded, Failed), or deleted with every container stopped: nothing of it runs any more."""
+    status = pod.get("status") or {}
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return True
+    containers = status.get("containerStatuses") or []
+    return bool(pod["metadata"].get("deletionTimestamp")) and bool(containers) and all(
+        "terminated" in (c.get("state") or {}) for c in containers)
 
 
 def _containers(pod: dict[str, Any]) -> dict[str, str]:

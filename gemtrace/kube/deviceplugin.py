@@ -12,7 +12,10 @@ kubelet's device-plugins directory, each registered with the kubelet. Owns the p
   resource's; the kubelet keeps the first when they differ, and the grant's MinUtil allows for it).
 - Restarts. When the kubelet restarts it deletes every socket here: the plugin sees its socket's new
   inode, serves again and registers again. Every second it reconciles the drop-ins with PodResources
-  (gemtrace.kube.grants), which is also how a restarted plugin picks up the running pods.
+  and the apiserver (gemtrace.kube.grants), which is also how a restarted plugin picks up the running
+  pods, and how a pod's grant goes when the pod does.
+- Refusals. A grant the agent leaves out (it does not fit beside the others: gemtrace.config.load)
+  is told to its pod as a Warning event, once per reason, and Allocate stops waiting for its group.
 
 Never decides quotas itself: the agent reads the drop-ins like any resource file.
 """
@@ -38,13 +41,14 @@ from gemtrace.kube.grants import Grants, Pods
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
-from gemtrace.kube.pods import Names, write_names
+from gemtrace.kube.pods import Names, read_refusals, refused_file, write_names
 
 log = structlog.get_logger("gemtrace.kube.plugin")
 
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 CHECK_SECONDS = 1.0
 ALLOCATE_WAIT_S = 5.0  # for the agent to define a new group (it reloads its resource file every second)
+EVENT_REASON = "GemtraceGrantRefused"
 
 
 def socket_name(resource: str) -> str:
@@ -125,7 +129,8 @@ class Inventory:
 
 class ResourceServicer(dp_grpc.DevicePluginServicer):
     def __init__(self, resource: str, inventory: Inventory, grants: Grants, injection: Injection,
-                 state_dir: Path, stopping: threading.Event) -> None:
+                 state_dir: Path, stopping: threading.Event, refused: Callable[[], dict[str, str]]) -> None:
+        self.refused = refused
         self.resource = resource
         self.inventory = inventory
         self.grants = grants
@@ -181,6 +186,11 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
     def _wait_defined(self, group: str) -> None:
         deadline = time.monotonic() + ALLOCATE_WAIT_S
         while not group_defined(self.state_dir, group):
+            reason = self.refused().get(self.grants.path(group).name)
+            if reason is not None:  # it will not come: the pod hears why once PodResources names it
+                log.warning("group_refused", group=group, reason=reason,
+                            consequence="the container starts in no group of its own")
+                return
             if time.monotonic() > deadline:
                 # The gate retries every second: the container's first allocations run ungated.
                 log.warning("group_not_defined_yet", group=group, waited_s=ALLOCATE_WAIT_S,
@@ -199,10 +209,13 @@ class DevicePlugin:
     def __init__(self, gpus: Sequence[tuple[str, int]], state_dir: Path, grants: Grants, injection: Injection,
                  device_plugins: Path = kubelet.DEVICE_PLUGINS, pod_resources: Path | None = kubelet.POD_RESOURCES,
                  gpus_present: Callable[[], set[str]] | None = None,
-                 pods: Callable[[], Pods] | None = None, names_file: Path | None = None) -> None:
+                 pods: Callable[[], Pods] | None = None, names_file: Path | None = None,
+                 tell: Callable[[str, str, str, str], None] | None = None) -> None:
         """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for the grants' Cgroup
-        rule and MaxUtil annotation; None: without them. `names_file`: where to write the pods' names
-        for the agent's metrics labels (gemtrace.kube.pods.NAMES_FILE)."""
+        rule and MaxUtil annotation, and which pods are gone; None: without them. `names_file`: where
+        to write the pods' names for the agent's metrics labels (gemtrace.kube.pods.NAMES_FILE); the
+        agent's refusals are read beside it. `tell(namespace, pod, uid, message)`: a Warning event on
+        a pod whose grant the agent refused."""
         self.inventory = Inventory(gpus)
         self.state_dir = state_dir
         self.grants = grants
@@ -211,6 +224,9 @@ class DevicePlugin:
         self.pod_resources = pod_resources
         self.pods = pods
         self.names_file = names_file
+        self.refused_file = refused_file(names_file) if names_file is not None else None
+        self.tell = tell
+        self._told: dict[str, str] = {}  # group -> the refusal its pod was told
         self.gpus_present = gpus_present or (lambda: {uuid for uuid, _ in gpus})
         self.kubelet_socket = kubelet.KubeletSocket(device_plugins)
         self._servers: list[grpc.Server] = []
@@ -237,7 +253,8 @@ class DevicePlugin:
             path.unlink(missing_ok=True)
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
             dp_grpc.add_DevicePluginServicer_to_server(
-                ResourceServicer(resource, self.inventory, self.grants, self.injection, self.state_dir, self._stop),
+                ResourceServicer(resource, self.inventory, self.grants, self.injection, self.state_dir, self._stop,
+                                 self.refusals),
                 server)
             server.add_insecure_port(f"unix://{path}")
             server.start()
@@ -275,6 +292,33 @@ class DevicePlugin:
             write_names(self.names_file, Names(
                 {info.uid: (namespace, name, info.containers) for (namespace, name), info in (pods or {}).items()},
                 {group: (g.namespace, g.pod, g.container) for group, g in grants.items()}))
+        self.tell_refusals(grants, pods or {})
+
+    def refusals(self) -> dict[str, str]:
+        """The agent's: drop-in file name -> why it left it out."""
+        return read_refusals(self.refused_file) if self.refused_file is not None else {}
+
+    def tell_refusals(self, grants: dict[str, shares.Grant], pods: Pods) -> None:
+        """Log, and tell its pod, each grant the agent refused, once per reason (again if it fails)."""
+        refused = self.refusals()
+        for group in self._told.keys() - {g for g in grants if self.grants.path(g).name in refused}:
+            del self._told[group]  # in force now, or gone: a later refusal is news again
+        for group, grant in grants.items():
+            reason = refused.get(self.grants.path(group).name)
+            if reason is None or self._told.get(group) == reason or not grant.pod:
+                continue
+            log.warning("grant_refused", group=group, namespace=grant.namespace, pod=grant.pod,
+                        container=grant.container, reason=reason,
+                        consequence="its container runs in no group of its own; every other grant stays in force")
+            if self.tell is not None:
+                info = pods.get((grant.namespace, grant.pod))
+                try:
+                    self.tell(grant.namespace, grant.pod, info.uid if info else "",
+                              f"gemtrace refused container {grant.container}'s GPU share: {reason}")
+                except Exception as e:  # ApiError: told at the next reconciliation
+                    log.warning("event_failed", namespace=grant.namespace, pod=grant.pod, error=str(e))
+                    continue
+            self._told[group] = reason
 
     def step(self) -> None:
         """One pass of the loop: health, registration after a kubelet (re)start, reconciliation."""

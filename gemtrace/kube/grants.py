@@ -8,6 +8,12 @@ each device: its util share, its MaxUtil annotation, its cgroup. The list is the
 after a kubelet restart, or after a re-registration the plugin rebuilds every file from it, and a
 grant always gets the same file and group name, so nothing is counted twice and nothing is lost. A
 file is written only when its text changes (each write makes the agent reload).
+
+A grant lives exactly as long as its pod: its file goes at the first reconciliation that no longer
+finds it, because the kubelet no longer lists the container or the apiserver says its pod is gone
+or finished (a pod that ended stays listed until it is deleted; its MinUtil must not keep counting).
+Only a file that PodResources has never listed, Allocate's before the kubelet records the container,
+is given ALLOCATE_GRACE_S: no one can tell yet whose it is.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from gemtrace.kube.shares import (
     GPU_UTIL,
     GROUP_PREFIX,
     Grant,
+    dropin_container,
     dropin_text,
     parse_max_util,
 )
@@ -35,7 +42,9 @@ from gemtrace.kube.shares import (
 log = structlog.get_logger("gemtrace.kube.grants")
 
 # A file Allocate wrote may wait this long to show up in PodResources before it is pruned: the
-# kubelet lists a container's devices as soon as Allocate returns, but its list is read once a second.
+# kubelet lists a container's devices as soon as Allocate returns, but its list is read once a second,
+# and a plugin just restarted cannot tell an Allocate of a moment ago from a pod gone while it was down.
+# Such a file holds memory only (Allocate knows no util), so no MinUtil waits with it.
 ALLOCATE_GRACE_S = 60.0
 
 
@@ -46,6 +55,7 @@ class PodInfo:
     uid: str
     annotations: dict[str, str] = field(default_factory=dict)
     containers: dict[str, str] = field(default_factory=dict)  # container ID -> name
+    finished: bool = False  # ended, or deleted with every container stopped: its grants go
 
 
 Pods = dict[tuple[str, str], PodInfo]  # (namespace, name) -> info
@@ -58,7 +68,8 @@ class Grants:
         self.cgroup_root = cgroup_root
         self.clock = clock
         self.writes = 0  # files written or removed so far: the agent has something to reload
-        # group -> the container (namespace, pod, name) whose grant this plugin wrote there, as known
+        # group -> the container (namespace, pod, name) whose grant PodResources listed there: a group
+        # here that the list no longer has is a pod gone
         self._container_of: dict[str, tuple[str, str, str]] = {}
 
     def path(self, group: str) -> Path:
@@ -79,8 +90,6 @@ class Grants:
         temporary.write_text(text)
         temporary.replace(path)
         self.writes += 1
-        if grant.pod:
-            self._container_of[grant.group] = (grant.namespace, grant.pod, grant.container)
         log.info("grant_written", group=grant.group, namespace=grant.namespace, pod=grant.pod,
                  container=grant.container, path=str(path))
         if grant.split:
@@ -109,33 +118,53 @@ class Grants:
 
     def reconcile(self, containers: list[ContainerDevices], pods: Pods | None = None) -> dict[str, Grant]:
         """Make the files say exactly the grants of `containers` (PodResources'), completed with
-        `pods` (the apiserver's) where given, keeping a file Allocate wrote less than
-        ALLOCATE_GRACE_S ago; returns the grants by group."""
+        `pods` (the apiserver's) where given, less those whose pod the apiserver no longer has or
+        has seen end; keeps a file never listed for ALLOCATE_GRACE_S. Returns the grants by group."""
         grants = {}
         for container in containers:
-            if GPU_MEMORY in container.devices or GPU_UTIL in container.devices:
-                grant = self.grant_of(container, pods)
-                grants[grant.group] = grant
+            if GPU_MEMORY not in container.devices and GPU_UTIL not in container.devices:
+                continue
+            if pods is not None:
+                info = pods.get((container.namespace, container.pod))
+                if info is None or info.finished:
+                    continue  # the kubelet lists a pod a little past its end: the apiserver says it first
+            grant = self.grant_of(container, pods)
+            grants[grant.group] = grant
         for grant in grants.values():
             self.write(grant)
+            self._container_of[grant.group] = (grant.namespace, grant.pod, grant.container)
         now = self.clock()
         # A container PodResources first listed with its util devices only (its memory's allocation
         # not yet recorded) got a grant named after them; listed whole, its grant is the memory's. The
-        # first one goes at once, not after the grace: its MinUtil, counted twice, could take the
-        # GPU's MinUtils past 1 and get the whole file refused.
+        # first one goes at once: its MinUtil, counted twice, could take the GPU's MinUtils past 1.
         granted = {(g.namespace, g.pod, g.container): group for group, g in grants.items() if g.pod}
-        for group, path in self.owned().items():
+        owned = self.owned()
+        for group, path in owned.items():
             if group in grants:
                 continue
-            moved_to = granted.get(self._container_of.get(group, ("", "", "")))
-            try:
-                age = now - os.stat(path).st_mtime
-            except FileNotFoundError:
-                continue
-            if moved_to is not None or age >= ALLOCATE_GRACE_S:
-                path.unlink(missing_ok=True)
-                self._container_of.pop(group, None)
-                self.writes += 1
-                log.info("grant_removed", group=group, reason=f"its container's grant is now {moved_to}"
-                         if moved_to is not None else "its pod is gone")
+            # Listed before, by this plugin or (its file says so) by one before a restart: gone now.
+            listed = self._container_of.get(group) or _listed_for(path)
+            moved_to = granted.get(listed) if listed is not None else None
+            if listed is None:
+                try:
+                    if now - os.stat(path).st_mtime < ALLOCATE_GRACE_S:
+                        continue  # Allocate's, not yet listed
+                except FileNotFoundError:
+                    continue
+            path.unlink(missing_ok=True)
+            self._container_of.pop(group, None)
+            self.writes += 1
+            log.info("grant_removed", group=group, namespace=listed[0] if listed else "",
+                     pod=listed[1] if listed else "",
+                     reason=f"its container's grant is now {moved_to}" if moved_to is not None
+                     else "its pod is gone" if listed is not None else "never listed by the kubelet")
+        for group in self._container_of.keys() - grants.keys() - owned.keys():
+            del self._container_of[group]  # its file removed by hand: nothing left to prune
         return grants
+
+
+def _listed_for(path: Path) -> tuple[str, str, str] | None:
+    try:
+        return dropin_container(path.read_text())
+    except (OSError, UnicodeDecodeError):
+        return None

@@ -20,6 +20,7 @@ after any restart of the plugin or the kubelet: nothing is counted twice. Pure f
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -126,11 +127,15 @@ def parse_max_util(text: str | None) -> float | None:
     return value if value is not None and 0 < value <= 1 else None
 
 
+_HEADER = "# Written by gemtrace kube-plugin for "
+_HEADER_POD = re.compile(re.escape(_HEADER) + r"([^/ ]+)/([^/ ]+) container ([^ ;]+);")
+
+
 def dropin_text(grant: Grant) -> str:
     """The drop-in resource file of a grant (gemtrace.config reads it after the main file)."""
     who = f"{grant.namespace}/{grant.pod} container {grant.container}" if grant.pod else "a pod not yet known"
     lines = [
-        f"# Written by gemtrace kube-plugin for {who}; removed when the pod is gone. Do not edit.",
+        f"{_HEADER}{who}; removed when the pod is gone. Do not edit.",
         f"[{grant.group}]",
     ]
     if grant.memory:
@@ -143,3 +148,10 @@ def dropin_text(grant: Grant) -> str:
     if grant.gpus:
         lines.append(f"Gpus = {'; '.join(grant.gpus)}")
     return "\n".join(lines) + "\n"
+
+
+def dropin_container(text: str) -> tuple[str, str, str] | None:
+    """The (namespace, pod, container) a drop-in was written for, once PodResources had named them;
+    None for Allocate's file, written before anyone knew whose it was."""
+    match = _HEADER_POD.match(text)
+    return (match.group(1), match.group(2), match.group(3)) if match else None
