@@ -10,6 +10,7 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -269,6 +270,48 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
             cluster.delete_pod(name)
 
 
+CHURN_PODS = 8  # enough to pass 1 with the main file's 0.2 and 0.3 a grant when deleted grants lingered
+
+
+def test_pods_created_and_deleted_one_after_another_each_get_their_limit(node: Node) -> None:
+    """Each pod asks for 2 GiB and 30%; the main file reserves 0.2 of the GPU. Were a deleted pod's
+    grant kept a while, its MinUtil would still count, and the fourth pod's would take the GPU past 1.
+    Admission is measured from the create to the container started, against plain pods' in the
+    same run: the cluster's own pace on this machine."""
+    cluster, dropins = node.cluster, node.host.tmp / "resource.d"
+
+    def admitted(manifest: dict[str, Any]) -> float:
+        started = time.monotonic()
+        node.create(manifest)
+        return time.monotonic() - started
+
+    plain = []
+    for i in range(3):
+        name = f"churn-plain-{i}"
+        try:
+            plain.append(admitted(node.pod(name, "sleep 60")))
+        finally:
+            cluster.delete_pod(name)
+    latencies, limits = [], []
+    for i in range(CHURN_PODS):
+        name = f"churn-{i}"
+        manifest = node.pod(name, "/simgpu/simgpu-rt meminfo && sleep 60",
+                            limits={shares.GPU_MEMORY: "2", shares.GPU_UTIL: "30"})
+        try:
+            latencies.append(admitted(manifest))
+            lines = wait_until("its meminfo", partial(_json_lines, cluster, name), timeout=60, step=0.2)
+            limits.append(lines[0]["total"])
+        finally:
+            cluster.delete_pod(name)
+        # Gone with its pod: no grant of it left for the next pod's to add up with.
+        wait_until("its grant removed", lambda: not list(dropins.glob("k8s-*.conf")), timeout=5, step=0.1)
+    print(f"admission: plain {[round(x, 2) for x in plain]} s, shared {[round(x, 2) for x in latencies]} s")
+    assert limits == [2 * GiB] * CHURN_PODS, (limits, node.agent.log.read_text()[-3000:])
+    assert "dropin_refused" not in node.agent.log.read_text()
+    # An Allocate that waits for a group never defined adds its 5 s (deviceplugin.ALLOCATE_WAIT_S).
+    assert max(latencies) < max(plain) + 3, (plain, latencies)
+
+
 def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:
     try:
         lines: list[dict[str, Any]] = wait_until("the pod holding its memory", lambda: _holding(node.cluster, name),
@@ -282,8 +325,12 @@ def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:
 def _holding(cluster: K8sCluster, name: str) -> list[dict[str, Any]] | None:
     if cluster.get("pod", name)["status"].get("phase") != "Running":
         return None
-    lines = [json.loads(line) for line in cluster.kubectl("logs", name).splitlines() if line.startswith("{")]
+    lines = _json_lines(cluster, name)
     return lines if any("holding" in line for line in lines) else None
+
+
+def _json_lines(cluster: K8sCluster, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in cluster.kubectl("logs", name).splitlines() if line.startswith("{")]
 
 
 def test_a_pod_asking_for_more_than_a_gpu_has_stays_pending_and_says_why(node: Node) -> None:
