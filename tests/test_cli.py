@@ -95,6 +95,17 @@ def test_check_config_names_the_file_it_was_given(config: Path) -> None:
     assert out.returncode == 0 and out.stdout.startswith(f"{config}: OK, 2 groups"), out.stdout
 
 
+def test_check_config_warns_of_each_dropin_it_leaves_out(config: Path) -> None:
+    dropins = config.with_name(config.stem + ".d")
+    dropins.mkdir()
+    (dropins / "a.conf").write_text("[a]\nMinUtil = 0.6\n")
+    (dropins / "b.conf").write_text("[b]\nMinUtil = 0.5\n")
+    out = gemtrace("check-config", str(config))
+    assert out.returncode == 0 and out.stdout.startswith(f"{config}: OK, 3 groups"), out.stdout
+    assert out.stderr.startswith(f"gemtrace: warning: drop-in left out: {dropins / 'b.conf'}:2: the MinUtils add "
+                                 "up to 1.1"), out.stderr
+
+
 # -- gemtrace run without an agent -------------------------------------------------------------------
 
 def test_no_region_means_no_agent(tmp_path: Path) -> None:

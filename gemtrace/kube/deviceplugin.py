@@ -299,7 +299,7 @@ class DevicePlugin:
         return read_refusals(self.refused_file) if self.refused_file is not None else {}
 
     def tell_refusals(self, grants: dict[str, shares.Grant], pods: Pods) -> None:
-        """Log, and tell its pod, each grant the agent refused, once per reason (again if it fails)."""
+        """Log, and tell its pod, each grant the agent refused, once per reason."""
         refused = self.refusals()
         for group in self._told.keys() - {g for g in grants if self.grants.path(g).name in refused}:
             del self._told[group]  # in force now, or gone: a later refusal is news again
@@ -307,18 +307,19 @@ class DevicePlugin:
             reason = refused.get(self.grants.path(group).name)
             if reason is None or self._told.get(group) == reason or not grant.pod:
                 continue
+            self._told[group] = reason
             log.warning("grant_refused", group=group, namespace=grant.namespace, pod=grant.pod,
                         container=grant.container, reason=reason,
                         consequence="its container runs in no group of its own; every other grant stays in force")
-            if self.tell is not None:
-                info = pods.get((grant.namespace, grant.pod))
-                try:
-                    self.tell(grant.namespace, grant.pod, info.uid if info else "",
-                              f"gemtrace refused container {grant.container}'s GPU share: {reason}")
-                except Exception as e:  # ApiError: told at the next reconciliation
-                    log.warning("event_failed", namespace=grant.namespace, pod=grant.pod, error=str(e))
-                    continue
-            self._told[group] = reason
+            if self.tell is None:
+                continue
+            info = pods.get((grant.namespace, grant.pod))
+            try:
+                self.tell(grant.namespace, grant.pod, info.uid if info else "",
+                          f"gemtrace refused container {grant.container}'s GPU share: {reason}")
+            except Exception as e:  # ApiError; not tried again: a refused RBAC would make it a flood
+                log.warning("event_failed", namespace=grant.namespace, pod=grant.pod, error=str(e),
+                            consequence="the refusal is in this log only (grant_refused)")
 
     def step(self) -> None:
         """One pass of the loop: health, registration after a kubelet (re)start, reconciliation."""
