@@ -312,6 +312,27 @@ def test_pods_created_and_deleted_one_after_another_each_get_their_limit(node: N
     assert max(latencies) < max(plain) + 3, (plain, latencies)
 
 
+def test_a_grant_that_does_not_fit_is_refused_alone_with_an_event_on_its_pod(node: Node) -> None:
+    """The kubelet hands out all 100 util devices; the main file's [train] reserves 0.2 beside them.
+    The pod whose 30% takes the GPU past 1 is told so on its pod; the 70% pod keeps its limit."""
+    cluster = node.cluster
+    names = {"fits-70": "70", "over-30": "30"}
+    try:
+        for name, util in names.items():
+            node.create(node.pod(name, "/simgpu/simgpu-rt meminfo && sleep 60",
+                                 limits={shares.GPU_MEMORY: "2", shares.GPU_UTIL: util}))
+            wait_until(f"{name}'s meminfo", partial(_json_lines, cluster, name), timeout=60, step=0.2)
+        (event,) = cluster.wait_events("over-30", "GemtraceGrantRefused")
+        assert event["type"] == "Warning" and event["involvedObject"]["uid"] == cluster.get("pod", "over-30")[
+            "metadata"]["uid"]
+        assert "the MinUtils add up to 1.2" in event["message"] and "train 0.2" in event["message"], event
+        assert not cluster.events("fits-70", "GemtraceGrantRefused")
+        assert _json_lines(cluster, "fits-70")[0]["total"] == 2 * GiB
+    finally:
+        for name in names:
+            cluster.delete_pod(name)
+
+
 def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:
     try:
         lines: list[dict[str, Any]] = wait_until("the pod holding its memory", lambda: _holding(node.cluster, name),
