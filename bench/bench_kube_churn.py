@@ -71,7 +71,9 @@ def main() -> int:
     ap.add_argument("--pods", type=int, default=50)
     add_record_flag(ap, RESULTS)
     args = ap.parse_args()
-    subprocess.run([str(CLUSTER_SH), "up"], check=True, capture_output=True)
+    up = subprocess.run([str(CLUSTER_SH), "up"], capture_output=True, text=True)
+    if up.returncode != 0:
+        raise SystemExit(f"tests/k8s/cluster.sh up failed:\n{up.stderr}")
     cluster = K8sCluster(cluster_env())
     tmp = Path(tempfile.mkdtemp(prefix="gt-kube-churn-"))
     host = Host(SimGpu(tmp / "sim"), tmp / "resource.conf", tmp / "state", tmp)
