@@ -134,6 +134,13 @@ class PolicyParams:
     # holder ran unwatched meanwhile, and a MaxUtil bucket charged all of it would hold its group for
     # many times the stall (a group capped at 0.3 after 10 s: 23 s). Its bucket starts again from empty.
     stall_ns: int = 2000 * MS
+    # A capped group that spans GPUs (gemtrace/gang.py) waits for credit for a turn this long: each turn
+    # costs it a clearing on every GPU of it and a restart of all its ranks at once, so it runs in
+    # fewer, longer turns.
+    gang_slice_ns: int = 180 * MS
+    # A group in its turn across GPUs that goes quiet keeps the GPU this long (its ranks' CPU work
+    # between steps) before it is revoked early as any quiet holder is.
+    gang_pause_ns: int = 5 * MS
 
 
 @dataclass(frozen=True)
@@ -520,7 +527,7 @@ class TimeSharePolicy:
             self._hold(now)  # a turn across GPUs starts here and on its other GPUs together
         elif self._due and self._due_waits(holder, now):
             self._hold(now)
-        elif (obs.holder_idle_since is not None and not self._owed_pause(holder, now)
+        elif (obs.holder_idle_since is not None and not self._kept_pause(holder, now)
               and any(g != holder and self._eligible(g, now) for g in self._demand)):
             self._hold(now)  # revoke early: it does not use its slice, someone else wants the GPU
         elif self._preempted(holder, now):
@@ -535,14 +542,21 @@ class TimeSharePolicy:
             else:
                 self._hold(now)
 
-    def _owed_pause(self, holder: int, now: int) -> bool:
-        """Is the quiet holder being paid its MinUtil debt, and quiet for less than owed_pause_ns? A
-        training loop pauses between steps (its sync, then its CPU work): revoked at each pause, it
-        paid a step of its debt a hog's slice (ResNet-50 with 5 ms of CPU a step, MinUtil 0.6 beside
-        two hogs on the fake GPU: 0.33 of the GPU)."""
+    def _kept_pause(self, holder: int, now: int) -> bool:
+        """Is the quiet holder within the pause it keeps the GPU through (`_pause_kept`)? A training
+        loop pauses between steps (its sync, then its CPU work): revoked at each pause, a loop paid a
+        step of its debt a hog's slice (ResNet-50 with 5 ms of CPU a step, MinUtil 0.6 beside two hogs
+        on the fake GPU: 0.33 of the GPU)."""
         idle_since = self._holder_idle_since
-        return (idle_since is not None and now - idle_since < self.params.owed_pause_ns
-                and self._is_owed(holder))
+        return idle_since is not None and now - idle_since < self._pause_kept(holder)
+
+    def _pause_kept(self, holder: int) -> int:
+        """How long a quiet holder keeps the GPU while others want it: owed_pause_ns while it is paid
+        its MinUtil debt; gang_pause_ns in its turn across GPUs (a rank quiet between steps, revoked
+        there, closes the turn on every GPU of the job, which waits to line up again); else 0."""
+        if holder in self._due:
+            return self.params.gang_pause_ns
+        return self.params.owed_pause_ns if self._is_owed(holder) else 0
 
     def _step_draining(self, now: int, obs: Observation) -> None:
         holder = self._holder
@@ -587,6 +601,7 @@ class TimeSharePolicy:
         self._phase = Phase.DRAINING
         self._hold_at = now
 
+
     # -- choosing ------------------------------------------------------------------------------
 
     def _eligible(self, group: int, now: int, slice_ns: int | None = None, gang_ok: bool = False) -> bool:
@@ -616,7 +631,13 @@ class TimeSharePolicy:
         each hold and release costs it some ms of work; bench/results/models_torch.md, 17:38)."""
         if self._demand <= {group} and not (group in self._barred or group in self._clearing):
             return self._cap_capacity() - 1.0  # (the bucket refills up to its capacity exactly)
-        return self.slice_ns() * (1.0 - self._accounts[group].quota.max_util)
+        return self._turn_ns(group) * (1.0 - self._accounts[group].quota.max_util)
+
+    def _turn_ns(self, group: int) -> int:
+        """The slice a group waits for credit for: a gang turn for a group that spans GPUs."""
+        if group in self._barred or group in self._clearing or group in self._due:
+            return max(self.slice_ns(), self.params.gang_slice_ns)
+        return self.slice_ns()
 
     def _caps_fill_gpu(self) -> bool:
         """Do the MaxUtils of the groups that want the GPU add up to all of it? Then none of them
@@ -765,9 +786,9 @@ class TimeSharePolicy:
         the end of an owed holder's pause, every poll where it idles or is outranked, and once a slice
         where it is steady (it idled neither in its last holding nor so far in this one)."""
         p = self.params
-        if self._owed_pause(holder, now):
+        if self._kept_pause(holder, now):
             assert self._holder_idle_since is not None
-            return self._holder_idle_since + p.owed_pause_ns
+            return self._holder_idle_since + self._pause_kept(holder)
         account = self._accounts[holder]
         steady = account.steady and not account.idled and not self._outranked_present(holder)
         return now + (p.steady_poll_ns if steady else p.poll_ns)
@@ -793,7 +814,12 @@ class TimeSharePolicy:
         # queued far ahead of the syncs), room for two of them: a hold costs a drain that cannot be
         # cut short, and a bucket smaller than that left the GPU idle while both buckets refilled
         # (caps 0.3 / 0.7 with 200 ms drains gave 0.30 / 0.62).
-        return float(max(self.slice_ns(), 2 * self._drain_ns))
+        # Where a group spans GPUs, room for its turn and a slice more: its credit fills while its
+        # other GPUs finish their holders' slices, and a bucket that overflowed meanwhile lost the time
+        # (a job capped at 0.3 over two GPUs was charged 0.22).
+        gangs = self._barred or self._clearing or self._due
+        turn = self.params.gang_slice_ns + self.slice_ns() if gangs else 0
+        return float(max(self.slice_ns(), 2 * self._drain_ns, turn))
 
     def _advance(self, now: int) -> None:
         """Move the accounts in play from the last look to `now`: the holder's and those of groups
