@@ -42,7 +42,7 @@
  *     same user could write it too: the user's own figures, which the agent treats as a hint.
  *
  * Groups: membership is decided once, by the agent (docs/security.md). A gate claims a slot and
- * writes there the group it asks for (`requested`, from GEMTRACE_GROUP). The agent, within a tick of
+ * writes there the group it asks for (`requested`, from GEMTRACE_GROUP; empty when unset). The agent, within a tick of
  * seeing the slot, stores assigned[i] = {pid, group}: the requested group if the process's owner is
  * admitted to it (Users=/UnixGroups= in the resource file), else the group of a matching Cgroup rule,
  * else "default". The pid is part of the entry because a gate frees its own slot at exit and cannot

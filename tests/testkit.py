@@ -7,10 +7,13 @@ pytest (the GPU benches import it on machines that have only their own dependenc
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from gemtrace import contract
@@ -61,3 +64,29 @@ def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
     slot.pid = pid
     region.assign(index, pid, group)
     return slot
+
+
+@contextmanager
+def scratch_cgroup(prefix: str) -> Iterator[tuple[str, Path]]:
+    """A cgroup of its own (root only), removed afterwards: (its path as /proc/PID/cgroup shows it,
+    its cgroup.procs file, where a process writes its pid to enter it). On cgroup v2 under the unified
+    root; on v1 under the pids hierarchy, which a process is in under every layout. Not under
+    kubepods: the test cluster's kubelet removes cgroups there that it did not make."""
+    root = Path("/sys/fs/cgroup")
+    hierarchy = root if (root / "cgroup.controllers").exists() else root / "pids"
+    name = f"{prefix}-{os.getpid()}-{time.monotonic_ns()}"
+    directory = hierarchy / name
+    directory.mkdir()
+    try:
+        yield f"/{name}", directory / "cgroup.procs"
+    finally:
+        # Its processes are the test's, killed by now; wait for the kernel to empty it.
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                directory.rmdir()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
