@@ -407,6 +407,12 @@ KEYS = tuple(_SETTERS)
 _REPEATABLE = frozenset({"Cgroup"})
 
 
+def check_value(key: str, value: str) -> None:
+    """Whether a section's `key` takes `value` on its own (ValueError: what is wrong and what to give),
+    for values that reach a drop-in from elsewhere (a pod's annotations): the file's own rules, once."""
+    _SETTERS[key](_Draft("check", 0), value.strip(), 0)
+
+
 def _parse_sections(text: str, filename: str) -> _Parsed:
     """The groups of one file, each checked on its own; the checks across groups are _combine's."""
     groups: dict[str, _Draft] = {}

@@ -608,7 +608,8 @@ def test_no_region_or_unknown_group_or_other_version_says_so_once(agent: Agent, 
 def test_an_unset_group_asks_for_nothing_and_a_binding_cgroup_holds_what_runs_in_it(agent: Agent) -> None:
     """A pod's processes as the kubelet makes them: in its cgroup, which a binding rule names. Without
     GEMTRACE_GROUP (env -i) or asking for a group open to all, they are held to the pod's limit."""
-    with scratch_cgroup("gt-bind") as (path, procs):
+    path = f"/gt-bind-{os.getpid()}"
+    with scratch_cgroup(path) as procs:
         config = parse_text(f"[pod]\nMemoryLimit = 1GiB\nCgroup = {path}\nCgroupBinding = true\n[open]\n")
         agent.region.set_group("pod", GiB, 0, 1)
         agent.region.set_group("open", None, 0, 1)

@@ -18,14 +18,14 @@ from pathlib import Path
 import grpc
 import pytest
 from agent_host import CONFIG, Host, Running, stop
-from simgpu_env import REPO, SimGpu
-from testkit import GiB, wait_until
+from simgpu_env import REPO, RT_CLIENT, Client, SimGpu
+from testkit import GiB, MiB, scratch_cgroup, wait_until
 
 from gemtrace import region as rg
 from gemtrace.config import dropin_dir, load
 from gemtrace.kube import kubelet, shares
 from gemtrace.kube.deviceplugin import DevicePlugin, group_defined, socket_name
-from gemtrace.kube.grants import Grants
+from gemtrace.kube.grants import Grants, PodInfo, Pods
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
@@ -88,7 +88,7 @@ def short_dir() -> Iterator[Path]:
 
 
 class Stack:
-    def __init__(self, host: Host, directory: Path, agent: Running) -> None:
+    def __init__(self, host: Host, directory: Path, agent: Running, pods: Pods | None = None) -> None:
         self.host, self.agent = host, agent
         self.kubelet = FakeKubelet(directory)
         region = host.region()
@@ -100,7 +100,8 @@ class Stack:
                                    preload_file=host.tmp / "ld.so.preload")
         self.injection.write_preload_file()
         self.plugin = DevicePlugin(gpus, host.state_dir, self.grants, self.injection, device_plugins=directory,
-                                   pod_resources=directory / "pod-resources.sock")
+                                   pod_resources=directory / "pod-resources.sock",
+                                   pods=None if pods is None else lambda: pods)
         self.thread = threading.Thread(target=self.plugin.run, daemon=True)
         self.thread.start()
 
@@ -111,10 +112,11 @@ class Stack:
         self.kubelet.server.stop(0)
 
 
-def running_stack(host: Host, short_dir: Path) -> Iterator[Stack]:
-    """The agent on `host` and the plugin beside a fake kubelet, both stopped afterwards."""
+def running_stack(host: Host, short_dir: Path, pods: Pods | None = None) -> Iterator[Stack]:
+    """The agent on `host` and the plugin beside a fake kubelet, both stopped afterwards. `pods`: what
+    the apiserver says of the pods (None: no apiserver)."""
     agent = host.start_agent("--config-poll", "0.1")
-    s = Stack(host, short_dir, agent)
+    s = Stack(host, short_dir, agent, pods)
     yield s
     s.close()
     if agent.proc.poll() is None:
@@ -239,6 +241,68 @@ def test_minutils_add_up_per_gpu_and_a_spread_grant_gets_what_it_holds_on_each(t
         dp.ContainerAllocateRequest(devicesIDs=devices(gpu1, "u", range(80, 90)))]), timeout=30)
     (allocated,) = response.container_responses
     assert allocated.envs["CUDA_VISIBLE_DEVICES"] == gpu1 and "GEMTRACE_GROUP" not in allocated.envs
+
+
+POD_UID = "5e1f0c2a-7d3b-4f6e-9a80-1b2c3d4e5f60"
+# The systemd driver's layout (gemtrace.kube.pods): the test cluster's kubelet (cgroupfs) never looks there.
+POD_CGROUP = f"kubepods.slice/kubepods-pod{POD_UID.replace('-', '_')}.slice"
+
+
+@pytest.fixture
+def apiserver_stack(host: Host, short_dir: Path) -> Iterator[Stack]:
+    pods = {("ml", "util-only"): PodInfo(POD_UID, {shares.ANNOTATION_PRIORITY: "5"})}
+    yield from running_stack(host, short_dir, pods)
+
+
+def test_a_util_only_pods_processes_are_its_group_whatever_their_environment(apiserver_stack: Stack) -> None:
+    """A pod asking only for gemtrace.io/gpu-util: no GEMTRACE_GROUP reaches it, so its group is its
+    cgroup's binding rule. A process that started before the plugin knew the pod (in `default`) moves
+    there at the reload that brings the rule; one that asks for [train], open to all, stays there."""
+    stack = apiserver_stack
+    stack.kubelet.registered()
+    (uuid, _), = stack.gpus
+    util = [f"{uuid}-u{i}" for i in range(20)]
+    group = shares.group_name(util)
+    gated = stack.host.env(LD_PRELOAD=str(REPO / "build" / "libgemgate.so"),
+                           GEMTRACE_STATE_DIR=str(stack.host.state_dir))
+
+    def start(procs: Path, **env: str) -> Client:
+        return Client(["-c", f'echo $$ > {procs}; exec "$0" "$@"', str(RT_CLIENT), "alloc", "--api", "v2",
+                       "--hold", "60", str(MiB)], {**gated, **env}, client=Path("/bin/sh"))
+
+    def group_of(client: Client) -> str | None:
+        region = stack.host.region()
+        try:
+            names = region.group_names()
+            return next((names.get(region.assigned_group(i, s.pid) or -1) for i, s in region.live_slots()
+                         if s.pid == client.proc.pid), None)
+        finally:
+            region.close()
+
+    with scratch_cgroup(POD_CGROUP) as procs:
+        early = start(procs)
+        try:
+            assert early.next_json()["name"] == "CUDA_SUCCESS"
+            assert group_of(early) == "default"  # no rule names its cgroup yet
+            stack.kubelet.pods = [pr.PodResources(name="util-only", namespace="ml", containers=[
+                pr.ContainerResources(name="main", devices=[
+                    pr.ContainerDevices(resource_name=shares.GPU_UTIL, device_ids=util)])])]
+            wait_until("the pod's group defined", lambda: group_defined(stack.host.state_dir, group), timeout=20)
+            settings = load(stack.host.config).groups[group]
+            assert (settings.min_util, settings.max_util, settings.priority, settings.cgroups,
+                    settings.cgroup_binding) == (0.2, 0.2, 5, (f"/{POD_CGROUP}",), True)
+            wait_until("the early process moved to its pod's group", lambda: group_of(early) == group, timeout=10)
+            later = start(procs, GEMTRACE_GROUP="train")
+            assert later.next_json()["name"] == "CUDA_SUCCESS"
+            assert group_of(later) == group
+            region = stack.host.region()
+            index = region.group_index(group)
+            assert index is not None and region.layout.groups[index].max_util_ppm == 0.2 * rg.UTIL_ONE
+            region.close()
+        finally:
+            early.kill()
+            if "later" in locals():
+                later.kill()
 
 
 def test_health_follows_the_agent(stack: Stack) -> None:

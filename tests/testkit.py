@@ -7,7 +7,6 @@ pytest (the GPU benches import it on machines that have only their own dependenc
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import time
@@ -67,26 +66,32 @@ def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
 
 
 @contextmanager
-def scratch_cgroup(prefix: str) -> Iterator[tuple[str, Path]]:
-    """A cgroup of its own (root only), removed afterwards: (its path as /proc/PID/cgroup shows it,
-    its cgroup.procs file, where a process writes its pid to enter it). On cgroup v2 under the unified
-    root; on v1 under the pids hierarchy, which a process is in under every layout. Not under
-    kubepods: the test cluster's kubelet removes cgroups there that it did not make."""
+def scratch_cgroup(path: str) -> Iterator[Path]:
+    """The cgroup `path` (relative, unique to the caller: a pid in it), made for the test (root only)
+    and removed afterwards with the parents it had to make. Yields its cgroup.procs file, where a
+    process writes its pid to enter it; /proc/PID/cgroup then shows "/" + path. On cgroup v2 under the
+    unified root; on v1 under the pids hierarchy, which every process is in. Never under /kubepods:
+    the test cluster's kubelet removes cgroups there that it did not make."""
     root = Path("/sys/fs/cgroup")
     hierarchy = root if (root / "cgroup.controllers").exists() else root / "pids"
-    name = f"{prefix}-{os.getpid()}-{time.monotonic_ns()}"
-    directory = hierarchy / name
-    directory.mkdir()
+    made: list[Path] = []
+    directory = hierarchy
+    for part in path.strip("/").split("/"):
+        directory = directory / part
+        if not directory.is_dir():
+            directory.mkdir()
+            made.append(directory)
     try:
-        yield f"/{name}", directory / "cgroup.procs"
+        yield directory / "cgroup.procs"
     finally:
-        # Its processes are the test's, killed by now; wait for the kernel to empty it.
+        # Its processes are the test's, killed by now: wait for the kernel to see them gone.
         deadline = time.monotonic() + 10
-        while True:
-            try:
-                directory.rmdir()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
+        for made_dir in reversed(made):
+            while True:
+                try:
+                    made_dir.rmdir()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
