@@ -51,14 +51,11 @@ def _under(path: str, prefix: str) -> bool:
 
 
 def group_for(environ: Mapping[str, str], cgroups: Sequence[str], rules: Mapping[str, Sequence[str]],
-              admitted: Callable[[str], bool] | None = None, binding: Container[str] = ()) -> str:
-    """The group of a process. `rules`: group name -> its Cgroup prefixes from the resource file;
-    `binding`: the groups whose rules bind (CgroupBinding); `admitted(name)`: whether the process may
-    join the group it asks for (None: it may)."""
+              admitted: Callable[[str], bool] | None = None) -> str:
+    """The group of a process that no binding rule names (gemtrace/membership.py looks at those
+    first, with bound_group). `rules`: group name -> its Cgroup prefixes from the resource file;
+    `admitted(name)`: whether the process may join the group it asks for (None: it may)."""
     named = environ.get(ENV_GROUP, "").strip()
-    bound = bound_group(cgroups, rules, binding, named)
-    if bound is not None:
-        return bound
     if named and (admitted is None or admitted(named)):
         return named
     return cgroup_group(cgroups, rules) or DEFAULT_GROUP
