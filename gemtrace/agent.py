@@ -600,6 +600,11 @@ class Agent:
                 log.exception("config_reload_crashed")  # a bug: report it, and keep reloading on the next change
                 return self._reload_failed(f"{path}: {type(e).__name__}: {e}")
             self.config = config
+            try:
+                with self._table_lock:
+                    self.membership.rebind()
+            except Exception:
+                log.exception("rebind_failed")  # a bug: the next reload that changes a binding rule tries again
             self._warn_unknown_gpus(config)
             self.last_reload_ok = True
             self.reloads["success"] += 1

@@ -228,12 +228,12 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
 def cmd_kube_webhook(args: argparse.Namespace) -> int:
     from gemtrace import eventlog
     from gemtrace.kube.injection import Injection
-    from gemtrace.kube.webhook import serve
+    from gemtrace.kube.webhook import resource_groups, serve
 
     eventlog.configure(args.log_level)
     injection = Injection(gate=args.gate, state_dir=args.state_dir, preload_file=args.preload_file)
     try:
-        serve(args.listen, args.cert, args.key, injection)
+        serve(args.listen, args.cert, args.key, injection, resource_groups(args.config))
     except OSError as e:
         return _fail(f"cannot serve the webhook on {args.listen} with {args.cert}: {e}")
     return 0
@@ -409,6 +409,9 @@ def parser() -> argparse.ArgumentParser:
     kube_webhook.add_argument("--key", type=Path, required=True, metavar="FILE", help="its private key (PEM)")
     kube_webhook.add_argument("--state-dir", type=Path, default=defaults.STATE_DIR, metavar="DIR",
                               help=f"the agent's state dir on the nodes (default {defaults.STATE_DIR})")
+    kube_webhook.add_argument("--config", type=Path, default=defaults.CONFIG_PATH, metavar="FILE",
+                              help="the nodes' resource file: a label naming a group it does not define is refused "
+                              "(default %(default)s)")
     injection_options(kube_webhook)
     kube_webhook.set_defaults(func=cmd_kube_webhook)
 

@@ -8,6 +8,8 @@
     Oversubscribe = 24GiB  # past MemoryLimit (or the GPU), allocations become managed memory, up to this
                          # much per GPU in all (or `true`: up to what the host can back); default false
     Cgroup = /kubepods/pod1234   # processes in this cgroup (prefix) belong to the group
+    CgroupBinding = true # ... whatever group they ask for (GEMTRACE_GROUP); default false: a process
+                         # admitted to the group it asks for joins that one instead
     Users = alice; 1001  # who may ask for the group (GEMTRACE_GROUP, gemtrace run --group); names or uids
     UnixGroups = ml      # ... or be in one of these Unix groups (names or gids); neither: everyone
     Gpus = GPU-8f3a...   # the GPUs (UUIDs, ;-separated) its MinUtil is reserved on; default: every GPU
@@ -83,6 +85,9 @@ class GroupConfig:
     # How it shares a GPU with the others: ISOLATION_TIME (the scheduler gives it turns) or ISOLATION_MPS
     # (its processes run side by side through the GPU's MPS daemon, capped in SMs: docs/mps.md).
     isolation: str = ISOLATION_TIME
+    # Its Cgroup rules bind: a process in one of those cgroups is in this group whatever it asks for
+    # (a pod's processes cannot leave their pod's quota by setting or clearing GEMTRACE_GROUP).
+    cgroup_binding: bool = False
 
     def admits(self, uid: int, gids: Iterable[int]) -> bool:
         """Whether a process of `uid` with the groups `gids` (its real gid and supplementary groups)
@@ -120,6 +125,8 @@ class _Draft:
     admission_line: int = 0
     gpus: tuple[str, ...] = ()
     isolation: str = ISOLATION_TIME
+    cgroup_binding: bool = False
+    cgroup_binding_line: int = 0
     keys_seen: dict[str, int] = field(default_factory=dict)  # key -> the line that set it
 
 
@@ -228,6 +235,15 @@ def _oversubscribe(text: str) -> tuple[bool, int | None]:
     except ValueError:
         raise ValueError(f"Oversubscribe {_quote(text.strip())} is neither true, false nor a size; give true, "
                          "false, or the most memory per GPU the group may hold in all, e.g. 48GiB") from None
+
+
+def _flag(key: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("true", "yes", "on"):
+        return True
+    if word in ("false", "no", "off"):
+        return False
+    raise ValueError(f"{key} {_quote(text.strip())} is neither true nor false; give true or false")
 
 
 def _priority(text: str) -> int:
@@ -350,6 +366,10 @@ def _add_cgroups(group: _Draft, value: str, line: int) -> None:
     group.cgroups.extend(_cgroups(value))
 
 
+def _set_cgroup_binding(group: _Draft, value: str, line: int) -> None:
+    group.cgroup_binding, group.cgroup_binding_line = _flag("CgroupBinding", value), line
+
+
 def _set_users(group: _Draft, value: str, line: int) -> None:
     group.users = _ids("Users", value, _uid, "user")
     group.admission_line = group.admission_line or line
@@ -377,6 +397,7 @@ _SETTERS: dict[str, Callable[[_Draft, str, int], None]] = {
     "MemoryLimit": _set_memory_limit,
     "Oversubscribe": _set_oversubscribe,
     "Cgroup": _add_cgroups,
+    "CgroupBinding": _set_cgroup_binding,
     "Users": _set_users,
     "UnixGroups": _set_unix_groups,
     "Gpus": _set_gpus,
@@ -384,6 +405,12 @@ _SETTERS: dict[str, Callable[[_Draft, str, int], None]] = {
 }
 KEYS = tuple(_SETTERS)
 _REPEATABLE = frozenset({"Cgroup"})
+
+
+def check_value(key: str, value: str) -> None:
+    """Whether a section's `key` takes `value` on its own (ValueError: what is wrong and what to give),
+    for values that reach a drop-in from elsewhere (a pod's annotations): the file's own rules, once."""
+    _SETTERS[key](_Draft("check", 0), value.strip(), 0)
 
 
 def _parse_sections(text: str, filename: str) -> _Parsed:
@@ -466,8 +493,11 @@ def _group_config(g: _Draft) -> GroupConfig:
     if name == defaults.DEFAULT_GROUP and g.admission_line:
         raise _RuleError(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
                                            "group runs there; remove Users/UnixGroups from it")
+    if g.cgroup_binding and not g.cgroups:
+        raise _RuleError(g.cgroup_binding_line, f"CgroupBinding of [{name}] binds nothing: the group has no Cgroup; "
+                                                "give its Cgroup paths, or remove CgroupBinding")
     return GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users, g.unix_groups,
-                       g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus, g.isolation)
+                       g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus, g.isolation, g.cgroup_binding)
 
 
 def _combine(files: list[_Parsed]) -> ResourceConfig:

@@ -42,10 +42,11 @@
  *     same user could write it too: the user's own figures, which the agent treats as a hint.
  *
  * Groups: membership is decided once, by the agent (docs/security.md). A gate claims a slot and
- * writes there the group it asks for (`requested`, from GEMTRACE_GROUP). The agent, within a tick of
- * seeing the slot, stores assigned[i] = {pid, group}: the requested group if the process's owner is
- * admitted to it (Users=/UnixGroups= in the resource file), else the group of a matching Cgroup rule,
- * else "default". The pid is part of the entry because a gate frees its own slot at exit and cannot
+ * writes there the group it asks for (`requested`, from GEMTRACE_GROUP; empty when unset). The
+ * agent, within a tick of seeing the slot, stores assigned[i] = {pid, group}: the group of a binding
+ * Cgroup rule that names the process's cgroup (CgroupBinding: a pod's), whatever it asked for; else
+ * the requested group if the process's owner is admitted to it (Users=/UnixGroups= in the resource
+ * file), else the group of a matching Cgroup rule, else "default". The pid is part of the entry because a gate frees its own slot at exit and cannot
  * clear an entry it may not write: an entry counts only for the process whose pid it names, and the
  * agent clears entries whose slot changed owner every tick. Until its entry names it, a gate takes
  * itself for "default" (it waits for the agent at most GT_ASSIGN_WAIT_NS at attach). It reads its

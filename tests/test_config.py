@@ -322,6 +322,16 @@ def test_cgroup_paths_are_printable() -> None:
     assert "longer than 4096 bytes" in error_of("[a]\nCgroup = /" + "p" * 4096 + "\n")
 
 
+def test_cgroup_binding_is_a_flag_of_a_group_with_cgroup_paths() -> None:
+    groups = parse_text("[pod]\nCgroup = /kubepods/pod1\nCgroupBinding = yes\n[plain]\nCgroup = /x\n").groups
+    assert (groups["pod"].cgroup_binding, groups["plain"].cgroup_binding) == (True, False)
+    assert error_of("[a]\nCgroupBinding = true\n") == (
+        "r.conf:2: CgroupBinding of [a] binds nothing: the group has no Cgroup; give its Cgroup paths, or remove "
+        "CgroupBinding")
+    assert error_of("[a]\nCgroup = /x\nCgroupBinding = maybe\n") == (
+        "r.conf:3: CgroupBinding 'maybe' is neither true nor false; give true or false")
+
+
 def test_values_that_once_took_seconds_to_match_are_refused_at_once() -> None:
     # `\s*([kKMGT]i?)?\s*B?\s*` backtracked cubically: 4000 spaces took 46 s, holding the GIL.
     started = time.monotonic()

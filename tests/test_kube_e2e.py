@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -220,13 +221,7 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
     loop = "/simgpu/simgpu-rt launch-loop --kernel-ns 2000000 --launches-per-iter 4 --seconds 60"
 
     def gpu_seconds() -> dict[str, float]:
-        found = {}
-        for line in node.agent.metrics().splitlines():
-            if line.startswith("gemtrace_group_gpu_seconds_total{"):
-                for name in targets:
-                    if f'pod="{name}"' in line:
-                        found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return found
+        return _pod_gpu_seconds(node, targets)
 
     # The main file's [train] reserves 0.2 of every GPU: with 30 + 70 the MinUtils would pass 1 and the
     # agent would refuse the pods' drop-ins (docs/kubernetes.md, "Not done").
@@ -269,6 +264,61 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
             cluster.delete_pod(name)
 
 
+def _pod_gpu_seconds(node: Node, pods: Iterable[str]) -> dict[str, float]:
+    """The GPU seconds the agent counted in each pod's groups, by pod name."""
+    found: dict[str, float] = {}
+    for line in node.agent.metrics().splitlines():
+        if line.startswith("gemtrace_group_gpu_seconds_total{"):
+            for name in pods:
+                if f'pod="{name}"' in line:
+                    found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_a_util_only_pod_is_its_group_and_held_to_its_cap(node: Node) -> None:
+    """A pod asking only for gemtrace.io/gpu-util: 20 gets no GEMTRACE_GROUP; its processes are its
+    group by their cgroup. Alone on the GPU, its group gets 0.2 of it and no more."""
+    name = "util-only-20"
+    loop = "/simgpu/simgpu-rt launch-loop --kernel-ns 2000000 --launches-per-iter 4 --seconds 60"
+    cluster = node.cluster
+    try:
+        node.create(node.pod(name, loop, limits={shares.GPU_UTIL: "20"}))
+        first = wait_until("its group counting GPU time", lambda: _pod_gpu_seconds(node, [name]).get(name),
+                           timeout=120, step=0.5)
+        time.sleep(1)  # past the first launches
+        start, t0 = _pod_gpu_seconds(node, [name])[name], time.monotonic()
+        time.sleep(WINDOW_S)
+        end, t1 = _pod_gpu_seconds(node, [name])[name], time.monotonic()
+        share = (end - start) / (t1 - t0)
+        print(f"util-only pod: {share:.3f} of the GPU over {t1 - t0:.1f} s (first {first:.3f} s)")
+        # Work-conserving but capped: alone it would take the whole GPU.
+        assert 0.15 <= share <= 0.23, share
+        assert cluster.get("pod", name)["status"]["phase"] == "Running", cluster.diagnosis(name)
+    finally:
+        cluster.delete_pod(name)
+
+
+def test_a_pods_processes_stay_in_its_memory_limit_whatever_their_environment(node: Node) -> None:
+    """A container that clears its environment (env -i: no GEMTRACE_GROUP, no GEMTRACE_STATE_DIR) and
+    one that asks for [infer], open to all and without a MemoryLimit: both are held to their pod's 1 GiB."""
+    rt = "/simgpu/simgpu-rt"
+    escapes = {"env-cleared": f"env -i LD_LIBRARY_PATH=/simgpu SIMGPU_STATE_DIR=/simgpu-state {rt}",
+               "other-group": f"GEMTRACE_GROUP=infer {rt}"}
+    cluster = node.cluster
+    try:
+        for name, program in escapes.items():
+            node.create(node.pod(name, f"{program} meminfo && {program} alloc --hold 60 768MiB 512MiB",
+                                 limits={shares.GPU_MEMORY: "1"}))
+        for name in escapes:
+            meminfo, first, second, *_ = _wait_holding(node, name)
+            out = f"{name}: {cluster.kubectl('logs', name)}\n--- agent\n{node.agent.log.read_text()[-3000:]}"
+            assert meminfo["total"] == GiB, out
+            assert (first["name"], second["name"]) == ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"), out
+    finally:
+        for name in escapes:
+            cluster.delete_pod(name)
+
+
 def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:
     try:
         lines: list[dict[str, Any]] = wait_until("the pod holding its memory", lambda: _holding(node.cluster, name),
@@ -305,20 +355,24 @@ def webhook(node: Node) -> Iterator[None]:
     proc = subprocess.Popen(
         gemtrace("kube-webhook", "--listen", f"127.0.0.1:{port}", "--cert", str(cert), "--key", str(key),
                  "--state-dir", str(node.host.state_dir), "--gate", str(GATE),
-                 "--preload-file", str(node.host.tmp / "ld.so.preload")),
+                 "--preload-file", str(node.host.tmp / "ld.so.preload"), "--config", str(node.host.config)),
         env=node.host.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    # The configuration deploy/ installs, pointed at this test's server.
-    config = json.loads(subprocess.run(
-        ["python3", "-c", "import sys,yaml,json; json.dump(yaml.safe_load(open(sys.argv[1])), sys.stdout)",
-         str(REPO / "deploy" / "webhook-configuration.yaml")], capture_output=True, check=True).stdout)
-    hook = config["webhooks"][0]
-    hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/mutate",
-                            "caBundle": base64.b64encode(cluster.ca_cert.read_bytes()).decode()}
-    cluster.create(config)
+    # The configurations deploy/ installs, pointed at this test's server.
+    configs = []
+    for file in ("webhook-configuration.yaml", "webhook-validation.yaml"):
+        config = json.loads(subprocess.run(
+            ["python3", "-c", "import sys,yaml,json; json.dump(yaml.safe_load(open(sys.argv[1])), sys.stdout)",
+             str(REPO / "deploy" / file)], capture_output=True, check=True).stdout)
+        hook = config["webhooks"][0]
+        hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}{hook['clientConfig']['service']['path']}",
+                                "caBundle": base64.b64encode(cluster.ca_cert.read_bytes()).decode()}
+        cluster.create(config)
+        configs.append(config)
     try:
         yield
     finally:
-        cluster.kubectl("delete", "mutatingwebhookconfiguration", config["metadata"]["name"], "--ignore-not-found")
+        for config in configs:
+            cluster.kubectl("delete", config["kind"].lower(), config["metadata"]["name"], "--ignore-not-found")
         proc.terminate()
         proc.wait(timeout=10)
 
@@ -342,6 +396,18 @@ def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: None
         assert meminfo["total"] == 1 * GiB  # [train]'s MemoryLimit in agent_host.CONFIG
     finally:
         node.cluster.delete_pod(name)
+    # A label naming no group of the resource file, an annotation it would refuse: refused, with the reason.
+    refusals = {
+        "labelled-nosuch": (node.pod("labelled-nosuch", "true", labels={shares.LABEL_GROUP: "nosuch"}),
+                            "label gemtrace.io/group=nosuch names no group of the nodes' resource file"),
+        "priority-high": (node.pod("priority-high", "true", limits={shares.GPU_MEMORY: "1"}),
+                          "annotation gemtrace.io/priority: Priority 'high' is not a whole number"),
+    }
+    refusals["priority-high"][0]["metadata"]["annotations"] = {shares.ANNOTATION_PRIORITY: "high"}
+    for name, (manifest, reason) in refusals.items():
+        with pytest.raises(AssertionError, match=re.escape(reason)):
+            node.cluster.create(manifest)
+        assert name not in node.cluster.kubectl("get", "pods", "-o", "name")
     unlabelled = node.cluster.create  # an unlabelled pod is left as it is
     name = "unlabelled"
     unlabelled(node.pod(name, "true"))
