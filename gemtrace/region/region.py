@@ -129,7 +129,10 @@ def _new_file(state_dir: Path, name: str, size: int, mode: int) -> tuple[Path, i
     header is written): a sparse file would kill the agent and every gated program with SIGBUS on a
     full filesystem."""
     tmp = state_dir / f".{name}.{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    # A new file, never one found there (a leftover of a crash, or a link planted by whoever could
+    # write the directory): the checks of open_state_dir are not repeated here.
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         os.fchmod(fd, mode)  # whatever the umask
         try:
