@@ -13,6 +13,8 @@
     Gpus = GPU-8f3a...   # the GPUs (UUIDs, ;-separated) its MinUtil is reserved on; default: every GPU
     Isolation = mps      # time: launches take turns (default); mps: side by side under the GPU's MPS daemon
                          # (docs/mps.md)
+    Opportunistic = yes  # takes only what the other groups leave, beside them, with a queue of a few
+                         # kernels (no MinUtil, no MaxUtil; docs/scheduler.md); default no
 
 Drop-ins: `*.conf` files in the directory beside it named after it (resource.d for resource.conf)
 add groups, read after the main file in name order and checked with it as one file.
@@ -83,6 +85,9 @@ class GroupConfig:
     # How it shares a GPU with the others: ISOLATION_TIME (the scheduler gives it turns) or ISOLATION_MPS
     # (its processes run side by side through the GPU's MPS daemon, capped in SMs: docs/mps.md).
     isolation: str = ISOLATION_TIME
+    # Runs beside the GPU's production groups (those not opportunistic) in what they leave, rather
+    # than taking turns with them (docs/scheduler.md, "Production and opportunistic work").
+    opportunistic: bool = False
 
     def admits(self, uid: int, gids: Iterable[int]) -> bool:
         """Whether a process of `uid` with the groups `gids` (its real gid and supplementary groups)
@@ -120,6 +125,8 @@ class _Draft:
     admission_line: int = 0
     gpus: tuple[str, ...] = ()
     isolation: str = ISOLATION_TIME
+    opportunistic: bool = False
+    opportunistic_line: int = 0
     keys_seen: dict[str, int] = field(default_factory=dict)  # key -> the line that set it
 
 
@@ -249,6 +256,15 @@ def _isolation(text: str) -> str:
     return word
 
 
+def _yes_no(key: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("yes", "true", "on"):
+        return True
+    if word in ("no", "false", "off"):
+        return False
+    raise ValueError(f"{key} {_quote(text.strip())} is neither yes nor no; give yes or no")
+
+
 def _cgroups(text: str) -> list[str]:
     paths = [p.strip() for p in text.split(";") if p.strip()]
     if not paths or any(not p.startswith("/") for p in paths):
@@ -368,6 +384,10 @@ def _set_isolation(group: _Draft, value: str, line: int) -> None:
     group.isolation = _isolation(value)
 
 
+def _set_opportunistic(group: _Draft, value: str, line: int) -> None:
+    group.opportunistic, group.opportunistic_line = _yes_no("Opportunistic", value), line
+
+
 # Every key a section may hold, with what reads its value into the section (a ValueError says what
 # is wrong with it). Only Cgroup may be given more than once: each adds cgroups.
 _SETTERS: dict[str, Callable[[_Draft, str, int], None]] = {
@@ -381,6 +401,7 @@ _SETTERS: dict[str, Callable[[_Draft, str, int], None]] = {
     "UnixGroups": _set_unix_groups,
     "Gpus": _set_gpus,
     "Isolation": _set_isolation,
+    "Opportunistic": _set_opportunistic,
 }
 KEYS = tuple(_SETTERS)
 _REPEATABLE = frozenset({"Cgroup"})
@@ -463,11 +484,19 @@ def _group_config(g: _Draft) -> GroupConfig:
                          f"Oversubscribe {format_size(g.oversubscribe_limit)} of [{name}] is not above its MemoryLimit "
                          f"{format_size(g.memory_limit)} (line {g.memory_limit_line}), so it would never allow managed "
                          "memory; give the total the group may hold in device and managed memory, or true")
+    if g.opportunistic and g.min_util > 0.0:
+        raise _RuleError(g.min_util_line, f"MinUtil {g.min_util:g} of [{name}] cannot hold: the group is opportunistic "
+                                          f"(line {g.opportunistic_line}) and gets only what the others leave; "
+                                          "remove MinUtil or Opportunistic")
+    if g.opportunistic and g.max_util < 1.0:
+        raise _RuleError(g.max_util_line, f"MaxUtil {g.max_util:g} of [{name}] cannot hold: the group is opportunistic "
+                                          f"(line {g.opportunistic_line}) and runs beside the others, not in turns; "
+                                          "remove MaxUtil or Opportunistic")
     if name == defaults.DEFAULT_GROUP and g.admission_line:
         raise _RuleError(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
                                            "group runs there; remove Users/UnixGroups from it")
     return GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users, g.unix_groups,
-                       g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus, g.isolation)
+                       g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus, g.isolation, g.opportunistic)
 
 
 def _combine(files: list[_Parsed]) -> ResourceConfig:

@@ -15,6 +15,10 @@
  * drain is short whatever the process queues; the launches before the next look cost two compares.
  * Released with a long queue (the holder alone, no hold in sight): the same with GT_LONG_QUEUE_BOUND_NS,
  * so that a group that comes later waits for at most that much of our backlog.
+ * Released beside a production group (an opportunistic group, GT_RELEASED_BESIDE): while a production
+ * process named in the control word's list has work queued, the bound is GT_BESIDE_KERNELS launches,
+ * not time (each production kernel then waits for that few of ours at most); otherwise
+ * GT_OUTRANKED_QUEUE_BOUND_NS of work. A few loads a launch: the list and the slots it names.
  * A thread that starts waiting on a held word rings its GPU's doorbell (the doorbells page): the
  * scheduler reacts at once where that wait matters.
  *
@@ -283,23 +287,54 @@ static uint64_t next_queue_check(int gpu, uint64_t per_launch, uint64_t bound_ns
     return __atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) ? base + bound + 1 : base + half;
 }
 
+/* The gate's own name for GT_RELEASED_BESIDE while production has work queued: its bound counts
+ * launches (queue_state tells the two apart, so that a change of either is looked at once). */
+#define GT_BESIDE_BUSY 0x100u
+
 static uint64_t queue_bound(uint32_t state)
 {
-    return state == GT_RELEASED_OUTRANKED   ? GT_OUTRANKED_QUEUE_BOUND_NS
-           : state == GT_RELEASED_LONG_QUEUE ? GT_LONG_QUEUE_BOUND_NS
-                                             : GT_QUEUE_BOUND_NS;
+    return state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_BESIDE ? GT_OUTRANKED_QUEUE_BOUND_NS
+           : state == GT_RELEASED_LONG_QUEUE                           ? GT_LONG_QUEUE_BOUND_NS
+           : state == GT_BESIDE_BUSY                                   ? GT_BESIDE_KERNELS
+                                                                       : GT_QUEUE_BOUND_NS;
 }
 
 static inline bool queue_bounded(uint32_t state)
 {
-    return state == GT_RELEASED_SHORT_QUEUE || state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_LONG_QUEUE;
+    return state == GT_RELEASED_SHORT_QUEUE || state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_LONG_QUEUE ||
+           state == GT_RELEASED_BESIDE || state == GT_BESIDE_BUSY;
 }
 
-static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream, uint64_t launches, uint64_t bound)
+/* Released beside production: does a production process of this GPU have work queued (a burst open:
+ * drained_ns < burst_start_ns)? The agent's list names their slots; a slot of a chunk not mapped yet
+ * reads as free (attach.c, reserve_table) until gt_refresh_slots maps it. */
+static bool production_busy(int gpu, const struct gt_control *control)
+{
+    uint32_t n = __atomic_load_n(&control->beside_n, __ATOMIC_ACQUIRE);
+    if (n == GT_BESIDE_MANY)
+        return true;
+    if (n > GT_BESIDE_SLOTS)
+        n = GT_BESIDE_SLOTS;
+    gt_refresh_slots();
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t index = __atomic_load_n(&control->beside_slots[i], __ATOMIC_RELAXED);
+        if (index >= GT_MAX_SLOTS)
+            continue;
+        const struct gt_slot *s = &gt_proc.slots[index];
+        if (__atomic_load_n(&s->pid, __ATOMIC_RELAXED) != 0 &&
+            __atomic_load_n(&s->drained_ns[gpu], __ATOMIC_ACQUIRE) < __atomic_load_n(&s->burst_start_ns[gpu], __ATOMIC_ACQUIRE))
+            return true;
+    }
+    return false;
+}
+
+static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream, uint64_t launches, uint64_t bound,
+                                                       bool counted)
 {
     if (!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE))
         return false; /* nothing queued; open_burst starts the count again */
-    uint64_t per_launch = __atomic_load_n(&gt_proc.launch_ns[gpu], __ATOMIC_RELAXED);
+    /* A bound in launches (beside busy production) counts each launch as one unit of "work". */
+    uint64_t per_launch = counted ? 1 : __atomic_load_n(&gt_proc.launch_ns[gpu], __ATOMIC_RELAXED);
     if (!per_launch) { /* until the first drain: the next launch looks again */
         if (launches - gt_proc.burst_first_launch[gpu] < GT_FIRST_MEASURE_LAUNCHES &&
             gt_now_ns() - gt_proc.burst_start_ns[gpu] <= bound)
@@ -381,8 +416,11 @@ static void gate_launch(CUstream stream)
         /* After a wait the group may have been held meanwhile: look again, or this launch would
          * queue work behind the drain the scheduler has just seen end. */
         uint64_t launches;
-        if (queue_bounded(state) && queue_check_due(gpu, state, &launches) &&
-            keep_queue_short(gpu, stream, launches, queue_bound(state)))
+        uint32_t bounded = state;
+        if (state == GT_RELEASED_BESIDE && production_busy(gpu, &gt_proc.region->control[gpu][group]))
+            bounded = GT_BESIDE_BUSY;
+        if (queue_bounded(bounded) && queue_check_due(gpu, bounded, &launches) &&
+            keep_queue_short(gpu, stream, launches, queue_bound(bounded), bounded == GT_BESIDE_BUSY))
             state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
         if (state == GT_HELD)
             hold(gpu, held, stream, group);
