@@ -53,6 +53,7 @@ int main(void)
     STR(GT_DEFAULT_GROUP);
     STR(GT_ENV_MANAGED_HINTS);
     STR(GT_ENV_MANAGED_PREFETCH_MAX);
+    STR(GT_ENV_BESIDE_KERNELS);
 
     puts("\n# hook/gemtrace_region.h: the region and the slot table (their layout: gemtrace/region/layout.py)");
     HEX(GT_REGION_MAGIC);
@@ -82,6 +83,8 @@ int main(void)
     INT(GT_OUTRANKED_QUEUE_BOUND_NS);
     INT(GT_LONG_QUEUE_BOUND_NS);
     INT(GT_BESIDE_KERNELS);
+    INT(GT_BESIDE_KERNELS_MAX);
+    INT(GT_BESIDE_POLL_NS);
     INT(GT_BESIDE_SLOTS);
     HEX(GT_BESIDE_MANY);
     INT(GT_WAKE_FANOUT);

@@ -79,7 +79,9 @@
  *      "Production and opportunistic work"). While a process named in control.beside_slots has work
  *      queued on that GPU (its drained_ns < burst_start_ns; beside_n = GT_BESIDE_MANY: always), a
  *      process of the group keeps at most about GT_BESIDE_KERNELS kernels queued there, counted in
- *      launches, not time: each production kernel waits for that few at most. Otherwise it keeps
+ *      launches, not time: each production kernel waits for that few at most (GEMTRACE_BESIDE_KERNELS
+ *      in its environment: 0 to GT_BESIDE_KERNELS_MAX; with 0 its launch sleeps GT_BESIDE_POLL_NS at a
+ *      time until no production process has work queued). Otherwise it keeps
  *      GT_OUTRANKED_QUEUE_BOUND_NS of work, so that a production request arriving waits for little.
  *      The list is the agent's, rewritten when the GPU's production processes change; a gate reads
  *      it at each launch (a few loads) and the slots it names, never a lock.
@@ -170,6 +172,8 @@
 #define GT_OUTRANKED_QUEUE_BOUND_NS 500000ull      /* GT_RELEASED_OUTRANKED: the same, while outranked */
 #define GT_LONG_QUEUE_BOUND_NS 100000000ull        /* GT_RELEASED_LONG_QUEUE: the same, with no hold in sight */
 #define GT_BESIDE_KERNELS 2u                       /* GT_RELEASED_BESIDE, production busy: kernels queued */
+#define GT_BESIDE_KERNELS_MAX 8u                   /* ... the most GEMTRACE_BESIDE_KERNELS may ask */
+#define GT_BESIDE_POLL_NS 100000ull                /* ... with none: how often it looks for production's end */
 #define GT_BESIDE_SLOTS 24                         /* production processes control.beside_slots names */
 #define GT_BESIDE_MANY 0xFFFFu                     /* beside_n: more than that; count production busy */
 #define GT_WAKE_FANOUT 2                           /* held-word waiters a release wakes, and each woken one */

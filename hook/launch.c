@@ -35,8 +35,11 @@
 #define _GNU_SOURCE
 #include "gate.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -239,7 +242,33 @@ static pthread_mutex_t marker_lock = PTHREAD_MUTEX_INITIALIZER;
 /* After fork: a thread of the parent may have held the lock; the child has no such thread. The
  * markers themselves are in gt_proc, which attach.c's handler clears. */
 static void after_fork_in_child(void) { pthread_mutex_init(&marker_lock, NULL); }
-GT_CONSTRUCTOR_LAUNCH static void launch_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
+/* Beside busy production: this process's kernels queued at most (GEMTRACE_BESIDE_KERNELS). */
+static uint32_t beside_kernels = GT_BESIDE_KERNELS;
+
+static void read_beside_kernels(void)
+{
+    const char *text = getenv(GT_ENV_BESIDE_KERNELS);
+    if (!text || !*text)
+        return;
+    char *end;
+    errno = 0;
+    unsigned long v = strtoul(text, &end, 10);
+    if (*end || errno || v > GT_BESIDE_KERNELS_MAX || *text == '-') {
+        fprintf(stderr, "gemtrace gate: %s=%s is not a whole number from 0 to %u; keeping %u kernels queued beside "
+                "busy production.\n", GT_ENV_BESIDE_KERNELS, text, GT_BESIDE_KERNELS_MAX, GT_BESIDE_KERNELS);
+        return;
+    }
+    beside_kernels = (uint32_t)v;
+}
+
+GT_CONSTRUCTOR_LAUNCH static void launch_init(void)
+{
+    int saved = errno;
+    pthread_atfork(NULL, NULL, after_fork_in_child);
+    read_beside_kernels();
+    errno = saved;
+}
 
 /* An event in the stream's context (the current one may be another device's), recorded on it. */
 static bool record_marker(int gpu, CUstream stream, uint64_t launches)
@@ -295,7 +324,7 @@ static uint64_t queue_bound(uint32_t state)
 {
     return state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_BESIDE ? GT_OUTRANKED_QUEUE_BOUND_NS
            : state == GT_RELEASED_LONG_QUEUE                           ? GT_LONG_QUEUE_BOUND_NS
-           : state == GT_BESIDE_BUSY                                   ? GT_BESIDE_KERNELS
+           : state == GT_BESIDE_BUSY                                   ? beside_kernels
                                                                        : GT_QUEUE_BOUND_NS;
 }
 
@@ -376,6 +405,20 @@ static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream,
     return waited;
 }
 
+/* Beside busy production with GEMTRACE_BESIDE_KERNELS=0: sleep until no production process has work
+ * queued (a poll: production's gates ring nobody when their bursts end), the word changes, the agent
+ * goes or the process moves to another group. Returns the word as it then is. */
+static __attribute__((noinline)) uint32_t wait_production_quiet(int gpu, const uint32_t *held, uint32_t group)
+{
+    const struct gt_control *control = &gt_proc.region->control[gpu][group];
+    struct timespec pause = {0, GT_BESIDE_POLL_NS};
+    uint32_t state;
+    while ((state = __atomic_load_n(held, __ATOMIC_ACQUIRE)) == GT_RELEASED_BESIDE && production_busy(gpu, control) &&
+           gt_agent_alive() && gt_group() == group)
+        nanosleep(&pause, NULL);
+    return state;
+}
+
 /* Released with a bounded queue: most launches only compare their count with the next check's, and
  * the word with the one the check was counted for (a tighter bound needs a look now). */
 static inline bool queue_check_due(int gpu, uint32_t state, uint64_t *launches)
@@ -417,8 +460,12 @@ static void gate_launch(CUstream stream)
          * queue work behind the drain the scheduler has just seen end. */
         uint64_t launches;
         uint32_t bounded = state;
-        if (state == GT_RELEASED_BESIDE && production_busy(gpu, &gt_proc.region->control[gpu][group]))
-            bounded = GT_BESIDE_BUSY;
+        if (state == GT_RELEASED_BESIDE && production_busy(gpu, &gt_proc.region->control[gpu][group])) {
+            if (beside_kernels)
+                bounded = GT_BESIDE_BUSY;
+            else /* then bounded as the word says: production quiet, held, or another group's */
+                state = bounded = wait_production_quiet(gpu, held, group);
+        }
         if (queue_bounded(bounded) && queue_check_due(gpu, bounded, &launches) &&
             keep_queue_short(gpu, stream, launches, queue_bound(bounded), bounded == GT_BESIDE_BUSY))
             state = __atomic_load_n(held, __ATOMIC_ACQUIRE);

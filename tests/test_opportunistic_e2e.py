@@ -87,16 +87,19 @@ KERNEL_NS = 1_000_000
 SERVICE_KERNELS = 2
 
 
-def service_waits(host: Host, with_training: bool) -> tuple[list[int], dict[str, float] | None]:
+def service_waits(host: Host, with_training: bool, beside_kernels: int | None = None,
+                  ) -> tuple[list[int], dict[str, float] | None]:
     """The service's waits per request on the device's timeline (2 kernels of 1 ms and a sync every
-    20 ms), and the opportunistic training loop's last line (1 ms kernels, 50 between syncs)."""
-    log = host.tmp / f"sync-{with_training}.log"
+    20 ms), and the opportunistic training loop's last line (1 ms kernels, 50 between syncs; with
+    GEMTRACE_BESIDE_KERNELS=`beside_kernels` where given)."""
+    log = host.tmp / f"sync-{with_training}-{beside_kernels}.log"
     agent = host.start_agent()
     train = None
     try:
         if with_training:
             train = host.run("train", "launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter", "50",
-                             "--seconds", str(SECONDS + 2.0), "--progress")
+                             "--seconds", str(SECONDS + 2.0), "--progress",
+                             env={} if beside_kernels is None else {contract.ENV_BESIDE_KERNELS: str(beside_kernels)})
             assert train.stdout is not None
             assert "progress" in json.loads(train.stdout.readline())  # running for a second
         service = host.run("service", "launch-loop", "--kernel-ns", str(KERNEL_NS), "--launches-per-iter",
@@ -109,19 +112,24 @@ def service_waits(host: Host, with_training: bool) -> tuple[list[int], dict[str,
     return sync_waits(log, service.pid), trained
 
 
-def test_a_production_request_waits_a_few_opportunistic_kernels_not_their_backlog(host: Host) -> None:
+@pytest.mark.parametrize("beside_kernels", [None, 0], ids=["default", "none"])
+def test_a_production_request_waits_a_few_opportunistic_kernels_not_their_backlog(host: Host,
+                                                                                  beside_kernels: int | None) -> None:
     """A service in a production group beside a training loop in an opportunistic group. Each of the
     service's requests waits, beyond its own 2 ms, only for the opportunistic kernels queued ahead of
     it: what the time bound left queued before the request (half a millisecond and the kernel past it)
     and GT_BESIDE_KERNELS more (plus the one whose launch raced the request's): a few ms, where the
     training loop's own backlog is 50 ms (it syncs every 50 kernels), and time slicing would make it
-    wait for the loop's slice. The loop still gets most of the GPU."""
+    wait for the loop's slice. With GEMTRACE_BESIDE_KERNELS=0 the loop adds none while the service
+    has work queued: the request waits for what the time bound left queued only. The loop still gets
+    most of the GPU."""
     host.config.write_text(CONFIG)
     solo, _ = service_waits(host, with_training=False)
-    beside, trained = service_waits(host, with_training=True)
+    beside, trained = service_waits(host, with_training=True, beside_kernels=beside_kernels)
     assert len(solo) > 50 and len(beside) > 50 and trained is not None
     own = SERVICE_KERNELS * KERNEL_NS
-    allowed = own + (contract.BESIDE_KERNELS + 3) * KERNEL_NS
+    kernels = contract.BESIDE_KERNELS if beside_kernels is None else beside_kernels
+    allowed = own + (kernels + 3) * KERNEL_NS
     summary = (f"service waits: solo p50 {percentile(solo, 0.5) / 1e6:.1f} ms, beside training p50 "
                f"{percentile(beside, 0.5) / 1e6:.1f} ms, p99 {percentile(beside, 0.99) / 1e6:.1f} ms, max "
                f"{max(beside) / 1e6:.1f} ms; training {trained['kernel_s'] / trained['elapsed_s']:.2f} of the GPU")
