@@ -316,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"a run failed ({case.name}): {e}", file=sys.stderr)
             continue
         finally:
+            waited = time.monotonic()
             left_running = mps_left(15) if case.setting == "mps" else []
+            spent[-1] += time.monotonic() - waited  # (a run's cost, for the budget's estimate)
             if left_running:
                 print(f"MPS processes still running after {case.name}: {left_running}", file=sys.stderr)
         if case.service is not None:
