@@ -36,8 +36,8 @@ ENV_LOG = "CUDA_MPS_LOG_DIRECTORY"
 ENV_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_MEMORY = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
 # An opportunistic mps group's clients start at MPS's low client priority: the GPU runs the other
-# clients' kernels first (NVIDIA's MPS guide, "CUDA_MPS_CLIENT_PRIORITY": 0 normal, the default, and 1
-# below normal; in the guide since the r550 drivers, CUDA 12.4).
+# clients' kernels first (NVIDIA's MPS guide, environment variables, CUDA_MPS_CLIENT_PRIORITY: 0 normal,
+# the default, and 1 below normal).
 ENV_PRIORITY = "CUDA_MPS_CLIENT_PRIORITY"
 PRIORITY_BELOW_NORMAL = "1"
 CONTROL_PIPE = "control"  # the daemon's named pipe in its pipe directory: there while it runs
