@@ -26,6 +26,9 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
     waits for the holder's drain and for two looks: while outranked, the holder keeps at most a few
     ms queued (Decision.outranked), and the looks come when the gates ring (Decision.wake_on_wait:
     the request's thread blocks, then the drained holder's), not a poll later.
+  - Opportunistic groups take no turn while a group that is not opportunistic is present on the GPU:
+    they are released beside the holder (Decision.beside), and their gates keep a queue of a few
+    kernels while production has work; with no production present they are scheduled as any group.
   - Among the wanting groups of the highest priority, the rest (unreserved, or reserved and unused)
     goes to the one with the least GPU time over a decayed window (max-min fairness):
     work-conserving, and the holder keeps the GPU without a needless switch while nobody else wants it.
@@ -285,6 +288,7 @@ class TimeSharePolicy:
         self._ready: frozenset[int] = frozenset()
         self._top_priority = 0  # the highest priority scheduled: a holder of it is never outranked
         self._guaranteed: frozenset[int] = frozenset()  # the groups with a MinUtil
+        self._opportunistic: frozenset[int] = frozenset()  # the groups with Opportunistic = yes
         # The MaxUtil buckets' capacity (_cap_capacity) at each change since every account was last
         # brought up to date: (until when, capacity) for the past ones, and the one in force.
         self._capacities: list[tuple[int, float]] = []
@@ -312,6 +316,7 @@ class TimeSharePolicy:
                 account.quota = quota
         self._top_priority = max((quota.priority for quota in quotas.values()), default=0)
         self._guaranteed = frozenset(group for group, quota in quotas.items() if quota.min_util > 0.0)
+        self._opportunistic = frozenset(group for group, quota in quotas.items() if quota.opportunistic)
 
     def quotas(self) -> dict[int, Quota]:
         return {group: account.quota for group, account in self._accounts.items()}
@@ -396,9 +401,8 @@ class TimeSharePolicy:
         not opportunistic is present on this GPU (a live process of it launched here), else none. An
         opportunistic holder goes beside at once, with no drain: its gate bounds its queue by the next
         launch, and what it has queued runs beside the production group's first request."""
-        accounts = self._accounts
-        opportunistic = frozenset(g for g, a in accounts.items() if a.quota.opportunistic)
-        if not opportunistic or not any(g in accounts and g not in opportunistic for g in obs.present):
+        opportunistic = self._opportunistic
+        if not opportunistic or not any(g in self._accounts and g not in opportunistic for g in obs.present):
             return frozenset()
         for group in opportunistic:
             self._overrun.pop(group, None)
