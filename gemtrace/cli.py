@@ -149,13 +149,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     gpus = {g.name: ";".join(g.gpus) or "all" for g in groups}
     width = max(len("Gpus"), *(len(text) for text in gpus.values()))
     print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'Priority':>8} {'MemoryLimit':>26} "
-          f"{'Oversubscribe':>26} {'Isolation':>9}  {'Gpus':<{width}}  Cgroup")
+          f"{'Oversubscribe':>26} {'Isolation':>9} {'Opportunistic':>13}  {'Gpus':<{width}}  Cgroup")
     for g in groups:
         limit = "whole GPU" if g.memory_limit is None else f"{format_size(g.memory_limit)} ({g.memory_limit} B)"
         over = ("no" if not g.oversubscribe else "up to the host's bound" if g.oversubscribe_limit is None
                 else f"{format_size(g.oversubscribe_limit)} ({g.oversubscribe_limit} B)")
         print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {g.priority:>8} {limit:>26} {over:>26} "
-              f"{g.isolation:>9}  {gpus[g.name]:<{width}}  {'; '.join(g.cgroups) or '-'}")
+              f"{g.isolation:>9} {'yes' if g.opportunistic else 'no':>13}  {gpus[g.name]:<{width}}  "
+              f"{'; '.join(g.cgroups) or '-'}")
     if any(g.gpus for g in groups):  # (asking NVML costs a driver's start-up: only when there is a UUID to check)
         try:
             host = [gpu.uuid for gpu in discover()]

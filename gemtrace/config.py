@@ -15,6 +15,8 @@
     Gpus = GPU-8f3a...   # the GPUs (UUIDs, ;-separated) its MinUtil is reserved on; default: every GPU
     Isolation = mps      # time: launches take turns (default); mps: side by side under the GPU's MPS daemon
                          # (docs/mps.md)
+    Opportunistic = yes  # takes only what the other groups leave, beside them, with a queue of a few
+                         # kernels (no MinUtil, no MaxUtil; docs/scheduler.md); default no
 
 Drop-ins: `*.conf` files in the directory beside it named after it (resource.d for resource.conf)
 add groups, read after the main file in name order and checked with it as one file.
@@ -88,6 +90,9 @@ class GroupConfig:
     # Its Cgroup rules bind: a process in one of those cgroups is in this group whatever it asks for
     # (a pod's processes cannot leave their pod's quota by setting or clearing GEMTRACE_GROUP).
     cgroup_binding: bool = False
+    # Runs beside the GPU's production groups (those not opportunistic) in what they leave, rather
+    # than taking turns with them (docs/scheduler.md, "Production and opportunistic work").
+    opportunistic: bool = False
 
     def admits(self, uid: int, gids: Iterable[int]) -> bool:
         """Whether a process of `uid` with the groups `gids` (its real gid and supplementary groups)
@@ -127,6 +132,8 @@ class _Draft:
     isolation: str = ISOLATION_TIME
     cgroup_binding: bool = False
     cgroup_binding_line: int = 0
+    opportunistic: bool = False
+    opportunistic_line: int = 0
     keys_seen: dict[str, int] = field(default_factory=dict)  # key -> the line that set it
 
 
@@ -243,7 +250,7 @@ def _flag(key: str, text: str) -> bool:
         return True
     if word in ("false", "no", "off"):
         return False
-    raise ValueError(f"{key} {_quote(text.strip())} is neither true nor false; give true or false")
+    raise ValueError(f"{key} {_quote(text.strip())} is neither yes nor no; give yes or no (or true or false)")
 
 
 def _priority(text: str) -> int:
@@ -388,6 +395,10 @@ def _set_isolation(group: _Draft, value: str, line: int) -> None:
     group.isolation = _isolation(value)
 
 
+def _set_opportunistic(group: _Draft, value: str, line: int) -> None:
+    group.opportunistic, group.opportunistic_line = _flag("Opportunistic", value), line
+
+
 # Every key a section may hold, with what reads its value into the section (a ValueError says what
 # is wrong with it). Only Cgroup may be given more than once: each adds cgroups.
 _SETTERS: dict[str, Callable[[_Draft, str, int], None]] = {
@@ -402,6 +413,7 @@ _SETTERS: dict[str, Callable[[_Draft, str, int], None]] = {
     "UnixGroups": _set_unix_groups,
     "Gpus": _set_gpus,
     "Isolation": _set_isolation,
+    "Opportunistic": _set_opportunistic,
 }
 KEYS = tuple(_SETTERS)
 _REPEATABLE = frozenset({"Cgroup"})
@@ -490,6 +502,14 @@ def _group_config(g: _Draft) -> GroupConfig:
                          f"Oversubscribe {format_size(g.oversubscribe_limit)} of [{name}] is not above its MemoryLimit "
                          f"{format_size(g.memory_limit)} (line {g.memory_limit_line}), so it would never allow managed "
                          "memory; give the total the group may hold in device and managed memory, or true")
+    if g.opportunistic and g.min_util > 0.0:
+        raise _RuleError(g.min_util_line, f"MinUtil {g.min_util:g} of [{name}] cannot hold: the group is opportunistic "
+                                          f"(line {g.opportunistic_line}) and gets only what the others leave; "
+                                          "remove MinUtil or Opportunistic")
+    if g.opportunistic and g.max_util < 1.0:
+        raise _RuleError(g.max_util_line, f"MaxUtil {g.max_util:g} of [{name}] cannot hold: the group is opportunistic "
+                                          f"(line {g.opportunistic_line}) and runs beside the others, not in turns; "
+                                          "remove MaxUtil or Opportunistic")
     if name == defaults.DEFAULT_GROUP and g.admission_line:
         raise _RuleError(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
                                            "group runs there; remove Users/UnixGroups from it")
@@ -497,7 +517,8 @@ def _group_config(g: _Draft) -> GroupConfig:
         raise _RuleError(g.cgroup_binding_line, f"CgroupBinding of [{name}] binds nothing: the group has no Cgroup; "
                                                 "give its Cgroup paths, or remove CgroupBinding")
     return GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users, g.unix_groups,
-                       g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus, g.isolation, g.cgroup_binding)
+                       g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus, g.isolation, g.cgroup_binding,
+                       g.opportunistic)
 
 
 def _combine(files: list[_Parsed]) -> ResourceConfig:

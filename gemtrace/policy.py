@@ -26,6 +26,9 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
     waits for the holder's drain and for two looks: while outranked, the holder keeps at most a few
     ms queued (Decision.outranked), and the looks come when the gates ring (Decision.wake_on_wait:
     the request's thread blocks, then the drained holder's), not a poll later.
+  - Opportunistic groups take no turn while a group that is not opportunistic is present on the GPU:
+    they are released beside the holder (Decision.beside), and their gates keep a queue of a few
+    kernels while production has work; with no production present they are scheduled as any group.
   - Among the wanting groups of the highest priority, the rest (unreserved, or reserved and unused)
     goes to the one with the least GPU time over a decayed window (max-min fairness):
     work-conserving, and the holder keeps the GPU without a needless switch while nobody else wants it.
@@ -39,6 +42,7 @@ capped, development VM: 8 wanting, 32 -> 12 us a step; all 63 wanting, 53 -> 42 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -58,6 +62,9 @@ class Quota:
     min_util: float = 0.0
     max_util: float = 1.0
     priority: int = 0
+    # Takes what production groups leave: beside them, released with a queue of a few kernels
+    # (Decision.beside), not a turn of the GPU's time; scheduled as any group where none is present.
+    opportunistic: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_util <= self.max_util <= 1.0:
@@ -216,6 +223,9 @@ class Decision:
     ready: frozenset[int] = frozenset()
     # Nobody is released or draining here: a turn that is clearing (Observation.clearing) may start.
     clear: bool = False
+    # Opportunistic groups released beside the production groups present on this GPU (their queue
+    # kept to a few kernels while production has work: GT_RELEASED_BESIDE); none of them holds a turn.
+    beside: frozenset[int] = frozenset()
 
 
 class Phase(Enum):
@@ -285,6 +295,7 @@ class TimeSharePolicy:
         self._ready: frozenset[int] = frozenset()
         self._top_priority = 0  # the highest priority scheduled: a holder of it is never outranked
         self._guaranteed: frozenset[int] = frozenset()  # the groups with a MinUtil
+        self._opportunistic: frozenset[int] = frozenset()  # the groups with Opportunistic = yes
         # The MaxUtil buckets' capacity (_cap_capacity) at each change since every account was last
         # brought up to date: (until when, capacity) for the past ones, and the one in force.
         self._capacities: list[tuple[int, float]] = []
@@ -312,6 +323,7 @@ class TimeSharePolicy:
                 account.quota = quota
         self._top_priority = max((quota.priority for quota in quotas.values()), default=0)
         self._guaranteed = frozenset(group for group, quota in quotas.items() if quota.min_util > 0.0)
+        self._opportunistic = frozenset(group for group, quota in quotas.items() if quota.opportunistic)
 
     def quotas(self) -> dict[int, Quota]:
         return {group: account.quota for group, account in self._accounts.items()}
@@ -353,6 +365,9 @@ class TimeSharePolicy:
 
     def step(self, now: int, obs: Observation) -> Decision:
         self._advance(now)
+        beside = self._beside(obs)
+        if beside:
+            obs = self._without_beside(obs, beside)
         demand = obs.demand | (obs.pending & obs.present) if obs.pending else obs.demand
         self._set_demand(frozenset(demand & self._accounts.keys()))
         self._present = obs.present
@@ -383,7 +398,37 @@ class TimeSharePolicy:
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
                         self._wake_on_wait(now, outranked), self._ready,
-                        self._phase is Phase.IDLE or released is not None and released in self._clearing)
+                        self._phase is Phase.IDLE or released is not None and released in self._clearing,
+                        beside)
+
+    # -- production and opportunistic groups ----------------------------------------------------
+
+    def _beside(self, obs: Observation) -> frozenset[int]:
+        """The opportunistic groups to release beside production: all of them, while a group that is
+        not opportunistic is present on this GPU (a live process of it launched here), else none. An
+        opportunistic holder goes beside at once, with no drain: its gate bounds its queue by the next
+        launch, and what it has queued runs beside the production group's first request."""
+        opportunistic = self._opportunistic
+        if not opportunistic or not any(g in self._accounts and g not in opportunistic for g in obs.present):
+            return frozenset()
+        for group in opportunistic:
+            self._overrun.pop(group, None)
+        return opportunistic
+
+    def _without_beside(self, obs: Observation, beside: frozenset[int]) -> Observation:
+        """The observation with the groups beside production taken out: they want no turn. An
+        opportunistic holder (or draining group) is let go here, with what the look saw of its end."""
+        obs = dataclasses.replace(
+            obs, demand=obs.demand - beside, present=obs.present - beside,
+            overrun_drained={g: t for g, t in obs.overrun_drained.items() if g not in beside},
+            barred=obs.barred - beside, clearing=obs.clearing - beside, due=obs.due - beside,
+            pending=obs.pending - beside, stranded=obs.stranded - beside)
+        if self._holder not in beside:
+            return obs
+        # (Charged up to now by _advance; from now on its time is not a turn.)
+        self._phase, self._holder, self._charging = Phase.IDLE, None, False
+        return dataclasses.replace(obs, holder_idle_since=None, drained_at=None, holder_burst_from=None,
+                                   holder_burst_ns=0)
 
     # -- groups that span several GPUs -----------------------------------------------------------
 
