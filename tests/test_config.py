@@ -116,7 +116,8 @@ def test_minutils_add_up_per_gpu_when_groups_name_their_gpus() -> None:
         ("[a]\njust words\n", "r.conf:2: cannot read 'just words'"),
         ("[a b/c]\n", "r.conf:1: group name 'a b/c'"),
         ("[a]\nCgroup = kubepods\n", "r.conf:2: Cgroup 'kubepods' must be one or more absolute cgroup paths"),
-        ("[a]\nOpportunistic = maybe\n", "r.conf:2: Opportunistic 'maybe' is neither yes nor no; give yes or no (or true or false)"),
+        ("[a]\nOpportunistic = maybe\n",
+         "r.conf:2: Opportunistic 'maybe' is neither yes nor no; give yes or no (or true or false)"),
         ("[a]\nOpportunistic = yes\nMinUtil = 0.2\n",
          "r.conf:3: MinUtil 0.2 of [a] cannot hold: the group is opportunistic (line 2) and gets only what the "
          "others leave; remove MinUtil or Opportunistic"),
