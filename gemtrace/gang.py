@@ -45,6 +45,8 @@ class GpuReport:
     released: int | None = None  # the group released here (None: all held)
     clear: bool = False  # nobody released or draining here, or only the clearing group (Decision.clear)
     draining: int | None = None  # the group held here whose queued work still runs
+    # The groups clearing in the view this look decided on: its `ready` speaks for their turns only then.
+    clearing: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,13 @@ class GangTurns:
             before = self._views
             members = self._members()
             changed: set[int] = set()
-            for turn in self._open.values():
-                turn.seen.add(gpu)
+            # A GPU sees a turn clearing when it decided on a view that says so: a look that read its view
+            # before another GPU's report opened the turn reports the readiness of a barred group, which
+            # would close the turn at once (8 of 10 turns at the region's limit: turns opened and closed
+            # 40 times a second, each waking every GPU of it).
+            for group, turn in self._open.items():
+                if group in report.clearing:
+                    turn.seen.add(gpu)
             for group, turn in list(self._open.items()):
                 if self._turn_over(group, turn, members.get(group, frozenset())):
                     del self._open[group]
