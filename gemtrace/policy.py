@@ -814,14 +814,24 @@ class TimeSharePolicy:
 
     def _wake_idle(self, now: int) -> int:
         """Nobody released: a group's first launch rings (it blocks on its held word), so the look for
-        new demand is only a net; the looks that matter are when a waiting capped group's credit is back."""
+        new demand is only a net; the looks that matter are when a waiting capped group's credit is back.
+        A group spanning GPUs that has its credit and waits for its turn (barred, or clearing elsewhere)
+        needs no look: its turn's change rings the bell (gang.py). Looked at `now` instead, an idle GPU
+        looked as fast as the ring gap allows while turns cleared elsewhere (at the region's limit, 6 of
+        10 looks of every GPU)."""
         wake = now + self.params.ring_net_ns
         short = self._caps_fill_gpu()
+        waits_for_turn = self._barred | self._clearing
         for group in self._demand:
             quota = self._accounts[group].quota
             if 0.0 < quota.max_util < 1.0:
-                wanted = self._credit_needed(group, self.params.min_slice_ns if short else None)
-                missing = wanted - self._account(group).cap_credit
+                if group in waits_for_turn:  # (when its readiness comes: _gang_readiness)
+                    missing = self._credit_needed(group) - self._account(group).cap_credit
+                    if missing <= 0:
+                        continue
+                else:
+                    wanted = self._credit_needed(group, self.params.min_slice_ns if short else None)
+                    missing = wanted - self._account(group).cap_credit
                 wake = min(wake, now + max(1, math.ceil(missing / quota.max_util)))
         return wake
 

@@ -282,6 +282,22 @@ def test_a_look_decided_before_the_turn_opened_does_not_close_it() -> None:
     assert turns.view(2) == Turns(due=both, pending=both)
 
 
+def test_an_idle_gpu_whose_capped_groups_wait_for_their_turns_looks_only_when_credit_comes_back() -> None:
+    # Their turns' changes ring the bell; looked at at once instead, every GPU of the region's limit
+    # looked as fast as the ring gap allows while turns cleared elsewhere.
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {1: Quota(0, 0.3), 2: Quota(0, 0.3), 3: Quota(0, 0.3)})
+    wanting = frozenset({1, 2, 3})
+    t = 10 * SECOND  # every bucket full
+    barred = policy.step(t, Observation(wanting, present=wanting, barred=wanting))
+    assert barred.released is None and barred.ready == wanting
+    assert barred.wake_at == t + params.ring_net_ns
+    clearing = policy.step(t + MS, Observation(wanting, present=wanting, barred=frozenset({1, 2}),
+                                               clearing=frozenset({3})))
+    assert clearing.released is None and clearing.wake_at == t + MS + params.ring_net_ns
+
+
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
     # A rank blocked on the CPU (a barrier waiting for the held rank) wants nothing on its GPU.
     both = frozenset({7})
