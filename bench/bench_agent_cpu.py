@@ -2,7 +2,9 @@
 
 Each case starts `gemtrace agent` as a subprocess (through bench/agent_sampler.py, which only tells
 the bench its threads' names) on a private simulated GPU with G groups (the capped ones MaxUtil
-`--cap`), then P gated launch loops: process i in group i % G on GPU i % N. The first ones start
+`--cap`), then P gated launch loops: process i in group i % G on GPU i % N (every group spans GPUs
+where N > 1: gang turns, docs/scheduler.md), or with --group-per-gpu on GPU (i % G) % N (no group
+spans GPUs: each GPU schedules its own groups alone). The first ones start
 through `gemtrace run`; past `--run-limit` the bench gives a process the environment `gemtrace run`
 would (launcher.child_environment: the gate preloaded, the group asked for), since a thousand Python
 launchers would take minutes of this host's CPU. After a warm-up, the agent's CPU time over a window
@@ -208,7 +210,7 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
     lasting = warmup + seconds + 30 + case.processes * 0.02
     clients = []
     for i in range(case.processes):
-        group, gpu = f"g{i % case.groups}", i % case.gpus
+        group, gpu = f"g{i % case.groups}", (i % case.groups if args.group_per_gpu else i) % case.gpus
         loop = [str(RT_CLIENT), "launch-loop", "--kernel-ns", str(args.kernel_ns), "--launches-per-iter", "4",
                 "--seconds", f"{lasting:.0f}", "--device", str(gpu)]
         if i < args.run_limit:
@@ -261,6 +263,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="measurement window per case")
     ap.add_argument("--warmup", type=float, default=5.0, help="after the last process started")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each case, every code once a round")
+    ap.add_argument("--group-per-gpu", action="store_true",
+                    help="a group's processes on one GPU (no gang turns), not spread over all of them")
     ap.add_argument("--kernel-ns", type=int, default=2_000_000)
     ap.add_argument("--cap", type=float, default=0.25, help="the capped groups' MaxUtil")
     ap.add_argument("--run-limit", type=int, default=16, help="processes started through `gemtrace run`")
@@ -299,9 +303,11 @@ def main() -> int:
                     print(f"    {100 * n / total:5.1f}%  {where}")
     target = {(8, 4, 1): 2.0, (1024, 63, 8): 5.0}
     rounds = f", {args.rounds} rounds (medians, min-max)" if args.rounds > 1 else ""
+    layout = "each group on one GPU" if args.group_per_gpu else "each group over every GPU"
     table = [
-        f"{args.seconds:g} s windows{rounds}, launch loops of {args.kernel_ns / 1e6:g} ms kernels (4 a sync), capped "
-        f"groups MaxUtil {args.cap:g}, accounting {'eBPF ' + args.ebpf if args.ebpf else 'without eBPF (--no-ebpf)'}; "
+        f"{args.seconds:g} s windows{rounds}, {layout}, launch loops of {args.kernel_ns / 1e6:g} ms kernels "
+        f"(4 a sync), capped groups MaxUtil {args.cap:g}, "
+        f"accounting {'eBPF ' + args.ebpf if args.ebpf else 'without eBPF (--no-ebpf)'}; "
         f"clock source {clock_source()}; the host's NVML: {host_nvml}",
         "",
         "| case | code | agent CPU (% of one core) | scheduler threads | main | keeper | other | target | load "
