@@ -298,6 +298,17 @@ def test_an_idle_gpu_whose_capped_groups_wait_for_their_turns_looks_only_when_cr
     assert clearing.released is None and clearing.wake_at == t + MS + params.ring_net_ns
 
 
+def test_a_gpu_consents_to_the_barred_groups_it_would_choose_over_its_holder() -> None:
+    # Holder 1 (priority 1) past its first 15 ms: barred 2 of its priority and less used would be
+    # chosen over it, barred 3 of a lower priority would not, however little it ran.
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, {1: Quota(0, 1.0, 1), 2: Quota(0, 1.0, 1), 3: Quota(0, 1.0, 0)})
+    wanting, barred = frozenset({1, 2, 3}), frozenset({2, 3})
+    assert policy.step(0, Observation(wanting, present=wanting, barred=barred)).released == 1
+    decision = policy.step(20 * MS, Observation(wanting, present=wanting, barred=barred))
+    assert decision.released == 1 and decision.ready == {2}
+
+
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
     # A rank blocked on the CPU (a barrier waiting for the held rank) wants nothing on its GPU.
     both = frozenset({7})
