@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -453,7 +453,7 @@ class TimeSharePolicy:
         if (self._phase is Phase.RUNNING and self._holder not in self._barred
                 and now - self._released_at < self.params.min_slice_ns):
             return idle | self._ready.intersection(wanting)
-        return idle | frozenset(g for g in wanting if self._choose(now, admit=g) == g)
+        return idle | self._chosen_if_admitted(now, wanting)
 
     def _due_waits(self, holder: int, now: int) -> bool:
         """Does a group whose turn across GPUs is open want this GPU, held by another group that is
@@ -733,38 +733,78 @@ class TimeSharePolicy:
         the least used goes first anyway."""
         return (1.0 - self._accounts[group].quota.min_util) * self.params.max_owed_slice_ns
 
-    def _choose(self, now: int, admit: int | None = None) -> int | None:
+    def _choose(self, now: int) -> int | None:
         """MinUtil debt first (most behind, relative to its MinUtil), whatever the priorities; then a
         group whose turn across GPUs is open; then, among the groups of the highest priority, the least
         decayed usage; on a tie the holder, then the one that waited longest (a holder whose turn is open
-        goes on by these rules, not by its turn). `admit`: a barred group
-        counted as if it might run (would this GPU choose it: `_gang_readiness`)."""
-        candidates = [g for g in self._demand if g == self._holder and g not in self._barred and self._may_continue(g)
-                      or self._eligible(g, now)] or self._short_candidates(now)
-        if admit is not None:
-            candidates.append(admit)
+        goes on by these rules, not by its turn)."""
+        candidates = self._candidates(now)
         if not candidates:
             return None
-        owed = [g for g in candidates if self._is_owed(g) and (
-            g == self._holder or self._account(g).owed >= self._long_slice_debt(g))]
+        owed = [g for g in candidates if self._owed_first(g)]
         if owed:
-            return max(owed, key=lambda g: (self._account(g).owed / self._accounts[g].quota.min_util,
-                                            g == self._holder))
+            return max(owed, key=self._owed_key)
         due = [g for g in candidates if g in self._due and g != self._holder]
         if due:
-            return min(due, key=lambda g: self._account(g).usage)
+            return min(due, key=self._due_key)
         top = max(self._priority(g) for g in candidates)
-        candidates = [g for g in candidates if self._priority(g) == top]
+        return min((g for g in candidates if self._priority(g) == top), key=self._order_key())
+
+    def _chosen_if_admitted(self, now: int, groups: list[int]) -> frozenset[int]:
+        """The groups of `groups` (barred: none of them a candidate already) that `_choose` would pick
+        if each alone were counted as a candidate too (`_gang_readiness`). The same rules as `_choose`,
+        each group set against the candidates' best found once: a look at 63 barred groups cost 63
+        choices over 63 groups (where `_choose` keeps the first of equals, a group added last wins only
+        if strictly better)."""
+        candidates = self._candidates(now)
+        owed = [self._owed_key(g) for g in candidates if self._owed_first(g)]
+        due = [self._due_key(g) for g in candidates if g in self._due and g != self._holder]
+        top = max((self._priority(g) for g in candidates), default=None)
+        key = self._order_key()
+        best = min((key(g) for g in candidates if self._priority(g) == top), default=None)
+        chosen = []
+        for g in groups:
+            if self._owed_first(g):
+                if not owed or self._owed_key(g) > max(owed):
+                    chosen.append(g)
+            elif owed:
+                continue
+            elif g in self._due and g != self._holder:
+                if not due or self._due_key(g) < min(due):
+                    chosen.append(g)
+            elif due:
+                continue
+            elif top is None or best is None or self._priority(g) > top or self._priority(g) == top and key(g) < best:
+                chosen.append(g)
+        return frozenset(chosen)
+
+    def _candidates(self, now: int) -> list[int]:
+        """The groups `_choose` chooses among: the holder while it may go on, the eligible wanting
+        groups, or else those eligible for a short slice."""
+        return [g for g in self._demand if g == self._holder and g not in self._barred and self._may_continue(g)
+                or self._eligible(g, now)] or self._short_candidates(now)
+
+    def _owed_first(self, group: int) -> bool:
+        """Does the group go first for its MinUtil debt (the holder for any, a waiting group for a long slice's)?"""
+        return self._is_owed(group) and (group == self._holder
+                                         or self._account(group).owed >= self._long_slice_debt(group))
+
+    def _owed_key(self, group: int) -> tuple[float, bool]:
+        return self._account(group).owed / self._accounts[group].quota.min_util, group == self._holder
+
+    def _due_key(self, group: int) -> float:
+        return self._account(group).usage
+
+    def _order_key(self) -> Callable[[int], tuple[float, bool, int]]:
+        """The order among the groups of the highest priority, least first."""
         if self._caps_within_gpu():
             # Every group that wants the GPU can have its whole MaxUtil: the one whose bucket fills
             # first goes first, since credit past a full bucket is lost (caps 0.2/0.3/0.4 by least
             # usage gave the 0.4 group 0.38, its bucket full while the others ran).
             capacity = self._cap_capacity()
-            return min(candidates, key=lambda g: ((capacity - self._account(g).cap_credit)
-                                                  / self._accounts[g].quota.max_util, g != self._holder,
-                                                  self._accounts[g].last_run))
-        return min(candidates, key=lambda g: (self._account(g).usage, g != self._holder,
-                                              self._accounts[g].last_run))
+            return lambda g: ((capacity - self._account(g).cap_credit) / self._accounts[g].quota.max_util,
+                              g != self._holder, self._accounts[g].last_run)
+        return lambda g: (self._account(g).usage, g != self._holder, self._accounts[g].last_run)
 
     def _slice_for(self, group: int, owed_first: bool) -> int:
         p = self.params
@@ -840,14 +880,24 @@ class TimeSharePolicy:
 
     def _wake_idle(self, now: int) -> int:
         """Nobody released: a group's first launch rings (it blocks on its held word), so the look for
-        new demand is only a net; the looks that matter are when a waiting capped group's credit is back."""
+        new demand is only a net; the looks that matter are when a waiting capped group's credit is back.
+        A group spanning GPUs that has its credit and waits for its turn (barred, or clearing elsewhere)
+        needs no look: its turn's change rings the bell (gang.py). Looked at `now` instead, an idle GPU
+        looked as fast as the ring gap allows while turns cleared elsewhere (at the region's limit, 6 of
+        10 looks of every GPU)."""
         wake = now + self.params.ring_net_ns
         short = self._caps_fill_gpu()
+        waits_for_turn = self._barred | self._clearing
         for group in self._demand:
             quota = self._accounts[group].quota
             if 0.0 < quota.max_util < 1.0:
-                wanted = self._credit_needed(group, self.params.min_slice_ns if short else None)
-                missing = wanted - self._account(group).cap_credit
+                if group in waits_for_turn:  # (when its readiness comes: _gang_readiness)
+                    missing = self._credit_needed(group) - self._account(group).cap_credit
+                    if missing <= 0:
+                        continue
+                else:
+                    wanted = self._credit_needed(group, self.params.min_slice_ns if short else None)
+                    missing = wanted - self._account(group).cap_credit
                 wake = min(wake, now + max(1, math.ceil(missing / quota.max_util)))
         return wake
 

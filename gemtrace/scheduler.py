@@ -324,15 +324,17 @@ class GpuScheduler:
                 self._apply_quotas(now, self._pending_quotas)
                 self._pending_quotas = None
             observation = self._observe(now)
-            decision = self._policy.step(now, self._with_turns(observation))
+            turned = self._with_turns(observation)
+            decision = self._policy.step(now, turned)
             # A turn across GPUs that opened, went or closed at this look: decide again before carrying
             # out (a few times at most: each report moves a turn on by one state).
             for _ in range(3):
                 if self._gang is None or not self._gang.report(self.gpu, GpuReport(
                         observation.present, observation.demand, decision.ready, decision.released, decision.clear,
-                        decision.draining)):
+                        decision.draining, turned.clearing)):
                     break
-                decision = self._policy.step(now, self._with_turns(observation))
+                turned = self._with_turns(observation)
+                decision = self._policy.step(now, turned)
             self._carry_out(now, decision)
             self._assert_words()
             self.looks += 1

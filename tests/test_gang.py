@@ -149,12 +149,15 @@ def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds:
             obs = gpu.observe(t, jobs)
             gpu.demand = obs.demand
             if gang:
-                decision = gpu.policy.step(t, with_turns(obs, turns.view(gpu.index)))
+                turned = with_turns(obs, turns.view(gpu.index))
+                decision = gpu.policy.step(t, turned)
                 for _ in range(3):  # as GpuScheduler.step does
                     if not turns.report(gpu.index, GpuReport(obs.present, obs.demand, decision.ready,
-                                                             decision.released, decision.clear, decision.draining)):
+                                                             decision.released, decision.clear, decision.draining,
+                                                             turned.clearing)):
                         break
-                    decision = gpu.policy.step(t, with_turns(obs, turns.view(gpu.index)))
+                    turned = with_turns(obs, turns.view(gpu.index))
+                    decision = gpu.policy.step(t, turned)
             else:
                 decision = gpu.policy.step(t, obs)
             gpu.apply(t, decision)
@@ -277,9 +280,9 @@ def test_a_turn_opens_when_every_gpu_that_wants_it_consents_starts_when_all_are_
     # Open: GPU 0 is clear already, GPU 1 still holds another group (it drains).
     assert turns.view(0) == Turns(clearing=both) and turns.view(1) == Turns(clearing=both)
     assert 0 in woken  # the other GPU's scheduler is told at once
-    turns.report(0, GpuReport(both, both, ready=both, clear=True))
+    turns.report(0, GpuReport(both, both, ready=both, clear=True, clearing=both))
     assert turns.view(0) == Turns(clearing=both)
-    turns.report(1, GpuReport(both, both, ready=both, clear=True))
+    turns.report(1, GpuReport(both, both, ready=both, clear=True, clearing=both))
     # Go: released on both at once, whether or not each asks (pending: not yet released there).
     assert turns.view(0) == Turns(due=both, pending=both) and turns.view(1) == Turns(due=both, pending=both)
     turns.report(0, GpuReport(both, both, released=7))
@@ -300,8 +303,52 @@ def test_a_turn_that_a_gpu_no_longer_consents_to_while_it_clears_does_not_start(
     turns.report(1, GpuReport(both, both, ready=both))
     turns.report(0, GpuReport(both, both, ready=both))
     assert turns.view(1) == Turns(clearing=both)
-    turns.report(1, GpuReport(both, both, ready=frozenset(), clear=True))
+    turns.report(1, GpuReport(both, both, ready=frozenset(), clear=True, clearing=both))
     assert turns.open_turns() == {} and turns.view(0) == Turns(barred=both)
+
+
+def test_a_look_decided_before_the_turn_opened_does_not_close_it() -> None:
+    # GPU 2 read its view (7 barred) before GPU 0's report opened 7's turn, and chose another barred
+    # group: its readiness speaks of 7 barred, not clearing. Counted, it closed 8 turns of 10 at the
+    # region's limit (1024 processes, 63 groups spanning 8 GPUs), each waking every GPU.
+    both, three = frozenset({7}), frozenset({0, 1, 2})
+    turns = GangTurns()
+    turns.report(1, GpuReport(both, both, ready=both))
+    turns.report(2, GpuReport(both, both, ready=both))
+    turns.report(0, GpuReport(both, both, ready=both))
+    assert turns.open_turns() == {7: three}
+    turns.report(2, GpuReport(both, both, ready=frozenset(), clear=True))  # its look began before the opening
+    assert turns.open_turns() == {7: three}
+    for gpu in (0, 1, 2):
+        turns.report(gpu, GpuReport(both, both, ready=both, clear=True, clearing=both))
+    assert turns.view(2) == Turns(due=both, pending=both)
+
+
+def test_an_idle_gpu_whose_capped_groups_wait_for_their_turns_looks_only_when_credit_comes_back() -> None:
+    # Their turns' changes ring the bell; looked at at once instead, every GPU of the region's limit
+    # looked as fast as the ring gap allows while turns cleared elsewhere.
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {1: Quota(0, 0.3), 2: Quota(0, 0.3), 3: Quota(0, 0.3)})
+    wanting = frozenset({1, 2, 3})
+    t = 10 * SECOND  # every bucket full
+    barred = policy.step(t, Observation(wanting, present=wanting, barred=wanting))
+    assert barred.released is None and barred.ready == wanting
+    assert barred.wake_at == t + params.ring_net_ns
+    clearing = policy.step(t + MS, Observation(wanting, present=wanting, barred=frozenset({1, 2}),
+                                               clearing=frozenset({3})))
+    assert clearing.released is None and clearing.wake_at == t + MS + params.ring_net_ns
+
+
+def test_a_gpu_consents_to_the_barred_groups_it_would_choose_over_its_holder() -> None:
+    # Holder 1 (priority 1) past its first 15 ms: barred 2 of its priority and less used would be
+    # chosen over it, barred 3 of a lower priority would not, however little it ran.
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, {1: Quota(0, 1.0, 1), 2: Quota(0, 1.0, 1), 3: Quota(0, 1.0, 0)})
+    wanting, barred = frozenset({1, 2, 3}), frozenset({2, 3})
+    assert policy.step(0, Observation(wanting, present=wanting, barred=barred)).released == 1
+    decision = policy.step(20 * MS, Observation(wanting, present=wanting, barred=barred))
+    assert decision.released == 1 and decision.ready == {2}
 
 
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
