@@ -331,7 +331,9 @@ def test_an_idle_gpu_whose_capped_groups_wait_for_their_turns_looks_only_when_cr
     policy = TimeSharePolicy(params, now=0)
     policy.set_quotas(0, {1: Quota(0, 0.3), 2: Quota(0, 0.3), 3: Quota(0, 0.3)})
     wanting = frozenset({1, 2, 3})
-    t = 10 * SECOND  # every bucket full
+    t = 10 * SECOND
+    # (Seen barred a second before: their buckets have room for a turn across GPUs, and filled it.)
+    policy.step(t - SECOND, Observation(wanting, present=wanting, barred=wanting))
     barred = policy.step(t, Observation(wanting, present=wanting, barred=wanting))
     assert barred.released is None and barred.ready == wanting
     assert barred.wake_at == t + params.ring_net_ns
