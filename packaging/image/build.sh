@@ -11,9 +11,8 @@
 # the versions constraints.txt pins (grpcio and its typing_extensions, protobuf, PyYAML; Debian's are
 # older than the generated gRPC modules need). umoci makes the OCI image of it, skopeo the archive.
 #
-# Cached: the archive is rebuilt only when its inputs change (the .deb, the pins, this script, the
-# distribution's packages as of the last apt-get update are not inputs: GEMTRACE_IMAGE_REBUILD=1
-# forces a build). Needs root (mmdebstrap installs packages as root), network access to the Debian
+# Cached: the archive is rebuilt only when its inputs change: the .deb's files, the pins, this script
+# (Debian's packages are not inputs: GEMTRACE_IMAGE_REBUILD=1 forces a build, to take their updates). Needs root (mmdebstrap installs packages as root), network access to the Debian
 # mirror and, once per pin, to PyPI. Never writes outside BUILD.
 set -euo pipefail
 umask 022
@@ -47,7 +46,15 @@ pins=$(grep -iE '^(grpcio|protobuf|pyyaml|typing_extensions)==' "$top/constraint
 wheel_opts=(--only-binary=:all: --no-deps --implementation cp --python-version 3.11 --abi cp311
             --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
 
-key=$({ sha256sum "$deb" | cut -d' ' -f1; echo "$pins"; sha256sum "$0" | cut -d' ' -f1; } | sha256sum | cut -d' ' -f1)
+# The .deb by its files' names, modes and contents: its changelog and man page carry the last
+# commit's date, which alone must not cost a rebuild.
+deb_files() {
+    dpkg-deb -f "$deb"
+    # shellcheck disable=SC2016  # expanded by tar's shell, per file
+    dpkg-deb --fsys-tarfile "$deb" | tar -x --to-command='case "$TAR_FILENAME" in
+        */changelog.gz|*/man1/*) ;; *) echo "$TAR_FILENAME $TAR_MODE"; sha256sum ;; esac'
+}
+key=$({ deb_files; echo "$pins"; sha256sum "$0" | cut -d' ' -f1; } | sha256sum | cut -d' ' -f1)
 if [ -f "$archive" ] && [ "$(cat "$out/key" 2>/dev/null)" = "$key" ] && [ "${GEMTRACE_IMAGE_REBUILD:-0}" != 1 ]; then
     echo "$archive"
     exit 0
