@@ -54,13 +54,14 @@ def gemtrace_image(k8s_cluster: K8sCluster) -> str:
 class Deployment:
     """deploy/ on the cluster, through the overlay of the module's docstring, for one test's host."""
 
-    def __init__(self, cluster: K8sCluster, host: Host, names: Path) -> None:
+    def __init__(self, cluster: K8sCluster, host: Host, names: Path, plugin_args: tuple[str, ...] = ()) -> None:
         self.cluster, self.host = cluster, host
         self.dir = host.tmp / "overlay"
         self.webhook_port = free_port()
-        self.overlay(names)
+        self.overlay(names, plugin_args)
 
-    def overlay(self, names: Path) -> None:
+    def overlay(self, names: Path, plugin_args: tuple[str, ...]) -> None:
+        """The overlay's files; `plugin_args`: more options of the plugin's command."""
         host, cluster = self.host, self.cluster
         apiserver = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]["server"]
         address, _, port = apiserver.removeprefix("https://").rpartition(":")
@@ -81,7 +82,8 @@ class Deployment:
                     "name": "plugin",
                     "command": ["gemtrace", "kube-plugin", "--config", str(host.config),
                                 "--state-dir", str(host.state_dir), "--gate", str(GATE),
-                                "--preload-file", str(host.tmp / "ld.so.preload"), "--pod-names", str(names)],
+                                "--preload-file", str(host.tmp / "ld.so.preload"), "--pod-names", str(names),
+                                *plugin_args],
                     "env": api_env + [{"name": k, "value": v} for k, v in host.sim.env().items()
                                       if k.startswith("SIMGPU_") or k == "LD_LIBRARY_PATH"],
                     "volumeMounts": [{"name": n, "mountPath": str(p)} for n, p in paths.items()],
@@ -151,11 +153,11 @@ class Deployment:
 class Node:
     """The node: the agent on the host (restartable) and deploy/'s plugin and webhook in pods."""
 
-    def __init__(self, cluster: K8sCluster, host: Host) -> None:
+    def __init__(self, cluster: K8sCluster, host: Host, plugin_args: tuple[str, ...] = ()) -> None:
         self.cluster, self.host = cluster, host
         self.names = host.tmp / "pods.json"
         self.agent = self.start_agent()
-        self.deployment = Deployment(cluster, host, self.names)
+        self.deployment = Deployment(cluster, host, self.names, plugin_args)
         self.plugin_uid = ""
 
     def start_agent(self) -> Running:
