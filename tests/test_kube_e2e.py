@@ -58,6 +58,7 @@ class Deployment:
         self.cluster, self.host = cluster, host
         self.dir = host.tmp / "overlay"
         self.webhook_port = free_port()
+        self.applied_at = 0.0
         self.overlay(names, plugin_args)
 
     def overlay(self, names: Path, plugin_args: tuple[str, ...]) -> None:
@@ -127,6 +128,7 @@ class Deployment:
         """The README's operator steps: label the GPU node, `kubectl apply -k`."""
         self.cluster.kubectl("label", "node", self.cluster.node, "gemtrace.io/gpu=true", "--overwrite")
         self.cluster.kubectl("apply", "-k", str(self.dir))
+        self.applied_at = time.monotonic()
 
     def delete(self) -> None:
         """Everything deploy/ made, gone (the namespace too) before the next test applies it again."""
@@ -248,6 +250,7 @@ def node(k8s_cluster: K8sCluster, gemtrace_image: str, host: Host) -> Iterator[N
         # The node's figures may be the previous test's plugin's: wait for this one's registration, or a
         # pod placed meanwhile fails the kubelet's admission (its devices unknown for a moment).
         n.wait_registered()
+        print(f"plugin registered {time.monotonic() - n.deployment.applied_at:.1f} s after kubectl apply -k")
 
         def advertised() -> bool:
             capacity = k8s_cluster.get("node", k8s_cluster.node)["status"]["allocatable"]
@@ -439,6 +442,8 @@ def webhook(node: Node) -> Iterator[dict[str, Any]]:
 
     try:
         config = wait_until("the webhook's caBundle in its configuration", ready, timeout=120, step=0.5)
+        print(f"webhook ready with its own certificate {time.monotonic() - node.deployment.applied_at:.1f} s "
+              "after kubectl apply -k")
     except AssertionError as e:
         raise AssertionError(f"{e}\n{node.deployment.describe()}\n"
                              f"{node.deployment.logs('app.kubernetes.io/name=gemtrace-webhook')}") from None
