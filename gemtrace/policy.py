@@ -26,6 +26,9 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
     waits for the holder's drain and for two looks: while outranked, the holder keeps at most a few
     ms queued (Decision.outranked), and the looks come when the gates ring (Decision.wake_on_wait:
     the request's thread blocks, then the drained holder's), not a poll later.
+  - Opportunistic groups take no turn while a group that is not opportunistic is present on the GPU:
+    they are released beside the holder (Decision.beside), and their gates keep a queue of a few
+    kernels while production has work; with no production present they are scheduled as any group.
   - Among the wanting groups of the highest priority, the rest (unreserved, or reserved and unused)
     goes to the one with the least GPU time over a decayed window (max-min fairness):
     work-conserving, and the holder keeps the GPU without a needless switch while nobody else wants it.
@@ -39,6 +42,7 @@ capped, development VM: 8 wanting, 32 -> 12 us a step; all 63 wanting, 53 -> 42 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -58,6 +62,9 @@ class Quota:
     min_util: float = 0.0
     max_util: float = 1.0
     priority: int = 0
+    # Takes what production groups leave: beside them, released with a queue of a few kernels
+    # (Decision.beside), not a turn of the GPU's time; scheduled as any group where none is present.
+    opportunistic: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_util <= self.max_util <= 1.0:
@@ -134,6 +141,13 @@ class PolicyParams:
     # holder ran unwatched meanwhile, and a MaxUtil bucket charged all of it would hold its group for
     # many times the stall (a group capped at 0.3 after 10 s: 23 s). Its bucket starts again from empty.
     stall_ns: int = 2000 * MS
+    # A capped group that spans GPUs (gemtrace/gang.py) waits for credit for a turn this long: each turn
+    # costs it a clearing on every GPU of it and a restart of all its ranks at once, so it runs in
+    # fewer, longer turns.
+    gang_slice_ns: int = 180 * MS
+    # A group in its turn across GPUs that goes quiet keeps the GPU this long (its ranks' CPU work
+    # between steps) before it is revoked early as any quiet holder is.
+    gang_pause_ns: int = 5 * MS
 
 
 @dataclass(frozen=True)
@@ -209,6 +223,9 @@ class Decision:
     ready: frozenset[int] = frozenset()
     # Nobody is released or draining here: a turn that is clearing (Observation.clearing) may start.
     clear: bool = False
+    # Opportunistic groups released beside the production groups present on this GPU (their queue
+    # kept to a few kernels while production has work: GT_RELEASED_BESIDE); none of them holds a turn.
+    beside: frozenset[int] = frozenset()
 
 
 class Phase(Enum):
@@ -278,6 +295,7 @@ class TimeSharePolicy:
         self._ready: frozenset[int] = frozenset()
         self._top_priority = 0  # the highest priority scheduled: a holder of it is never outranked
         self._guaranteed: frozenset[int] = frozenset()  # the groups with a MinUtil
+        self._opportunistic: frozenset[int] = frozenset()  # the groups with Opportunistic = yes
         # The MaxUtil buckets' capacity (_cap_capacity) at each change since every account was last
         # brought up to date: (until when, capacity) for the past ones, and the one in force.
         self._capacities: list[tuple[int, float]] = []
@@ -305,6 +323,7 @@ class TimeSharePolicy:
                 account.quota = quota
         self._top_priority = max((quota.priority for quota in quotas.values()), default=0)
         self._guaranteed = frozenset(group for group, quota in quotas.items() if quota.min_util > 0.0)
+        self._opportunistic = frozenset(group for group, quota in quotas.items() if quota.opportunistic)
 
     def quotas(self) -> dict[int, Quota]:
         return {group: account.quota for group, account in self._accounts.items()}
@@ -346,6 +365,9 @@ class TimeSharePolicy:
 
     def step(self, now: int, obs: Observation) -> Decision:
         self._advance(now)
+        beside = self._beside(obs)
+        if beside:
+            obs = self._without_beside(obs, beside)
         demand = obs.demand | (obs.pending & obs.present) if obs.pending else obs.demand
         self._set_demand(frozenset(demand & self._accounts.keys()))
         self._present = obs.present
@@ -376,7 +398,37 @@ class TimeSharePolicy:
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
                         self._wake_on_wait(now, outranked), self._ready,
-                        self._phase is Phase.IDLE or released is not None and released in self._clearing)
+                        self._phase is Phase.IDLE or released is not None and released in self._clearing,
+                        beside)
+
+    # -- production and opportunistic groups ----------------------------------------------------
+
+    def _beside(self, obs: Observation) -> frozenset[int]:
+        """The opportunistic groups to release beside production: all of them, while a group that is
+        not opportunistic is present on this GPU (a live process of it launched here), else none. An
+        opportunistic holder goes beside at once, with no drain: its gate bounds its queue by the next
+        launch, and what it has queued runs beside the production group's first request."""
+        opportunistic = self._opportunistic
+        if not opportunistic or not any(g in self._accounts and g not in opportunistic for g in obs.present):
+            return frozenset()
+        for group in opportunistic:
+            self._overrun.pop(group, None)
+        return opportunistic
+
+    def _without_beside(self, obs: Observation, beside: frozenset[int]) -> Observation:
+        """The observation with the groups beside production taken out: they want no turn. An
+        opportunistic holder (or draining group) is let go here, with what the look saw of its end."""
+        obs = dataclasses.replace(
+            obs, demand=obs.demand - beside, present=obs.present - beside,
+            overrun_drained={g: t for g, t in obs.overrun_drained.items() if g not in beside},
+            barred=obs.barred - beside, clearing=obs.clearing - beside, due=obs.due - beside,
+            pending=obs.pending - beside, stranded=obs.stranded - beside)
+        if self._holder not in beside:
+            return obs
+        # (Charged up to now by _advance; from now on its time is not a turn.)
+        self._phase, self._holder, self._charging = Phase.IDLE, None, False
+        return dataclasses.replace(obs, holder_idle_since=None, drained_at=None, holder_burst_from=None,
+                                   holder_burst_ns=0)
 
     # -- groups that span several GPUs -----------------------------------------------------------
 
@@ -520,7 +572,7 @@ class TimeSharePolicy:
             self._hold(now)  # a turn across GPUs starts here and on its other GPUs together
         elif self._due and self._due_waits(holder, now):
             self._hold(now)
-        elif (obs.holder_idle_since is not None and not self._owed_pause(holder, now)
+        elif (obs.holder_idle_since is not None and not self._kept_pause(holder, now)
               and any(g != holder and self._eligible(g, now) for g in self._demand)):
             self._hold(now)  # revoke early: it does not use its slice, someone else wants the GPU
         elif self._preempted(holder, now):
@@ -535,14 +587,21 @@ class TimeSharePolicy:
             else:
                 self._hold(now)
 
-    def _owed_pause(self, holder: int, now: int) -> bool:
-        """Is the quiet holder being paid its MinUtil debt, and quiet for less than owed_pause_ns? A
-        training loop pauses between steps (its sync, then its CPU work): revoked at each pause, it
-        paid a step of its debt a hog's slice (ResNet-50 with 5 ms of CPU a step, MinUtil 0.6 beside
-        two hogs on the fake GPU: 0.33 of the GPU)."""
+    def _kept_pause(self, holder: int, now: int) -> bool:
+        """Is the quiet holder within the pause it keeps the GPU through (`_pause_kept`)? A training
+        loop pauses between steps (its sync, then its CPU work): revoked at each pause, a loop paid a
+        step of its debt a hog's slice (ResNet-50 with 5 ms of CPU a step, MinUtil 0.6 beside two hogs
+        on the fake GPU: 0.33 of the GPU)."""
         idle_since = self._holder_idle_since
-        return (idle_since is not None and now - idle_since < self.params.owed_pause_ns
-                and self._is_owed(holder))
+        return idle_since is not None and now - idle_since < self._pause_kept(holder)
+
+    def _pause_kept(self, holder: int) -> int:
+        """How long a quiet holder keeps the GPU while others want it: owed_pause_ns while it is paid
+        its MinUtil debt; gang_pause_ns in its turn across GPUs (a rank quiet between steps, revoked
+        there, closes the turn on every GPU of the job, which waits to line up again); else 0."""
+        if holder in self._due:
+            return self.params.gang_pause_ns
+        return self.params.owed_pause_ns if self._is_owed(holder) else 0
 
     def _step_draining(self, now: int, obs: Observation) -> None:
         holder = self._holder
@@ -587,6 +646,7 @@ class TimeSharePolicy:
         self._phase = Phase.DRAINING
         self._hold_at = now
 
+
     # -- choosing ------------------------------------------------------------------------------
 
     def _eligible(self, group: int, now: int, slice_ns: int | None = None, gang_ok: bool = False) -> bool:
@@ -616,7 +676,13 @@ class TimeSharePolicy:
         each hold and release costs it some ms of work; bench/results/models_torch.md, 17:38)."""
         if self._demand <= {group} and not (group in self._barred or group in self._clearing):
             return self._cap_capacity() - 1.0  # (the bucket refills up to its capacity exactly)
-        return self.slice_ns() * (1.0 - self._accounts[group].quota.max_util)
+        return self._turn_ns(group) * (1.0 - self._accounts[group].quota.max_util)
+
+    def _turn_ns(self, group: int) -> int:
+        """The slice a group waits for credit for: a gang turn for a group that spans GPUs."""
+        if group in self._barred or group in self._clearing or group in self._due:
+            return max(self.slice_ns(), self.params.gang_slice_ns)
+        return self.slice_ns()
 
     def _caps_fill_gpu(self) -> bool:
         """Do the MaxUtils of the groups that want the GPU add up to all of it? Then none of them
@@ -765,9 +831,9 @@ class TimeSharePolicy:
         the end of an owed holder's pause, every poll where it idles or is outranked, and once a slice
         where it is steady (it idled neither in its last holding nor so far in this one)."""
         p = self.params
-        if self._owed_pause(holder, now):
+        if self._kept_pause(holder, now):
             assert self._holder_idle_since is not None
-            return self._holder_idle_since + p.owed_pause_ns
+            return self._holder_idle_since + self._pause_kept(holder)
         account = self._accounts[holder]
         steady = account.steady and not account.idled and not self._outranked_present(holder)
         return now + (p.steady_poll_ns if steady else p.poll_ns)
@@ -793,7 +859,12 @@ class TimeSharePolicy:
         # queued far ahead of the syncs), room for two of them: a hold costs a drain that cannot be
         # cut short, and a bucket smaller than that left the GPU idle while both buckets refilled
         # (caps 0.3 / 0.7 with 200 ms drains gave 0.30 / 0.62).
-        return float(max(self.slice_ns(), 2 * self._drain_ns))
+        # Where a group spans GPUs, room for its turn and a slice more: its credit fills while its
+        # other GPUs finish their holders' slices, and a bucket that overflowed meanwhile lost the time
+        # (a job capped at 0.3 over two GPUs was charged 0.22).
+        gangs = self._barred or self._clearing or self._due
+        turn = self.params.gang_slice_ns + self.slice_ns() if gangs else 0
+        return float(max(self.slice_ns(), 2 * self._drain_ns, turn))
 
     def _advance(self, now: int) -> None:
         """Move the accounts in play from the last look to `now`: the holder's and those of groups

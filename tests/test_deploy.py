@@ -51,11 +51,13 @@ def test_the_webhook_runs_with_the_options_that_make_its_certificate_and_the_rba
     service_ns, service = args.service.split("/")
     assert one("Secret", secret)["metadata"]["namespace"] == secret_ns
     assert one("Service", service)["metadata"]["namespace"] == service_ns
-    configuration = one("MutatingWebhookConfiguration", args.webhook_configuration)
-    # No caBundle in the manifest: the webhook owns it, and a re-apply must not clear it.
-    for hook in configuration["webhooks"]:
-        assert "caBundle" not in hook["clientConfig"]
-        assert hook["clientConfig"]["service"] == {"name": service, "namespace": service_ns, "path": "/mutate"}
+    configurations = {"MutatingWebhookConfiguration": (args.webhook_configuration, "/mutate"),
+                      "ValidatingWebhookConfiguration": (args.validating_webhook_configuration, "/validate")}
+    for kind, (name, path) in configurations.items():
+        # No caBundle in the manifests: the webhook owns it, and a re-apply must not clear it.
+        for hook in one(kind, name)["webhooks"]:
+            assert "caBundle" not in hook["clientConfig"]
+            assert hook["clientConfig"]["service"] == {"name": service, "namespace": service_ns, "path": path}
     # The certificate is written where the container may write (an emptyDir), not the read-only root.
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
     volumes = {v["name"]: v for v in one("Deployment", "gemtrace-webhook")["spec"]["template"]["spec"]["volumes"]}
@@ -64,6 +66,12 @@ def test_the_webhook_runs_with_the_options_that_make_its_certificate_and_the_rba
     role, cluster_role = one("Role", "gemtrace-webhook"), one("ClusterRole", "gemtrace-webhook")
     assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret],
                               "verbs": ["get", "update"]}]
-    assert cluster_role["rules"] == [{"apiGroups": ["admissionregistration.k8s.io"],
-                                      "resources": ["mutatingwebhookconfigurations"],
-                                      "resourceNames": [args.webhook_configuration], "verbs": ["get", "patch"]}]
+    assert cluster_role["rules"] == [
+        {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"],
+         "resourceNames": [args.webhook_configuration], "verbs": ["get", "patch"]},
+        {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingwebhookconfigurations"],
+         "resourceNames": [args.validating_webhook_configuration], "verbs": ["get", "patch"]}]
+    # The node's resource file, for the labels' groups, read-only where --config looks.
+    config_mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(Path(args.config).parent))
+    assert config_mount.get("readOnly") is True
+    assert volumes[config_mount["name"]]["hostPath"]["path"] == str(Path(args.config).parent)

@@ -8,16 +8,18 @@ NVIDIA's container toolkit.
 deploy/ is applied through an overlay (`Deployment.overlay`) that changes only what this cluster and
 this host differ in from a GPU node: no CNI and no kube-proxy (pods on the host's network, the
 apiserver at 127.0.0.1, the NotReady node's taints tolerated, one webhook replica), the simulated
-GPU in place of NVIDIA's container runtime, and the test's own paths for the agent's files (each
-test's agent has its own, beside other tests' agents on this host)."""
+GPU in place of NVIDIA's container runtime, and the test's own paths for the agent's files and the
+resource file the webhook reads (each test's agent has its own, beside other tests' agents on this
+host)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,10 @@ GATE = REPO / "build" / "libgemgate.so"
 DEPLOY = REPO / "deploy"
 NAMESPACE = "gemtrace-system"
 PLUGIN = "app.kubernetes.io/name=gemtrace-device-plugin"
+WEBHOOK = "app.kubernetes.io/name=gemtrace-webhook"
+# deploy/'s webhook configurations, by kind: the webhook puts its CA in both.
+CONFIGURATIONS = {"mutatingwebhookconfiguration": "gemtrace-webhook",
+                  "validatingwebhookconfiguration": "gemtrace-webhook-validation"}
 WINDOW_S = 8  # of both pods busy: 4000 kernels of 2 ms; a share's error of a kernel or two is 0.05 points
 
 
@@ -103,11 +109,16 @@ class Deployment:
                                 "--cert", "/tls/tls.crt", "--key", "/tls/tls.key",
                                 "--tls-secret", f"{NAMESPACE}/gemtrace-webhook-tls",
                                 "--service", f"{NAMESPACE}/gemtrace-webhook",
-                                "--webhook-configuration", "gemtrace-webhook",
+                                "--webhook-configuration", CONFIGURATIONS["mutatingwebhookconfiguration"],
+                                "--validating-webhook-configuration",
+                                CONFIGURATIONS["validatingwebhookconfiguration"],
                                 "--state-dir", str(host.state_dir), "--gate", str(GATE),
                                 "--preload-file", str(host.tmp / "ld.so.preload")],
                     "env": api_env,
                 }],
+                # The test's resource file where deploy/ mounts the node's /etc/gemtrace (the default
+                # --config); the webhook runs as nobody, so the test's directory must let it read.
+                "volumes": [{"name": "config", "hostPath": {"path": str(host.config.parent)}}],
             }}},
         }
         port = [{"op": "replace", "path": "/spec/template/spec/containers/0/ports/0/containerPort",
@@ -244,6 +255,9 @@ class Node:
 @pytest.fixture
 def node(k8s_cluster: K8sCluster, gemtrace_image: str, host: Host) -> Iterator[Node]:
     host.sim.env()  # the simulation's state dir exists before any pod mounts it
+    # The webhook (nobody, as deploy/ runs it) reads the resource file in this directory, as it reads a
+    # node's /etc/gemtrace; pytest makes it the owner's alone.
+    host.config.parent.chmod(0o755)
     n = Node(k8s_cluster, host)
     try:
         n.deployment.apply()
@@ -351,13 +365,7 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
     loop = "/simgpu/simgpu-rt launch-loop --kernel-ns 2000000 --launches-per-iter 4 --seconds 60"
 
     def gpu_seconds() -> dict[str, float]:
-        found = {}
-        for line in node.agent.metrics().splitlines():
-            if line.startswith("gemtrace_group_gpu_seconds_total{"):
-                for name in targets:
-                    if f'pod="{name}"' in line:
-                        found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return found
+        return _pod_gpu_seconds(node, targets)
 
     # The main file's [train] reserves 0.2 of every GPU: with 30 + 70 the MinUtils would pass 1 and the
     # agent would refuse the pods' drop-ins (docs/kubernetes.md, "Not done").
@@ -400,6 +408,61 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
             cluster.delete_pod(name)
 
 
+def _pod_gpu_seconds(node: Node, pods: Iterable[str]) -> dict[str, float]:
+    """The GPU seconds the agent counted in each pod's groups, by pod name."""
+    found: dict[str, float] = {}
+    for line in node.agent.metrics().splitlines():
+        if line.startswith("gemtrace_group_gpu_seconds_total{"):
+            for name in pods:
+                if f'pod="{name}"' in line:
+                    found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_a_util_only_pod_is_its_group_and_held_to_its_cap(node: Node) -> None:
+    """A pod asking only for gemtrace.io/gpu-util: 20 gets no GEMTRACE_GROUP; its processes are its
+    group by their cgroup. Alone on the GPU, its group gets 0.2 of it and no more."""
+    name = "util-only-20"
+    loop = "/simgpu/simgpu-rt launch-loop --kernel-ns 2000000 --launches-per-iter 4 --seconds 60"
+    cluster = node.cluster
+    try:
+        node.create(node.pod(name, loop, limits={shares.GPU_UTIL: "20"}))
+        first = wait_until("its group counting GPU time", lambda: _pod_gpu_seconds(node, [name]).get(name),
+                           timeout=120, step=0.5)
+        time.sleep(1)  # past the first launches
+        start, t0 = _pod_gpu_seconds(node, [name])[name], time.monotonic()
+        time.sleep(WINDOW_S)
+        end, t1 = _pod_gpu_seconds(node, [name])[name], time.monotonic()
+        share = (end - start) / (t1 - t0)
+        print(f"util-only pod: {share:.3f} of the GPU over {t1 - t0:.1f} s (first {first:.3f} s)")
+        # Work-conserving but capped: alone it would take the whole GPU.
+        assert 0.15 <= share <= 0.23, share
+        assert cluster.get("pod", name)["status"]["phase"] == "Running", cluster.diagnosis(name)
+    finally:
+        cluster.delete_pod(name)
+
+
+def test_a_pods_processes_stay_in_its_memory_limit_whatever_their_environment(node: Node) -> None:
+    """A container that clears its environment (env -i: no GEMTRACE_GROUP, no GEMTRACE_STATE_DIR) and
+    one that asks for [infer], open to all and without a MemoryLimit: both are held to their pod's 1 GiB."""
+    rt = "/simgpu/simgpu-rt"
+    escapes = {"env-cleared": f"env -i LD_LIBRARY_PATH=/simgpu SIMGPU_STATE_DIR=/simgpu-state {rt}",
+               "other-group": f"GEMTRACE_GROUP=infer {rt}"}
+    cluster = node.cluster
+    try:
+        for name, program in escapes.items():
+            node.create(node.pod(name, f"{program} meminfo && {program} alloc --hold 60 768MiB 512MiB",
+                                 limits={shares.GPU_MEMORY: "1"}))
+        for name in escapes:
+            meminfo, first, second, *_ = _wait_holding(node, name)
+            out = f"{name}: {cluster.kubectl('logs', name)}\n--- agent\n{node.agent.log.read_text()[-3000:]}"
+            assert meminfo["total"] == GiB, out
+            assert (first["name"], second["name"]) == ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"), out
+    finally:
+        for name in escapes:
+            cluster.delete_pod(name)
+
+
 def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:
     try:
         lines: list[dict[str, Any]] = wait_until("the pod holding its memory", lambda: _holding(node.cluster, name),
@@ -429,34 +492,35 @@ def test_a_pod_asking_for_more_than_a_gpu_has_stays_pending_and_says_why(node: N
 
 
 @pytest.fixture
-def webhook(node: Node) -> Iterator[dict[str, Any]]:
-    """deploy/'s webhook, once it has filled its Secret and put the CA in its configuration, with
-    nobody's help: the configuration as it is then."""
+def webhook(node: Node) -> Iterator[dict[str, dict[str, Any]]]:
+    """deploy/'s webhook, once it has filled its Secret and put the CA in both its configurations,
+    with nobody's help: the configurations as they are then, by kind."""
     cluster = node.cluster
 
-    def ready() -> dict[str, Any] | None:
-        config = cluster.get("mutatingwebhookconfiguration", "gemtrace-webhook")
-        running = [p for p in node.deployment.pods("app.kubernetes.io/name=gemtrace-webhook")
+    def ready() -> dict[str, dict[str, Any]] | None:
+        configs = {kind: cluster.get(kind, name) for kind, name in CONFIGURATIONS.items()}
+        running = [p for p in node.deployment.pods(WEBHOOK)
                    if any(c.get("ready") for c in p["status"].get("containerStatuses", []))]
-        return config if running and config["webhooks"][0]["clientConfig"].get("caBundle") else None
+        bundles = [c["webhooks"][0]["clientConfig"].get("caBundle") for c in configs.values()]
+        return configs if running and all(bundles) else None
 
     try:
-        config = wait_until("the webhook's caBundle in its configuration", ready, timeout=120, step=0.5)
+        configs = wait_until("the webhook's caBundle in both its configurations", ready, timeout=120, step=0.5)
         print(f"webhook ready with its own certificate {time.monotonic() - node.deployment.applied_at:.1f} s "
               "after kubectl apply -k")
     except AssertionError as e:
-        raise AssertionError(f"{e}\n{node.deployment.describe()}\n"
-                             f"{node.deployment.logs('app.kubernetes.io/name=gemtrace-webhook')}") from None
-    yield config
-    print(node.deployment.logs("app.kubernetes.io/name=gemtrace-webhook"))
+        raise AssertionError(f"{e}\n{node.deployment.describe()}\n{node.deployment.logs(WEBHOOK)}") from None
+    yield configs
+    print(node.deployment.logs(WEBHOOK))
 
 
-def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: dict[str, Any]) -> None:
+def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: dict[str, dict[str, Any]]) -> None:
     name = "labelled-train"
     manifest = node.pod(name, "/simgpu/simgpu-rt meminfo", labels={shares.LABEL_GROUP: "train"})
-    # The caBundle is the CA of the Secret the webhook filled.
+    # Both caBundles are the CA of the Secret the webhook filled.
     secret = node.cluster.kubectl("get", "secret", "-n", NAMESPACE, "gemtrace-webhook-tls", "-o", "json")
-    assert webhook["webhooks"][0]["clientConfig"]["caBundle"] == json.loads(secret)["data"]["ca.crt"]
+    for config in webhook.values():
+        assert config["webhooks"][0]["clientConfig"]["caBundle"] == json.loads(secret)["data"]["ca.crt"]
     # The apiserver calls a new webhook once its informer has it, and reaches it once the Service's
     # endpoints name the pod: until then a labelled pod is refused (failurePolicy Fail).
     deadline = time.monotonic() + 30
@@ -481,6 +545,19 @@ def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: dict
         assert meminfo["total"] == 1 * GiB  # [train]'s MemoryLimit in agent_host.CONFIG
     finally:
         node.cluster.delete_pod(name)
+    # A label naming no group of the resource file, an annotation it would refuse: refused, with the reason
+    # (the second by the validating configuration, failurePolicy Ignore: the apiserver may take a moment
+    # more to call it with its caBundle, and admits the pod meanwhile).
+    refusals = {
+        "labelled-nosuch": (node.pod("labelled-nosuch", "true", labels={shares.LABEL_GROUP: "nosuch"}),
+                            "label gemtrace.io/group=nosuch names no group of the nodes' resource file"),
+        "priority-high": (node.pod("priority-high", "true", limits={shares.GPU_MEMORY: "1"}),
+                          "annotation gemtrace.io/priority: Priority 'high' is not a whole number"),
+    }
+    refusals["priority-high"][0]["metadata"]["annotations"] = {shares.ANNOTATION_PRIORITY: "high"}
+    for name, (manifest, reason) in refusals.items():
+        assert re.search(re.escape(reason), _refusal(node, manifest))
+        assert name not in node.cluster.kubectl("get", "pods", "-o", "name")
     unlabelled = node.cluster.create  # an unlabelled pod is left as it is
     name = "unlabelled"
     unlabelled(node.pod(name, "true"))
@@ -489,3 +566,17 @@ def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: dict
         assert "gemtrace-gate" not in volumes
     finally:
         node.cluster.delete_pod(name)
+
+
+def _refusal(node: Node, manifest: dict[str, Any]) -> str:
+    """What the apiserver said refusing the pod; a pod admitted is deleted and created again for 30 s."""
+    name = manifest["metadata"]["name"]
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            node.cluster.create(manifest)
+        except AssertionError as e:
+            return str(e)
+        node.cluster.delete_pod(name)
+        assert time.monotonic() < deadline, f"pod {name}: admitted for 30 s"
+        time.sleep(0.5)

@@ -26,12 +26,14 @@ pytestmark = pytest.mark.unit
 
 SECRET = "/api/v1/namespaces/gemtrace-system/secrets/gemtrace-webhook-tls"
 CONFIGURATION = "/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/gemtrace-webhook"
+VALIDATION = "/apis/admissionregistration.k8s.io/v1/validatingwebhookconfigurations/gemtrace-webhook-validation"
 SERVICE_NAME = "gemtrace-webhook.gemtrace-system.svc"
 DAY = 86400.0
 
 
 class FakeApiserver:
-    """The two objects the keeper may touch; every other path is 403, as the webhook's RBAC makes it."""
+    """The three objects the keeper may touch; every other path is 403, as the webhook's RBAC makes it.
+    A path in `absent` is one the RBAC names but nobody created: 404."""
 
     def __init__(self) -> None:
         self.objects: dict[str, dict[str, Any]] = {
@@ -41,13 +43,20 @@ class FakeApiserver:
                 {"name": "gate.gemtrace.io",
                  "clientConfig": {"service": {"name": "gemtrace-webhook", "namespace": "gemtrace-system"}}},
             ]},
+            VALIDATION: {"metadata": {"name": "gemtrace-webhook-validation", "resourceVersion": "1"}, "webhooks": [
+                {"name": "settings.gemtrace.io", "clientConfig": {
+                    "service": {"name": "gemtrace-webhook", "namespace": "gemtrace-system", "path": "/validate"}}},
+            ]},
         }
+        self.absent: set[str] = set()
         self.writes: list[tuple[str, str]] = []
         self.before_put: list[dict[str, Any]] = []  # Secrets another replica writes just before ours
         self.lock = threading.Lock()
 
     def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
         with self.lock:
+            if path in self.absent:
+                return 404, {"message": "not found"}
             if path not in self.objects:
                 return 403, {"message": "forbidden"}
             current = self.objects[path]
@@ -84,8 +93,9 @@ class FakeApiserver:
         obj["metadata"]["resourceVersion"] = str(version)
         self.objects[path] = obj
 
-    def ca_bundle(self) -> str | None:
-        client = self.objects[CONFIGURATION]["webhooks"][1]["clientConfig"]
+    def ca_bundle(self, path: str = CONFIGURATION) -> str | None:
+        """The caBundle of the configuration's webhook that calls the Service."""
+        client = self.objects[path]["webhooks"][-1]["clientConfig"]
         return base64.b64decode(client["caBundle"]).decode() if "caBundle" in client else None
 
 
@@ -122,7 +132,8 @@ def api() -> Iterator[tuple[FakeApiserver, Apiserver]]:
 
 def keeper(api: Apiserver, directory: Path, clock: float | None = None) -> Keeper:
     k = Keeper(api, ("gemtrace-system", "gemtrace-webhook-tls"), ("gemtrace-system", "gemtrace-webhook"),
-               "gemtrace-webhook", directory / "tls.crt", directory / "tls.key")
+               ((servingcert.MUTATING, "gemtrace-webhook"), (servingcert.VALIDATING, "gemtrace-webhook-validation")),
+               directory / "tls.crt", directory / "tls.key")
     if clock is not None:
         k.clock = lambda: clock
     return k
@@ -148,8 +159,10 @@ def test_an_empty_secret_is_filled_and_the_ca_put_in_only_the_webhooks_calling_t
     assert (tmp_path / "a" / "tls.crt").read_text() == pair.cert
     assert (tmp_path / "a" / "tls.key").stat().st_mode & 0o777 == 0o600
     assert fake.ca_bundle() == pair.ca_bundle
+    assert fake.ca_bundle(VALIDATION) == pair.ca_bundle  # the validating configuration's too
     assert fake.objects[CONFIGURATION]["webhooks"][0]["clientConfig"]["caBundle"] == "b3RoZXI="
     assert verifies(fake.ca_bundle() or "", tmp_path / "a" / "tls.crt", tmp_path)
+    assert verifies(fake.ca_bundle(VALIDATION) or "", tmp_path / "a" / "tls.crt", tmp_path)
     # The certificate is good for a year, and the CA is one (not the serving certificate reused).
     assert abs(servingcert.not_after(pair.cert) - (time.time() + 365 * DAY)) < 600
     assert len(servingcert.certificates(pair.ca_bundle)) == 1 and pair.ca_bundle != pair.cert
@@ -193,7 +206,7 @@ def test_renewal_comes_before_expiry_and_keeps_replicas_on_the_old_certificate_t
     assert new.cert != old.cert and changed == [True]
     assert servingcert.certificates(new.ca_bundle)[1] == servingcert.certificates(old.ca_bundle)[0]
     bundle = fake.ca_bundle() or ""
-    assert bundle == new.ca_bundle
+    assert bundle == new.ca_bundle == fake.ca_bundle(VALIDATION)
     assert verifies(bundle, tmp_path / "new" / "tls.crt", tmp_path)
     assert verifies(bundle, tmp_path / "old" / "tls.crt", tmp_path)  # a replica that has not reloaded yet
     # The replica still serving the old pair loads the new one at its next check.
@@ -209,9 +222,19 @@ def test_a_cleared_ca_bundle_is_put_back_at_the_next_check(
     fake, client = api
     k = keeper(client, tmp_path / "a")
     pair = k.check()
-    del fake.objects[CONFIGURATION]["webhooks"][1]["clientConfig"]["caBundle"]  # a re-apply of an old manifest
+    for path in (CONFIGURATION, VALIDATION):  # a re-apply of old manifests
+        del fake.objects[path]["webhooks"][-1]["clientConfig"]["caBundle"]
     k.check()
+    assert fake.ca_bundle() == pair.ca_bundle == fake.ca_bundle(VALIDATION)
+
+
+def test_a_configuration_left_out_of_the_install_costs_only_its_own_bundle(
+        api: tuple[FakeApiserver, Apiserver], tmp_path: Path) -> None:
+    fake, client = api
+    fake.absent.add(VALIDATION)
+    pair = keeper(client, tmp_path / "a").check()
     assert fake.ca_bundle() == pair.ca_bundle
+    assert ("PATCH", VALIDATION) not in fake.writes
 
 
 @pytest.mark.parametrize("data", [None, {}, {"ca.crt": "bm90IHBlbQ==", "ca.key": "", "tls.crt": "", "tls.key": ""},

@@ -108,6 +108,8 @@ class GroupSpec:
     priority: int = 0
     worker_args: tuple[str, ...] = ()  # more arguments of models_worker.py (--pause-ms)
     isolation: str = "time"  # the resource file's Isolation (bench/gpu/mps.py runs "mps")
+    opportunistic: bool = False  # the resource file's Opportunistic (bench/gpu/colocation.py)
+    env: tuple[tuple[str, str], ...] = ()  # more environment for its processes (GEMTRACE_BESIDE_KERNELS)
 
     def quota(self) -> str:
         parts = ([f"MinUtil {self.min_util:g}"] if self.min_util else []) + \
@@ -118,7 +120,8 @@ class GroupSpec:
         return f"[{self.name}]\n" + (f"MinUtil = {self.min_util:g}\n" if self.min_util else "") + \
                (f"MaxUtil = {self.max_util:g}\n" if self.max_util < 1 else "") + \
                (f"Priority = {self.priority}\n" if self.priority else "") + \
-               (f"Isolation = {self.isolation}\n" if self.isolation != "time" else "")
+               (f"Isolation = {self.isolation}\n" if self.isolation != "time" else "") + \
+               ("Opportunistic = yes\n" if self.opportunistic else "")
 
 
 @dataclass(frozen=True)
@@ -312,7 +315,8 @@ class Options:
 def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str, Any]:
     """One agent, the groups' workers, one shared window. Per group: `rate` (steps/s of all its
     processes), `iters`, `charged` (GPU time charged / window), `results` (its workers' result lines),
-    `memory` and `managed` (bytes held on the GPU at the window's end); and `agent_cpu` (% of one core)."""
+    `memory` and `managed` (bytes held on the GPU at the window's end); `agent_cpu` (% of one core), and
+    `window` (its start and end, time.monotonic())."""
     import psutil
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -331,7 +335,7 @@ def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str
             worker_env = {**env, "CUDA_VISIBLE_DEVICES": uuid}
             for g in groups:
                 for n in range(g.processes):
-                    workers.append(Worker(g, g.workload or workload, agent.state, worker_env,
+                    workers.append(Worker(g, g.workload or workload, agent.state, {**worker_env, **dict(g.env)},
                                           work / f"{g.name}-{n}.log", worker_cpu(len(workers)), opts.stand_in))
             deadline = time.monotonic() + READY_TIMEOUT_S
             about = [w.wait("ready", deadline) for w in workers][0]
@@ -354,7 +358,7 @@ def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str
             for w in workers:
                 w.stop()
             agent.stop()
-    out: dict[str, Any] = {"groups": {}, "agent_cpu": agent_cpu, "about": about}
+    out: dict[str, Any] = {"groups": {}, "agent_cpu": agent_cpu, "about": about, "window": (start, end)}
     for g in groups:
         mine = [r for w, r in zip(workers, results, strict=True) if w.group is g]
         out["groups"][g.name] = {

@@ -1,17 +1,19 @@
 """The webhook's serving certificate, made and renewed with nobody's help, and its CA in the
-MutatingWebhookConfiguration.
+webhook configurations that call it (deploy/'s mutating and validating ones).
 
 The Secret that deploy/ installs empty (`gemtrace-webhook-tls`) is the one home of the certificate:
 every replica of `gemtrace kube-webhook` reads it, and one that finds it empty or due for renewal
 makes a new CA and serving certificate (the openssl program, which the image has) and writes them
 with the Secret's resourceVersion, so that of two replicas racing, one wins and the other takes the
-winner's (409 Conflict). Each replica serves the Secret's certificate and makes the webhook
-configuration's caBundle the Secret's CA bundle, patching exactly that object (its RBAC names it).
+winner's (409 Conflict). Each replica serves the Secret's certificate and makes the caBundle of
+each webhook configuration it is given the Secret's CA bundle, patching exactly those objects (its
+RBAC names them). A configuration that is not there (404: an install that left it out) is logged
+and skipped, so that the others stay trusted.
 A renewal puts the new CA first in the bundle and keeps the previous one, so that a replica still
 serving the previous certificate is trusted until it loads the new one (within CHECK_S).
 
 `due` and `bundle_after` are pure (they take the time); `Keeper` is the adapter to the apiserver and
-the files. Never writes any object but that Secret and that webhook configuration.
+the files. Never writes any object but that Secret and those webhook configurations.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ RENEW_BEFORE_S = 91 * 86400
 CHECK_S = 60.0
 KEYS = ("ca.crt", "ca.key", "tls.crt", "tls.key")
 BEGIN = "-----BEGIN CERTIFICATE-----"
+# The resources of the two kinds of webhook configuration, as the apiserver's paths name them.
+MUTATING = "mutatingwebhookconfigurations"
+VALIDATING = "validatingwebhookconfigurations"
 
 
 @dataclass(frozen=True)
@@ -140,6 +145,10 @@ class Conflict(ApiError):
     """409: the object changed since it was read."""
 
 
+class NotFound(ApiError):
+    """404: no such object."""
+
+
 def call(api: Apiserver, method: str, path: str, body: Any = None,
          content_type: str = "application/json") -> dict[str, Any]:
     """One request to the apiserver; ApiError (Conflict for 409) says what failed."""
@@ -156,6 +165,8 @@ def call(api: Apiserver, method: str, path: str, body: Any = None,
         detail = e.read(2000).decode(errors="replace")
         if e.code == 409:
             raise Conflict(f"{method} {path}: 409 {detail}") from None
+        if e.code == 404:
+            raise NotFound(f"{method} {path}: 404 {detail}") from None
         raise ApiError(f"{method} {path}: {e.code} {detail}") from None
     except OSError as e:
         raise ApiError(f"{method} {path}: {e}") from None
@@ -164,12 +175,13 @@ def call(api: Apiserver, method: str, path: str, body: Any = None,
 @dataclass
 class Keeper:
     """Keeps `secret` (namespace, name) holding a valid pair for the service (namespace, name), its
-    certificate in the files `cert` and `key`, and `configuration`'s caBundle trusting it."""
+    certificate in the files `cert` and `key`, and the caBundle of each of `configurations`
+    (resource, name: MUTATING or VALIDATING and the object's name) trusting it."""
 
     api: Apiserver
     secret: tuple[str, str]
     service: tuple[str, str]
-    configuration: str
+    configurations: tuple[tuple[str, str], ...]
     cert: Path
     key: Path
     clock: Callable[[], float] = time.time
@@ -189,7 +201,8 @@ class Keeper:
             self.serving = pair
             log.info("webhook_certificate_loaded", not_after=int(not_after(pair.cert)))
             self.on_change()
-        self._patch_bundle(pair.ca_bundle)
+        for resource, name in self.configurations:
+            self._patch_bundle(resource, name, pair.ca_bundle)
         return pair
 
     def _secret_path(self) -> str:
@@ -219,15 +232,18 @@ class Keeper:
                  not_after=int(not_after(cert)), renewed=pair is not None)
         return new
 
-    def _patch_bundle(self, bundle: str) -> None:
-        path = f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{self.configuration}"
-        configuration = call(self.api, "GET", path)
+    def _patch_bundle(self, resource: str, name: str, bundle: str) -> None:
+        path = f"/apis/admissionregistration.k8s.io/v1/{resource}/{name}"
+        try:
+            configuration = call(self.api, "GET", path)
+        except NotFound:
+            log.warning("webhook_configuration_missing", configuration=f"{resource}/{name}")
+            return
         wanted = base64.b64encode(bundle.encode()).decode()
-        namespace, name = self.service
         patch: list[dict[str, Any]] = []
         for i, webhook in enumerate(configuration.get("webhooks") or []):
             service = (webhook.get("clientConfig") or {}).get("service") or {}
-            if (service.get("namespace"), service.get("name")) != (namespace, name):
+            if (service.get("namespace"), service.get("name")) != self.service:
                 continue
             if webhook["clientConfig"].get("caBundle") != wanted:
                 # The test op: a webhook list reordered meanwhile fails the patch, not another webhook.
@@ -235,7 +251,7 @@ class Keeper:
                           {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": wanted}]
         if patch:
             call(self.api, "PATCH", path, patch, content_type="application/json-patch+json")
-            log.info("webhook_ca_bundle_patched", configuration=self.configuration, webhooks=len(patch) // 2)
+            log.info("webhook_ca_bundle_patched", configuration=f"{resource}/{name}", webhooks=len(patch) // 2)
 
     def run(self, stop: threading.Event) -> None:
         """check() every CHECK_S until `stop`; a failed check is logged and tried again then."""
