@@ -4,6 +4,7 @@
 #   make demo   the agent on the simulated GPU with three groups at work
 #   make prereqs  install what `make test` needs from the distribution (as root; make test does it too)
 #   make deb    build/gemtrace_<version>_amd64.deb
+#   make image  build/image/gemtrace-image.tar: deploy/'s image, gemtrace/gemtrace:<version> (as root)
 #   make bench  benchmarks on the simulated GPU (results recorded under bench/results/)
 #   make proto  generate the Python code of the kubelet APIs (gemtrace/kube/pb/*.proto) with grpcio-tools
 #   make lock   re-resolve the Python dependencies and rewrite constraints.txt (then read the diff)
@@ -18,7 +19,7 @@ LOCK := constraints.txt
 # What the distribution must provide, and the set-up bcc needs: checked first by demo and test.
 PREREQS := tests/prereqs.sh
 
-.PHONY: all gate contract simgpu venv proto lock prereqs test test-unit lint demo deb bench clean
+.PHONY: all gate contract simgpu venv proto lock prereqs test test-unit lint demo deb image bench clean
 
 all: gate simgpu venv proto
 
@@ -103,6 +104,12 @@ deb:
 	@$(PREREQS) deb
 	@$(MAKE) --no-print-directory all
 	packaging/deb/build.sh $(BUILD)
+
+# Rebuilt only when the .deb, the pins or the script change (packaging/image/build.sh).
+image:
+	@$(PREREQS) image
+	@$(MAKE) --no-print-directory deb
+	packaging/image/build.sh $(BUILD)
 
 bench: all
 	$(PY) bench/run.py

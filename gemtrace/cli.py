@@ -233,8 +233,23 @@ def cmd_kube_webhook(args: argparse.Namespace) -> int:
 
     eventlog.configure(args.log_level)
     injection = Injection(gate=args.gate, state_dir=args.state_dir, preload_file=args.preload_file)
+    keeper = None
+    if args.tls_secret:
+        from gemtrace.kube.apiserver import ApiError, Apiserver
+        from gemtrace.kube.servingcert import MUTATING, VALIDATING, Keeper
+
+        secret, service = args.tls_secret.split("/"), args.service.split("/")
+        if len(secret) != 2 or len(service) != 2 or not all(secret + service):
+            return _fail("--tls-secret and --service take NAMESPACE/NAME, e.g. gemtrace-system/gemtrace-webhook-tls")
+        try:
+            api = Apiserver.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Apiserver.in_cluster()
+        except ApiError as e:
+            return _fail(str(e))
+        configurations = tuple((resource, name) for resource, name in (
+            (MUTATING, args.webhook_configuration), (VALIDATING, args.validating_webhook_configuration)) if name)
+        keeper = Keeper(api, (secret[0], secret[1]), (service[0], service[1]), configurations, args.cert, args.key)
     try:
-        serve(args.listen, args.cert, args.key, injection, resource_groups(args.config))
+        serve(args.listen, args.cert, args.key, injection, resource_groups(args.config), keeper)
     except OSError as e:
         return _fail(f"cannot serve the webhook on {args.listen} with {args.cert}: {e}")
     return 0
@@ -406,8 +421,25 @@ def parser() -> argparse.ArgumentParser:
         "resource file; other pods are left as they are (docs/kubernetes.md).")
     kube_webhook.add_argument("--listen", default="0.0.0.0:8443", metavar="HOST:PORT",
                               help="HOST:PORT to serve HTTPS on (default %(default)s)")
-    kube_webhook.add_argument("--cert", type=Path, required=True, metavar="FILE", help="the TLS certificate (PEM)")
-    kube_webhook.add_argument("--key", type=Path, required=True, metavar="FILE", help="its private key (PEM)")
+    kube_webhook.add_argument("--cert", type=Path, required=True, metavar="FILE",
+                              help="the TLS certificate (PEM); with --tls-secret, where it is written")
+    kube_webhook.add_argument("--key", type=Path, required=True, metavar="FILE",
+                              help="its private key (PEM); with --tls-secret, where it is written")
+    kube_webhook.add_argument("--tls-secret", metavar="NAMESPACE/NAME",
+                              help="make the certificate and its CA, keep them in this Secret, renew them before "
+                              "they expire and put the CA in the webhook configurations' caBundle (deploy/ does)")
+    kube_webhook.add_argument("--service", default="gemtrace-system/gemtrace-webhook", metavar="NAMESPACE/NAME",
+                              help="with --tls-secret: the webhook's Service, named by the certificate "
+                              "(default %(default)s)")
+    kube_webhook.add_argument("--webhook-configuration", default="gemtrace-webhook", metavar="NAME",
+                              help="with --tls-secret: the MutatingWebhookConfiguration whose webhooks calling "
+                              "--service get the CA, '' for none (default %(default)s)")
+    kube_webhook.add_argument("--validating-webhook-configuration", default="gemtrace-webhook-validation",
+                              metavar="NAME", help="with --tls-secret: the ValidatingWebhookConfiguration whose "
+                              "webhooks calling --service get the CA, '' for none (default %(default)s)")
+    kube_webhook.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                              help="with --tls-secret: the apiserver's credentials (default: the pod's service "
+                              "account)")
     kube_webhook.add_argument("--state-dir", type=Path, default=defaults.STATE_DIR, metavar="DIR",
                               help=f"the agent's state dir on the nodes (default {defaults.STATE_DIR})")
     kube_webhook.add_argument("--config", type=Path, default=defaults.CONFIG_PATH, metavar="FILE",

@@ -25,6 +25,7 @@ import base64
 import json
 import signal
 import ssl
+import threading
 from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,9 @@ import structlog
 
 from gemtrace import httpd
 from gemtrace.config import _GROUP_NAME, ConfigError, load
+from gemtrace.kube.apiserver import ApiError
 from gemtrace.kube.injection import Injection
+from gemtrace.kube.servingcert import Keeper
 from gemtrace.kube.shares import GPU_MEMORY, GROUP_PREFIX, LABEL_GROUP, pod_settings
 from gemtrace.signals import SignalInbox
 
@@ -46,6 +49,7 @@ API_VERSION = "admission.k8s.io/v1"
 # The API server sends a pod's review in one JSON document; its objects are at most 1.5 MiB in etcd,
 # and the review carries the pod twice at most (object, oldObject).
 LIMITS = httpd.Limits(body_bytes=4 << 20, workers=4)
+RETRY_S = 2.0  # between first tries to get the certificate from the apiserver
 
 
 class NotAReview(ValueError):
@@ -223,14 +227,33 @@ def server(listen: str, cert: Path, key: Path, injection: Injection, groups: Gro
     return httpd.Server(sock, _handler(injection, groups), context, LIMITS, name="gemtrace-webhook")
 
 
-def serve(listen: str, cert: Path, key: Path, injection: Injection, groups: Groups) -> None:
-    """Serve until SIGTERM or SIGINT."""
-    httpd_server = server(listen, cert, key, injection, groups)
+def serve(listen: str, cert: Path, key: Path, injection: Injection, groups: Groups,
+          keeper: Keeper | None = None) -> None:
+    """Serve until SIGTERM or SIGINT. With a `keeper`, the certificate is its Secret's, written to
+    `cert` and `key` before serving and loaded again whenever it renews it."""
     signals = SignalInbox((signal.SIGTERM, signal.SIGINT))
+    stop = threading.Event()
+    if keeper is not None:
+        # Not serving before the certificate is there: the Deployment's other replica may serve meanwhile.
+        while True:
+            try:
+                keeper.check()
+                break
+            except (ApiError, ValueError, OSError) as e:
+                log.warning("webhook_certificate_check_failed", error=str(e))
+            if signals.wait(RETRY_S):
+                return
+    httpd_server = server(listen, cert, key, injection, groups)
+    if keeper is not None:
+        context = httpd_server.tls
+        assert context is not None
+        keeper.on_change = lambda: context.load_cert_chain(cert, key)  # new connections get the new one
+        threading.Thread(target=keeper.run, args=(stop,), name="gemtrace-webhook-cert", daemon=True).start()
     httpd_server.start()
     log.info("webhook_listening", listen=listen)
     try:
         while not signals.wait(60.0):
             pass
     finally:
+        stop.set()
         httpd_server.stop()

@@ -480,6 +480,8 @@ cmd_up() {
     start containerd containerd --config "$RUN/containerd/config.toml"
     wait_for "etcd health" 30 etcd curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 
+    # --enable-aggregator-routing: the apiserver calls a webhook's Service at its endpoints (the pod's
+    # address) instead of its ClusterIP, which nothing routes here (no kube-proxy): deploy/'s webhook.
     start kube-apiserver "$bin/kube-apiserver" \
         --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
         --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" --insecure-port 0 \
@@ -494,6 +496,7 @@ cmd_up() {
         --service-cluster-ip-range "$SERVICE_CIDR" \
         --authorization-mode Node,RBAC \
         --enable-admission-plugins NodeRestriction,MutatingAdmissionWebhook,ValidatingAdmissionWebhook \
+        --enable-aggregator-routing=true \
         --allow-privileged=true
     wait_for "containerd socket" 30 containerd ctr -a "$CONTAINERD_SOCK" version
     local images=$RUN/images
