@@ -131,6 +131,14 @@ def gpus() -> str:
     return f"{len(found)} x {' + '.join(names) or 'no GPU'}, driver {driver}"
 
 
+def region_gpus() -> list[tuple[str, int]]:
+    """The GPUs as the region lists them, UUID and memory, found as the agent finds them: for a bench
+    that stands in for the agent."""
+    from gemtrace.gpus import discover
+
+    return [(gpu.uuid, gpu.memory_total) for gpu in discover()]
+
+
 def interleave(cases: Sequence[tuple[str, Callable[[], float]]], rounds: int) -> dict[str, list[float]]:
     """Each case's figure, `rounds` times: one run of every case per round, in the order given, so that
     a drift of the machine (another tenant, the clock, the cache) hits every case alike, and a case's

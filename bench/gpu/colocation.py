@@ -223,19 +223,15 @@ def render(header: str, solo: dict[str, dict[str, Any]], rows: list[dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, seconds=10.0)
+    ap = parser(__doc__, seconds=10.0, paced=True)
     ap.add_argument("--cases", type=parse_cases, default=tuple(CASE),
                     help=f"comma-separated cases or families ({', '.join(FAMILIES)}), among {', '.join(CASE)} "
                     "(default all)")
-    ap.add_argument("--pause-ms", type=float, default=20.0,
-                    help="the service's pause between an answer and its next request (default 20)")
     ap.add_argument("--budget-s", type=float, default=440.0,
                     help="skip the cases that would end past this many seconds from the start, solo runs after "
                     "included (default 440; 0: no limit)")
     add_record_flag(ap, RESULTS)
     args = ap.parse_args(argv)
-    if args.pause_ms < 0:
-        ap.error("--pause-ms must not be negative")
     opts = options(ap, args)
     if opts is None:
         return 2

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import json
 import os
 import platform
@@ -33,7 +32,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from bench.recording import publish
+from bench.recording import gpus, publish, stamp
 from gemtrace.accounting import Accounting
 from gemtrace.agent import open_accounting
 from gemtrace.probes.nvml import NvmlReader
@@ -187,7 +186,7 @@ def main() -> int:
     args = ap.parse_args()
     lib = libcuda_path()
     nvml = NvmlReader()
-    lines = [f"# eBPF accounting on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}), libcuda {lib}", ""]
+    lines = [f"# eBPF accounting on {platform.node()} ({stamp()}, {gpus()}), libcuda {lib}", ""]
 
     launch = side_by_side(LAUNCH_WORKER, str(args.launches), "us_per_launch", args.rounds, lib, nvml)
     train = side_by_side(TRAIN_WORKER, str(args.steps), "ms_per_step", args.rounds, lib, nvml)

@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.recording import REPO, publish
+from bench.recording import REPO, gpus, publish, stamp
 from tests.testkit import GiB
 
 LIMIT = 4 * GiB
@@ -148,9 +148,7 @@ def main() -> int:
 
 
 def render(rows: list[dict[str, object]], links: object, picks: dict[int, str]) -> str:
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip().replace("\n", "; ")
-    lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}, {platform.node()}", "",
+    lines = [f"## {stamp()}, {gpus()}, {platform.node()}", "",
              "Group `small`, MemoryLimit=4GiB, through `gemtrace agent --no-ebpf` and `gemtrace run`:", "",
              "| framework | exit | total it reports | held when refused | its error | message |",
              "| --- | --- | --- | --- | --- | --- |"]

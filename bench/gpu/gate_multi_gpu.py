@@ -28,9 +28,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.recording import REPO, publish, stamp
+from bench.recording import REPO, publish, region_gpus, stamp
 from bench.recording import gpus as describe_gpus
-from gemtrace.gpus import discover
 from gemtrace.membership import Membership
 from gemtrace.region import Region
 from tests.testkit import GiB
@@ -78,11 +77,6 @@ print(json.dumps({"elapsed_s": time.monotonic() - started}), flush=True)
 """
 
 
-def nvml_gpus() -> list[tuple[str, int]]:
-    """The GPUs as the region lists them: UUID and memory, found as the agent finds them."""
-    return [(gpu.uuid, gpu.memory_total) for gpu in discover()]
-
-
 def bare(uuid: str) -> str:
     """NVML's "GPU-xxxxxxxx-xxxx-..." and torch's UUID text reduced to the same hex digits."""
     return uuid.lower().removeprefix("gpu-").replace("-", "")
@@ -128,7 +122,7 @@ class Child:
 def main() -> int:
     # No options: --help says what the run does, and anything else is refused before a GPU is touched.
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    gpus = nvml_gpus()
+    gpus = region_gpus()
     if len(gpus) < 2:
         print(f"gate_multi_gpu: {len(gpus)} GPU(s) here; this check needs two.")
         return 0

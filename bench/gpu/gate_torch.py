@@ -30,8 +30,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from bench.recording import MIN_ROUNDS, REPO, gpus, interleave, paired, publish, stamp
-from gemtrace.gpus import discover
+from bench.recording import MIN_ROUNDS, REPO, gpus, interleave, paired, publish, region_gpus, stamp
 from gemtrace.membership import Membership
 from gemtrace.region import Region
 from tests.testkit import GiB
@@ -51,11 +50,6 @@ except torch.cuda.OutOfMemoryError:
     outcome = "OutOfMemoryError"
 print(json.dumps({"total": total, "free": free, "past_limit": outcome}))
 """
-
-
-def nvml_gpus() -> list[tuple[str, int]]:
-    """The GPUs as the region lists them: UUID and memory, found as the agent finds them."""
-    return [(gpu.uuid, gpu.memory_total) for gpu in discover()]
 
 
 def decide_groups(region: Region, stop: threading.Event) -> threading.Thread:
@@ -79,7 +73,7 @@ def main() -> int:
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
         region = Region.create(Path(tmp))
-        region.set_gpus(nvml_gpus())
+        region.set_gpus(region_gpus())
         region.set_group("default", None, 0.0, 1.0)  # the agent always defines it
         region.set_group("bench", 4 * GiB, 0.0, 1.0)
         region.set_group("free", None, 0.0, 1.0)

@@ -413,9 +413,11 @@ def parse_list(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
     return names
 
 
-def parser(doc: str | None, seconds: float, settle: float = 2.0, *, agent: bool = True) -> argparse.ArgumentParser:
-    """The options of every bench built on `run`: the window, the settling before it, the GPU and, with
-    `agent`, the agent's eBPF probes and the stand-in workers. The bench adds its own after them."""
+def parser(doc: str | None, seconds: float, settle: float = 2.0, *, agent: bool = True,
+           paced: bool = False) -> argparse.ArgumentParser:
+    """The options of every bench built on `run`: the window, the settling before it, the GPU, with
+    `agent` the agent's eBPF probes and the stand-in workers, and with `paced` the pause of a service
+    between requests. The bench adds its own after them."""
     ap = argparse.ArgumentParser(description=(doc or "").split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=seconds,
@@ -427,14 +429,17 @@ def parser(doc: str | None, seconds: float, settle: float = 2.0, *, agent: bool 
         ap.add_argument("--ebpf", action="store_true", help="run the agent with its eBPF probes (root, bcc)")
         ap.add_argument("--stand-in", action="store_true",
                         help="workers run the simulated GPU's kernels instead of torch (no GPU needed)")
+    if paced:
+        ap.add_argument("--pause-ms", type=float, default=20.0,
+                        help="the service's pause between an answer and its next request (default 20)")
     return ap
 
 
 def options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Options | None:
     """The runs' Options, once the window makes sense (else a usage error) and the gate is built (else
     None, having said how to build it); this process is then pinned off the workers' cores."""
-    if args.seconds <= 0 or args.settle < 0:
-        ap.error("--seconds must be positive and --settle not negative")
+    if args.seconds <= 0 or args.settle < 0 or getattr(args, "pause_ms", 0) < 0:
+        ap.error("--seconds must be positive, --settle and --pause-ms not negative")
     if not GATE.exists():
         print(f"{GATE} is missing: run `make -C hook BUILD=$PWD/build` from the repo root first", file=sys.stderr)
         return None

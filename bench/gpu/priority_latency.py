@@ -78,13 +78,9 @@ def render(header: str, rows: list[dict[str, Any]], ratio: float, met: bool) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = parser(__doc__, seconds=20.0)
-    ap.add_argument("--pause-ms", type=float, default=20.0,
-                    help="the service's pause between an answer and its next request (default 20)")
+    ap = parser(__doc__, seconds=20.0, paced=True)
     add_record_flag(ap, RESULTS)
     args = ap.parse_args(argv)
-    if args.pause_ms < 0:
-        ap.error("--pause-ms must not be negative")
     opts = options(ap, args)
     if opts is None:
         return 2
