@@ -8,14 +8,13 @@ compared with the job alone measured in the same test: a busy host slows both al
 
 from __future__ import annotations
 
-import json
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from agent_host import Host, stop
-from simgpu_env import SimGpu
+from simgpu_env import SimGpu, last_line
 
 pytestmark = pytest.mark.e2e
 
@@ -37,12 +36,7 @@ def job(host: Host, group: str, comm: int) -> list[subprocess.Popen[bytes]]:
 
 
 def steps_per_second(ranks: list[subprocess.Popen[bytes]]) -> float:
-    lasts = []
-    for proc in ranks:
-        out, err = proc.communicate(timeout=120)
-        lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-        assert proc.returncode == 0, (out.decode(), err.decode()[-2000:])
-        lasts.append(lines[-1])
+    lasts = [last_line(proc, 120) for proc in ranks]
     assert lasts[0]["steps"] == lasts[1]["steps"]
     return float(lasts[0]["steps"] / lasts[0]["elapsed_s"])
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from agent_host import Host, gemtrace, stop
-from simgpu_env import REPO
+from simgpu_env import REPO, last_line
 from testkit import GiB, wait_until
 
 from gemtrace import mps
@@ -130,10 +130,8 @@ def environment_of(host: Host, group_name: str) -> dict[str, str]:
 
 
 def kernel_share(proc: subprocess.Popen[bytes]) -> float:
-    out, err = proc.communicate(timeout=60)
-    lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, (out, err)
-    return float(lines[-1]["kernel_s"]) / float(lines[-1]["elapsed_s"])
+    last = last_line(proc, 60)
+    return float(last["kernel_s"]) / float(last["elapsed_s"])
 
 
 @pytest.mark.e2e

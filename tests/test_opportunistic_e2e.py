@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from agent_host import Host, stop
+from simgpu_env import last_line
 
 from gemtrace import contract
 
@@ -24,14 +25,6 @@ pytestmark = pytest.mark.e2e
 
 CONFIG = "[train]\nOpportunistic = yes\n\n[service]\n"
 SECONDS = 3.0
-
-
-def last_line(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, float]:
-    out, err = proc.communicate(timeout=timeout)
-    lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, (out, err)
-    result: dict[str, float] = lines[-1]
-    return result
 
 
 def sync_waits(log: Path, pid: int) -> list[int]:

@@ -27,7 +27,7 @@ GPU busy is NVML's utilisation (the share of time a kernel ran) sampled every 0.
 service's window. Targets (issue 30): service p99 <= 1.2 x solo, training >= 0.5 of solo beside a service
 busy < 40% of the time; pair: production >= 0.95 of solo, both together >= 1.0.
 
-    python3 bench/gpu/colocation.py [--cases decoder,cnn,pair | decoder-gate,...] [--seconds 10]
+    python3 -m bench.gpu.colocation [--cases decoder,cnn,pair | decoder-gate,...] [--seconds 10]
         [--settle 2] [--pause-ms 20] [--budget-s 450] [--gpu 0] [--ebpf] [--no-record] [--stand-in]
 
 Prints a markdown table and appends it, dated, to bench/results/colocation.md (not with --no-record,
@@ -52,13 +52,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models_torch import GATE, REPO, SOLO, GroupSpec, Options, RunFailed, publish, report_header, run  # noqa: E402
-from mps import mps_left  # noqa: E402
-from scheduler_torch import pin_self  # noqa: E402
-
-from bench.recording import add_record_flag  # noqa: E402 (models_torch puts the checkout on sys.path)
+from bench.gpu.models_torch import (
+    REPO,
+    SOLO,
+    GroupSpec,
+    RunFailed,
+    options,
+    parser,
+    report_header,
+    run,
+)
+from bench.gpu.mps import mps_left
+from bench.recording import add_record_flag, publish
 
 RESULTS = REPO / "bench" / "results" / "colocation.md"
 TRAIN = "cnn-train"
@@ -218,32 +223,18 @@ def render(header: str, solo: dict[str, dict[str, Any]], rows: list[dict[str, An
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, seconds=10.0, paced=True)
     ap.add_argument("--cases", type=parse_cases, default=tuple(CASE),
                     help=f"comma-separated cases or families ({', '.join(FAMILIES)}), among {', '.join(CASE)} "
                     "(default all)")
-    ap.add_argument("--seconds", type=float, default=10.0, help="the measured window of each run (default 10)")
-    ap.add_argument("--settle", type=float, default=2.0,
-                    help="seconds between the last process's warm-up and the window (default 2)")
-    ap.add_argument("--pause-ms", type=float, default=20.0,
-                    help="the service's pause between an answer and its next request (default 20)")
     ap.add_argument("--budget-s", type=float, default=440.0,
                     help="skip the cases that would end past this many seconds from the start, solo runs after "
                     "included (default 440; 0: no limit)")
-    ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) the workers run on (default 0)")
-    ap.add_argument("--ebpf", action="store_true", help="run the agent with its eBPF probes (root, bcc)")
     add_record_flag(ap, RESULTS)
-    ap.add_argument("--stand-in", action="store_true",
-                    help="workers run the simulated GPU's kernels instead of torch (no GPU needed)")
     args = ap.parse_args(argv)
-    if args.seconds <= 0 or args.settle < 0 or args.pause_ms < 0:
-        ap.error("--seconds must be positive, --settle and --pause-ms not negative")
-    if not GATE.exists():
-        print(f"{GATE} is missing: run `make -C hook BUILD=$PWD/build` from the repo root first", file=sys.stderr)
+    opts = options(ap, args)
+    if opts is None:
         return 2
-    pin_self()
-    opts = Options(args.seconds, args.settle, args.ebpf, args.gpu, args.stand_in)
     cases = [CASE[name] for name in args.cases]
     skipped: list[str] = []
     if args.stand_in:  # the simulated GPU's stand-in for the MPS control daemon (it runs no server)
