@@ -1,8 +1,9 @@
 """Pods created and deleted one after another (issue 26): does each get its limit, and how long is its
-admission? On the one-node test cluster (tests/k8s/cluster.sh) with the simulated GPU, the agent and
-`gemtrace kube-plugin` on the host with the apiserver, as tests/test_kube_e2e.py runs them (its
-`Node`). The main file reserves MinUtil 0.2 of the GPU; each pod asks for 2 GiB and 30%, prints what
-its gate says of the GPU's memory, and is deleted (waiting until it is gone) before the next is made.
+admission? On the one-node test cluster (tests/k8s/cluster.sh) with the simulated GPU, installed as
+tests/test_kube_e2e.py installs it (its `Node`): the agent on the host, and deploy/'s device plugin
+and webhook as pods of the image `make image` builds, through `kubectl apply -k`. The main file
+reserves MinUtil 0.2 of the GPU; each pod asks for 2 GiB and 30%, prints what its gate says of the
+GPU's memory, and is deleted (waiting until it is gone) before the next is made.
 A pod got its limit when it saw 2 GiB (in `default` it would see the GPU's 16). Admission: from the
 create to the container started, against plain pods asking for nothing of gemtrace in the same run.
 Appends a dated table to bench/results/kube_churn.md.
@@ -24,7 +25,7 @@ from pathlib import Path
 from agent_host import CONFIG, Host
 from k8s_cluster import CLUSTER_SH, K8sCluster, cluster_env
 from simgpu_env import SimGpu
-from test_kube_e2e import Node
+from test_kube_e2e import Node, import_image
 from testkit import GiB
 
 from bench.recording import RESULTS as RESULTS_DIR
@@ -78,18 +79,18 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gt-kube-churn-"))
     host = Host(SimGpu(tmp / "sim"), tmp / "resource.conf", tmp / "state", tmp)
     host.config.write_text(CONFIG)  # [train] reserves MinUtil 0.2 of the GPU
-    host.sim.env()
-    node = Node(cluster, host)
+    node = None
     try:
-        while cluster.get("node", cluster.node)["status"]["allocatable"].get(shares.GPU_MEMORY) != "16":
-            time.sleep(0.2)
-        node.wait_registered()
+        import_image(cluster)
+        node = Node(cluster, host)
+        node.install()
         plain = [cycle(node, f"churn-plain-{i}", None)[0] for i in range(PLAIN_PODS)]
         shared = [cycle(node, f"churn-{i}", {shares.GPU_MEMORY: "2", shares.GPU_UTIL: "30"})
                   for i in range(args.pods)]
         refused = node.agent.log.read_text().count('"event": "dropin_refused"')
     finally:
-        node.close()
+        if node is not None:
+            node.close()
         subprocess.run([str(CLUSTER_SH), "down"], capture_output=True)
     admissions = [a for a, _, _ in shared]
     limited = sum(total == 2 * GiB for _, total, _ in shared)
@@ -103,7 +104,7 @@ def main() -> int:
     print(table)
     if not args.no_record:
         record(RESULTS, "Pods created and deleted one after another", table, about="bench/bench_kube_churn.py, "
-               "the main file's MinUtil 0.2, agent --config-poll 0.2, plugin with the apiserver")
+               "the main file's MinUtil 0.2, agent --config-poll 0.2, deploy/'s plugin and webhook in pods")
     return 0 if limited == args.pods else 1
 
 

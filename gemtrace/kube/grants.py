@@ -29,14 +29,15 @@ import structlog
 from gemtrace.kube.kubelet import ContainerDevices
 from gemtrace.kube.pods import pod_cgroup
 from gemtrace.kube.shares import (
-    ANNOTATION_MAX_UTIL,
     GPU_MEMORY,
     GPU_UTIL,
     GROUP_PREFIX,
+    GiB,
     Grant,
+    PodSettings,
     dropin_container,
     dropin_text,
-    parse_max_util,
+    pod_settings,
 )
 
 log = structlog.get_logger("gemtrace.kube.grants")
@@ -71,6 +72,7 @@ class Grants:
         # group -> the container (namespace, pod, name) whose grant PodResources listed there: a group
         # here that the list no longer has is a pod gone
         self._container_of: dict[str, tuple[str, str, str]] = {}
+        self._bad_annotations: set[str] = set()  # pod UIDs whose annotations were refused, logged once
 
     def path(self, group: str) -> Path:
         return self.dir / f"{group}.conf"
@@ -113,7 +115,18 @@ class Grants:
         info = (pods or {}).get((container.namespace, container.pod))
         if info is not None:
             cgroup = pod_cgroup(info.uid, self.cgroup_root) or ""
-            grant = replace(grant, max_util=parse_max_util(info.annotations.get(ANNOTATION_MAX_UTIL)), cgroup=cgroup)
+            try:
+                settings = pod_settings(info.annotations, grant.memory_limit() // GiB)
+            except ValueError as e:
+                # The webhook refuses such a pod; one created without it gets none of its annotations
+                # rather than a drop-in the agent would refuse, with every other pod's.
+                settings = PodSettings()
+                if info.uid not in self._bad_annotations:
+                    self._bad_annotations.add(info.uid)
+                    log.warning("pod_annotations_ignored", namespace=container.namespace, pod=container.pod,
+                                error=str(e), consequence="its groups take the resource file's defaults; correct "
+                                "the annotation and create the pod again")
+            grant = replace(grant, max_util=settings.max_util, settings=settings.lines, cgroup=cgroup)
         return grant
 
     def reconcile(self, containers: list[ContainerDevices], pods: Pods | None = None) -> dict[str, Grant]:
