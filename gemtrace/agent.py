@@ -30,7 +30,7 @@ import select
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import structlog
@@ -422,7 +422,7 @@ class Agent:
         self.gpus = discover() if gpus is None else gpus
         self.refused_file = refused_file(pod_names)
         self._refused: dict[str, str] = {}  # drop-in file name -> why it is left out, as last told
-        self.config: ResourceConfig = self._load(config_path, in_force=())  # a bad file at start is fatal
+        self.config: ResourceConfig = self._load(config_path, in_force={})  # a bad file at start is fatal
         # Written by the reload thread only; read by /metrics.
         self.reloads = {"success": 1, "failure": 0}
         self.last_reload_ok = True
@@ -616,10 +616,10 @@ class Agent:
             self.accounting.enforce_soon()
             return True
 
-    def _load(self, path: Path, in_force: Iterable[str]) -> ResourceConfig:
+    def _load(self, path: Path, in_force: Mapping[str, GroupConfig]) -> ResourceConfig:
         """The resource file and the drop-ins that fit (gemtrace.config.load); each drop-in left out
         is logged once per reason and told to the device plugin (gemtrace.kube.pods.write_refusals)."""
-        config = load(path, gpu_memory={g.uuid: g.memory_total for g in self.gpus}, in_force=frozenset(in_force))
+        config = load(path, gpu_memory={g.uuid: g.memory_total for g in self.gpus}, in_force=in_force)
         refused = {Path(r.path).name: r.reason for r in config.refused}
         for name, reason in refused.items():
             if self._refused.get(name) != reason:

@@ -44,7 +44,7 @@ import pwd
 import re
 import stat
 import threading
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -655,15 +655,16 @@ def dropins(path: Path) -> list[Path]:
         raise ConfigError(f"{dropin_dir(path)}: cannot list the drop-in directory: {e.strerror}") from None
 
 
-def load(path: Path, gpu_memory: Mapping[str, int] | None = None, in_force: Collection[str] = ()) -> ResourceConfig:
+def load(path: Path, gpu_memory: Mapping[str, int] | None = None,
+         in_force: Mapping[str, GroupConfig] | None = None) -> ResourceConfig:
     """Read and parse a resource file and then its drop-ins (`dropins`), with the same checks and
     FILE:LINE errors: what `gemtrace check-config` and the agent both call.
 
     A bad main file raises ConfigError. A drop-in is refused alone (`ResourceConfig.refused`): bad in
     itself, or not fitting beside what was taken before it. `gpu_memory` (GPU UUID -> bytes): a
     drop-in's MemoryLimit above the memory of a GPU it may run on is refused too. `in_force`: the
-    groups of the settings in force; drop-ins holding only those are taken first, then the others,
-    each in name order."""
+    groups of the settings in force; drop-ins holding only those, each reserving no more than it
+    does now, are taken first, then the others, each in name order."""
     main = _parse_sections(decode(read_file(path), str(path)), str(path))
     taken = [main]
     _combine(taken)  # the operator's file must hold on its own
@@ -674,7 +675,7 @@ def load(path: Path, gpu_memory: Mapping[str, int] | None = None, in_force: Coll
             parsed.append(_parse_sections(decode(read_file(p), str(p)), str(p)))
         except ConfigError as e:
             refused.append(Refusal(str(p), str(e)))
-    parsed.sort(key=lambda f: not f.groups or not f.groups.keys() <= set(in_force))  # stable: by name within
+    parsed.sort(key=lambda f: not _reserved_already(f, in_force or {}))  # stable: by name within
     for dropin in parsed:
         try:
             _check_memory(dropin, gpu_memory or {})
@@ -685,6 +686,15 @@ def load(path: Path, gpu_memory: Mapping[str, int] | None = None, in_force: Coll
         taken.append(dropin)
     config = _combine(taken)
     return ResourceConfig(config.groups, config.source, tuple(sorted(refused, key=lambda r: r.path)))
+
+
+def _reserved_already(parsed: _Parsed, in_force: Mapping[str, GroupConfig]) -> bool:
+    """Every group of the file is in force, with no more MinUtil and on the same GPUs: taking it first
+    pushes out no one. A group in force that now asks for more (a pod's grant, defined with its memory
+    first and given its MinUtil a moment later) is a newcomer for what it adds."""
+    return bool(parsed.groups) and all(
+        name in in_force and g.min_util <= in_force[name].min_util and g.gpus == in_force[name].gpus
+        for name, g in parsed.groups.items())
 
 
 def _check_memory(parsed: _Parsed, gpu_memory: Mapping[str, int]) -> None:

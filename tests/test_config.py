@@ -423,10 +423,15 @@ def test_dropins_in_force_are_taken_before_newcomers_whatever_their_names(tmp_pa
     # sorts first, and the newcomer alone is refused.
     path = _with_dropins(tmp_path, "", a_new="[new]\nMinUtil = 0.6\n", b_running="[running]\nMinUtil = 0.6\n")
     assert [r.path.rsplit("/", 1)[1] for r in load(path).refused] == ["b_running.conf"]
-    config = load(path, in_force={"running", "default"})
+    in_force = {"running": GroupConfig("running", min_util=0.6), "default": GroupConfig("default")}
+    config = load(path, in_force=in_force)
     assert [r.path.rsplit("/", 1)[1] for r in config.refused] == ["a_new.conf"]
     assert "running" in config.groups and "new" not in config.groups
     assert "the MinUtils add up to 1.2, above 1 (running 0.6, new 0.6)" in config.refused[0].reason
+    # A pod's group is defined with its memory first and given its MinUtil a moment later: in force by
+    # name, it is a newcomer for what it adds, and does not push out the running one.
+    config = load(path, in_force={**in_force, "new": GroupConfig("new")})
+    assert [r.path.rsplit("/", 1)[1] for r in config.refused] == ["a_new.conf"]
 
 
 def test_an_unreadable_dropin_is_refused_alone(tmp_path: Path) -> None:
