@@ -121,13 +121,14 @@ class K8sCluster:
             subprocess.run([str(a) for a in argv], check=True, capture_output=True)
         return cert, key
 
-    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+    def kubectl(self, *args: str, stdin: str | None = None, timeout: float = 60) -> str:
+        """`timeout`: more than any --timeout among `args`, so that kubectl's own says what it waited for."""
         proc = subprocess.run(
             [self.kubectl_bin, "--kubeconfig", self.kubeconfig, *args],
             input=stdin,
             capture_output=True,
             text=True,
-            timeout=60,
+            timeout=timeout,
         )
         if proc.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({proc.returncode}): {proc.stderr.strip()}")

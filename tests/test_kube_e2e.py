@@ -148,7 +148,8 @@ class Deployment:
 
     def delete(self) -> None:
         """Everything deploy/ made, gone (the namespace too) before the next test applies it again."""
-        self.cluster.kubectl("delete", "-k", str(self.dir), "--ignore-not-found", "--wait=true", "--timeout=120s")
+        self.cluster.kubectl("delete", "-k", str(self.dir), "--ignore-not-found", "--wait=true", "--timeout=120s",
+                             timeout=150)
 
     def pods(self, selector: str) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = json.loads(self.cluster.kubectl(
