@@ -12,7 +12,10 @@ from testkit import GiB
 
 from gemtrace.config import parse_text
 from gemtrace.kube import pods, shares, webhook
+from gemtrace.kube.grants import PodInfo
 from gemtrace.kube.injection import Injection
+from gemtrace.kube.kubelet import ContainerDevices
+from gemtrace.kube.placer import Decision, pending_containers
 
 pytestmark = pytest.mark.unit
 
@@ -150,3 +153,50 @@ def test_a_containers_util_only_grant_goes_once_its_whole_grant_is_known(tmp_pat
     grants.write(shares.Grant(memory=(f"{uuid}-m1",)))
     grants.reconcile([ContainerDevices("default", "p", "main", {shares.GPU_UTIL: util, shares.GPU_MEMORY: memory})])
     assert len(list(tmp_path.glob("*.conf"))) == 2
+
+
+def test_a_request_is_split_evenly_over_its_gpus_or_refused_saying_what_to_ask() -> None:
+    mem, util = shares.GPU_MEMORY, shares.GPU_UTIL
+    assert shares.request_of({mem: 4, util: 50}, {}) == shares.Request(4, 50, 1, None)
+    assert shares.request_of({mem: 8, util: 100}, {shares.ANNOTATION_GPUS: "2", shares.ANNOTATION_GPU_MODEL: " H100 "}
+                             ) == shares.Request(4, 50, 2, "H100")
+    assert shares.request_of({util: 30}, {}).units(mem) == 0
+    for limits, asked, message in [
+        ({mem: 3}, {shares.ANNOTATION_GPUS: "2"}, "gemtrace.io/gpu-memory: 3 does not split evenly over "
+                                                  "gemtrace.io/gpus=2; ask for a multiple of 2"),
+        ({util: 150}, {}, "gemtrace.io/gpu-util: 150 over 1 GPU(s) is more than 100% of each; ask for at most 100"),
+        ({mem: 1}, {shares.ANNOTATION_GPUS: "two"}, "annotation gemtrace.io/gpus='two' is not a number of GPUs"),
+        ({mem: 1}, {shares.ANNOTATION_GPUS: "0"}, "annotation gemtrace.io/gpus='0' is not a number of GPUs"),
+    ]:
+        with pytest.raises(shares.RequestError) as e:
+            shares.request_of(limits, asked)
+        assert str(e.value).startswith(message)
+
+
+def test_the_container_being_admitted_is_the_oldest_pending_one_asking_as_many_units() -> None:
+    mem, util = shares.GPU_MEMORY, shares.GPU_UTIL
+
+    def pod(created: str, phase: str = "Pending", **containers: dict[str, int]) -> PodInfo:
+        return PodInfo(UID, phase=phase, created=created, requests=dict(containers))
+
+    node = {
+        ("ml", "running"): pod("2026-11-26T10:00:00Z", "Running", main={mem: 2}),
+        ("ml", "young"): pod("2026-11-26T10:05:00Z", main={mem: 2, util: 10}),
+        ("ml", "old"): pod("2026-11-26T10:01:00Z", init={mem: 2}, main={mem: 2, util: 20}),
+        ("ml", "other"): pod("2026-11-26T10:00:30Z", main={mem: 3}),
+    }
+
+    def keys(resource: str, units: int, listed: list[ContainerDevices] = [],  # noqa: B006
+             decisions: dict[tuple[str, str, str], Decision] | None = None) -> list[tuple[str, str, str]]:
+        return [key for key, _, _ in pending_containers(node, listed, resource, units, decisions or {})]
+
+    assert keys(mem, 2) == [("ml", "old", "init"), ("ml", "old", "main"), ("ml", "young", "main")]
+    assert keys(mem, 3) == [("ml", "other", "main")]
+    # The init container holds its memory: the next one asking 2 is the old pod's main.
+    held = [ContainerDevices("ml", "old", "init", {mem: ("GPU-a-m0", "GPU-a-m1")})]
+    assert keys(mem, 2, held) == [("ml", "old", "main"), ("ml", "young", "main")]
+    # The young pod's memory was decided first: its util call is its own, before older pods'.
+    young = Decision(("ml", "young", "main"), {mem: ("GPU-a-m2", "GPU-a-m3"), util: ("GPU-a-u0",)}, None, 0.0,
+                     answered={mem})
+    assert keys(util, 10, decisions={young.key: young}) == [("ml", "young", "main")]
+    assert keys(mem, 2, decisions={young.key: young}) == [("ml", "old", "init"), ("ml", "old", "main")]

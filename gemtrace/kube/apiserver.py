@@ -83,8 +83,24 @@ class Apiserver:
         """(namespace, name) -> PodInfo of every pod bound to `node`."""
         items = self.get("/api/v1/pods", fieldSelector=f"spec.nodeName={node}")["items"]
         return {(p["metadata"]["namespace"], p["metadata"]["name"]):
-                PodInfo(p["metadata"]["uid"], dict(p["metadata"].get("annotations") or {}), _containers(p))
+                PodInfo(p["metadata"]["uid"], dict(p["metadata"].get("annotations") or {}), _containers(p),
+                        (p.get("status") or {}).get("phase", ""), p["metadata"].get("creationTimestamp", ""),
+                        _requests(p))
                 for p in items}
+
+
+def _requests(pod: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Container name -> its gemtrace.io resources' limits (an extended resource's request is its
+    limit), init containers first, as the kubelet allocates them."""
+    spec = pod.get("spec") or {}
+    out = {}
+    for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+        resources = c.get("resources") or {}
+        asked = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+        ours = {k: int(v) for k, v in asked.items() if k.startswith("gemtrace.io/") and str(v).isdigit()}
+        if ours:
+            out[c["name"]] = ours
+    return out
 
 
 def _containers(pod: dict[str, Any]) -> dict[str, str]:

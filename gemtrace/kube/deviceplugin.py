@@ -6,6 +6,10 @@ kubelet's device-plugins directory, each registered with the kubelet. Owns the p
 - Health. Every device of a GPU is Healthy while the agent beats (its heartbeat in the region is
   fresh) and NVML still lists the GPU; otherwise Unhealthy, and ListAndWatch sends the change at
   once, so the kubelet stops placing pods there.
+- Placement. GetPreferredAllocation answers with the devices that gemtrace.kube.placer decided for
+  the container being admitted, both resources at once: its memory and time whole on each of its
+  GPUs, of the model it asks, binpacked or spread (`--placement`). Allocate refuses, with the
+  reason, a container that could not be placed: the kubelet fails the pod with that message.
 - Allocate hands a container the gate (gemtrace.kube.injection: mounts and envs) and, for memory, its
   group (GEMTRACE_GROUP) after writing the group's drop-in and waiting, briefly, for the agent to
   define it; CUDA_VISIBLE_DEVICES/NVIDIA_VISIBLE_DEVICES name the GPUs of its devices (each
@@ -38,7 +42,9 @@ from gemtrace.kube.grants import Grants, Pods
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
+from gemtrace.kube.placer import Placer
 from gemtrace.kube.pods import Names, write_names
+from gemtrace.placement import DEFAULT_PACKING, PACKINGS, Packing
 
 log = structlog.get_logger("gemtrace.kube.plugin")
 
@@ -125,8 +131,9 @@ class Inventory:
 
 class ResourceServicer(dp_grpc.DevicePluginServicer):
     def __init__(self, resource: str, inventory: Inventory, grants: Grants, injection: Injection,
-                 state_dir: Path, stopping: threading.Event) -> None:
+                 state_dir: Path, stopping: threading.Event, placer: Placer) -> None:
         self.resource = resource
+        self.placer = placer
         self.inventory = inventory
         self.grants = grants
         self.injection = injection
@@ -149,15 +156,21 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
     def GetPreferredAllocation(self, request: dp.PreferredAllocationRequest, context: Any
                                ) -> dp.PreferredAllocationResponse:
         return dp.PreferredAllocationResponse(container_responses=[
-            dp.ContainerPreferredAllocationResponse(deviceIDs=shares.preferred(
-                list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
+            dp.ContainerPreferredAllocationResponse(deviceIDs=self.placer.preferred(
+                self.resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
             for r in request.container_requests])
 
     def Allocate(self, request: dp.AllocateRequest, context: Any) -> dp.AllocateResponse:
-        return dp.AllocateResponse(container_responses=[self._allocate(list(r.devicesIDs))
+        return dp.AllocateResponse(container_responses=[self._allocate(list(r.devicesIDs), context)
                                                         for r in request.container_requests])
 
-    def _allocate(self, devices: list[str]) -> dp.ContainerAllocateResponse:
+    def _allocate(self, devices: list[str], context: Any) -> dp.ContainerAllocateResponse:
+        decision = self.placer.allocating(self.resource, devices)
+        if decision is not None and decision.refusal is not None:
+            # The kubelet fails the pod with this message (UnexpectedAdmissionError): its owner reads why.
+            log.warning("allocate_refused", resource=self.resource, namespace=decision.key[0], pod=decision.key[1],
+                        container=decision.key[2], reason=decision.refusal)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"gemtrace: {decision.refusal}")
         mounts = [dp.Mount(container_path=str(m.container_path), host_path=str(m.host_path), read_only=m.read_only)
                   for m in self.injection.mounts()]
         group = None
@@ -165,7 +178,9 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
         if self.resource == shares.GPU_MEMORY:
             # Only the memory resource names the group: the kubelet merges the two resources' envs
             # in no fixed order, keeping the first of a name, so two writers could disagree.
-            grant = shares.Grant(memory=tuple(devices))
+            # With a decision its util devices are known already: the drop-in has its MinUtil at once.
+            util = decision.devices.get(shares.GPU_UTIL, ()) if decision is not None else ()
+            grant = shares.Grant(memory=tuple(devices), util=util)
             group = grant.group
             if self.grants.write(grant, keep_existing=True):
                 ask_agent_to_reload(self.state_dir)
@@ -199,10 +214,12 @@ class DevicePlugin:
     def __init__(self, gpus: Sequence[tuple[str, int]], state_dir: Path, grants: Grants, injection: Injection,
                  device_plugins: Path = kubelet.DEVICE_PLUGINS, pod_resources: Path | None = kubelet.POD_RESOURCES,
                  gpus_present: Callable[[], set[str]] | None = None,
-                 pods: Callable[[], Pods] | None = None, names_file: Path | None = None) -> None:
-        """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for the grants' Cgroup
-        rule and MaxUtil annotation; None: without them. `names_file`: where to write the pods' names
-        for the agent's metrics labels (gemtrace.kube.pods.NAMES_FILE)."""
+                 pods: Callable[[], Pods] | None = None, names_file: Path | None = None,
+                 names: dict[str, str] | None = None, packing: Packing | None = None) -> None:
+        """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for placement, the
+        grants' Cgroup rule and MaxUtil annotation; None: without them. `names_file`: where to write
+        the pods' names for the agent's metrics labels (gemtrace.kube.pods.NAMES_FILE). `names`: each
+        GPU's NVML name (uuid -> name), for gemtrace.io/gpu-model; `packing`: binpack by default."""
         self.inventory = Inventory(gpus)
         self.state_dir = state_dir
         self.grants = grants
@@ -216,6 +233,10 @@ class DevicePlugin:
         self._servers: list[grpc.Server] = []
         self._stop = threading.Event()
         self.registrations = 0
+        self.placer = Placer(gpus, names or {}, packing or PACKINGS[DEFAULT_PACKING](), pods, self._listed)
+
+    def _listed(self) -> list[kubelet.ContainerDevices]:
+        return kubelet.list_pod_resources(self.pod_resources) if self.pod_resources is not None else []
 
     def check_health(self) -> None:
         alive = agent_alive(self.state_dir)
@@ -237,7 +258,8 @@ class DevicePlugin:
             path.unlink(missing_ok=True)
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
             dp_grpc.add_DevicePluginServicer_to_server(
-                ResourceServicer(resource, self.inventory, self.grants, self.injection, self.state_dir, self._stop),
+                ResourceServicer(resource, self.inventory, self.grants, self.injection, self.state_dir, self._stop,
+                                 self.placer),
                 server)
             server.add_insecure_port(f"unix://{path}")
             server.start()
@@ -267,6 +289,7 @@ class DevicePlugin:
                 pods = self.pods()
             except Exception as e:  # ApiError; the grants are written without what it would add
                 log.warning("apiserver_unavailable", error=str(e), consequence="no Cgroup rule or MaxUtil annotation")
+        self.placer.prune(containers, pods)
         writes = self.grants.writes
         grants = self.grants.reconcile(containers, pods)
         if self.grants.writes != writes:

@@ -46,6 +46,10 @@ class PodInfo:
     uid: str
     annotations: dict[str, str] = field(default_factory=dict)
     containers: dict[str, str] = field(default_factory=dict)  # container ID -> name
+    phase: str = ""
+    created: str = ""  # metadata.creationTimestamp, RFC 3339 in UTC: sorts as the times do
+    # container name -> gemtrace.io resource -> units, init containers first: the kubelet's order
+    requests: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 Pods = dict[tuple[str, str], PodInfo]  # (namespace, name) -> info

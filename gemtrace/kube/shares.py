@@ -14,18 +14,25 @@ util devices it holds on any of those GPUs: the agent reserves a group's MinUtil
 on, so a grant whose devices the kubelet spread (10 + 50) or put its memory on another GPU than its
 util gets no more on a GPU than the kubelet counted there, and no GPU's MinUtils pass 1. The
 group is named after the memory devices (`k8s-` and a hash), so the same grant gets the same name
-after any restart of the plugin or the kubelet: nothing is counted twice. Pure functions only.
+after any restart of the plugin or the kubelet: nothing is counted twice.
+
+What one container asks (`Request`): the two resources are what it takes in all, split evenly over
+the pod's annotation `gemtrace.io/gpus` (default 1) so that each GPU gets its memory and its time
+whole, and `gemtrace.io/gpu-model` names the GPU models it accepts. The device plugin places it
+(gemtrace.placement.place) and steers the kubelet to those devices. Pure functions only.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 GPU_MEMORY = "gemtrace.io/gpu-memory"
 GPU_UTIL = "gemtrace.io/gpu-util"
 ANNOTATION_MAX_UTIL = "gemtrace.io/max-util"
+ANNOTATION_GPUS = "gemtrace.io/gpus"
+ANNOTATION_GPU_MODEL = "gemtrace.io/gpu-model"
 LABEL_GROUP = "gemtrace.io/group"
 GiB = 1 << 30
 UTIL_UNITS = 100  # per GPU: 1 unit = 1%
@@ -70,6 +77,53 @@ def preferred(available: Sequence[str], must_include: Sequence[str], size: int) 
     for gpu in sorted(free, key=lambda g: (g not in first, -len(free[g]), g)):
         chosen.extend(free[gpu][: size - len(chosen)])
     return chosen[:size]
+
+
+class RequestError(ValueError):
+    """A container's request that no node could place; str() says what to change."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one container asks on each of its GPUs: `memory` GiB and `util` percent, on `gpus`
+    distinct GPUs, of `model` (NVML name words, comma-separated alternatives) if given."""
+
+    memory: int
+    util: int
+    gpus: int = 1
+    model: str | None = None
+
+    def units(self, resource: str) -> int:
+        """The devices of `resource` it takes in all, on all its GPUs."""
+        return (self.memory if resource == GPU_MEMORY else self.util) * self.gpus
+
+
+def request_of(limits: Mapping[str, int], annotations: Mapping[str, str]) -> Request:
+    """A container's request from its limits of the two resources (what the kubelet counts: the
+    totals) and its pod's annotations; RequestError when it cannot be split evenly over its GPUs."""
+    text = annotations.get(ANNOTATION_GPUS, "1")
+    try:
+        gpus = int(text)
+    except ValueError:
+        gpus = 0
+    if gpus < 1:
+        raise RequestError(f"annotation {ANNOTATION_GPUS}={text!r} is not a number of GPUs; "
+                           "write a whole number, 1 or more")
+    memory, util = limits.get(GPU_MEMORY, 0), limits.get(GPU_UTIL, 0)
+    for resource, total in ((GPU_MEMORY, memory), (GPU_UTIL, util)):
+        if total % gpus:
+            raise RequestError(f"{resource}: {total} does not split evenly over {ANNOTATION_GPUS}={gpus}; ask for a "
+                               f"multiple of {gpus} (the total over all its GPUs)")
+    if util // gpus > UTIL_UNITS:
+        raise RequestError(f"{GPU_UTIL}: {util} over {gpus} GPU(s) is more than {UTIL_UNITS}% of each; ask for at most "
+                           f"{UTIL_UNITS * gpus}, or for more GPUs ({ANNOTATION_GPUS})")
+    model = (annotations.get(ANNOTATION_GPU_MODEL) or "").strip() or None
+    return Request(memory // gpus, util // gpus, gpus, model)
+
+
+def unit_index(device_id: str) -> int:
+    """The unit's number in a device ID that device_ids made (`...-m12` -> 12)."""
+    return int(device_id.rsplit("-", 1)[1][1:])
 
 
 @dataclass(frozen=True)
