@@ -9,13 +9,14 @@ import base64
 import json
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from agent_host import CONFIG, Host, Running, gemtrace, stop
 from k8s_cluster import K8sCluster, pod_manifest
-from simgpu_env import REPO, SIMGPU_DIR
+from simgpu_env import REPO, SIMGPU_DIR, SimGpu
 from testkit import GiB, free_port, wait_until
 
 from gemtrace.kube import shares
@@ -110,17 +111,17 @@ class Node:
         return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-@pytest.fixture
-def node(k8s_cluster: K8sCluster, host: Host) -> Iterator[Node]:
+def running_node(cluster: K8sCluster, host: Host, memory: str = "16", util: str = "100") -> Iterator[Node]:
+    """The node's agent and plugin on `host`, once the node advertises `memory` GiB and `util`%."""
     host.sim.env()  # the simulation's state dir exists before any pod mounts it
-    n = Node(k8s_cluster, host)
+    n = Node(cluster, host)
     try:
         def advertised() -> bool:
             assert n.plugin.poll() is None, n.plugin_log.read_text()
-            capacity = k8s_cluster.get("node", k8s_cluster.node)["status"]["allocatable"]
-            return capacity.get(shares.GPU_MEMORY) == "16" and capacity.get(shares.GPU_UTIL) == "100"
+            capacity = cluster.get("node", cluster.node)["status"]["allocatable"]
+            return capacity.get(shares.GPU_MEMORY) == memory and capacity.get(shares.GPU_UTIL) == util
 
-        wait_until("the node advertising 16 GiB and 100%", advertised, timeout=60, step=0.5)
+        wait_until(f"the node advertising {memory} GiB and {util}%", advertised, timeout=60, step=0.5)
         # The node's figures may be the previous test's plugin's: wait for this one's registration too,
         # or a pod placed meanwhile fails the kubelet's admission (its devices unknown for a moment).
         n.wait_registered()
@@ -128,6 +129,20 @@ def node(k8s_cluster: K8sCluster, host: Host) -> Iterator[Node]:
     finally:
         n.close()
         print(n.plugin_log.read_text())
+
+
+@pytest.fixture
+def node(k8s_cluster: K8sCluster, host: Host) -> Iterator[Node]:
+    yield from running_node(k8s_cluster, host)
+
+
+@pytest.fixture
+def two_gpu_node(k8s_cluster: K8sCluster, simgpu_factory: Callable[..., SimGpu], tmp_path: Path) -> Iterator[Node]:
+    """The node with 2 simulated GPUs of 8 GiB."""
+    config = tmp_path / "resource.conf"
+    config.write_text(CONFIG)  # [train] reserves MinUtil 0.2 of every GPU: 0.5 more fits on each
+    host = Host(simgpu_factory(devices=2, memory="8GiB"), config, tmp_path / "state", tmp_path)
+    yield from running_node(k8s_cluster, host, "16", "200")
 
 
 def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: Node) -> None:
@@ -348,5 +363,53 @@ def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: None
     try:
         volumes = {v["name"] for v in node.cluster.get("pod", name)["spec"]["volumes"]}
         assert "gemtrace-gate" not in volumes
+    finally:
+        node.cluster.delete_pod(name)
+
+
+def _dropin(node: Node, name: str) -> str:
+    """The drop-in of the pod's one container, once the plugin has its pod (its Cgroup rule)."""
+    def written() -> str | None:
+        texts = [p.read_text() for p in (node.host.tmp / "resource.d").glob("k8s-*.conf")]
+        mine = [t for t in texts if f"default/{name} container main" in t and "Cgroup" in t]
+        return mine[0] if mine else None
+    text: str = wait_until(f"{name}'s drop-in", written, timeout=30, step=0.2)
+    return text
+
+
+def test_4_gib_and_50_percent_on_two_8_gib_gpus_gets_4_gib_and_half_of_one_gpu(two_gpu_node: Node) -> None:
+    node, name = two_gpu_node, "share-4g-50"
+    manifest = node.pod(name, "/simgpu/simgpu-rt devices && /simgpu/simgpu-rt meminfo && "
+                              "/simgpu/simgpu-rt alloc --hold 60 3GiB 1536MiB",
+                        limits={shares.GPU_MEMORY: "4", shares.GPU_UTIL: "50"})
+    try:
+        node.create(manifest)
+        devices, meminfo, first, second, *_ = _wait_holding(node, name)
+        out = f"{node.cluster.kubectl('logs', name)}\n--- plugin\n{node.plugin_log.read_text()[-3000:]}"
+        # One GPU, seen as 4 GiB: 3 GiB is allocated, 1.5 GiB more is not.
+        assert devices["count"] == 1 and meminfo["total"] == 4 * GiB, out
+        assert (first["name"], second["name"]) == ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"), out
+        text = _dropin(node, name)
+        assert "MemoryLimit = 4GiB\nMinUtil = 0.5\nMaxUtil = 0.5\n" in text, text
+        assert f"Gpus = {devices['devices'][0]['uuid']}\n" in text, text
+    finally:
+        node.cluster.delete_pod(name)
+
+
+def test_a_pod_asking_2_gpus_gets_both_each_limited(two_gpu_node: Node) -> None:
+    node, name = two_gpu_node, "share-2-gpus"
+    script = ("/simgpu/simgpu-rt devices && /simgpu/simgpu-rt meminfo --device 0 && "
+              "/simgpu/simgpu-rt meminfo --device 1 && /simgpu/simgpu-rt alloc --device 1 --hold 60 3GiB 1536MiB")
+    manifest = node.pod(name, script, limits={shares.GPU_MEMORY: "8", shares.GPU_UTIL: "100"})
+    manifest["metadata"]["annotations"] = {shares.ANNOTATION_GPUS: "2"}
+    try:
+        node.create(manifest)
+        devices, zero, one, first, second, *_ = _wait_holding(node, name)
+        out = f"{node.cluster.kubectl('logs', name)}\n--- plugin\n{node.plugin_log.read_text()[-3000:]}"
+        assert devices["count"] == 2 and (zero["total"], one["total"]) == (4 * GiB, 4 * GiB), out
+        assert (first["name"], second["name"]) == ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"), out
+        text = _dropin(node, name)
+        assert "MemoryLimit = 4GiB\nMinUtil = 0.5\nMaxUtil = 0.5\n" in text, text
+        assert f"Gpus = {'; '.join(d['uuid'] for d in devices['devices'])}\n" in text, text
     finally:
         node.cluster.delete_pod(name)

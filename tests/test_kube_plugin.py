@@ -409,6 +409,7 @@ def test_a_pod_asking_two_gpus_gets_both_each_limited(gpu_stack: Callable[..., S
     assert sorted(shares.gpu_of(d) for d in devices[MEM]) == sorted([gpu0] * 4 + [gpu1] * 4)
     assert sorted(shares.gpu_of(d) for d in devices[UTIL]) == sorted([gpu0] * 50 + [gpu1] * 50)
     assert defined(stack, "pair") == (4 * GiB, 0.5, (gpu0, gpu1))
+    assert load(stack.host.config).groups[group_of_pod(stack, "pair")].max_util == 0.5  # of each GPU, as asked
     assert {r.envs["CUDA_VISIBLE_DEVICES"] for r in responses.values()} == {f"{gpu0},{gpu1}"}
 
     # Each GPU has 4 GiB and 50% left: 5 GiB on one is refused, with the reason, though 8 GiB are free.

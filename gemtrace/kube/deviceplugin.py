@@ -180,7 +180,7 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
             # in no fixed order, keeping the first of a name, so two writers could disagree.
             # With a decision its util devices are known already: the drop-in has its MinUtil at once.
             util = decision.devices.get(shares.GPU_UTIL, ()) if decision is not None else ()
-            grant = shares.Grant(memory=tuple(devices), util=util)
+            grant = shares.Grant(memory=tuple(devices), util=util, gpus_asked=decision.gpus if decision else 1)
             group = grant.group
             if self.grants.write(grant, keep_existing=True):
                 ask_agent_to_reload(self.state_dir)

@@ -29,6 +29,7 @@ from gemtrace.kube.shares import (
     GROUP_PREFIX,
     Grant,
     dropin_text,
+    gpus_asked,
     parse_max_util,
 )
 
@@ -108,7 +109,8 @@ class Grants:
         info = (pods or {}).get((container.namespace, container.pod))
         if info is not None:
             cgroup = pod_cgroup(info.uid, self.cgroup_root) or ""
-            grant = replace(grant, max_util=parse_max_util(info.annotations.get(ANNOTATION_MAX_UTIL)), cgroup=cgroup)
+            grant = replace(grant, max_util=parse_max_util(info.annotations.get(ANNOTATION_MAX_UTIL)), cgroup=cgroup,
+                            gpus_asked=gpus_asked(info.annotations))
         return grant
 
     def reconcile(self, containers: list[ContainerDevices], pods: Pods | None = None) -> dict[str, Grant]:

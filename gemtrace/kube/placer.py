@@ -45,6 +45,7 @@ class Decision:
     devices: dict[str, tuple[str, ...]]  # resource -> the devices chosen for it
     refusal: str | None  # why it could not be placed, for Allocate to say
     made: float
+    gpus: int = 1  # how many GPUs it asked for
     answered: set[str] = field(default_factory=set)  # the resources whose preferred call it answered
 
 
@@ -159,7 +160,7 @@ class Placer:
                 devices[r] = tuple(d for room in chosen for d in free[r][room.uuid][:per_gpu])
         log.info("placed", namespace=key[0], pod=key[1], container=key[2], gpus=[r.uuid for r in chosen],
                  memory_gib=request.memory, util_percent=request.util)
-        return Decision(key, devices, None, self.clock())
+        return Decision(key, devices, None, self.clock(), request.gpus)
 
     def _free(self, resource: str, available: Sequence[str], listed: Sequence[ContainerDevices],
               exclude: Key) -> dict[str, dict[str, list[str]]]:

@@ -121,6 +121,14 @@ def request_of(limits: Mapping[str, int], annotations: Mapping[str, str]) -> Req
     return Request(memory // gpus, util // gpus, gpus, model)
 
 
+def gpus_asked(annotations: Mapping[str, str]) -> int:
+    """The pod's gemtrace.io/gpus, or 1 where it is absent or no count (request_of says why)."""
+    try:
+        return max(int(annotations.get(ANNOTATION_GPUS, "1")), 1)
+    except ValueError:
+        return 1
+
+
 def unit_index(device_id: str) -> int:
     """The unit's number in a device ID that device_ids made (`...-m12` -> 12)."""
     return int(device_id.rsplit("-", 1)[1][1:])
@@ -137,6 +145,7 @@ class Grant:
     container: str = ""
     max_util: float | None = None  # the pod's annotation, if any
     cgroup: str = ""  # the pod's cgroup path, if known
+    gpus_asked: int = 1  # the pod's gemtrace.io/gpus: its util devices are that many GPUs' worth
 
     @property
     def group(self) -> str:
@@ -166,9 +175,10 @@ class Grant:
         return min(per_gpu.values(), default=0) / UTIL_UNITS if self.util else 0.0
 
     def max_util_ratio(self) -> float:
+        """The annotation (never below the MinUtil), else its util request on one GPU."""
         if self.max_util is not None:
             return max(self.max_util, self.min_util())
-        return min(len(self.util), UTIL_UNITS) / UTIL_UNITS or 1.0
+        return min(len(self.util) // self.gpus_asked, UTIL_UNITS) / UTIL_UNITS or 1.0
 
 
 def parse_max_util(text: str | None) -> float | None:
