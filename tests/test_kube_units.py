@@ -70,7 +70,7 @@ def test_a_grants_minutil_is_what_it_holds_on_each_gpu_it_may_run_on() -> None:
     assert "Gpus = GPU-a; GPU-b\n" in shares.dropin_text(wide)
     # Asked for 2 GPUs (gemtrace.io/gpus), 50 on each: its cap is 0.5 of each, not the 100 in all.
     pair = shares.Grant(util=units("GPU-a", 50) + units("GPU-b", 50), gpus_asked=2)
-    assert (pair.min_util(), pair.max_util_ratio()) == (0.5, 0.5)
+    assert (pair.min_util(), pair.max_util_ratio(), pair.split) == (0.5, 0.5, False)
     asked = ({}, {shares.ANNOTATION_GPUS: "2"}, {shares.ANNOTATION_GPUS: "x"})
     assert [shares.gpus_asked(a) for a in asked] == [1, 2, 1]
 

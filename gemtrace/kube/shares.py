@@ -160,7 +160,7 @@ class Grant:
     @property
     def split(self) -> bool:
         """Its util devices are not all on each GPU it may run on: it gets less MinUtil than it asked."""
-        return bool(self.util) and self.min_util() * UTIL_UNITS < min(len(self.util), UTIL_UNITS)
+        return bool(self.util) and self.min_util() * UTIL_UNITS < min(len(self.util) // self.gpus_asked, UTIL_UNITS)
 
     def memory_limit(self) -> int:
         per_gpu: dict[str, int] = {}
