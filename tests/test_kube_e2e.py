@@ -414,3 +414,18 @@ def test_a_pod_asking_2_gpus_gets_both_each_limited(two_gpu_node: Node) -> None:
         assert sorted(gpus) == sorted(d["uuid"] for d in devices["devices"]), text
     finally:
         node.cluster.delete_pod(name)
+
+
+def test_a_pod_asking_a_model_the_2_gpus_are_not_fails_saying_why(two_gpu_node: Node) -> None:
+    node, name = two_gpu_node, "share-h100"
+    manifest = node.pod(name, "true", limits={shares.GPU_MEMORY: "1", shares.GPU_UTIL: "10"})
+    manifest["metadata"]["annotations"] = {shares.ANNOTATION_GPU_MODEL: "H100"}
+    try:
+        node.cluster.create(manifest)
+        pod = node.cluster.wait_pod(name, lambda p: p["status"].get("phase") == "Failed", "the kubelet's refusal")
+        assert pod["status"].get("reason") == "UnexpectedAdmissionError", pod["status"]
+        assert ("gemtrace: no GPU of this node is a H100 (its GPUs: Simulated GPU); ask for one of those models, "
+                "or schedule the pod on a node that has it (a nodeSelector)") in pod["status"]["message"], pod["status"]
+        assert not list((node.host.tmp / "resource.d").glob("k8s-*.conf"))
+    finally:
+        node.cluster.delete_pod(name)
