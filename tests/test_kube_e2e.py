@@ -379,10 +379,17 @@ def _dropin(node: Node, name: str) -> str:
 
 def test_4_gib_and_50_percent_on_two_8_gib_gpus_gets_4_gib_and_half_of_one_gpu(two_gpu_node: Node) -> None:
     node, name = two_gpu_node, "share-4g-50"
+    # Two pods first, 1 GiB + 60% and 2 GiB + 10%: chosen one resource at a time, the first goes to one
+    # GPU and the second to the other, which leaves one GPU the most memory and the other the most
+    # time, and the 4 GiB + 50% pod split between them.
+    before = [("share-1g-60", "1", "60"), ("share-2g-10", "2", "10")]
     manifest = node.pod(name, "/simgpu/simgpu-rt devices && /simgpu/simgpu-rt meminfo && "
                               "/simgpu/simgpu-rt alloc --hold 60 3GiB 1536MiB",
                         limits={shares.GPU_MEMORY: "4", shares.GPU_UTIL: "50"})
     try:
+        for other, memory, util in before:
+            node.create(node.pod(other, "sleep 120", limits={shares.GPU_MEMORY: memory, shares.GPU_UTIL: util}))
+            node.cluster.wait_pod(other, lambda p: p["status"].get("phase") == "Running", "running")
         node.create(manifest)
         devices, meminfo, first, second, *_ = _wait_holding(node, name)
         out = f"{node.cluster.kubectl('logs', name)}\n--- plugin\n{node.plugin_log.read_text()[-3000:]}"
@@ -393,7 +400,8 @@ def test_4_gib_and_50_percent_on_two_8_gib_gpus_gets_4_gib_and_half_of_one_gpu(t
         assert "MemoryLimit = 4GiB\nMinUtil = 0.5\nMaxUtil = 0.5\n" in text, text
         assert f"Gpus = {devices['devices'][0]['uuid']}\n" in text, text
     finally:
-        node.cluster.delete_pod(name)
+        for pod in (name, *(other for other, _, _ in before)):
+            node.cluster.delete_pod(pod)
 
 
 def test_a_pod_asking_2_gpus_gets_both_each_limited(two_gpu_node: Node) -> None:
