@@ -2,15 +2,8 @@
 
     .venv/bin/python -m bench.bench_agent_cpu [--no-record]
 
-Run so, the checkout's root is on the import path (for `gemtrace` and `bench`). The benches also start
-the agent and the simulated GPU's clients as the tests do, through tests/'s modules (`simgpu_env`,
-`agent_host`, `testkit`), which are top-level modules rather than a package (pytest imports them so);
-this is the one place that puts tests/ on the import path for them.
+They start the agent and the simulated GPU's clients as the tests do, through tests/'s modules
+(`simgpu_env`, `agent_host`, `testkit`). Those are top-level modules, not a package (pytest imports
+them so), and the dev venv puts tests/ on its path for them (`make venv` writes the .pth), as pytest
+does for the tests. The GPU benchmarks, which run without the venv, are in bench/gpu/.
 """
-
-import sys
-from pathlib import Path
-
-_TESTS = str(Path(__file__).resolve().parents[1] / "tests")
-if _TESTS not in sys.path:
-    sys.path.insert(0, _TESTS)

@@ -2,7 +2,9 @@
 
 Each case starts `gemtrace agent` as a subprocess (through bench/agent_sampler.py, which only tells
 the bench its threads' names) on a private simulated GPU with G groups (the capped ones MaxUtil
-`--cap`), then P gated launch loops: process i in group i % G on GPU i % N. The first ones start
+`--cap`), then P gated launch loops: process i in group i % G on GPU i % N (every group spans GPUs
+where N > 1: gang turns, docs/scheduler.md), or with --group-per-gpu on GPU (i % G) % N (no group
+spans GPUs: each GPU schedules its own groups alone). The first ones start
 through `gemtrace run`; past `--run-limit` the bench gives a process the environment `gemtrace run`
 would (launcher.child_environment: the gate preloaded, the group asked for), since a thousand Python
 launchers would take minutes of this host's CPU. After a warm-up, the agent's CPU time over a window
@@ -12,13 +14,21 @@ context switches, /proc/PID/task/*/status) from the same window: on a VM a wake-
 the Python it runs (bench/bench_wake_cost.py). The targets: <= 2% with 8 processes in 4
 capped groups on one GPU, <= 10% at the region's limit (1024 processes, 63 groups, 8 GPUs).
 
+What makes the figure differ between hosts is printed with it: the agent's wake-ups a second (each
+costs a cold cache, and on a VM an idle vCPU's wake-up), its threads' timer slack (the kernel may
+defer a sleeper's wake-up by that much, merging wake-ups), the clock source (a clock read is a
+vDSO read on tsc, a trap on some VMs' clocks) and NVML's call time, the simulated driver's during
+each case and the host's own driver's (a GPU host: the agent calls it every accounting poll).
+With --rounds N, each case runs N times, every code once a round: the table gives medians and
+(min-max).
+
 With --profile, each case runs a second time with the agent's stacks sampled (agent_sampler --hz)
 and prints the top frames per thread (the sampling costs CPU itself: never in the measured run).
 
 Appends the dated table, with the machine and its load, to bench/results/agent_cpu.md.
 
     .venv/bin/python -m bench.bench_agent_cpu [--case 8x4x1 --case 256x16x1 ...] [--seconds 20]
-        [--ebpf memory|launches] [--profile] [--no-record]
+        [--rounds 3] [--tree NAME=DIR] [--ebpf memory|launches] [--profile] [--no-record]
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -107,6 +118,65 @@ def thread_wakeups(pid: int) -> dict[int, int]:
     return out
 
 
+# The agent's NVML reads, timed in a process of their own: each call's CPU and wall time, median of 20
+# (the agent's accounting poll calls processes() and utilization() once a second).
+NVML_TIMING = """
+import json, statistics, sys, time
+from gemtrace.probes.nvml import NvmlReader
+reader = NvmlReader()
+if not reader.available:
+    print(json.dumps({"reason": reader.reason}))
+    sys.exit()
+def per_call(fn):
+    cpu, wall = [], []
+    for _ in range(20):
+        c, w = time.thread_time_ns(), time.perf_counter_ns()
+        fn()
+        cpu.append(time.thread_time_ns() - c)
+        wall.append(time.perf_counter_ns() - w)
+    return statistics.median(cpu) / 1e3, statistics.median(wall) / 1e3
+print(json.dumps({"devices": len(reader.gpu_uuids()), "processes": len(reader.processes()),
+                  "processes_us": per_call(reader.processes), "utilization_us": per_call(reader.utilization)}))
+"""
+
+
+def nvml_call_times(env: dict[str, str]) -> dict:
+    """NVML's call times as the agent's reader sees them under `env` (the simulated driver's or the
+    host's): {"devices", "processes", "processes_us": (cpu, wall), "utilization_us": (cpu, wall)}, or
+    {"reason"} where there is no NVML."""
+    env = dict(env, PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    try:
+        done = subprocess.run([sys.executable, "-c", NVML_TIMING], env=env, capture_output=True, text=True,
+                              timeout=120, check=True)
+        return dict(json.loads(done.stdout))
+    except (subprocess.SubprocessError, ValueError) as e:
+        return {"reason": f"timing failed: {e}"}
+
+
+def describe_nvml(t: dict) -> str:
+    if "reason" in t:
+        return str(t["reason"])
+    return (f"{t['devices']} device(s), {t['processes']} process(es): processes() {t['processes_us'][0]:.0f} us "
+            f"CPU ({t['processes_us'][1]:.0f} wall), utilization() {t['utilization_us'][0]:.0f} us CPU "
+            f"({t['utilization_us'][1]:.0f} wall)")
+
+
+def timer_slack(pid: int) -> int:
+    """A process's timer slack in ns (/proc/PID/timerslack_ns: its main thread's, which threads inherit
+    when they start; -1 if unreadable). A sleep's wake-up may come that much late, merged with others."""
+    try:
+        return int(Path(f"/proc/{pid}/timerslack_ns").read_text())
+    except (OSError, ValueError):
+        return -1
+
+
+def clock_source() -> str:
+    try:
+        return Path("/sys/devices/system/clocksource/clocksource0/current_clocksource").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
 def config_text(case: Case, cap: float) -> str:
     lines = []
     for g in range(case.groups):
@@ -140,7 +210,7 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
     lasting = warmup + seconds + 30 + case.processes * 0.02
     clients = []
     for i in range(case.processes):
-        group, gpu = f"g{i % case.groups}", i % case.gpus
+        group, gpu = f"g{i % case.groups}", (i % case.groups if args.group_per_gpu else i) % case.gpus
         loop = [str(RT_CLIENT), "launch-loop", "--kernel-ns", str(args.kernel_ns), "--launches-per-iter", "4",
                 "--seconds", f"{lasting:.0f}", "--device", str(gpu)]
         if i < args.run_limit:
@@ -157,7 +227,9 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
     time.sleep(seconds)
     threads1, cpu1, wall1 = thread_ticks(agent.pid), cpu_ticks(Path(f"/proc/{agent.pid}/stat")), time.monotonic()
     wakes1 = thread_wakeups(agent.pid)
+    slack = timer_slack(agent.pid)
     alive = sum(c.poll() is None for c in clients)
+    nvml = nvml_call_times(env)  # (the simulated driver's, with the case's processes running)
     names = json.loads((tmp / "agent.threads.json").read_text())
     def kind(tid: int) -> str:  # the thread's name, every GPU's scheduler under one
         name: str = names.get(str(tid), "other")
@@ -181,7 +253,7 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
     if profile_hz:
         stacks = json.loads((tmp / "agent.stacks.json").read_text())
     return {"cpu_pct": (cpu1 - cpu0) / TICKS / (wall1 - wall0) * 100, "threads": by_name, "alive": alive,
-            "wakes": wakes, "load": load0, "stacks": stacks}
+            "wakes": wakes, "load": load0, "stacks": stacks, "slack": slack, "nvml": nvml}
 
 
 def main() -> int:
@@ -190,6 +262,9 @@ def main() -> int:
                     help=f"processes x groups x GPUs (repeatable; default {' '.join(DEFAULT_CASES)})")
     ap.add_argument("--seconds", type=float, default=20.0, help="measurement window per case")
     ap.add_argument("--warmup", type=float, default=5.0, help="after the last process started")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each case, every code once a round")
+    ap.add_argument("--group-per-gpu", action="store_true",
+                    help="a group's processes on one GPU (no gang turns), not spread over all of them")
     ap.add_argument("--kernel-ns", type=int, default=2_000_000)
     ap.add_argument("--cap", type=float, default=0.25, help="the capped groups' MaxUtil")
     ap.add_argument("--run-limit", type=int, default=16, help="processes started through `gemtrace run`")
@@ -203,15 +278,21 @@ def main() -> int:
     require_build()
     cases = [Case.parse(c) for c in (args.case or DEFAULT_CASES)]
     side_by_side = trees(args.tree)
-    rows = []
+    host_nvml = describe_nvml(nvml_call_times(dict(os.environ)))
+    print(f"host: clock source {clock_source()}; the host's NVML: {host_nvml}", flush=True)
+    runs: dict[tuple[Case, str], list[dict]] = {}
     for case in cases:
-        for code, tree in side_by_side:  # side by side, case by case: the host's load moves in between
-            with tempfile.TemporaryDirectory(prefix="gemtrace-cpu-") as tmp:
-                r = run_case(case, Path(tmp), args.seconds, args.warmup + case.processes * 0.01, args, tree=tree)
-            rows.append((case, code, r))
-            print(f"{case.name}, {code}: {r['cpu_pct']:.2f}% ({r['alive']} alive) "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["threads"].items(), key=lambda kv: -kv[1]) if v),
-                  flush=True)
+        for _ in range(args.rounds):
+            for code, tree in side_by_side:  # side by side, case by case: the host's load moves in between
+                with tempfile.TemporaryDirectory(prefix="gemtrace-cpu-") as tmp:
+                    r = run_case(case, Path(tmp), args.seconds, args.warmup + case.processes * 0.01, args, tree=tree)
+                runs.setdefault((case, code), []).append(r)
+                print(f"{case.name}, {code}: {r['cpu_pct']:.2f}% ({r['alive']} alive) "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in sorted(r["threads"].items(), key=lambda kv: -kv[1]) if v)
+                      + "; wake-ups/s " + ", ".join(f"{k} {v:.0f}" for k, v in sorted(r["wakes"].items()) if v >= 0.5)
+                      + f"; timer slack {r['slack']} ns"
+                      + f"; simulated NVML: {describe_nvml(r['nvml'])}",
+                      flush=True)
         if args.profile:
             with tempfile.TemporaryDirectory(prefix="gemtrace-cpu-") as tmp:
                 p = run_case(case, Path(tmp), args.seconds, args.warmup + case.processes * 0.01, args, args.profile)
@@ -220,24 +301,41 @@ def main() -> int:
                 print(f"  {thread}: {total} samples")
                 for where, n in list(frames.items())[:8]:
                     print(f"    {100 * n / total:5.1f}%  {where}")
-    target = {(8, 4, 1): 2.0, (1024, 63, 8): 10.0}
+    target = {(8, 4, 1): 2.0, (1024, 63, 8): 5.0}
+    rounds = f", {args.rounds} rounds (medians, min-max)" if args.rounds > 1 else ""
+    layout = "each group on one GPU" if args.group_per_gpu else "each group over every GPU"
     table = [
-        f"{args.seconds:g} s windows, launch loops of {args.kernel_ns / 1e6:g} ms kernels (4 a sync), capped groups "
-        f"MaxUtil {args.cap:g}, accounting {'eBPF ' + args.ebpf if args.ebpf else 'without eBPF (--no-ebpf)'}",
+        f"{args.seconds:g} s windows{rounds}, {layout}, launch loops of {args.kernel_ns / 1e6:g} ms kernels "
+        f"(4 a sync), capped groups MaxUtil {args.cap:g}, "
+        f"accounting {'eBPF ' + args.ebpf if args.ebpf else 'without eBPF (--no-ebpf)'}; "
+        f"clock source {clock_source()}; the host's NVML: {host_nvml}",
         "",
         "| case | code | agent CPU (% of one core) | scheduler threads | main | keeper | other | target | load "
-        "| scheduler wake-ups/s | agent wake-ups/s |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| scheduler wake-ups/s | agent wake-ups/s | timer slack (ns) | simulated NVML processes(), us CPU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for case, code, r in rows:
-        t = r["threads"]
-        main_, keeper, sched = t.get("MainThread", 0.0), t.get("gemtrace-keeper", 0.0), t.get("gemtrace-gpu*", 0.0)
-        other = r["cpu_pct"] - main_ - keeper - sched
+
+    def median(figures: list[float]) -> str:
+        text = f"{statistics.median(figures):.2f}"
+        return text + (f" ({min(figures):.2f}-{max(figures):.2f})" if len(figures) > 1 else "")
+
+    def of(rs: list[dict], name: str) -> list[float]:
+        return [r["threads"].get(name, 0.0) for r in rs]
+
+    for (case, code), rs in runs.items():
+        cpu = [r["cpu_pct"] for r in rs]
+        main_, keeper, sched = of(rs, "MainThread"), of(rs, "gemtrace-keeper"), of(rs, "gemtrace-gpu*")
+        other = [max(0.0, r["cpu_pct"] - m - k - g) for r, m, k, g in zip(rs, main_, keeper, sched, strict=True)]
         goal = target.get((case.processes, case.groups, case.gpus))
-        verdict = "" if goal is None else f"<= {goal:g}%: {'met' if r['cpu_pct'] <= goal else 'NOT met'}"
-        table.append(f"| {case.name} | {code} | {r['cpu_pct']:.2f} | {sched:.2f} | {main_:.2f} | {keeper:.2f} | "
-                     f"{max(0.0, other):.2f} | {verdict} | {r['load']:.1f} | "
-                     f"{r['wakes'].get('gemtrace-gpu*', 0.0):.0f} | {sum(r['wakes'].values()):.0f} |")
+        verdict = "" if goal is None else f"<= {goal:g}%: {'met' if statistics.median(cpu) <= goal else 'NOT met'}"
+        nvml = [r["nvml"]["processes_us"][0] for r in rs if "processes_us" in r["nvml"]]
+        nvml_cell = f"{statistics.median(nvml):.0f}" if nvml else "-"
+        table.append(f"| {case.name} | {code} | {median(cpu)} | {median(sched)} | {median(main_)} | "
+                     f"{median(keeper)} | {median(other)} | {verdict} | {median([r['load'] for r in rs])} | "
+                     f"{statistics.median(r['wakes'].get('gemtrace-gpu*', 0.0) for r in rs):.0f} | "
+                     f"{statistics.median(sum(r['wakes'].values()) for r in rs):.0f} | "
+                     f"{'/'.join(sorted({str(r['slack']) for r in rs}))} | "
+                     f"{nvml_cell} |")
     text = "\n".join(table)
     print(text)
     if not args.no_record:

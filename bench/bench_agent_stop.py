@@ -20,7 +20,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 from simgpu_env import RT_CLIENT, require_build, simgpu_env
+from testkit import free_port
 
 from bench.recording import REPO, add_record_flag, record
 from gemtrace import region as rg
@@ -37,13 +37,6 @@ from gemtrace import region as rg
 RESULTS = REPO / "bench" / "results" / "agent_stop.md"
 GATE = REPO / "build" / "libgemgate.so"
 CONFIG = "[train]\nMaxUtil = 0.8\nMemoryLimit = 64GiB\n\n[infer]\nMaxUtil = 0.5\n"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 class HeartbeatSampler:
@@ -86,7 +79,7 @@ def one_run(tmp: Path, processes: int, ebpf: bool) -> dict[str, float]:
     env["PYTHONPATH"] = str(REPO)
     log = tmp / "agent.log"
     cmd = [sys.executable, "-m", "gemtrace.cli", "agent", "--config", str(config), "--state-dir", str(state),
-           "--listen", f"127.0.0.1:{_port()}"] + ([] if ebpf else ["--no-ebpf"])
+           "--listen", f"127.0.0.1:{free_port()}"] + ([] if ebpf else ["--no-ebpf"])
     agent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
     deadline = time.monotonic() + 60
     while '"agent_started"' not in log.read_text():

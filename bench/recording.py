@@ -5,13 +5,15 @@ its runs spread: interleaved rounds and the paired statistic over them (`interle
 
 Convention: a bench appends its results to bench/results/<name>.md unless given `--no-record`; a GPU
 bench run with `--stand-in` (the simulated GPU in place of a real one) records nothing, since its
-figures say nothing about a GPU.
+figures say nothing about a GPU. A GPU bench also leaves its report in $OUT for the device machine to
+send back (`publish`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import random
@@ -82,6 +84,24 @@ def append_rows(results: Path, header: str, rows: list[str]) -> None:
         f.write("".join(row.rstrip("\n") + "\n" for row in rows))
 
 
+def publish(report: str, name: str, data: object = None, results: Path | None = None, title: str = "") -> None:
+    """How a GPU bench hands its report over, the report bringing its own dated heading (`stamp`, `gpus`):
+    printed; with `results`, appended there (under `title` when the file is new); with $OUT set (the
+    folder the device machine sends back), written there as NAME.md, and `data`, if any, as NAME.json."""
+    print("\n" + report)
+    if results is not None:
+        results.parent.mkdir(parents=True, exist_ok=True)
+        new = not results.exists()
+        with results.open("a") as f:
+            f.write((f"# {title}\n\n" if new else "\n") + report)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, f"{name}.md").write_text(report)
+        if data is not None:
+            Path(out, f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
 def add_tree_flag(parser: argparse.ArgumentParser, what: str = "the agent") -> None:
     """`--tree NAME=DIR`, repeatable: also run `what` from DIR/gemtrace (`git archive` of an older
     commit, say), side by side with this checkout, so that a change is judged against the code before
@@ -109,6 +129,14 @@ def gpus() -> str:
     names = sorted({gpu.name for gpu in found})
     driver = driver.decode() if isinstance(driver, bytes) else str(driver)
     return f"{len(found)} x {' + '.join(names) or 'no GPU'}, driver {driver}"
+
+
+def region_gpus() -> list[tuple[str, int]]:
+    """The GPUs as the region lists them, UUID and memory, found as the agent finds them: for a bench
+    that stands in for the agent."""
+    from gemtrace.gpus import discover
+
+    return [(gpu.uuid, gpu.memory_total) for gpu in discover()]
 
 
 def interleave(cases: Sequence[tuple[str, Callable[[], float]]], rounds: int) -> dict[str, list[float]]:

@@ -495,7 +495,7 @@ class Agent:
         # it out (its launches are never held); where no daemon could start, it takes turns as before.
         served = self.mps.ensure(g.uuid for g in self.gpus if mps.mps_groups(config.groups.values(), g.uuid))
         self.mps.publish(config.groups.values())
-        quotas = {index: Quota(g.min_util, g.max_util, g.priority) for index, g in groups.items()}
+        quotas = {index: Quota(g.min_util, g.max_util, g.priority, g.opportunistic) for index, g in groups.items()}
         for gpu, scheduler in zip(self.gpus, self.schedulers, strict=True):
             scheduler.set_quotas({index: quota for index, quota in quotas.items()
                                   if not (gpu.uuid in served and groups[index].isolation == ISOLATION_MPS)})
@@ -600,6 +600,11 @@ class Agent:
                 log.exception("config_reload_crashed")  # a bug: report it, and keep reloading on the next change
                 return self._reload_failed(f"{path}: {type(e).__name__}: {e}")
             self.config = config
+            try:
+                with self._table_lock:
+                    self.membership.rebind()
+            except Exception:
+                log.exception("rebind_failed")  # a bug: the next reload that changes a binding rule tries again
             self._warn_unknown_gpus(config)
             self.last_reload_ok = True
             self.reloads["success"] += 1

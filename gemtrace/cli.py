@@ -149,13 +149,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     gpus = {g.name: ";".join(g.gpus) or "all" for g in groups}
     width = max(len("Gpus"), *(len(text) for text in gpus.values()))
     print(f"{'group':<20} {'MinUtil':>8} {'MaxUtil':>8} {'Priority':>8} {'MemoryLimit':>26} "
-          f"{'Oversubscribe':>26} {'Isolation':>9}  {'Gpus':<{width}}  Cgroup")
+          f"{'Oversubscribe':>26} {'Isolation':>9} {'Opportunistic':>13}  {'Gpus':<{width}}  Cgroup")
     for g in groups:
         limit = "whole GPU" if g.memory_limit is None else f"{format_size(g.memory_limit)} ({g.memory_limit} B)"
         over = ("no" if not g.oversubscribe else "up to the host's bound" if g.oversubscribe_limit is None
                 else f"{format_size(g.oversubscribe_limit)} ({g.oversubscribe_limit} B)")
         print(f"{g.name:<20} {g.min_util:>8g} {g.max_util:>8g} {g.priority:>8} {limit:>26} {over:>26} "
-              f"{g.isolation:>9}  {gpus[g.name]:<{width}}  {'; '.join(g.cgroups) or '-'}")
+              f"{g.isolation:>9} {'yes' if g.opportunistic else 'no':>13}  {gpus[g.name]:<{width}}  "
+              f"{'; '.join(g.cgroups) or '-'}")
     if any(g.gpus for g in groups):  # (asking NVML costs a driver's start-up: only when there is a UUID to check)
         try:
             host = [gpu.uuid for gpu in discover()]
@@ -230,12 +231,27 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
 def cmd_kube_webhook(args: argparse.Namespace) -> int:
     from gemtrace import eventlog
     from gemtrace.kube.injection import Injection
-    from gemtrace.kube.webhook import serve
+    from gemtrace.kube.webhook import resource_groups, serve
 
     eventlog.configure(args.log_level)
     injection = Injection(gate=args.gate, state_dir=args.state_dir, preload_file=args.preload_file)
+    keeper = None
+    if args.tls_secret:
+        from gemtrace.kube.apiserver import ApiError, Apiserver
+        from gemtrace.kube.servingcert import MUTATING, VALIDATING, Keeper
+
+        secret, service = args.tls_secret.split("/"), args.service.split("/")
+        if len(secret) != 2 or len(service) != 2 or not all(secret + service):
+            return _fail("--tls-secret and --service take NAMESPACE/NAME, e.g. gemtrace-system/gemtrace-webhook-tls")
+        try:
+            api = Apiserver.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Apiserver.in_cluster()
+        except ApiError as e:
+            return _fail(str(e))
+        configurations = tuple((resource, name) for resource, name in (
+            (MUTATING, args.webhook_configuration), (VALIDATING, args.validating_webhook_configuration)) if name)
+        keeper = Keeper(api, (secret[0], secret[1]), (service[0], service[1]), configurations, args.cert, args.key)
     try:
-        serve(args.listen, args.cert, args.key, injection)
+        serve(args.listen, args.cert, args.key, injection, resource_groups(args.config), keeper)
     except OSError as e:
         return _fail(f"cannot serve the webhook on {args.listen} with {args.cert}: {e}")
     return 0
@@ -411,10 +427,30 @@ def parser() -> argparse.ArgumentParser:
         "resource file; other pods are left as they are (docs/kubernetes.md).")
     kube_webhook.add_argument("--listen", default="0.0.0.0:8443", metavar="HOST:PORT",
                               help="HOST:PORT to serve HTTPS on (default %(default)s)")
-    kube_webhook.add_argument("--cert", type=Path, required=True, metavar="FILE", help="the TLS certificate (PEM)")
-    kube_webhook.add_argument("--key", type=Path, required=True, metavar="FILE", help="its private key (PEM)")
+    kube_webhook.add_argument("--cert", type=Path, required=True, metavar="FILE",
+                              help="the TLS certificate (PEM); with --tls-secret, where it is written")
+    kube_webhook.add_argument("--key", type=Path, required=True, metavar="FILE",
+                              help="its private key (PEM); with --tls-secret, where it is written")
+    kube_webhook.add_argument("--tls-secret", metavar="NAMESPACE/NAME",
+                              help="make the certificate and its CA, keep them in this Secret, renew them before "
+                              "they expire and put the CA in the webhook configurations' caBundle (deploy/ does)")
+    kube_webhook.add_argument("--service", default="gemtrace-system/gemtrace-webhook", metavar="NAMESPACE/NAME",
+                              help="with --tls-secret: the webhook's Service, named by the certificate "
+                              "(default %(default)s)")
+    kube_webhook.add_argument("--webhook-configuration", default="gemtrace-webhook", metavar="NAME",
+                              help="with --tls-secret: the MutatingWebhookConfiguration whose webhooks calling "
+                              "--service get the CA, '' for none (default %(default)s)")
+    kube_webhook.add_argument("--validating-webhook-configuration", default="gemtrace-webhook-validation",
+                              metavar="NAME", help="with --tls-secret: the ValidatingWebhookConfiguration whose "
+                              "webhooks calling --service get the CA, '' for none (default %(default)s)")
+    kube_webhook.add_argument("--kubeconfig", type=Path, metavar="FILE",
+                              help="with --tls-secret: the apiserver's credentials (default: the pod's service "
+                              "account)")
     kube_webhook.add_argument("--state-dir", type=Path, default=defaults.STATE_DIR, metavar="DIR",
                               help=f"the agent's state dir on the nodes (default {defaults.STATE_DIR})")
+    kube_webhook.add_argument("--config", type=Path, default=defaults.CONFIG_PATH, metavar="FILE",
+                              help="the nodes' resource file: a label naming a group it does not define is refused "
+                              "(default %(default)s)")
     injection_options(kube_webhook)
     kube_webhook.set_defaults(func=cmd_kube_webhook)
 

@@ -8,11 +8,15 @@
     Oversubscribe = 24GiB  # past MemoryLimit (or the GPU), allocations become managed memory, up to this
                          # much per GPU in all (or `true`: up to what the host can back); default false
     Cgroup = /kubepods/pod1234   # processes in this cgroup (prefix) belong to the group
+    CgroupBinding = true # ... whatever group they ask for (GEMTRACE_GROUP); default false: a process
+                         # admitted to the group it asks for joins that one instead
     Users = alice; 1001  # who may ask for the group (GEMTRACE_GROUP, gemtrace run --group); names or uids
     UnixGroups = ml      # ... or be in one of these Unix groups (names or gids); neither: everyone
     Gpus = GPU-8f3a...   # the GPUs (UUIDs, ;-separated) its MinUtil is reserved on; default: every GPU
     Isolation = mps      # time: launches take turns (default); mps: side by side under the GPU's MPS daemon
                          # (docs/mps.md)
+    Opportunistic = yes  # takes only what the other groups leave, beside them, with a queue of a few
+                         # kernels (no MinUtil, no MaxUtil; docs/scheduler.md); default no
 
 Drop-ins: `*.conf` files in the directory beside it named after it (resource.d for resource.conf)
 add groups, read after the main file in name order and checked with it as one file.
@@ -83,6 +87,12 @@ class GroupConfig:
     # How it shares a GPU with the others: ISOLATION_TIME (the scheduler gives it turns) or ISOLATION_MPS
     # (its processes run side by side through the GPU's MPS daemon, capped in SMs: docs/mps.md).
     isolation: str = ISOLATION_TIME
+    # Its Cgroup rules bind: a process in one of those cgroups is in this group whatever it asks for
+    # (a pod's processes cannot leave their pod's quota by setting or clearing GEMTRACE_GROUP).
+    cgroup_binding: bool = False
+    # Runs beside the GPU's production groups (those not opportunistic) in what they leave, rather
+    # than taking turns with them (docs/scheduler.md, "Production and opportunistic work").
+    opportunistic: bool = False
 
     def admits(self, uid: int, gids: Iterable[int]) -> bool:
         """Whether a process of `uid` with the groups `gids` (its real gid and supplementary groups)
@@ -120,6 +130,10 @@ class _Draft:
     admission_line: int = 0
     gpus: tuple[str, ...] = ()
     isolation: str = ISOLATION_TIME
+    cgroup_binding: bool = False
+    cgroup_binding_line: int = 0
+    opportunistic: bool = False
+    opportunistic_line: int = 0
     keys_seen: dict[str, int] = field(default_factory=dict)  # key -> the line that set it
 
 
@@ -228,6 +242,15 @@ def _oversubscribe(text: str) -> tuple[bool, int | None]:
     except ValueError:
         raise ValueError(f"Oversubscribe {_quote(text.strip())} is neither true, false nor a size; give true, "
                          "false, or the most memory per GPU the group may hold in all, e.g. 48GiB") from None
+
+
+def _flag(key: str, text: str) -> bool:
+    word = text.strip().lower()
+    if word in ("true", "yes", "on"):
+        return True
+    if word in ("false", "no", "off"):
+        return False
+    raise ValueError(f"{key} {_quote(text.strip())} is neither yes nor no; give yes or no (or true or false)")
 
 
 def _priority(text: str) -> int:
@@ -350,6 +373,10 @@ def _add_cgroups(group: _Draft, value: str, line: int) -> None:
     group.cgroups.extend(_cgroups(value))
 
 
+def _set_cgroup_binding(group: _Draft, value: str, line: int) -> None:
+    group.cgroup_binding, group.cgroup_binding_line = _flag("CgroupBinding", value), line
+
+
 def _set_users(group: _Draft, value: str, line: int) -> None:
     group.users = _ids("Users", value, _uid, "user")
     group.admission_line = group.admission_line or line
@@ -368,6 +395,10 @@ def _set_isolation(group: _Draft, value: str, line: int) -> None:
     group.isolation = _isolation(value)
 
 
+def _set_opportunistic(group: _Draft, value: str, line: int) -> None:
+    group.opportunistic, group.opportunistic_line = _flag("Opportunistic", value), line
+
+
 # Every key a section may hold, with what reads its value into the section (a ValueError says what
 # is wrong with it). Only Cgroup may be given more than once: each adds cgroups.
 _SETTERS: dict[str, Callable[[_Draft, str, int], None]] = {
@@ -377,13 +408,21 @@ _SETTERS: dict[str, Callable[[_Draft, str, int], None]] = {
     "MemoryLimit": _set_memory_limit,
     "Oversubscribe": _set_oversubscribe,
     "Cgroup": _add_cgroups,
+    "CgroupBinding": _set_cgroup_binding,
     "Users": _set_users,
     "UnixGroups": _set_unix_groups,
     "Gpus": _set_gpus,
     "Isolation": _set_isolation,
+    "Opportunistic": _set_opportunistic,
 }
 KEYS = tuple(_SETTERS)
 _REPEATABLE = frozenset({"Cgroup"})
+
+
+def check_value(key: str, value: str) -> None:
+    """Whether a section's `key` takes `value` on its own (ValueError: what is wrong and what to give),
+    for values that reach a drop-in from elsewhere (a pod's annotations): the file's own rules, once."""
+    _SETTERS[key](_Draft("check", 0), value.strip(), 0)
 
 
 def _parse_sections(text: str, filename: str) -> _Parsed:
@@ -463,11 +502,23 @@ def _group_config(g: _Draft) -> GroupConfig:
                          f"Oversubscribe {format_size(g.oversubscribe_limit)} of [{name}] is not above its MemoryLimit "
                          f"{format_size(g.memory_limit)} (line {g.memory_limit_line}), so it would never allow managed "
                          "memory; give the total the group may hold in device and managed memory, or true")
+    if g.opportunistic and g.min_util > 0.0:
+        raise _RuleError(g.min_util_line, f"MinUtil {g.min_util:g} of [{name}] cannot hold: the group is opportunistic "
+                                          f"(line {g.opportunistic_line}) and gets only what the others leave; "
+                                          "remove MinUtil or Opportunistic")
+    if g.opportunistic and g.max_util < 1.0:
+        raise _RuleError(g.max_util_line, f"MaxUtil {g.max_util:g} of [{name}] cannot hold: the group is opportunistic "
+                                          f"(line {g.opportunistic_line}) and runs beside the others, not in turns; "
+                                          "remove MaxUtil or Opportunistic")
     if name == defaults.DEFAULT_GROUP and g.admission_line:
         raise _RuleError(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
                                            "group runs there; remove Users/UnixGroups from it")
+    if g.cgroup_binding and not g.cgroups:
+        raise _RuleError(g.cgroup_binding_line, f"CgroupBinding of [{name}] binds nothing: the group has no Cgroup; "
+                                                "give its Cgroup paths, or remove CgroupBinding")
     return GroupConfig(name, g.min_util, g.max_util, g.memory_limit, tuple(g.cgroups), g.users, g.unix_groups,
-                       g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus, g.isolation)
+                       g.oversubscribe, g.oversubscribe_limit, g.priority, g.gpus, g.isolation, g.cgroup_binding,
+                       g.opportunistic)
 
 
 def _combine(files: list[_Parsed]) -> ResourceConfig:

@@ -45,6 +45,8 @@ class GpuReport:
     released: int | None = None  # the group released here (None: all held)
     clear: bool = False  # nobody released or draining here, or only the clearing group (Decision.clear)
     draining: int | None = None  # the group held here whose queued work still runs
+    # The groups clearing in the view this look decided on: its `ready` speaks for their turns only then.
+    clearing: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -84,14 +86,19 @@ class GangTurns:
         self._open: dict[int, _Turn] = {}
         self._opened = 0
         self._last_opened: dict[int, int] = {}  # group -> the count of turns opened when it last had one
+        # Replaced whole at each report, never changed in place: `view` reads it without the lock, which
+        # every GPU's every look would otherwise queue on behind another GPU's report.
         self._views: dict[int, Turns] = {}
         self._gangs: frozenset[int] = frozenset()  # the groups that spanned GPUs at the last report
+        # `_members` and `_compute_views` walk every group on every GPU (63 x 8 at the region's limit):
+        # their results are kept while what they read is unchanged.
+        self._members_cache: dict[int, frozenset[int]] | None = None
+        self._views_of: tuple[object, ...] | None = None
         self.turns = 0  # turns opened so far, for tests and benches
 
     def view(self, gpu: int) -> Turns:
         """The groups spanning GPUs barred on this GPU (turn closed), clearing and due (turn open)."""
-        with self._lock:
-            return self._views.get(gpu, NO_TURNS)
+        return self._views.get(gpu, NO_TURNS)
 
     def report(self, gpu: int, report: GpuReport) -> bool:
         """A GPU's look: closes the turns it ended, opens those every GPU consents to. True if this
@@ -101,11 +108,18 @@ class GangTurns:
             self._reports[gpu] = report
             if previous == report and not self._open:
                 return False
-            before = dict(self._views)
+            if previous is None or previous.present != report.present or previous.demand != report.demand:
+                self._members_cache = None
+            before = self._views
             members = self._members()
             changed: set[int] = set()
-            for turn in self._open.values():
-                turn.seen.add(gpu)
+            # A GPU sees a turn clearing when it decided on a view that says so: a look that read its view
+            # before another GPU's report opened the turn reports the readiness of a barred group, which
+            # would close the turn at once (8 of 10 turns at the region's limit: turns opened and closed
+            # 40 times a second, each waking every GPU of it).
+            for group, turn in self._open.items():
+                if group in report.clearing:
+                    turn.seen.add(gpu)
             for group, turn in list(self._open.items()):
                 if self._turn_over(group, turn, members.get(group, frozenset())):
                     del self._open[group]
@@ -119,8 +133,12 @@ class GangTurns:
                     changed |= turn.gpus
             changed |= self._open_turns(members)
             self._gangs = frozenset(members)
-            self._views = self._compute_views(members)
-            changed |= {g for g in self._views.keys() | before.keys() if self._views.get(g) != before.get(g)}
+            views_of = (members, tuple((group, turn.gpus, turn.clearing_on, turn.go, frozenset(turn.released_on))
+                                       for group, turn in self._open.items()),
+                        tuple((g, r.draining, r.released) for g, r in self._reports.items()))
+            if views_of != self._views_of:
+                self._views, self._views_of = self._compute_views(members), views_of
+                changed |= {g for g in self._views.keys() | before.keys() if self._views.get(g) != before.get(g)}
         for other in changed - {gpu}:
             self._wake(other)
         return gpu in changed
@@ -129,7 +147,8 @@ class GangTurns:
         """A scheduler stopped: its GPU no longer counts in any gang."""
         with self._lock:
             self._reports.pop(gpu, None)
-            self._views.pop(gpu, None)
+            self._members_cache, self._views_of = None, None
+            self._views = {g: turns for g, turns in self._views.items() if g != gpu}
 
     def open_turns(self) -> dict[int, frozenset[int]]:
         """Each group whose turn is open (clearing or going) and its GPUs."""
@@ -139,12 +158,16 @@ class GangTurns:
     # -- under the lock ----------------------------------------------------------------------------
 
     def _members(self) -> dict[int, frozenset[int]]:
-        """Each group present on two GPUs or more, and those GPUs."""
+        """Each group present on two GPUs or more, and those GPUs (kept while no GPU's present and
+        demand change)."""
+        if self._members_cache is not None:
+            return self._members_cache
         where: dict[int, set[int]] = {}
         for gpu, report in self._reports.items():
             for group in report.present | report.demand:
                 where.setdefault(group, set()).add(gpu)
-        return {group: frozenset(gpus) for group, gpus in where.items() if len(gpus) > 1}
+        self._members_cache = {group: frozenset(gpus) for group, gpus in where.items() if len(gpus) > 1}
+        return self._members_cache
 
     def _turn_over(self, group: int, turn: _Turn, gpus: frozenset[int]) -> bool:
         """Is the group's open turn over? It no longer spans GPUs; or a GPU that released it in this

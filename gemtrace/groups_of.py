@@ -1,9 +1,11 @@
 """The group of a process, and the GPUs it sees: read from /proc, decided by pure functions.
 
-A process belongs to the group it asks for (GEMTRACE_GROUP) if its owner is admitted there (the
-caller says who is: gemtrace/membership.py decides for gated processes, once); else to the group
-whose `Cgroup` rule in the resource file is the longest prefix (at a path boundary) of one of its
-cgroup paths (e.g. /kubepods/pod1234); else to `default`. Its device ordinals map to physical GPUs through
+A process in a cgroup that a binding rule names (`Cgroup` with `CgroupBinding = true`: the device
+plugin's rule for a pod) belongs to that group whatever its environment says; else to the group it
+asks for (GEMTRACE_GROUP) if its owner is admitted there (the caller says who is:
+gemtrace/membership.py decides for gated processes, once); else to the group whose `Cgroup` rule in
+the resource file is the longest prefix (at a path boundary) of one of its cgroup paths (e.g.
+/kubepods/pod1234); else to `default`. Its device ordinals map to physical GPUs through
 CUDA_VISIBLE_DEVICES (ordinals or UUIDs or unique UUID prefixes, as CUDA reads them), never by
 ordinal alone (HAMi #1218). It also reads a process's uid and groups, for admission and enforcement's choice of victim.
 Parsers take text; ProcReader takes its /proc root. Never writes.
@@ -11,7 +13,7 @@ Parsers take text; ProcReader takes its /proc root. Never writes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -50,12 +52,35 @@ def _under(path: str, prefix: str) -> bool:
 
 def group_for(environ: Mapping[str, str], cgroups: Sequence[str], rules: Mapping[str, Sequence[str]],
               admitted: Callable[[str], bool] | None = None) -> str:
-    """The group of a process. `rules`: group name -> its Cgroup prefixes from the resource file;
+    """The group of a process that no binding rule names (gemtrace/membership.py looks at those
+    first, with bound_group). `rules`: group name -> its Cgroup prefixes from the resource file;
     `admitted(name)`: whether the process may join the group it asks for (None: it may)."""
     named = environ.get(ENV_GROUP, "").strip()
     if named and (admitted is None or admitted(named)):
         return named
     return cgroup_group(cgroups, rules) or DEFAULT_GROUP
+
+
+def bound_group(cgroups: Sequence[str], rules: Mapping[str, Sequence[str]], binding: Container[str],
+                requested: str = "") -> str | None:
+    """The group a binding Cgroup rule puts the process in, whatever it asks for: the longest binding
+    prefix of one of its cgroup paths. Several groups binding that same prefix (the containers of one
+    pod, each with its grant) hold their processes among them: the one asked for if it is one of
+    them, else the first by name."""
+    best: list[str] = []
+    best_len = -1
+    for group, prefixes in rules.items():
+        if group not in binding:
+            continue
+        for prefix in prefixes:
+            if len(prefix) >= best_len and any(_under(path, prefix) for path in cgroups):
+                if len(prefix) > best_len:
+                    best, best_len = [], len(prefix)
+                if group not in best:
+                    best.append(group)
+    if not best:
+        return None
+    return requested if requested in best else min(best)
 
 
 def cgroup_group(cgroups: Sequence[str], rules: Mapping[str, Sequence[str]]) -> str | None:

@@ -1,9 +1,13 @@
 """Which group each gated process is in: decided once, by the agent, and written in the region.
 
-A gate asks (the `requested` name in its slot, from GEMTRACE_GROUP); this module decides, on the
-agent's keeper tick, for every slot whose assignment does not name its process: the requested group
-if the process's owner is admitted to it (Users=/UnixGroups=, gemtrace/config.py), else the group of
-a matching Cgroup rule (gemtrace/groups_of.py), else `default`. A request refused is logged
+A gate asks (the `requested` name in its slot, from GEMTRACE_GROUP; empty when the variable is unset);
+this module decides, on the agent's keeper tick, for every slot whose assignment does not name its
+process: the group of a binding Cgroup rule that names the process's cgroup (CgroupBinding: a pod's
+group, whatever its processes ask for), else the requested group if the process's owner is admitted
+to it (Users=/UnixGroups=, gemtrace/config.py), else the group of a matching Cgroup rule
+(gemtrace/groups_of.py), else `default`. A binding rule that comes after a process was placed (the
+device plugin learns a pod's cgroup once the kubelet has made it) moves the process at the reload
+that brings it (`rebind`). A request refused is logged
 (`group_refused`) and counted per group (gemtrace_admission_refusals_total). The owner is the real
 uid and the groups of /proc/PID/status, read by the agent: nothing the slot says about itself but
 the name it asks for is believed. It also clears the assignment of a slot that changed owner, since
@@ -26,7 +30,7 @@ from gemtrace import region as rg
 from gemtrace.config import GroupConfig
 from gemtrace.defaults import DEFAULT_GROUP, ENV_GROUP
 from gemtrace.eventlog import USER_LINES
-from gemtrace.groups_of import ProcReader, group_for
+from gemtrace.groups_of import ProcReader, bound_group, group_for
 
 log = structlog.get_logger("gemtrace.membership")
 
@@ -41,6 +45,7 @@ class Placement:
     """The agent's choice of group for one process, and whether it refused the group asked for."""
     group: str
     refused: bool  # the process asked for a defined group its owner is not admitted to
+    bound: bool = False  # a binding Cgroup rule chose the group, whatever the process asked for
 
 
 def admitted_to(name: str, uid: int, gids: Iterable[int], groups: Mapping[str, GroupConfig],
@@ -54,12 +59,21 @@ def admitted_to(name: str, uid: int, gids: Iterable[int], groups: Mapping[str, G
     return config is None or config.admits(uid, gids)
 
 
+def binding_rules(groups: Mapping[str, GroupConfig]) -> dict[str, tuple[str, ...]]:
+    """group -> its Cgroup prefixes, for the groups whose rules bind (CgroupBinding)."""
+    return {name: g.cgroups for name, g in groups.items() if g.cgroup_binding and g.cgroups}
+
+
 def decide(requested: str, uid: int, gids: Iterable[int], cgroups: Iterable[str],
            groups: Mapping[str, GroupConfig], defined: Container[str]) -> Placement:
     """The group of a process that asked for `requested` ("" or "default": no wish)."""
-    gids = list(gids)
+    gids, cgroups = list(gids), list(cgroups)
+    binding = binding_rules(groups)
+    bound = bound_group(cgroups, binding, binding, requested)
+    if bound is not None:
+        return Placement(bound, False, True)
     rules = {name: g.cgroups for name, g in groups.items() if g.cgroups}
-    group = group_for({ENV_GROUP: requested}, list(cgroups), rules,
+    group = group_for({ENV_GROUP: requested}, cgroups, rules,
                       lambda name: admitted_to(name, uid, gids, groups, defined))
     refused = bool(requested) and requested != group and requested in defined and requested != DEFAULT_GROUP
     return Placement(group, refused)
@@ -77,6 +91,7 @@ class Membership:
         self.per_tick = per_tick
         self.refusals: Counter[str] = Counter()  # requested group -> refusals, for /metrics
         self._foreign: dict[int, int] = {}  # slot -> the other user's pid it named, logged once
+        self._binding: dict[str, tuple[str, ...]] = {}  # the binding rules the last rebind applied
 
     def tick(self) -> int:
         """Decide for new processes; returns how many were decided."""
@@ -108,6 +123,30 @@ class Membership:
             decided += 1
         return decided
 
+    def rebind(self) -> int:
+        """After a reload: move every placed process that a binding Cgroup rule, new since the last
+        call, names into that rule's group; returns how many moved. Call with the resource file's
+        new groups in force and the region's table written from them."""
+        binding = binding_rules(self.groups())
+        if binding == self._binding:
+            return 0  # every decision since the last call already followed these rules
+        region = self.region
+        defined = region.defined_groups()
+        moved = 0
+        for index, group in region.slot_groups().items():
+            pid = region.slots[index].pid
+            requested = rg.decode_name(region.slots[index].requested).strip()
+            bound = bound_group(self.proc.cgroups(pid) or [], binding, binding, requested)
+            target = defined.get(bound) if bound is not None else None
+            if target is None or target == group:
+                continue
+            if region.move_slot(index, pid, group, target):
+                moved += 1
+                log.info("process_bound_to_group", pid=pid, slot=index, group=bound,
+                         reason="a binding Cgroup rule names its cgroup")
+        self._binding = binding  # last: a pass that raised is tried again at the next reload
+        return moved
+
     def _decide(self, index: int, pid: int, groups: Mapping[str, GroupConfig],
                 defined: Mapping[str, int]) -> Placement | None:
         # A gate in a container's PID namespace stored its pid there, which here may be another
@@ -132,6 +171,10 @@ class Membership:
             return None
         requested = rg.decode_name(self.region.slots[index].requested).strip()
         decision = decide(requested, uid, gids, self.proc.cgroups(pid) or [], groups, defined)
+        if decision.bound and requested not in ("", DEFAULT_GROUP, decision.group):
+            USER_LINES.log(log.info, uid, "group_request_overruled", pid=pid, requested=requested,
+                           assigned=decision.group, consequence="its cgroup is bound to the assigned group "
+                           "(CgroupBinding); GEMTRACE_GROUP cannot take it out")
         if decision.refused:
             self.refusals[requested] += 1
             USER_LINES.log(log.warning, uid, "group_refused", pid=pid, requested=requested,

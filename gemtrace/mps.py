@@ -35,6 +35,11 @@ ENV_PIPE = "CUDA_MPS_PIPE_DIRECTORY"
 ENV_LOG = "CUDA_MPS_LOG_DIRECTORY"
 ENV_THREADS = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
 ENV_MEMORY = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+# An opportunistic mps group's clients start at MPS's low client priority: the GPU runs the other
+# clients' kernels first (NVIDIA's MPS guide, environment variables, CUDA_MPS_CLIENT_PRIORITY: 0 normal,
+# the default, and 1 below normal).
+ENV_PRIORITY = "CUDA_MPS_CLIENT_PRIORITY"
+PRIORITY_BELOW_NORMAL = "1"
 CONTROL_PIPE = "control"  # the daemon's named pipe in its pipe directory: there while it runs
 CLIENTS_FILE = "clients.json"
 # `-d` returns once the daemon has forked, `quit` once the command is written: seconds are a hang.
@@ -85,6 +90,8 @@ def client_variables(groups: Iterable[GroupConfig], uuid: str) -> dict[str, dict
         memory = pinned_memory_limit(g.memory_limit)
         if memory is not None:
             variables[ENV_MEMORY] = memory
+        if g.opportunistic:
+            variables[ENV_PRIORITY] = PRIORITY_BELOW_NORMAL
         out[g.name] = variables
     return out
 

@@ -26,6 +26,9 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
     waits for the holder's drain and for two looks: while outranked, the holder keeps at most a few
     ms queued (Decision.outranked), and the looks come when the gates ring (Decision.wake_on_wait:
     the request's thread blocks, then the drained holder's), not a poll later.
+  - Opportunistic groups take no turn while a group that is not opportunistic is present on the GPU:
+    they are released beside the holder (Decision.beside), and their gates keep a queue of a few
+    kernels while production has work; with no production present they are scheduled as any group.
   - Among the wanting groups of the highest priority, the rest (unreserved, or reserved and unused)
     goes to the one with the least GPU time over a decayed window (max-min fairness):
     work-conserving, and the holder keeps the GPU without a needless switch while nobody else wants it.
@@ -39,8 +42,9 @@ capped, development VM: 8 wanting, 32 -> 12 us a step; all 63 wanting, 53 -> 42 
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -58,6 +62,9 @@ class Quota:
     min_util: float = 0.0
     max_util: float = 1.0
     priority: int = 0
+    # Takes what production groups leave: beside them, released with a queue of a few kernels
+    # (Decision.beside), not a turn of the GPU's time; scheduled as any group where none is present.
+    opportunistic: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.min_util <= self.max_util <= 1.0:
@@ -134,6 +141,13 @@ class PolicyParams:
     # holder ran unwatched meanwhile, and a MaxUtil bucket charged all of it would hold its group for
     # many times the stall (a group capped at 0.3 after 10 s: 23 s). Its bucket starts again from empty.
     stall_ns: int = 2000 * MS
+    # A capped group that spans GPUs (gemtrace/gang.py) waits for credit for a turn this long: each turn
+    # costs it a clearing on every GPU of it and a restart of all its ranks at once, so it runs in
+    # fewer, longer turns.
+    gang_slice_ns: int = 180 * MS
+    # A group in its turn across GPUs that goes quiet keeps the GPU this long (its ranks' CPU work
+    # between steps) before it is revoked early as any quiet holder is.
+    gang_pause_ns: int = 5 * MS
 
 
 @dataclass(frozen=True)
@@ -209,6 +223,9 @@ class Decision:
     ready: frozenset[int] = frozenset()
     # Nobody is released or draining here: a turn that is clearing (Observation.clearing) may start.
     clear: bool = False
+    # Opportunistic groups released beside the production groups present on this GPU (their queue
+    # kept to a few kernels while production has work: GT_RELEASED_BESIDE); none of them holds a turn.
+    beside: frozenset[int] = frozenset()
 
 
 class Phase(Enum):
@@ -278,6 +295,7 @@ class TimeSharePolicy:
         self._ready: frozenset[int] = frozenset()
         self._top_priority = 0  # the highest priority scheduled: a holder of it is never outranked
         self._guaranteed: frozenset[int] = frozenset()  # the groups with a MinUtil
+        self._opportunistic: frozenset[int] = frozenset()  # the groups with Opportunistic = yes
         # The MaxUtil buckets' capacity (_cap_capacity) at each change since every account was last
         # brought up to date: (until when, capacity) for the past ones, and the one in force.
         self._capacities: list[tuple[int, float]] = []
@@ -305,6 +323,7 @@ class TimeSharePolicy:
                 account.quota = quota
         self._top_priority = max((quota.priority for quota in quotas.values()), default=0)
         self._guaranteed = frozenset(group for group, quota in quotas.items() if quota.min_util > 0.0)
+        self._opportunistic = frozenset(group for group, quota in quotas.items() if quota.opportunistic)
 
     def quotas(self) -> dict[int, Quota]:
         return {group: account.quota for group, account in self._accounts.items()}
@@ -346,6 +365,9 @@ class TimeSharePolicy:
 
     def step(self, now: int, obs: Observation) -> Decision:
         self._advance(now)
+        beside = self._beside(obs)
+        if beside:
+            obs = self._without_beside(obs, beside)
         demand = obs.demand | (obs.pending & obs.present) if obs.pending else obs.demand
         self._set_demand(frozenset(demand & self._accounts.keys()))
         self._present = obs.present
@@ -376,7 +398,37 @@ class TimeSharePolicy:
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
                         self._wake_on_wait(now, outranked), self._ready,
-                        self._phase is Phase.IDLE or released is not None and released in self._clearing)
+                        self._phase is Phase.IDLE or released is not None and released in self._clearing,
+                        beside)
+
+    # -- production and opportunistic groups ----------------------------------------------------
+
+    def _beside(self, obs: Observation) -> frozenset[int]:
+        """The opportunistic groups to release beside production: all of them, while a group that is
+        not opportunistic is present on this GPU (a live process of it launched here), else none. An
+        opportunistic holder goes beside at once, with no drain: its gate bounds its queue by the next
+        launch, and what it has queued runs beside the production group's first request."""
+        opportunistic = self._opportunistic
+        if not opportunistic or not any(g in self._accounts and g not in opportunistic for g in obs.present):
+            return frozenset()
+        for group in opportunistic:
+            self._overrun.pop(group, None)
+        return opportunistic
+
+    def _without_beside(self, obs: Observation, beside: frozenset[int]) -> Observation:
+        """The observation with the groups beside production taken out: they want no turn. An
+        opportunistic holder (or draining group) is let go here, with what the look saw of its end."""
+        obs = dataclasses.replace(
+            obs, demand=obs.demand - beside, present=obs.present - beside,
+            overrun_drained={g: t for g, t in obs.overrun_drained.items() if g not in beside},
+            barred=obs.barred - beside, clearing=obs.clearing - beside, due=obs.due - beside,
+            pending=obs.pending - beside, stranded=obs.stranded - beside)
+        if self._holder not in beside:
+            return obs
+        # (Charged up to now by _advance; from now on its time is not a turn.)
+        self._phase, self._holder, self._charging = Phase.IDLE, None, False
+        return dataclasses.replace(obs, holder_idle_since=None, drained_at=None, holder_burst_from=None,
+                                   holder_burst_ns=0)
 
     # -- groups that span several GPUs -----------------------------------------------------------
 
@@ -401,7 +453,7 @@ class TimeSharePolicy:
         if (self._phase is Phase.RUNNING and self._holder not in self._barred
                 and now - self._released_at < self.params.min_slice_ns):
             return idle | self._ready.intersection(wanting)
-        return idle | frozenset(g for g in wanting if self._choose(now, admit=g) == g)
+        return idle | self._chosen_if_admitted(now, wanting)
 
     def _due_waits(self, holder: int, now: int) -> bool:
         """Does a group whose turn across GPUs is open want this GPU, held by another group that is
@@ -520,7 +572,7 @@ class TimeSharePolicy:
             self._hold(now)  # a turn across GPUs starts here and on its other GPUs together
         elif self._due and self._due_waits(holder, now):
             self._hold(now)
-        elif (obs.holder_idle_since is not None and not self._owed_pause(holder, now)
+        elif (obs.holder_idle_since is not None and not self._kept_pause(holder, now)
               and any(g != holder and self._eligible(g, now) for g in self._demand)):
             self._hold(now)  # revoke early: it does not use its slice, someone else wants the GPU
         elif self._preempted(holder, now):
@@ -535,14 +587,21 @@ class TimeSharePolicy:
             else:
                 self._hold(now)
 
-    def _owed_pause(self, holder: int, now: int) -> bool:
-        """Is the quiet holder being paid its MinUtil debt, and quiet for less than owed_pause_ns? A
-        training loop pauses between steps (its sync, then its CPU work): revoked at each pause, it
-        paid a step of its debt a hog's slice (ResNet-50 with 5 ms of CPU a step, MinUtil 0.6 beside
-        two hogs on the fake GPU: 0.33 of the GPU)."""
+    def _kept_pause(self, holder: int, now: int) -> bool:
+        """Is the quiet holder within the pause it keeps the GPU through (`_pause_kept`)? A training
+        loop pauses between steps (its sync, then its CPU work): revoked at each pause, a loop paid a
+        step of its debt a hog's slice (ResNet-50 with 5 ms of CPU a step, MinUtil 0.6 beside two hogs
+        on the fake GPU: 0.33 of the GPU)."""
         idle_since = self._holder_idle_since
-        return (idle_since is not None and now - idle_since < self.params.owed_pause_ns
-                and self._is_owed(holder))
+        return idle_since is not None and now - idle_since < self._pause_kept(holder)
+
+    def _pause_kept(self, holder: int) -> int:
+        """How long a quiet holder keeps the GPU while others want it: owed_pause_ns while it is paid
+        its MinUtil debt; gang_pause_ns in its turn across GPUs (a rank quiet between steps, revoked
+        there, closes the turn on every GPU of the job, which waits to line up again); else 0."""
+        if holder in self._due:
+            return self.params.gang_pause_ns
+        return self.params.owed_pause_ns if self._is_owed(holder) else 0
 
     def _step_draining(self, now: int, obs: Observation) -> None:
         holder = self._holder
@@ -587,6 +646,7 @@ class TimeSharePolicy:
         self._phase = Phase.DRAINING
         self._hold_at = now
 
+
     # -- choosing ------------------------------------------------------------------------------
 
     def _eligible(self, group: int, now: int, slice_ns: int | None = None, gang_ok: bool = False) -> bool:
@@ -616,7 +676,13 @@ class TimeSharePolicy:
         each hold and release costs it some ms of work; bench/results/models_torch.md, 17:38)."""
         if self._demand <= {group} and not (group in self._barred or group in self._clearing):
             return self._cap_capacity() - 1.0  # (the bucket refills up to its capacity exactly)
-        return self.slice_ns() * (1.0 - self._accounts[group].quota.max_util)
+        return self._turn_ns(group) * (1.0 - self._accounts[group].quota.max_util)
+
+    def _turn_ns(self, group: int) -> int:
+        """The slice a group waits for credit for: a gang turn for a group that spans GPUs."""
+        if group in self._barred or group in self._clearing or group in self._due:
+            return max(self.slice_ns(), self.params.gang_slice_ns)
+        return self.slice_ns()
 
     def _caps_fill_gpu(self) -> bool:
         """Do the MaxUtils of the groups that want the GPU add up to all of it? Then none of them
@@ -667,38 +733,78 @@ class TimeSharePolicy:
         the least used goes first anyway."""
         return (1.0 - self._accounts[group].quota.min_util) * self.params.max_owed_slice_ns
 
-    def _choose(self, now: int, admit: int | None = None) -> int | None:
+    def _choose(self, now: int) -> int | None:
         """MinUtil debt first (most behind, relative to its MinUtil), whatever the priorities; then a
         group whose turn across GPUs is open; then, among the groups of the highest priority, the least
         decayed usage; on a tie the holder, then the one that waited longest (a holder whose turn is open
-        goes on by these rules, not by its turn). `admit`: a barred group
-        counted as if it might run (would this GPU choose it: `_gang_readiness`)."""
-        candidates = [g for g in self._demand if g == self._holder and g not in self._barred and self._may_continue(g)
-                      or self._eligible(g, now)] or self._short_candidates(now)
-        if admit is not None:
-            candidates.append(admit)
+        goes on by these rules, not by its turn)."""
+        candidates = self._candidates(now)
         if not candidates:
             return None
-        owed = [g for g in candidates if self._is_owed(g) and (
-            g == self._holder or self._account(g).owed >= self._long_slice_debt(g))]
+        owed = [g for g in candidates if self._owed_first(g)]
         if owed:
-            return max(owed, key=lambda g: (self._account(g).owed / self._accounts[g].quota.min_util,
-                                            g == self._holder))
+            return max(owed, key=self._owed_key)
         due = [g for g in candidates if g in self._due and g != self._holder]
         if due:
-            return min(due, key=lambda g: self._account(g).usage)
+            return min(due, key=self._due_key)
         top = max(self._priority(g) for g in candidates)
-        candidates = [g for g in candidates if self._priority(g) == top]
+        return min((g for g in candidates if self._priority(g) == top), key=self._order_key())
+
+    def _chosen_if_admitted(self, now: int, groups: list[int]) -> frozenset[int]:
+        """The groups of `groups` (barred: none of them a candidate already) that `_choose` would pick
+        if each alone were counted as a candidate too (`_gang_readiness`). The same rules as `_choose`,
+        each group set against the candidates' best found once: a look at 63 barred groups cost 63
+        choices over 63 groups (where `_choose` keeps the first of equals, a group added last wins only
+        if strictly better)."""
+        candidates = self._candidates(now)
+        owed = [self._owed_key(g) for g in candidates if self._owed_first(g)]
+        due = [self._due_key(g) for g in candidates if g in self._due and g != self._holder]
+        top = max((self._priority(g) for g in candidates), default=None)
+        key = self._order_key()
+        best = min((key(g) for g in candidates if self._priority(g) == top), default=None)
+        chosen = []
+        for g in groups:
+            if self._owed_first(g):
+                if not owed or self._owed_key(g) > max(owed):
+                    chosen.append(g)
+            elif owed:
+                continue
+            elif g in self._due and g != self._holder:
+                if not due or self._due_key(g) < min(due):
+                    chosen.append(g)
+            elif due:
+                continue
+            elif top is None or best is None or self._priority(g) > top or self._priority(g) == top and key(g) < best:
+                chosen.append(g)
+        return frozenset(chosen)
+
+    def _candidates(self, now: int) -> list[int]:
+        """The groups `_choose` chooses among: the holder while it may go on, the eligible wanting
+        groups, or else those eligible for a short slice."""
+        return [g for g in self._demand if g == self._holder and g not in self._barred and self._may_continue(g)
+                or self._eligible(g, now)] or self._short_candidates(now)
+
+    def _owed_first(self, group: int) -> bool:
+        """Does the group go first for its MinUtil debt (the holder for any, a waiting group for a long slice's)?"""
+        return self._is_owed(group) and (group == self._holder
+                                         or self._account(group).owed >= self._long_slice_debt(group))
+
+    def _owed_key(self, group: int) -> tuple[float, bool]:
+        return self._account(group).owed / self._accounts[group].quota.min_util, group == self._holder
+
+    def _due_key(self, group: int) -> float:
+        return self._account(group).usage
+
+    def _order_key(self) -> Callable[[int], tuple[float, bool, int]]:
+        """The order among the groups of the highest priority, least first."""
         if self._caps_within_gpu():
             # Every group that wants the GPU can have its whole MaxUtil: the one whose bucket fills
             # first goes first, since credit past a full bucket is lost (caps 0.2/0.3/0.4 by least
             # usage gave the 0.4 group 0.38, its bucket full while the others ran).
             capacity = self._cap_capacity()
-            return min(candidates, key=lambda g: ((capacity - self._account(g).cap_credit)
-                                                  / self._accounts[g].quota.max_util, g != self._holder,
-                                                  self._accounts[g].last_run))
-        return min(candidates, key=lambda g: (self._account(g).usage, g != self._holder,
-                                              self._accounts[g].last_run))
+            return lambda g: ((capacity - self._account(g).cap_credit) / self._accounts[g].quota.max_util,
+                              g != self._holder, self._accounts[g].last_run)
+        return lambda g: (self._account(g).usage, g != self._holder, self._accounts[g].last_run)
 
     def _slice_for(self, group: int, owed_first: bool) -> int:
         p = self.params
@@ -765,23 +871,33 @@ class TimeSharePolicy:
         the end of an owed holder's pause, every poll where it idles or is outranked, and once a slice
         where it is steady (it idled neither in its last holding nor so far in this one)."""
         p = self.params
-        if self._owed_pause(holder, now):
+        if self._kept_pause(holder, now):
             assert self._holder_idle_since is not None
-            return self._holder_idle_since + p.owed_pause_ns
+            return self._holder_idle_since + self._pause_kept(holder)
         account = self._accounts[holder]
         steady = account.steady and not account.idled and not self._outranked_present(holder)
         return now + (p.steady_poll_ns if steady else p.poll_ns)
 
     def _wake_idle(self, now: int) -> int:
         """Nobody released: a group's first launch rings (it blocks on its held word), so the look for
-        new demand is only a net; the looks that matter are when a waiting capped group's credit is back."""
+        new demand is only a net; the looks that matter are when a waiting capped group's credit is back.
+        A group spanning GPUs that has its credit and waits for its turn (barred, or clearing elsewhere)
+        needs no look: its turn's change rings the bell (gang.py). Looked at `now` instead, an idle GPU
+        looked as fast as the ring gap allows while turns cleared elsewhere (at the region's limit, 6 of
+        10 looks of every GPU)."""
         wake = now + self.params.ring_net_ns
         short = self._caps_fill_gpu()
+        waits_for_turn = self._barred | self._clearing
         for group in self._demand:
             quota = self._accounts[group].quota
             if 0.0 < quota.max_util < 1.0:
-                wanted = self._credit_needed(group, self.params.min_slice_ns if short else None)
-                missing = wanted - self._account(group).cap_credit
+                if group in waits_for_turn:  # (when its readiness comes: _gang_readiness)
+                    missing = self._credit_needed(group) - self._account(group).cap_credit
+                    if missing <= 0:
+                        continue
+                else:
+                    wanted = self._credit_needed(group, self.params.min_slice_ns if short else None)
+                    missing = wanted - self._account(group).cap_credit
                 wake = min(wake, now + max(1, math.ceil(missing / quota.max_util)))
         return wake
 
@@ -793,7 +909,12 @@ class TimeSharePolicy:
         # queued far ahead of the syncs), room for two of them: a hold costs a drain that cannot be
         # cut short, and a bucket smaller than that left the GPU idle while both buckets refilled
         # (caps 0.3 / 0.7 with 200 ms drains gave 0.30 / 0.62).
-        return float(max(self.slice_ns(), 2 * self._drain_ns))
+        # Where a group spans GPUs, room for its turn and a slice more: its credit fills while its
+        # other GPUs finish their holders' slices, and a bucket that overflowed meanwhile lost the time
+        # (a job capped at 0.3 over two GPUs was charged 0.22).
+        gangs = self._barred or self._clearing or self._due
+        turn = self.params.gang_slice_ns + self.slice_ns() if gangs else 0
+        return float(max(self.slice_ns(), 2 * self._drain_ns, turn))
 
     def _advance(self, now: int) -> None:
         """Move the accounts in play from the last look to `now`: the holder's and those of groups

@@ -233,7 +233,10 @@ class GpuScheduler:
         self._user_scheduled: frozenset[int] | None = None
         self._by_group: dict[int, list[int]] | None = None
         self._by_group_assignments = b""
-        self._expected_words: tuple[tuple[frozenset[int], int | None, bool, bool], list[int]] | None = None
+        # What the words should say, and the decision they were worked out for.
+        self._expected_words: tuple[tuple[object, ...], list[int]] | None = None
+        self._beside: frozenset[int] = frozenset()  # opportunistic groups released beside production
+        self._opportunistic: frozenset[int] = frozenset()  # the scheduled groups that are opportunistic
         if rescan_ns is None:
             rescan_ns = RESCAN_NET_NS
         self._rescan_ns = rescan_ns
@@ -321,15 +324,17 @@ class GpuScheduler:
                 self._apply_quotas(now, self._pending_quotas)
                 self._pending_quotas = None
             observation = self._observe(now)
-            decision = self._policy.step(now, self._with_turns(observation))
+            turned = self._with_turns(observation)
+            decision = self._policy.step(now, turned)
             # A turn across GPUs that opened, went or closed at this look: decide again before carrying
             # out (a few times at most: each report moves a turn on by one state).
             for _ in range(3):
                 if self._gang is None or not self._gang.report(self.gpu, GpuReport(
                         observation.present, observation.demand, decision.ready, decision.released, decision.clear,
-                        decision.draining)):
+                        decision.draining, turned.clearing)):
                     break
-                decision = self._policy.step(now, self._with_turns(observation))
+                turned = self._with_turns(observation)
+                decision = self._policy.step(now, turned)
             self._carry_out(now, decision)
             self._assert_words()
             self.looks += 1
@@ -350,6 +355,7 @@ class GpuScheduler:
 
     def _apply_quotas(self, now: int, quotas: dict[int, Quota]) -> None:
         self._policy.set_quotas(now, quotas)
+        self._opportunistic = frozenset(group for group, quota in quotas.items() if quota.opportunistic)
         dropped = self._scheduled - quotas.keys()
         self._scheduled = frozenset(quotas)
         for group in dropped:
@@ -360,8 +366,9 @@ class GpuScheduler:
             self._drain = None
         # Every scheduled group is held but the one the policy released (a new group starts held:
         # its first launch waits at most a poll for the policy to see it).
+        self._beside &= self._scheduled
         for group in self._scheduled:
-            if group != self._released:
+            if group != self._released and group not in self._beside:
                 self.region.hold(self.gpu, group)
 
     @staticmethod
@@ -539,20 +546,44 @@ class GpuScheduler:
         elif decision.draining is None:
             self._drain = None
         if decision.released != self._released:
-            if self._released is not None:
+            if self._released is not None and self._released not in decision.beside:
                 self.region.hold(self.gpu, self._released)
             self._released = decision.released
+        self._carry_out_beside(decision.beside)
         self._short_queue = decision.short_queue
         self._outranked = decision.outranked
         self._wake_on_wait = decision.wake_on_wait
         if decision.released is not None:
+            if decision.released in self._opportunistic:
+                self.region.set_beside(self.gpu, decision.released, ())  # (no production present)
             # Also when only the queue's bound changed (a no-op when the word already says it).
             self.region.release(self.gpu, decision.released, self._released_word())
+
+    def _carry_out_beside(self, beside: frozenset[int]) -> None:
+        """Release the opportunistic groups beside production (RELEASED_BESIDE), naming the slots of
+        this GPU's production processes to their gates; those no longer beside are held, for the
+        policy to schedule them as any group."""
+        for group in self._beside - beside:
+            if group in self._scheduled and group != self._released:
+                self.region.hold(self.gpu, group)
+        self._beside = beside
+        if not beside:
+            return
+        groups = self._user_groups or ()
+        production = [index for index, group, launched in zip(self._users, groups, self._user_launches, strict=False)
+                      if launched and group != rg.GROUP_UNASSIGNED and group not in beside]
+        for group in beside:
+            self.region.set_beside(self.gpu, group, production)
+            self.region.release(self.gpu, group, rg.RELEASED_BESIDE)
 
     def _released_word(self) -> int:
         """The released group's word: its queue bounded by how soon it may be held (a group that
         outranks it waits on that drain; a hold is coming; none in sight, where the bound only keeps a
-        newcomer's first wait short: a process that never syncs would queue seconds)."""
+        newcomer's first wait short: a process that never syncs would queue seconds). An opportunistic
+        group's is the one it has beside production, with no production named: a production
+        process's first request then waits for half a millisecond of its work, not for 100 ms."""
+        if self._released in self._opportunistic:
+            return rg.RELEASED_BESIDE
         return (rg.RELEASED_OUTRANKED if self._outranked else rg.RELEASED_SHORT_QUEUE if self._short_queue
                 else rg.RELEASED_LONG_QUEUE)
 
@@ -561,10 +592,11 @@ class GpuScheduler:
         and one comparison with what they should say (kept while the decision stays) when nothing was
         forged."""
         released = self._released_word()
-        key = (self._scheduled, self._released, self._short_queue, self._outranked)
+        key = (self._scheduled, self._released, self._short_queue, self._outranked, self._beside, self._opportunistic)
         if self._expected_words is None or self._expected_words[0] != key:
             self._expected_words = (key, [rg.RELEASED if group not in self._scheduled else
-                                          released if group == self._released else rg.HELD
+                                          released if group == self._released else
+                                          rg.RELEASED_BESIDE if group in self._beside else rg.HELD
                                           for group in range(len(self._held))])
         words = self._held.tolist()
         if words == self._expected_words[1]:
@@ -576,6 +608,9 @@ class GpuScheduler:
             elif group == self._released:
                 if word != released:
                     self.region.release(self.gpu, group, released)
+            elif group in self._beside:
+                if word != rg.RELEASED_BESIDE:
+                    self.region.release(self.gpu, group, rg.RELEASED_BESIDE)
             elif word != rg.HELD:
                 self.region.hold(self.gpu, group)
 
@@ -586,5 +621,6 @@ class GpuScheduler:
                 self.region.release(self.gpu, group)
             self._released = None
             self._drain = None
+            self._beside = frozenset()
             # The next look starts from all held again (a restarted loop must not leave two released).
             self._pending_quotas = self._pending_quotas or self._policy.quotas()

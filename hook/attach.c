@@ -406,14 +406,16 @@ enum attempt { ATTACHED, NO_AGENT, NO_SLOT };
 static enum attempt try_attach(int *choice)
 {
     const char *dir = state_dir();
+    /* Unset: no wish, an empty request. The agent places the process by its cgroup (a pod's binding
+     * Cgroup rule) or in "default"; asking for "default" here would be a wish it must weigh. */
     const char *requested = getenv(GT_ENV_GROUP);
-    if (!requested || !*requested)
-        requested = GT_DEFAULT_GROUP;
+    if (!requested)
+        requested = "";
     const struct gt_region *r = map_region(dir);
     int fallback = r ? find_group(r, GT_DEFAULT_GROUP) : -1;
     if (r && fallback < 0)
         say_once(SAID_NO_DEFAULT, "the agent's region defines no \"" GT_DEFAULT_GROUP "\" group; running ungated.");
-    if (fallback >= 0 && find_group(r, requested) < 0)
+    if (fallback >= 0 && *requested && find_group(r, requested) < 0)
         say_once(SAID_GROUP, "group '%s' is not defined by the agent's resource file; the agent places this "
                  "process in its cgroup's group or \"" GT_DEFAULT_GROUP "\".", requested);
     struct gt_slot *table = fallback >= 0 ? reserve_table() : NULL;

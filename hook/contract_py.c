@@ -53,6 +53,7 @@ int main(void)
     STR(GT_DEFAULT_GROUP);
     STR(GT_ENV_MANAGED_HINTS);
     STR(GT_ENV_MANAGED_PREFETCH_MAX);
+    STR(GT_ENV_BESIDE_KERNELS);
 
     puts("\n# hook/gemtrace_region.h: the region and the slot table (their layout: gemtrace/region/layout.py)");
     HEX(GT_REGION_MAGIC);
@@ -81,6 +82,11 @@ int main(void)
     INT(GT_QUEUE_BOUND_NS);
     INT(GT_OUTRANKED_QUEUE_BOUND_NS);
     INT(GT_LONG_QUEUE_BOUND_NS);
+    INT(GT_BESIDE_KERNELS);
+    INT(GT_BESIDE_KERNELS_MAX);
+    INT(GT_BESIDE_POLL_NS);
+    INT(GT_BESIDE_SLOTS);
+    HEX(GT_BESIDE_MANY);
     INT(GT_WAKE_FANOUT);
     INT(GT_ASSIGN_WAIT_NS);
     HEX(GT_GROUP_UNASSIGNED);
@@ -90,6 +96,7 @@ int main(void)
     INT(GT_RELEASED_SHORT_QUEUE);
     INT(GT_RELEASED_OUTRANKED);
     INT(GT_RELEASED_LONG_QUEUE);
+    INT(GT_RELEASED_BESIDE);
     puts("# enum gt_attach_kind: the socket's requests");
     INT(GT_ATTACH_JOIN);
     INT(GT_ATTACH_VIEW);

@@ -18,5 +18,9 @@
  * managed memory served in place of device memory; the most bytes one prefetch after a hold moves. */
 #define GT_ENV_MANAGED_HINTS "GEMTRACE_MANAGED_HINTS"
 #define GT_ENV_MANAGED_PREFETCH_MAX "GEMTRACE_MANAGED_PREFETCH_MAX"
+/* Opportunistic groups (hook/launch.c, docs/scheduler.md): how many of its kernels a process keeps
+ * queued beside a production process that has work queued, 0 to GT_BESIDE_KERNELS_MAX (default
+ * GT_BESIDE_KERNELS); 0: none, it waits until production has nothing queued. */
+#define GT_ENV_BESIDE_KERNELS "GEMTRACE_BESIDE_KERNELS"
 
 #endif /* GEMTRACE_CONTRACT_H */

@@ -42,10 +42,11 @@
  *     same user could write it too: the user's own figures, which the agent treats as a hint.
  *
  * Groups: membership is decided once, by the agent (docs/security.md). A gate claims a slot and
- * writes there the group it asks for (`requested`, from GEMTRACE_GROUP). The agent, within a tick of
- * seeing the slot, stores assigned[i] = {pid, group}: the requested group if the process's owner is
- * admitted to it (Users=/UnixGroups= in the resource file), else the group of a matching Cgroup rule,
- * else "default". The pid is part of the entry because a gate frees its own slot at exit and cannot
+ * writes there the group it asks for (`requested`, from GEMTRACE_GROUP; empty when unset). The
+ * agent, within a tick of seeing the slot, stores assigned[i] = {pid, group}: the group of a binding
+ * Cgroup rule that names the process's cgroup (CgroupBinding: a pod's), whatever it asked for; else
+ * the requested group if the process's owner is admitted to it (Users=/UnixGroups= in the resource
+ * file), else the group of a matching Cgroup rule, else "default". The pid is part of the entry because a gate frees its own slot at exit and cannot
  * clear an entry it may not write: an entry counts only for the process whose pid it names, and the
  * agent clears entries whose slot changed owner every tick. Until its entry names it, a gate takes
  * itself for "default" (it waits for the agent at most GT_ASSIGN_WAIT_NS at attach). It reads its
@@ -75,6 +76,16 @@
  *      waits at most that long for the holder's drain, not for the seconds that a process which
  *      never synchronises queues. A CPU that pauses for less than half of it (a data loader's batch,
  *      Python's collector) still finds work queued on the GPU when it resumes.
+ *   GT_RELEASED_BESIDE: an opportunistic group beside a production group (docs/scheduler.md,
+ *      "Production and opportunistic work"). While a process named in control.beside_slots has work
+ *      queued on that GPU (its drained_ns < burst_start_ns; beside_n = GT_BESIDE_MANY: always), a
+ *      process of the group keeps at most about GT_BESIDE_KERNELS kernels queued there, counted in
+ *      launches, not time: each production kernel waits for that few at most (GEMTRACE_BESIDE_KERNELS
+ *      in its environment: 0 to GT_BESIDE_KERNELS_MAX; with 0 its launch sleeps GT_BESIDE_POLL_NS at a
+ *      time until no production process has work queued). Otherwise it keeps
+ *      GT_OUTRANKED_QUEUE_BOUND_NS of work, so that a production request arriving waits for little.
+ *      The list is the agent's, rewritten when the GPU's production processes change; a gate reads
+ *      it at each launch (a few loads) and the slots it names, never a lock.
  *   GT_HELD: a launching thread
  *   1. drains: if its process launched on that GPU since it last drained, it synchronises the
  *      launch's stream (the context, where the burst used other streams too) and stores
@@ -134,7 +145,7 @@
 #include <stdint.h>
 
 #define GT_REGION_MAGIC 0x45434152544d4547ULL /* "GEMTRACE" read as a little-endian uint64 */
-#define GT_REGION_VERSION 8u
+#define GT_REGION_VERSION 9u
 #define GT_REGION_FILE "region"
 #define GT_ATTACH_SOCKET "attach.sock" /* in the state dir: where gates ask for their slots */
 #define GT_SLOTS_MEMFD "gemtrace-slots" /* the chunks' memfd names begin so */
@@ -161,6 +172,11 @@
 #define GT_QUEUE_BOUND_NS 10000000ull              /* GT_RELEASED_SHORT_QUEUE: the most work left queued */
 #define GT_OUTRANKED_QUEUE_BOUND_NS 500000ull      /* GT_RELEASED_OUTRANKED: the same, while outranked */
 #define GT_LONG_QUEUE_BOUND_NS 100000000ull        /* GT_RELEASED_LONG_QUEUE: the same, with no hold in sight */
+#define GT_BESIDE_KERNELS 2u                       /* GT_RELEASED_BESIDE, production busy: kernels queued */
+#define GT_BESIDE_KERNELS_MAX 8u                   /* ... the most GEMTRACE_BESIDE_KERNELS may ask */
+#define GT_BESIDE_POLL_NS 100000ull                /* ... with none: how often it looks for production's end */
+#define GT_BESIDE_SLOTS 24                         /* production processes control.beside_slots names */
+#define GT_BESIDE_MANY 0xFFFFu                     /* beside_n: more than that; count production busy */
 #define GT_WAKE_FANOUT 2                           /* held-word waiters a release wakes, and each woken one */
 /* A gate waits at most this long at attach for its assignment (usually one keeper tick, 10 ms). Long
  * enough for a process in a pod, whose host pid the agent must find first (a scan of /proc): at 50 ms a
@@ -174,6 +190,7 @@ enum gt_held {
     GT_RELEASED_SHORT_QUEUE = 2,
     GT_RELEASED_OUTRANKED = 3,
     GT_RELEASED_LONG_QUEUE = 4,
+    GT_RELEASED_BESIDE = 5,
 };
 
 /* Attaching (docs/security.md, "Attaching"): what a gate does with its program's CUDA calls while it
@@ -243,9 +260,10 @@ struct gt_group {                /* agent-owned; a name keeps its index while a 
 
 struct gt_control {              /* agent-owned, one cache line per GPU and group */
     uint32_t held;               /* futex word: enum gt_held */
-    uint32_t reserved0;
+    uint16_t beside_n;           /* GT_RELEASED_BESIDE: entries of beside_slots in use, or GT_BESIDE_MANY */
+    uint16_t reserved0;
     uint64_t grant_seq;          /* bumped on every release, for observers */
-    uint64_t reserved[6];
+    uint16_t beside_slots[GT_BESIDE_SLOTS]; /* GT_RELEASED_BESIDE: the slots of the GPU's production processes */
 };
 
 struct gt_assignment {           /* agent-owned: the group the agent decided for the process in slot i */

@@ -15,6 +15,10 @@
  * drain is short whatever the process queues; the launches before the next look cost two compares.
  * Released with a long queue (the holder alone, no hold in sight): the same with GT_LONG_QUEUE_BOUND_NS,
  * so that a group that comes later waits for at most that much of our backlog.
+ * Released beside a production group (an opportunistic group, GT_RELEASED_BESIDE): while a production
+ * process named in the control word's list has work queued, the bound is GT_BESIDE_KERNELS launches,
+ * not time (each production kernel then waits for that few of ours at most); otherwise
+ * GT_OUTRANKED_QUEUE_BOUND_NS of work. A few loads a launch: the list and the slots it names.
  * A thread that starts waiting on a held word rings its GPU's doorbell (the doorbells page): the
  * scheduler reacts at once where that wait matters.
  *
@@ -31,8 +35,11 @@
 #define _GNU_SOURCE
 #include "gate.h"
 
+#include <errno.h>
 #include <limits.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -235,7 +242,33 @@ static pthread_mutex_t marker_lock = PTHREAD_MUTEX_INITIALIZER;
 /* After fork: a thread of the parent may have held the lock; the child has no such thread. The
  * markers themselves are in gt_proc, which attach.c's handler clears. */
 static void after_fork_in_child(void) { pthread_mutex_init(&marker_lock, NULL); }
-GT_CONSTRUCTOR_LAUNCH static void launch_init(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
+/* Beside busy production: this process's kernels queued at most (GEMTRACE_BESIDE_KERNELS). */
+static uint32_t beside_kernels = GT_BESIDE_KERNELS;
+
+static void read_beside_kernels(void)
+{
+    const char *text = getenv(GT_ENV_BESIDE_KERNELS);
+    if (!text || !*text)
+        return;
+    char *end;
+    errno = 0;
+    unsigned long v = strtoul(text, &end, 10);
+    if (*end || errno || v > GT_BESIDE_KERNELS_MAX || *text == '-') {
+        fprintf(stderr, "gemtrace gate: %s=%s is not a whole number from 0 to %u; keeping %u kernels queued beside "
+                "busy production.\n", GT_ENV_BESIDE_KERNELS, text, GT_BESIDE_KERNELS_MAX, GT_BESIDE_KERNELS);
+        return;
+    }
+    beside_kernels = (uint32_t)v;
+}
+
+GT_CONSTRUCTOR_LAUNCH static void launch_init(void)
+{
+    int saved = errno;
+    pthread_atfork(NULL, NULL, after_fork_in_child);
+    read_beside_kernels();
+    errno = saved;
+}
 
 /* An event in the stream's context (the current one may be another device's), recorded on it. */
 static bool record_marker(int gpu, CUstream stream, uint64_t launches)
@@ -283,23 +316,54 @@ static uint64_t next_queue_check(int gpu, uint64_t per_launch, uint64_t bound_ns
     return __atomic_load_n(&gt_proc.marker_armed[gpu], __ATOMIC_ACQUIRE) ? base + bound + 1 : base + half;
 }
 
+/* The gate's own name for GT_RELEASED_BESIDE while production has work queued: its bound counts
+ * launches (queue_state tells the two apart, so that a change of either is looked at once). */
+#define GT_BESIDE_BUSY 0x100u
+
 static uint64_t queue_bound(uint32_t state)
 {
-    return state == GT_RELEASED_OUTRANKED   ? GT_OUTRANKED_QUEUE_BOUND_NS
-           : state == GT_RELEASED_LONG_QUEUE ? GT_LONG_QUEUE_BOUND_NS
-                                             : GT_QUEUE_BOUND_NS;
+    return state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_BESIDE ? GT_OUTRANKED_QUEUE_BOUND_NS
+           : state == GT_RELEASED_LONG_QUEUE                           ? GT_LONG_QUEUE_BOUND_NS
+           : state == GT_BESIDE_BUSY                                   ? beside_kernels
+                                                                       : GT_QUEUE_BOUND_NS;
 }
 
 static inline bool queue_bounded(uint32_t state)
 {
-    return state == GT_RELEASED_SHORT_QUEUE || state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_LONG_QUEUE;
+    return state == GT_RELEASED_SHORT_QUEUE || state == GT_RELEASED_OUTRANKED || state == GT_RELEASED_LONG_QUEUE ||
+           state == GT_RELEASED_BESIDE || state == GT_BESIDE_BUSY;
 }
 
-static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream, uint64_t launches, uint64_t bound)
+/* Released beside production: does a production process of this GPU have work queued (a burst open:
+ * drained_ns < burst_start_ns)? The agent's list names their slots; a slot of a chunk not mapped yet
+ * reads as free (attach.c, reserve_table) until gt_refresh_slots maps it. */
+static bool production_busy(int gpu, const struct gt_control *control)
+{
+    uint32_t n = __atomic_load_n(&control->beside_n, __ATOMIC_ACQUIRE);
+    if (n == GT_BESIDE_MANY)
+        return true;
+    if (n > GT_BESIDE_SLOTS)
+        n = GT_BESIDE_SLOTS;
+    gt_refresh_slots();
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t index = __atomic_load_n(&control->beside_slots[i], __ATOMIC_RELAXED);
+        if (index >= GT_MAX_SLOTS)
+            continue;
+        const struct gt_slot *s = &gt_proc.slots[index];
+        if (__atomic_load_n(&s->pid, __ATOMIC_RELAXED) != 0 &&
+            __atomic_load_n(&s->drained_ns[gpu], __ATOMIC_ACQUIRE) < __atomic_load_n(&s->burst_start_ns[gpu], __ATOMIC_ACQUIRE))
+            return true;
+    }
+    return false;
+}
+
+static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream, uint64_t launches, uint64_t bound,
+                                                       bool counted)
 {
     if (!__atomic_load_n(&gt_proc.burst_open[gpu], __ATOMIC_ACQUIRE))
         return false; /* nothing queued; open_burst starts the count again */
-    uint64_t per_launch = __atomic_load_n(&gt_proc.launch_ns[gpu], __ATOMIC_RELAXED);
+    /* A bound in launches (beside busy production) counts each launch as one unit of "work". */
+    uint64_t per_launch = counted ? 1 : __atomic_load_n(&gt_proc.launch_ns[gpu], __ATOMIC_RELAXED);
     if (!per_launch) { /* until the first drain: the next launch looks again */
         if (launches - gt_proc.burst_first_launch[gpu] < GT_FIRST_MEASURE_LAUNCHES &&
             gt_now_ns() - gt_proc.burst_start_ns[gpu] <= bound)
@@ -339,6 +403,20 @@ static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream,
         waited = true;
     }
     return waited;
+}
+
+/* Beside busy production with GEMTRACE_BESIDE_KERNELS=0: sleep until no production process has work
+ * queued (a poll: production's gates ring nobody when their bursts end), the word changes, the agent
+ * goes or the process moves to another group. Returns the word as it then is. */
+static __attribute__((noinline)) uint32_t wait_production_quiet(int gpu, const uint32_t *held, uint32_t group)
+{
+    const struct gt_control *control = &gt_proc.region->control[gpu][group];
+    struct timespec pause = {0, GT_BESIDE_POLL_NS};
+    uint32_t state;
+    while ((state = __atomic_load_n(held, __ATOMIC_ACQUIRE)) == GT_RELEASED_BESIDE && production_busy(gpu, control) &&
+           gt_agent_alive() && gt_group() == group)
+        nanosleep(&pause, NULL);
+    return state;
 }
 
 /* Released with a bounded queue: most launches only compare their count with the next check's, and
@@ -381,8 +459,15 @@ static void gate_launch(CUstream stream)
         /* After a wait the group may have been held meanwhile: look again, or this launch would
          * queue work behind the drain the scheduler has just seen end. */
         uint64_t launches;
-        if (queue_bounded(state) && queue_check_due(gpu, state, &launches) &&
-            keep_queue_short(gpu, stream, launches, queue_bound(state)))
+        uint32_t bounded = state;
+        if (state == GT_RELEASED_BESIDE && production_busy(gpu, &gt_proc.region->control[gpu][group])) {
+            if (beside_kernels)
+                bounded = GT_BESIDE_BUSY;
+            else /* then bounded as the word says: production quiet, held, or another group's */
+                state = bounded = wait_production_quiet(gpu, held, group);
+        }
+        if (queue_bounded(bounded) && queue_check_due(gpu, bounded, &launches) &&
+            keep_queue_short(gpu, stream, launches, queue_bound(bounded), bounded == GT_BESIDE_BUSY))
             state = __atomic_load_n(held, __ATOMIC_ACQUIRE);
         if (state == GT_HELD)
             hold(gpu, held, stream, group);

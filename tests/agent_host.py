@@ -85,7 +85,8 @@ class Host:
         wait_until("the agent's /metrics", up, timeout=60)
         return running
 
-    def run(self, group: str, *args: str, **popen: Any) -> subprocess.Popen[bytes]:
+    def run(self, group: str, *args: str, env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen[bytes]:
+        """`gemtrace run` of the simulated GPU's client in `group`; `env`: more variables for it."""
         return subprocess.Popen(
             gemtrace(
                 "run",
@@ -99,7 +100,7 @@ class Host:
                 str(RT_CLIENT),
                 *args,
             ),
-            env=self.env(),
+            env=self.env(**(env or {})),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             **popen,

@@ -1,5 +1,6 @@
 """Fakes of the accounting's sources, chosen by configuration: a test passes one to Accounting's
-constructor (`ebpf=`, `gate=`, `nvml=`) where the agent passes the real one. No root, no GPU, no bcc.
+constructor (`ebpf=`, `gate=`, `nvml=`) where the agent passes the real one, and the resource file
+it reads (`Config`, `group`). No root, no GPU, no bcc.
 
 Each fake keeps the figures a test sets and turns them into readings through the same pure functions
 as the real source (eBPF's maps -> figures: gemtrace/sources/ebpf.py), so what is tested is what
@@ -13,10 +14,23 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from gemtrace import defaults
+from gemtrace.config import GroupConfig
 from gemtrace.probes.bpf_loader import Usage
 from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.sources import AllocationListener, Devices, Figures, Key, SourceReading
 from gemtrace.sources.ebpf import memory_figures, usage_figures
+
+
+def group(memory_limit: int | None = None, cgroups: tuple[str, ...] = ()) -> GroupConfig:
+    """A resource file's group as the accounting reads it (open to every user)."""
+    return GroupConfig("", memory_limit=memory_limit, cgroups=cgroups)
+
+
+@dataclass
+class Config:
+    """The resource file as the accounting reads it: its groups by name."""
+
+    groups: dict[str, GroupConfig]
 
 
 class FakeEbpf:

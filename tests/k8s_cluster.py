@@ -69,6 +69,13 @@ class K8sCluster:
         self.device_plugins = Path(env["GEMTRACE_K8S_DEVICE_PLUGINS"])
         self.ca_cert = Path(env["GEMTRACE_K8S_CA_CERT"])
         self.ca_key = Path(env["GEMTRACE_K8S_CA_KEY"])
+        self.containerd = env["GEMTRACE_K8S_CONTAINERD_SOCK"]
+
+    def import_image(self, archive: Path) -> None:
+        """An image archive (`docker save` or OCI) into the node's containerd, where the kubelet finds it."""
+        done = subprocess.run(["ctr", "-a", self.containerd, "-n", "k8s.io", "images", "import", str(archive)],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"ctr images import {archive} failed: {done.stderr.strip()}"
 
     def serving_cert(self, directory: Path, ip: str = "127.0.0.1") -> tuple[Path, Path]:
         """A TLS certificate and key for a server at `ip` (a webhook's), signed by the cluster's CA:

@@ -5,7 +5,7 @@
 # run it first; `make prereqs` runs it alone. (The installed package's own dependencies are in
 # packaging/deb/control.)
 #
-#   tests/prereqs.sh demo|deb|test
+#   tests/prereqs.sh demo|deb|image|test
 #
 # Says nothing and changes nothing when all is there. Otherwise, as root, it installs what is
 # missing (apt-get update only then) and does the set-up; not root, it stops with one line naming
@@ -18,6 +18,10 @@ demo_packages=(build-essential python3-venv)
 ebpf_packages=(python3-bpfcc)
 # deb: the demo's, and dpkg-shlibdeps for the package's library dependencies (packaging/deb/build.sh).
 deb_packages=("${demo_packages[@]}" dpkg-dev)
+# image: the deb's, and what packaging/image/build.sh makes the image with: a Debian 12 rootfs
+# (mmdebstrap, Debian's archive key also on Ubuntu), its OCI image (umoci) and archive (skopeo).
+image_tools=(mmdebstrap umoci skopeo debian-archive-keyring)
+image_packages=("${deb_packages[@]}" "${image_tools[@]}")
 # test: everything the test tiers run, each named by the tests that need it.
 test_packages=(
     "${demo_packages[@]}"
@@ -33,6 +37,7 @@ test_packages=(
     golang-go golang-github-modern-go-reflect2-dev etcd-server containerd runc curl rsync jq
     debian-archive-keyring  # the k8s tier fetches Debian's kubernetes source, also on Ubuntu (universe)
     python3-yaml  # the k8s tier reads deploy/'s manifests with the distribution's python3
+    "${image_tools[@]}"  # the k8s tier deploys deploy/ with the image of make image
 )
 # Daemons that test packages bring, by package: the tests run their own (private ports and data dirs),
 # but the packages start them and enable them at boot (Debian's prometheus listening on every
@@ -45,8 +50,9 @@ case "$level" in
     demo) packages=("${demo_packages[@]}")
           if [ "$(id -u)" = 0 ]; then packages+=("${ebpf_packages[@]}"); ebpf=1; fi ;;
     deb) packages=("${deb_packages[@]}") ;;
+    image) packages=("${image_packages[@]}") ;;
     test) packages=("${test_packages[@]}"); ebpf=1 ;;
-    *) echo "usage: $0 demo|deb|test" >&2; exit 2 ;;
+    *) echo "usage: $0 demo|deb|image|test" >&2; exit 2 ;;
 esac
 
 if ! command -v dpkg-query >/dev/null || ! command -v apt-get >/dev/null; then

@@ -10,6 +10,8 @@ API (`from simgpu_env import ...`; the fixtures come to every test module throug
       extra keys are added as they are (CUDA_VISIBLE_DEVICES="1", SIMGPU_QUEUE_DEPTH="4", ...).
   run_client(args, env, client=RT_CLIENT, timeout=60) -> list[dict]   runs a client to its end and
       returns its JSON lines; raises ClientError on a non-zero exit.
+  last_line(proc, timeout) -> dict   the last JSON line of a client started elsewhere (`gemtrace run`,
+      host.run) with its stdout piped, once it exited 0; fails the test with its output otherwise.
   Client(args, env, client=RT_CLIENT)   a running client: .next_json(timeout) waits for its next
       JSON line, .wait_for(key) for the first line holding `key`, .kill(), .finish() -> lines.
   run_nvml(code, env) -> list[dict]   runs Python `code` in a child with pynvml loaded and
@@ -88,6 +90,13 @@ def run_client(
             f"{client.name} {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}{proc.stderr}"
         )
     return _parse(proc.stdout.splitlines())
+
+
+def last_line(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=timeout)
+    lines = _parse(out.decode().splitlines())
+    assert proc.returncode == 0 and lines, (out.decode(), (err or b"").decode()[-2000:])
+    return lines[-1]
 
 
 class Client:

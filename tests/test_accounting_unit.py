@@ -4,18 +4,16 @@ from gate slots (no eBPF), GPU time from slots, and per-process series leaving a
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from fake_sources import FakeEbpf, FakeGate, FakeNvml
+from fake_sources import Config, FakeEbpf, FakeGate, FakeNvml, group
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from testkit import MiB, claim
 
 from gemtrace.accounting import Accounting, ProcessAccount, Snapshot, Sources
 from gemtrace.collectors.processes import ProcessCollector
-from gemtrace.config import GroupConfig
 from gemtrace.enforcement import Enforcement, MemoryEnforcer
 from gemtrace.gpu_time import GpuTimeShare
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
@@ -144,16 +142,6 @@ def test_proc_reader_zombie_counts_as_gone(tmp_path: Path) -> None:
     reader = ProcReader(tmp_path)
     assert not reader.alive(20) and reader.alive(21) and not reader.alive(22)
     assert reader.start_time(21) == 4242 and reader.comm(21) == "python3"
-
-
-def group(memory_limit: int | None = None, cgroups: tuple[str, ...] = ()) -> GroupConfig:
-    """A resource file's group as the accounting reads it (open to every user)."""
-    return GroupConfig("", memory_limit=memory_limit, cgroups=cgroups)
-
-
-@dataclass
-class Config:
-    groups: dict[str, GroupConfig]
 
 
 class Clock:

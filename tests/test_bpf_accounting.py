@@ -14,10 +14,10 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from fake_sources import Config, group
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from simgpu_env import LIBCUDA, REPO, SimGpu
@@ -27,7 +27,6 @@ from gemtrace.accounting import Accounting, Snapshot
 from gemtrace.agent import open_accounting
 from gemtrace.collectors.enforcement import EnforcementCollector
 from gemtrace.collectors.processes import ProcessCollector
-from gemtrace.config import GroupConfig
 from gemtrace.enforcement import MemoryEnforcer
 from gemtrace.membership import Membership
 from gemtrace.probes.libcuda import file_id_of
@@ -36,16 +35,6 @@ from gemtrace.region import Region
 pytestmark = pytest.mark.bpf
 
 CLIENT = REPO / "tests" / "cuda_driver_client.py"
-
-
-def group(memory_limit: int | None = None, cgroups: tuple[str, ...] = ()) -> GroupConfig:
-    """A resource file's group as the accounting reads it (open to every user)."""
-    return GroupConfig("", memory_limit=memory_limit, cgroups=cgroups)
-
-
-@dataclass
-class Config:
-    groups: dict[str, GroupConfig]
 
 
 class StaticGpus:

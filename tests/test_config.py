@@ -71,6 +71,13 @@ def test_priority_is_a_bounded_integer_defaulting_to_0() -> None:
         "low": -3, "high": 1000, "plain": 0, "zeros": 7, "default": 0}
 
 
+def test_opportunistic_is_yes_or_no_defaulting_to_no_and_goes_with_priority_and_isolation() -> None:
+    config = parse_text("[spare]\nOpportunistic = YES\nPriority = 3\nIsolation = mps\n[serve]\nOpportunistic = no\n"
+                        "MinUtil = 0.5\n[plain]\n")
+    assert config.groups["spare"].opportunistic and config.groups["spare"].priority == 3
+    assert not config.groups["serve"].opportunistic and not config.groups["plain"].opportunistic
+
+
 def test_the_file_may_define_the_default_group() -> None:
     config = parse_text("[default]\nMaxUtil = 0.5\n")
     assert config.groups["default"].max_util == 0.5
@@ -109,6 +116,15 @@ def test_minutils_add_up_per_gpu_when_groups_name_their_gpus() -> None:
         ("[a]\njust words\n", "r.conf:2: cannot read 'just words'"),
         ("[a b/c]\n", "r.conf:1: group name 'a b/c'"),
         ("[a]\nCgroup = kubepods\n", "r.conf:2: Cgroup 'kubepods' must be one or more absolute cgroup paths"),
+        ("[a]\nOpportunistic = maybe\n",
+         "r.conf:2: Opportunistic 'maybe' is neither yes nor no; give yes or no (or true or false)"),
+        ("[a]\nOpportunistic = yes\nMinUtil = 0.2\n",
+         "r.conf:3: MinUtil 0.2 of [a] cannot hold: the group is opportunistic (line 2) and gets only what the "
+         "others leave; remove MinUtil or Opportunistic"),
+        ("[a]\nMaxUtil = 0.5\n\nOpportunistic = on\n",
+         "r.conf:2: MaxUtil 0.5 of [a] cannot hold: the group is opportunistic (line 4) and runs beside the "
+         "others, not in turns; remove MaxUtil or Opportunistic"),
+        ("[a]\nOpportunistic = yes\nOpportunistic = no\n", "r.conf:3: Opportunistic is set twice in [a]"),
     ],
 )
 def test_every_error_names_the_file_and_line(text: str, message: str) -> None:
@@ -320,6 +336,16 @@ def test_line_numbers_count_lf_only_and_crlf_lines_are_read() -> None:
 def test_cgroup_paths_are_printable() -> None:
     assert "control or separator character" in error_of("[a]\nCgroup = /kube\x1bpods\n")
     assert "longer than 4096 bytes" in error_of("[a]\nCgroup = /" + "p" * 4096 + "\n")
+
+
+def test_cgroup_binding_is_a_flag_of_a_group_with_cgroup_paths() -> None:
+    groups = parse_text("[pod]\nCgroup = /kubepods/pod1\nCgroupBinding = yes\n[plain]\nCgroup = /x\n").groups
+    assert (groups["pod"].cgroup_binding, groups["plain"].cgroup_binding) == (True, False)
+    assert error_of("[a]\nCgroupBinding = true\n") == (
+        "r.conf:2: CgroupBinding of [a] binds nothing: the group has no Cgroup; give its Cgroup paths, or remove "
+        "CgroupBinding")
+    assert error_of("[a]\nCgroup = /x\nCgroupBinding = maybe\n") == (
+        "r.conf:3: CgroupBinding 'maybe' is neither yes nor no; give yes or no (or true or false)")
 
 
 def test_values_that_once_took_seconds_to_match_are_refused_at_once() -> None:

@@ -16,16 +16,14 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 from simgpu_env import LIBCUDA, RT_CLIENT, simgpu_env
-from testkit import GiB
+from testkit import GiB, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -188,9 +186,9 @@ def test_installed_code_is_used(installed: Path) -> None:
     proc = _sh(
         "/usr/bin/python3",
         "-c",
-        "import sys; sys.path.insert(0, '/usr/lib/gemtrace/python'); import gemtrace, pynvml, bcc, structlog,"
-        " psutil, prometheus_client; print(gemtrace.__file__); print(pynvml.__file__); print(gemtrace.__version__)",
-        env=_clean_env(),
+        "import gemtrace, pynvml, bcc, structlog, psutil, prometheus_client;"
+        " print(gemtrace.__file__); print(pynvml.__file__); print(gemtrace.__version__)",
+        env=_clean_env(PYTHONPATH="/usr/lib/gemtrace/python"),  # where /usr/bin/gemtrace looks first
         cwd="/",
     )
     gemtrace_file, pynvml_file, version = proc.stdout.split()
@@ -237,12 +235,6 @@ def test_installed_agent_without_the_nvidia_driver_exits_78(installed: Path, tmp
     assert "NVIDIA driver" in proc.stderr and "libnvidia-ml.so.1" in proc.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _metrics(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
         return str(reply.read().decode())
@@ -267,18 +259,15 @@ def _samples(text: str, name: str, **labels: str) -> list[float]:
 def _wait_metrics(
     port: int, agent: subprocess.Popen[bytes], log: Path, ready: Callable[[str], bool], what: str, timeout: float = 60
 ) -> str:
-    deadline = time.monotonic() + timeout
-    text = ""
-    while time.monotonic() < deadline:
-        assert agent.poll() is None, f"the agent exited {agent.returncode}:\n{log.read_text()}"
-        try:
-            text = _metrics(port)
-        except OSError:
-            text = ""
-        if text and ready(text):
-            return text
-        time.sleep(0.2)
-    pytest.fail(f"/metrics showed no {what} in {timeout} s:\n{text}\n{log.read_text()}", pytrace=False)
+    def shown() -> str:
+        text = _metrics(port)
+        return text if ready(text) else ""
+
+    try:
+        text: str = wait_until(f"/metrics to show {what}", shown, timeout, step=0.2, proc=agent, retry_on=(OSError,))
+    except AssertionError as e:
+        pytest.fail(f"{e}\n{log.read_text()}", pytrace=False)
+    return text
 
 
 def test_installed_agent_and_run_on_the_simulated_gpu(installed: Path, tmp_path: Path) -> None:
@@ -289,7 +278,7 @@ def test_installed_agent_and_run_on_the_simulated_gpu(installed: Path, tmp_path:
     CONF.write_text(CONF.read_text() + "\n[G]\nMaxUtil=0.5\nMemoryLimit=1GiB\n")
     state = tmp_path / "state"
     state.mkdir()
-    port = _free_port()
+    port = free_port()
     env = simgpu_env(tmp_path / "simgpu", memory="16GiB", base=_clean_env(GEMTRACE_STATE_DIR=str(state)))
     # The unit's capability bounding set and NoNewPrivileges, as systemd would apply them: bcc's
     # probes must attach with no more (ProtectSystem and the rest need systemd as PID 1).

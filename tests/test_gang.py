@@ -29,7 +29,9 @@ class Job:
     compute_ns: int = 20 * MS
     collective_ns: int = 2 * MS
     segments: int = 4
+    pause_ns: int = 0  # CPU work between steps: every rank quiet (nothing queued) that long
     steps: int = 0
+    pause_left: int = 0
     done: int = 0  # segments done this step
     left: dict[int, int] = field(default_factory=dict)  # each rank's compute left this segment
     collective_left: int = 0
@@ -41,8 +43,15 @@ class Job:
         self.left = {gpu: self.compute_ns // self.segments for gpu in self.gpus}
         self.collective_left = self.collective_ns // self.segments
 
+    @property
+    def quiet(self) -> bool:
+        return self.pause_left > 0
+
     def run(self, running: set[int], dt: int) -> None:
         """`running`: the GPUs on which the job's rank runs during this tick."""
+        if self.pause_left > 0:
+            self.pause_left -= dt
+            return
         for gpu in running:
             self.left[gpu] = max(0, self.left[gpu] - dt)
         if all(self.left[gpu] == 0 for gpu in self.gpus) and running >= set(self.gpus):
@@ -51,6 +60,7 @@ class Job:
                 self.done += 1
                 if self.done == self.segments:
                     self.steps, self.done = self.steps + 1, 0
+                    self.pause_left = self.pause_ns
                 self._next_segment()
 
     def solo_steps_per_second(self) -> float:
@@ -72,11 +82,20 @@ class Gpu:
     next_look: int = 0
     busy_ns: dict[int, int] = field(default_factory=dict)
     switches: int = 0
+    quiet_since: dict[int, int] = field(default_factory=dict)  # the pausing jobs' groups: since when
+    wake_on_wait: bool = False  # the last decision's: a group that starts waiting rings (the gates do)
+    demand: frozenset[int] = frozenset()  # at the last look
 
-    def observe(self, t: int) -> Observation:
+    def observe(self, t: int, jobs: dict[int, Job]) -> Observation:
         drained = self.drain_end if self.draining is not None and t >= self.drain_end else None
-        # Hogs and ranks always have work (a spinning rank is busy): they want the GPU all along.
-        return Observation(frozenset(self.groups), None, drained, present=frozenset(self.groups))
+        # Hogs and ranks have work (a spinning rank is busy) but while a job pauses between steps.
+        quiet = {group for group in self.groups if group in jobs and jobs[group].quiet}
+        for group in quiet:
+            self.quiet_since.setdefault(group, t)
+        for group in self.groups - quiet:
+            self.quiet_since.pop(group, None)
+        idle_since = self.quiet_since.get(self.released) if self.released is not None else None
+        return Observation(frozenset(self.groups - quiet), idle_since, drained, present=frozenset(self.groups))
 
     def apply(self, t: int, decision: Decision) -> None:
         if decision.draining is not None and self.draining is None:
@@ -86,6 +105,14 @@ class Gpu:
             self.draining = None
         self.released = decision.released
         self.next_look = max(t + TICK, decision.wake_at)
+        self.wake_on_wait = decision.wake_on_wait
+
+    def rings(self, jobs: dict[int, Job]) -> bool:
+        """Does a group start waiting on its held word where the last decision asked to hear of it?"""
+        if not self.wake_on_wait:
+            return False
+        waiting = {g for g in self.groups if g != self.released and not (g in jobs and jobs[g].quiet)}
+        return bool(waiting - self.demand)
 
     def running(self, t: int) -> set[int]:
         """The groups whose kernels run during this tick: the released one, and a drain's."""
@@ -100,7 +127,8 @@ class Gpu:
 def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds: float = 10,
              gang: bool = True, params: PolicyParams | None = None) -> tuple[list[Gpu], GangTurns]:
     """`layout`: GPU -> {group: quota}; `jobs`: group -> Job for the groups that are jobs (the rest are
-    hogs). Looks come at each policy's wake_at, and at once where a turn changes (the doorbell). Each
+    hogs). Looks come at each policy's wake_at, and at once where a turn changes or a group starts
+    waiting while the last decision asked to hear of it (the doorbell). Each
     GPU's first look is half a slice after the last one's, and their drains differ (1, 1.7, 2.4 ms...):
     their clocks are apart, as real ones are."""
     params = params or PolicyParams()
@@ -115,23 +143,29 @@ def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds:
     for t in range(0, end, TICK):
         for gpu in gpus:
             drain_ended = gpu.draining is not None and gpu.drain_end == t
-            if t < gpu.next_look and gpu.index not in woken and not drain_ended:
+            if t < gpu.next_look and gpu.index not in woken and not drain_ended and not gpu.rings(jobs):
                 continue
             woken.discard(gpu.index)
-            obs = gpu.observe(t)
+            obs = gpu.observe(t, jobs)
+            gpu.demand = obs.demand
             if gang:
-                decision = gpu.policy.step(t, with_turns(obs, turns.view(gpu.index)))
+                turned = with_turns(obs, turns.view(gpu.index))
+                decision = gpu.policy.step(t, turned)
                 for _ in range(3):  # as GpuScheduler.step does
                     if not turns.report(gpu.index, GpuReport(obs.present, obs.demand, decision.ready,
-                                                             decision.released, decision.clear, decision.draining)):
+                                                             decision.released, decision.clear, decision.draining,
+                                                             turned.clearing)):
                         break
-                    decision = gpu.policy.step(t, with_turns(obs, turns.view(gpu.index)))
+                    turned = with_turns(obs, turns.view(gpu.index))
+                    decision = gpu.policy.step(t, turned)
             else:
                 decision = gpu.policy.step(t, obs)
             gpu.apply(t, decision)
         running_jobs: dict[int, set[int]] = {}
         for gpu in gpus:
             for group in gpu.running(t):
+                if group in jobs and jobs[group].quiet:
+                    continue  # released, and idle: the GPU's time goes unused
                 gpu.busy_ns[group] = gpu.busy_ns.get(group, 0) + TICK
                 if group in jobs:
                     running_jobs.setdefault(group, set()).add(gpu.index)
@@ -168,6 +202,17 @@ def test_a_capped_job_does_its_cap_of_its_solo_work_only_with_gang_turns() -> No
     # Each GPU on its own clock: the job's ranks take turns that rarely meet.
     alone, _ = ddp_beside_hogs(Quota(0, 0.3), gang=False)
     assert alone.steps < job.steps / 2
+
+
+def test_a_capped_job_that_pauses_between_steps_keeps_its_turns_whole() -> None:
+    # Each step ends in 2 ms of CPU work on every rank: a rank quiet there and revoked as any quiet
+    # holder is would close the turn on both GPUs every step, and the job would wait to line up again.
+    job = Job((0, 1), pause_ns=2 * MS)
+    gpus, _ = simulate({0: {0: Quota(0, 0.3), 1: Quota()}, 1: {0: Quota(0, 0.3), 2: Quota()}}, {0: job})
+    solo = SECOND / (job.compute_ns + job.collective_ns + job.pause_ns)
+    assert job.steps / 10 / solo >= 0.27
+    for gpu in gpus:
+        assert gpu.switches < 40  # about one turn per 180 ms turn's credit (gang_slice_ns) and its end
 
 
 def test_a_guaranteed_job_gets_its_min_util_of_its_solo_work() -> None:
@@ -235,9 +280,9 @@ def test_a_turn_opens_when_every_gpu_that_wants_it_consents_starts_when_all_are_
     # Open: GPU 0 is clear already, GPU 1 still holds another group (it drains).
     assert turns.view(0) == Turns(clearing=both) and turns.view(1) == Turns(clearing=both)
     assert 0 in woken  # the other GPU's scheduler is told at once
-    turns.report(0, GpuReport(both, both, ready=both, clear=True))
+    turns.report(0, GpuReport(both, both, ready=both, clear=True, clearing=both))
     assert turns.view(0) == Turns(clearing=both)
-    turns.report(1, GpuReport(both, both, ready=both, clear=True))
+    turns.report(1, GpuReport(both, both, ready=both, clear=True, clearing=both))
     # Go: released on both at once, whether or not each asks (pending: not yet released there).
     assert turns.view(0) == Turns(due=both, pending=both) and turns.view(1) == Turns(due=both, pending=both)
     turns.report(0, GpuReport(both, both, released=7))
@@ -258,8 +303,54 @@ def test_a_turn_that_a_gpu_no_longer_consents_to_while_it_clears_does_not_start(
     turns.report(1, GpuReport(both, both, ready=both))
     turns.report(0, GpuReport(both, both, ready=both))
     assert turns.view(1) == Turns(clearing=both)
-    turns.report(1, GpuReport(both, both, ready=frozenset(), clear=True))
+    turns.report(1, GpuReport(both, both, ready=frozenset(), clear=True, clearing=both))
     assert turns.open_turns() == {} and turns.view(0) == Turns(barred=both)
+
+
+def test_a_look_decided_before_the_turn_opened_does_not_close_it() -> None:
+    # GPU 2 read its view (7 barred) before GPU 0's report opened 7's turn, and chose another barred
+    # group: its readiness speaks of 7 barred, not clearing. Counted, it closed 8 turns of 10 at the
+    # region's limit (1024 processes, 63 groups spanning 8 GPUs), each waking every GPU.
+    both, three = frozenset({7}), frozenset({0, 1, 2})
+    turns = GangTurns()
+    turns.report(1, GpuReport(both, both, ready=both))
+    turns.report(2, GpuReport(both, both, ready=both))
+    turns.report(0, GpuReport(both, both, ready=both))
+    assert turns.open_turns() == {7: three}
+    turns.report(2, GpuReport(both, both, ready=frozenset(), clear=True))  # its look began before the opening
+    assert turns.open_turns() == {7: three}
+    for gpu in (0, 1, 2):
+        turns.report(gpu, GpuReport(both, both, ready=both, clear=True, clearing=both))
+    assert turns.view(2) == Turns(due=both, pending=both)
+
+
+def test_an_idle_gpu_whose_capped_groups_wait_for_their_turns_looks_only_when_credit_comes_back() -> None:
+    # Their turns' changes ring the bell; looked at at once instead, every GPU of the region's limit
+    # looked as fast as the ring gap allows while turns cleared elsewhere.
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {1: Quota(0, 0.3), 2: Quota(0, 0.3), 3: Quota(0, 0.3)})
+    wanting = frozenset({1, 2, 3})
+    t = 10 * SECOND
+    # (Seen barred a second before: their buckets have room for a turn across GPUs, and filled it.)
+    policy.step(t - SECOND, Observation(wanting, present=wanting, barred=wanting))
+    barred = policy.step(t, Observation(wanting, present=wanting, barred=wanting))
+    assert barred.released is None and barred.ready == wanting
+    assert barred.wake_at == t + params.ring_net_ns
+    clearing = policy.step(t + MS, Observation(wanting, present=wanting, barred=frozenset({1, 2}),
+                                               clearing=frozenset({3})))
+    assert clearing.released is None and clearing.wake_at == t + MS + params.ring_net_ns
+
+
+def test_a_gpu_consents_to_the_barred_groups_it_would_choose_over_its_holder() -> None:
+    # Holder 1 (priority 1) past its first 15 ms: barred 2 of its priority and less used would be
+    # chosen over it, barred 3 of a lower priority would not, however little it ran.
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, {1: Quota(0, 1.0, 1), 2: Quota(0, 1.0, 1), 3: Quota(0, 1.0, 0)})
+    wanting, barred = frozenset({1, 2, 3}), frozenset({2, 3})
+    assert policy.step(0, Observation(wanting, present=wanting, barred=barred)).released == 1
+    decision = policy.step(20 * MS, Observation(wanting, present=wanting, barred=barred))
+    assert decision.released == 1 and decision.ready == {2}
 
 
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:

@@ -1,20 +1,31 @@
-"""gemtrace on the real one-node cluster (tests/k8s/cluster.sh), with the simulated GPU on the node:
-the agent and `gemtrace kube-plugin` run on the host, as the .deb and the DaemonSet put them; pods
-ask for shares and are gated with nothing set by their user. The simulated GPU's libraries reach
-the pods through a hostPath, as a real driver's would through NVIDIA's container toolkit."""
+"""gemtrace on the real one-node cluster (tests/k8s/cluster.sh), with the simulated GPU on the node,
+installed the README's way: the agent on the host, as the .deb puts it, and `kubectl apply -k deploy/`
+with the image of `make image` for the device plugin's DaemonSet and the webhook, whose certificate
+and caBundle it makes itself. Pods ask for shares and are gated with nothing set by their user. The
+simulated GPU's libraries reach the pods through a hostPath, as a real driver's would through
+NVIDIA's container toolkit.
+
+deploy/ is applied through an overlay (`Deployment.overlay`) that changes only what this cluster and
+this host differ in from a GPU node: no CNI and no kube-proxy (pods on the host's network, the
+apiserver at 127.0.0.1, the NotReady node's taints tolerated, one webhook replica), the simulated
+GPU in place of NVIDIA's container runtime, and the test's own paths for the agent's files and the
+resource file the webhook reads (each test's agent has its own, beside other tests' agents on this
+host)."""
 
 from __future__ import annotations
 
-import base64
 import json
+import os
+import re
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_host import CONFIG, Host, Running, gemtrace, stop
+import yaml
+from agent_host import CONFIG, Host, Running, stop
 from k8s_cluster import K8sCluster, pod_manifest
 from simgpu_env import REPO, SIMGPU_DIR, SimGpu
 from testkit import GiB, free_port, wait_until
@@ -24,40 +35,172 @@ from gemtrace.kube import shares
 pytestmark = [pytest.mark.e2e, pytest.mark.k8s]
 
 GATE = REPO / "build" / "libgemgate.so"
+DEPLOY = REPO / "deploy"
+NAMESPACE = "gemtrace-system"
+PLUGIN = "app.kubernetes.io/name=gemtrace-device-plugin"
+WEBHOOK = "app.kubernetes.io/name=gemtrace-webhook"
+# deploy/'s webhook configurations, by kind: the webhook puts its CA in both.
+CONFIGURATIONS = {"mutatingwebhookconfiguration": "gemtrace-webhook",
+                  "validatingwebhookconfiguration": "gemtrace-webhook-validation"}
 WINDOW_S = 8  # of both pods busy: 4000 kernels of 2 ms; a share's error of a kernel or two is 0.05 points
 
 
-class Node:
-    """The node's host side: the agent and `gemtrace kube-plugin`, each restartable."""
+@pytest.fixture(scope="session")
+def gemtrace_image(k8s_cluster: K8sCluster) -> str:
+    """deploy/'s image, built by `make image` (cached: rebuilt only when its inputs changed) and
+    imported into the cluster's containerd, as an operator imports it into each node's."""
+    built = subprocess.run(["make", "-C", str(REPO), "--no-print-directory", "image"], capture_output=True,
+                           text=True, timeout=1800)
+    assert built.returncode == 0, f"make image failed:\n{built.stdout[-3000:]}\n{built.stderr[-3000:]}"
+    archive = REPO / "build" / "image" / "gemtrace-image.tar"
+    k8s_cluster.import_image(archive)
+    return (REPO / "build" / "image" / "ref").read_text().strip()
 
-    def __init__(self, cluster: K8sCluster, host: Host) -> None:
+
+class Deployment:
+    """deploy/ on the cluster, through the overlay of the module's docstring, for one test's host."""
+
+    def __init__(self, cluster: K8sCluster, host: Host, names: Path, plugin_args: tuple[str, ...] = ()) -> None:
+        self.cluster, self.host = cluster, host
+        self.dir = host.tmp / "overlay"
+        self.webhook_port = free_port()
+        self.applied_at = 0.0
+        self.overlay(names, plugin_args)
+
+    def overlay(self, names: Path, plugin_args: tuple[str, ...]) -> None:
+        """The overlay's files; `plugin_args`: more options of the plugin's command."""
+        host, cluster = self.host, self.cluster
+        apiserver = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]["server"]
+        address, _, port = apiserver.removeprefix("https://").rpartition(":")
+        sim_state = Path(host.sim.env()["SIMGPU_STATE_DIR"])
+        # The apiserver listens on 127.0.0.1 only, where the kubernetes Service's ClusterIP leads nowhere.
+        api_env = [{"name": "KUBERNETES_SERVICE_HOST", "value": address},
+                   {"name": "KUBERNETES_SERVICE_PORT", "value": port}]
+        no_cni = {"hostNetwork": True, "dnsPolicy": "Default",
+                  "tolerations": [{"operator": "Exists"}]}
+        # The test's paths, mounted where they are on the host: the plugin hands the kubelet host paths.
+        paths = {"tmp": host.tmp, "simgpu": SIMGPU_DIR, "simgpu-state": sim_state}
+        plugin = {
+            "apiVersion": "apps/v1", "kind": "DaemonSet",
+            "metadata": {"name": "gemtrace-device-plugin", "namespace": NAMESPACE},
+            "spec": {"template": {"spec": {
+                **no_cni,
+                "containers": [{
+                    "name": "plugin",
+                    "command": ["gemtrace", "kube-plugin", "--config", str(host.config),
+                                "--state-dir", str(host.state_dir), "--gate", str(GATE),
+                                "--preload-file", str(host.tmp / "ld.so.preload"), "--pod-names", str(names),
+                                *plugin_args],
+                    "env": api_env + [{"name": k, "value": v} for k, v in host.sim.env().items()
+                                      if k.startswith("SIMGPU_") or k == "LD_LIBRARY_PATH"],
+                    "volumeMounts": [{"name": n, "mountPath": str(p)} for n, p in paths.items()],
+                }],
+                "volumes": [{"name": n, "hostPath": {"path": str(p)}} for n, p in paths.items()],
+            }}},
+        }
+        webhook = {
+            "apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": "gemtrace-webhook", "namespace": NAMESPACE},
+            "spec": {"replicas": 1, "template": {"spec": {
+                **no_cni,
+                "containers": [{
+                    "name": "webhook",
+                    "command": ["gemtrace", "kube-webhook", "--listen", f"0.0.0.0:{self.webhook_port}",
+                                "--cert", "/tls/tls.crt", "--key", "/tls/tls.key",
+                                "--tls-secret", f"{NAMESPACE}/gemtrace-webhook-tls",
+                                "--service", f"{NAMESPACE}/gemtrace-webhook",
+                                "--webhook-configuration", CONFIGURATIONS["mutatingwebhookconfiguration"],
+                                "--validating-webhook-configuration",
+                                CONFIGURATIONS["validatingwebhookconfiguration"],
+                                "--state-dir", str(host.state_dir), "--gate", str(GATE),
+                                "--preload-file", str(host.tmp / "ld.so.preload")],
+                    "env": api_env,
+                }],
+                # The test's resource file where deploy/ mounts the node's /etc/gemtrace (the default
+                # --config); the webhook runs as nobody, so the test's directory must let it read.
+                "volumes": [{"name": "config", "hostPath": {"path": str(host.config.parent)}}],
+            }}},
+        }
+        port = [{"op": "replace", "path": "/spec/template/spec/containers/0/ports/0/containerPort",
+                 "value": self.webhook_port}]
+        self.dir.mkdir()
+        (self.dir / "plugin.yaml").write_text(yaml.safe_dump(plugin))
+        (self.dir / "webhook.yaml").write_text(yaml.safe_dump(webhook))
+        (self.dir / "webhook-port.yaml").write_text(yaml.safe_dump(port))
+        (self.dir / "kustomization.yaml").write_text(yaml.safe_dump({
+            "bases": [os.path.relpath(DEPLOY, self.dir)],
+            "patchesStrategicMerge": ["plugin.yaml", "webhook.yaml"],
+            "patchesJson6902": [{"target": {"group": "apps", "version": "v1", "kind": "Deployment",
+                                            "name": "gemtrace-webhook", "namespace": NAMESPACE},
+                                 "path": "webhook-port.yaml"}],
+        }))
+
+    def apply(self) -> None:
+        """The README's operator steps: label the GPU node, `kubectl apply -k`."""
+        self.cluster.kubectl("label", "node", self.cluster.node, "gemtrace.io/gpu=true", "--overwrite")
+        self.cluster.kubectl("apply", "-k", str(self.dir))
+        self.applied_at = time.monotonic()
+
+    def delete(self) -> None:
+        """Everything deploy/ made, gone (the namespace too) before the next test applies it again."""
+        self.cluster.kubectl("delete", "-k", str(self.dir), "--ignore-not-found", "--wait=true", "--timeout=120s")
+
+    def pods(self, selector: str) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = json.loads(self.cluster.kubectl(
+            "get", "pods", "-n", NAMESPACE, "-l", selector, "-o", "json"))["items"]
+        return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+    def logs(self, selector: str) -> str:
+        try:
+            return self.cluster.kubectl("logs", "-n", NAMESPACE, "-l", selector, "--tail=-1")
+        except AssertionError as e:
+            return str(e)
+
+    def describe(self) -> str:
+        try:
+            return self.cluster.kubectl("describe", "pods", "-n", NAMESPACE)
+        except AssertionError as e:
+            return str(e)
+
+
+class Node:
+    """The node: the agent on the host (restartable) and deploy/'s plugin and webhook in pods."""
+
+    def __init__(self, cluster: K8sCluster, host: Host, plugin_args: tuple[str, ...] = ()) -> None:
         self.cluster, self.host = cluster, host
         self.names = host.tmp / "pods.json"
-        self.plugin_log = host.tmp / "kube-plugin.log"
         self.agent = self.start_agent()
-        self.registrations_before = 0
-        self.plugin = self.start_plugin()
+        self.deployment = Deployment(cluster, host, self.names, plugin_args)
+        self.plugin_uid = ""
 
     def start_agent(self) -> Running:
         return self.host.start_agent("--config-poll", "0.2", "--pod-names", str(self.names))
 
-    def start_plugin(self) -> subprocess.Popen[bytes]:
-        host, cluster = self.host, self.cluster
-        return subprocess.Popen(
-            gemtrace("kube-plugin", "--config", str(host.config), "--state-dir", str(host.state_dir),
-                     "--device-plugins", str(cluster.device_plugins), "--gate", str(GATE),
-                     "--preload-file", str(host.tmp / "ld.so.preload"), "--pod-names", str(self.names),
-                     "--node-name", cluster.node, "--kubeconfig", cluster.kubeconfig),
-            env=host.env(), stdout=subprocess.DEVNULL, stderr=self.plugin_log.open("ab"))
+    def plugin_log(self) -> str:
+        return self.deployment.logs(PLUGIN)
 
     def wait_registered(self) -> None:
-        """Until the running plugin has registered both resources with the kubelet."""
+        """Until a plugin pod other than the last one seen runs and has registered both resources."""
         def registered() -> bool:
-            assert self.plugin.poll() is None, self.plugin_log.read_text()
-            log = self.plugin_log.read_text()
-            return log.count('"event": "registered"') > self.registrations_before
-        wait_until("the plugin's registration", registered, timeout=60, step=0.2)
-        self.registrations_before = self.plugin_log.read_text().count('"event": "registered"')
+            running = [p for p in self.deployment.pods(PLUGIN) if p["status"].get("phase") == "Running"
+                       and p["metadata"]["uid"] != self.plugin_uid]
+            if len(running) != 1:
+                return False
+            (pod,) = running
+            log = self.cluster.kubectl("logs", "-n", NAMESPACE, pod["metadata"]["name"])
+            if '"event": "registered"' not in log:  # both resources, in one event
+                return False
+            self.plugin_uid = pod["metadata"]["uid"]
+            return True
+        try:
+            wait_until("the plugin's pod registering both resources", registered, timeout=120, step=0.5)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n{self.deployment.describe()}\n{self.plugin_log()}") from None
+
+    def restart_plugin(self) -> None:
+        """The plugin's pod deleted: its DaemonSet makes another, which must register anew."""
+        self.cluster.kubectl("delete", "pods", "-n", NAMESPACE, "-l", PLUGIN, "--wait=true", "--timeout=60s")
+        self.wait_registered()
 
     def create(self, manifest: dict[str, Any]) -> None:
         """Create the pod; one that the kubelet's admission refuses (UnexpectedAdmissionError: a device
@@ -75,14 +218,12 @@ class Node:
             time.sleep(1)
         raise AssertionError(f"pod {name}: refused by admission 5 times\n{self.cluster.diagnosis(name)}")
 
-    def stop_plugin(self) -> None:
-        self.plugin.terminate()
-        self.plugin.wait(timeout=20)
-
     def close(self) -> None:
-        self.stop_plugin()
-        if self.agent.proc.poll() is None:
-            stop(self.agent)
+        try:
+            self.deployment.delete()
+        finally:
+            if self.agent.proc.poll() is None:
+                stop(self.agent)
 
     def pod(self, name: str, script: str, limits: dict[str, str] | None = None,
             labels: dict[str, str] | None = None) -> dict[str, Any]:
@@ -111,38 +252,46 @@ class Node:
         return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def running_node(cluster: K8sCluster, host: Host, memory: str = "16", util: str = "100") -> Iterator[Node]:
-    """The node's agent and plugin on `host`, once the node advertises `memory` GiB and `util`%."""
+def running_node(cluster: K8sCluster, host: Host, memory: str = "16", util: str = "100",
+                 plugin_args: tuple[str, ...] = ()) -> Iterator[Node]:
+    """deploy/ applied for the agent on `host`, once the node advertises `memory` GiB and `util`%."""
     host.sim.env()  # the simulation's state dir exists before any pod mounts it
-    n = Node(cluster, host)
+    # The webhook (nobody, as deploy/ runs it) reads the resource file in this directory, as it reads a
+    # node's /etc/gemtrace; pytest makes it the owner's alone.
+    host.config.parent.chmod(0o755)
+    n = Node(cluster, host, plugin_args)
     try:
+        n.deployment.apply()
+        # The node's figures may be the previous test's plugin's: wait for this one's registration, or a
+        # pod placed meanwhile fails the kubelet's admission (its devices unknown for a moment).
+        n.wait_registered()
+        print(f"plugin registered {time.monotonic() - n.deployment.applied_at:.1f} s after kubectl apply -k")
+
         def advertised() -> bool:
-            assert n.plugin.poll() is None, n.plugin_log.read_text()
             capacity = cluster.get("node", cluster.node)["status"]["allocatable"]
             return capacity.get(shares.GPU_MEMORY) == memory and capacity.get(shares.GPU_UTIL) == util
 
         wait_until(f"the node advertising {memory} GiB and {util}%", advertised, timeout=60, step=0.5)
-        # The node's figures may be the previous test's plugin's: wait for this one's registration too,
-        # or a pod placed meanwhile fails the kubelet's admission (its devices unknown for a moment).
-        n.wait_registered()
         yield n
     finally:
+        print(n.plugin_log())
         n.close()
-        print(n.plugin_log.read_text())
 
 
 @pytest.fixture
-def node(k8s_cluster: K8sCluster, host: Host) -> Iterator[Node]:
+def node(k8s_cluster: K8sCluster, gemtrace_image: str, host: Host) -> Iterator[Node]:
     yield from running_node(k8s_cluster, host)
 
 
 @pytest.fixture
-def two_gpu_node(k8s_cluster: K8sCluster, simgpu_factory: Callable[..., SimGpu], tmp_path: Path) -> Iterator[Node]:
-    """The node with 2 simulated GPUs of 8 GiB."""
+def two_gpu_node(k8s_cluster: K8sCluster, gemtrace_image: str, simgpu_factory: Callable[..., SimGpu],
+                 tmp_path: Path) -> Iterator[Node]:
+    """The node with 2 simulated GPUs of 8 GiB (the plugin's pod gets them from the overlay's
+    SIMGPU_ variables, as it gets the one of `node`), binpacked as deploy/ places by default."""
     config = tmp_path / "resource.conf"
     config.write_text(CONFIG)  # [train] reserves MinUtil 0.2 of every GPU: 0.5 more fits on each
     host = Host(simgpu_factory(devices=2, memory="8GiB"), config, tmp_path / "state", tmp_path)
-    yield from running_node(k8s_cluster, host, "16", "200")
+    yield from running_node(k8s_cluster, host, "16", "200", plugin_args=("--placement", "binpack"))
 
 
 def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: Node) -> None:
@@ -209,9 +358,7 @@ def test_restarting_the_plugin_and_the_agent_keeps_a_running_pod_gated_and_group
         (before,) = wait_until("its series", our_series, timeout=30, step=0.5)
         files = {p.name: p.read_text() for p in dropins.glob("k8s-*.conf")}
 
-        node.stop_plugin()
-        node.plugin = node.start_plugin()
-        node.wait_registered()
+        node.restart_plugin()
         stop(node.agent)
         node.agent = node.start_agent()
         time.sleep(3)  # some reconciliations of the new plugin, some polls of the new agent
@@ -235,13 +382,7 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
     loop = "/simgpu/simgpu-rt launch-loop --kernel-ns 2000000 --launches-per-iter 4 --seconds 60"
 
     def gpu_seconds() -> dict[str, float]:
-        found = {}
-        for line in node.agent.metrics().splitlines():
-            if line.startswith("gemtrace_group_gpu_seconds_total{"):
-                for name in targets:
-                    if f'pod="{name}"' in line:
-                        found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-        return found
+        return _pod_gpu_seconds(node, targets)
 
     # The main file's [train] reserves 0.2 of every GPU: with 30 + 70 the MinUtils would pass 1 and the
     # agent would refuse the pods' drop-ins (docs/kubernetes.md, "Not done").
@@ -284,6 +425,61 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
             cluster.delete_pod(name)
 
 
+def _pod_gpu_seconds(node: Node, pods: Iterable[str]) -> dict[str, float]:
+    """The GPU seconds the agent counted in each pod's groups, by pod name."""
+    found: dict[str, float] = {}
+    for line in node.agent.metrics().splitlines():
+        if line.startswith("gemtrace_group_gpu_seconds_total{"):
+            for name in pods:
+                if f'pod="{name}"' in line:
+                    found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def test_a_util_only_pod_is_its_group_and_held_to_its_cap(node: Node) -> None:
+    """A pod asking only for gemtrace.io/gpu-util: 20 gets no GEMTRACE_GROUP; its processes are its
+    group by their cgroup. Alone on the GPU, its group gets 0.2 of it and no more."""
+    name = "util-only-20"
+    loop = "/simgpu/simgpu-rt launch-loop --kernel-ns 2000000 --launches-per-iter 4 --seconds 60"
+    cluster = node.cluster
+    try:
+        node.create(node.pod(name, loop, limits={shares.GPU_UTIL: "20"}))
+        first = wait_until("its group counting GPU time", lambda: _pod_gpu_seconds(node, [name]).get(name),
+                           timeout=120, step=0.5)
+        time.sleep(1)  # past the first launches
+        start, t0 = _pod_gpu_seconds(node, [name])[name], time.monotonic()
+        time.sleep(WINDOW_S)
+        end, t1 = _pod_gpu_seconds(node, [name])[name], time.monotonic()
+        share = (end - start) / (t1 - t0)
+        print(f"util-only pod: {share:.3f} of the GPU over {t1 - t0:.1f} s (first {first:.3f} s)")
+        # Work-conserving but capped: alone it would take the whole GPU.
+        assert 0.15 <= share <= 0.23, share
+        assert cluster.get("pod", name)["status"]["phase"] == "Running", cluster.diagnosis(name)
+    finally:
+        cluster.delete_pod(name)
+
+
+def test_a_pods_processes_stay_in_its_memory_limit_whatever_their_environment(node: Node) -> None:
+    """A container that clears its environment (env -i: no GEMTRACE_GROUP, no GEMTRACE_STATE_DIR) and
+    one that asks for [infer], open to all and without a MemoryLimit: both are held to their pod's 1 GiB."""
+    rt = "/simgpu/simgpu-rt"
+    escapes = {"env-cleared": f"env -i LD_LIBRARY_PATH=/simgpu SIMGPU_STATE_DIR=/simgpu-state {rt}",
+               "other-group": f"GEMTRACE_GROUP=infer {rt}"}
+    cluster = node.cluster
+    try:
+        for name, program in escapes.items():
+            node.create(node.pod(name, f"{program} meminfo && {program} alloc --hold 60 768MiB 512MiB",
+                                 limits={shares.GPU_MEMORY: "1"}))
+        for name in escapes:
+            meminfo, first, second, *_ = _wait_holding(node, name)
+            out = f"{name}: {cluster.kubectl('logs', name)}\n--- agent\n{node.agent.log.read_text()[-3000:]}"
+            assert meminfo["total"] == GiB, out
+            assert (first["name"], second["name"]) == ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"), out
+    finally:
+        for name in escapes:
+            cluster.delete_pod(name)
+
+
 def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:
     try:
         lines: list[dict[str, Any]] = wait_until("the pod holding its memory", lambda: _holding(node.cluster, name),
@@ -291,7 +487,7 @@ def _wait_holding(node: Node, name: str) -> list[dict[str, Any]]:
         return lines
     except AssertionError as e:
         raise AssertionError(f"{e}\n{node.cluster.diagnosis(name)}\n--- plugin\n"
-                             f"{node.plugin_log.read_text()[-3000:]}") from None
+                             f"{node.plugin_log()[-3000:]}") from None
 
 
 def _holding(cluster: K8sCluster, name: str) -> list[dict[str, Any]] | None:
@@ -313,38 +509,47 @@ def test_a_pod_asking_for_more_than_a_gpu_has_stays_pending_and_says_why(node: N
 
 
 @pytest.fixture
-def webhook(node: Node) -> Iterator[None]:
+def webhook(node: Node) -> Iterator[dict[str, dict[str, Any]]]:
+    """deploy/'s webhook, once it has filled its Secret and put the CA in both its configurations,
+    with nobody's help: the configurations as they are then, by kind."""
     cluster = node.cluster
-    cert, key = cluster.serving_cert(node.host.tmp)
-    port = free_port()
-    proc = subprocess.Popen(
-        gemtrace("kube-webhook", "--listen", f"127.0.0.1:{port}", "--cert", str(cert), "--key", str(key),
-                 "--state-dir", str(node.host.state_dir), "--gate", str(GATE),
-                 "--preload-file", str(node.host.tmp / "ld.so.preload")),
-        env=node.host.env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    # The configuration deploy/ installs, pointed at this test's server.
-    config = json.loads(subprocess.run(
-        ["python3", "-c", "import sys,yaml,json; json.dump(yaml.safe_load(open(sys.argv[1])), sys.stdout)",
-         str(REPO / "deploy" / "webhook-configuration.yaml")], capture_output=True, check=True).stdout)
-    hook = config["webhooks"][0]
-    hook["clientConfig"] = {"url": f"https://127.0.0.1:{port}/mutate",
-                            "caBundle": base64.b64encode(cluster.ca_cert.read_bytes()).decode()}
-    cluster.create(config)
+
+    def ready() -> dict[str, dict[str, Any]] | None:
+        configs = {kind: cluster.get(kind, name) for kind, name in CONFIGURATIONS.items()}
+        running = [p for p in node.deployment.pods(WEBHOOK)
+                   if any(c.get("ready") for c in p["status"].get("containerStatuses", []))]
+        bundles = [c["webhooks"][0]["clientConfig"].get("caBundle") for c in configs.values()]
+        return configs if running and all(bundles) else None
+
     try:
-        yield
-    finally:
-        cluster.kubectl("delete", "mutatingwebhookconfiguration", config["metadata"]["name"], "--ignore-not-found")
-        proc.terminate()
-        proc.wait(timeout=10)
+        configs = wait_until("the webhook's caBundle in both its configurations", ready, timeout=120, step=0.5)
+        print(f"webhook ready with its own certificate {time.monotonic() - node.deployment.applied_at:.1f} s "
+              "after kubectl apply -k")
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{node.deployment.describe()}\n{node.deployment.logs(WEBHOOK)}") from None
+    yield configs
+    print(node.deployment.logs(WEBHOOK))
 
 
-def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: None) -> None:
+def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: dict[str, dict[str, Any]]) -> None:
     name = "labelled-train"
     manifest = node.pod(name, "/simgpu/simgpu-rt meminfo", labels={shares.LABEL_GROUP: "train"})
-    deadline = time.monotonic() + 30  # the apiserver calls a new webhook once its informer has it
+    # Both caBundles are the CA of the Secret the webhook filled.
+    secret = node.cluster.kubectl("get", "secret", "-n", NAMESPACE, "gemtrace-webhook-tls", "-o", "json")
+    for config in webhook.values():
+        assert config["webhooks"][0]["clientConfig"]["caBundle"] == json.loads(secret)["data"]["ca.crt"]
+    # The apiserver calls a new webhook once its informer has it, and reaches it once the Service's
+    # endpoints name the pod: until then a labelled pod is refused (failurePolicy Fail).
+    deadline = time.monotonic() + 30
     try:
         while True:
-            node.cluster.create(manifest)
+            try:
+                node.cluster.create(manifest)
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+                continue
             mutated = any(v["name"] == "gemtrace-gate" for v in node.cluster.get("pod", name)["spec"]["volumes"])
             if mutated or time.monotonic() > deadline:
                 break
@@ -357,6 +562,19 @@ def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: None
         assert meminfo["total"] == 1 * GiB  # [train]'s MemoryLimit in agent_host.CONFIG
     finally:
         node.cluster.delete_pod(name)
+    # A label naming no group of the resource file, an annotation it would refuse: refused, with the reason
+    # (the second by the validating configuration, failurePolicy Ignore: the apiserver may take a moment
+    # more to call it with its caBundle, and admits the pod meanwhile).
+    refusals = {
+        "labelled-nosuch": (node.pod("labelled-nosuch", "true", labels={shares.LABEL_GROUP: "nosuch"}),
+                            "label gemtrace.io/group=nosuch names no group of the nodes' resource file"),
+        "priority-high": (node.pod("priority-high", "true", limits={shares.GPU_MEMORY: "1"}),
+                          "annotation gemtrace.io/priority: Priority 'high' is not a whole number"),
+    }
+    refusals["priority-high"][0]["metadata"]["annotations"] = {shares.ANNOTATION_PRIORITY: "high"}
+    for name, (manifest, reason) in refusals.items():
+        assert re.search(re.escape(reason), _refusal(node, manifest))
+        assert name not in node.cluster.kubectl("get", "pods", "-o", "name")
     unlabelled = node.cluster.create  # an unlabelled pod is left as it is
     name = "unlabelled"
     unlabelled(node.pod(name, "true"))
@@ -365,6 +583,20 @@ def test_the_webhook_gates_a_labelled_pod_in_its_group(node: Node, webhook: None
         assert "gemtrace-gate" not in volumes
     finally:
         node.cluster.delete_pod(name)
+
+
+def _refusal(node: Node, manifest: dict[str, Any]) -> str:
+    """What the apiserver said refusing the pod; a pod admitted is deleted and created again for 30 s."""
+    name = manifest["metadata"]["name"]
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            node.cluster.create(manifest)
+        except AssertionError as e:
+            return str(e)
+        node.cluster.delete_pod(name)
+        assert time.monotonic() < deadline, f"pod {name}: admitted for 30 s"
+        time.sleep(0.5)
 
 
 def _dropin(node: Node, name: str) -> str:
@@ -392,7 +624,7 @@ def test_4_gib_and_50_percent_on_two_8_gib_gpus_gets_4_gib_and_half_of_one_gpu(t
             node.cluster.wait_pod(other, lambda p: p["status"].get("phase") == "Running", "running")
         node.create(manifest)
         devices, meminfo, first, second, *_ = _wait_holding(node, name)
-        out = f"{node.cluster.kubectl('logs', name)}\n--- plugin\n{node.plugin_log.read_text()[-3000:]}"
+        out = f"{node.cluster.kubectl('logs', name)}\n--- plugin\n{node.plugin_log()[-3000:]}"
         # One GPU, seen as 4 GiB: 3 GiB is allocated, 1.5 GiB more is not.
         assert devices["count"] == 1 and meminfo["total"] == 4 * GiB, out
         assert (first["name"], second["name"]) == ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"), out
@@ -413,7 +645,7 @@ def test_a_pod_asking_2_gpus_gets_both_each_limited(two_gpu_node: Node) -> None:
     try:
         node.create(manifest)
         devices, zero, one, first, second, *_ = _wait_holding(node, name)
-        out = f"{node.cluster.kubectl('logs', name)}\n--- plugin\n{node.plugin_log.read_text()[-3000:]}"
+        out = f"{node.cluster.kubectl('logs', name)}\n--- plugin\n{node.plugin_log()[-3000:]}"
         assert devices["count"] == 2 and (zero["total"], one["total"]) == (4 * GiB, 4 * GiB), out
         assert (first["name"], second["name"]) == ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"), out
         text = _dropin(node, name)

@@ -6,6 +6,7 @@ GPU) reads the groups the plugin writes."""
 
 from __future__ import annotations
 
+import json
 import queue
 import shutil
 import subprocess
@@ -22,8 +23,8 @@ from pathlib import Path
 import grpc
 import pytest
 from agent_host import CONFIG, Host, Running, stop
-from simgpu_env import REPO, SimGpu, run_nvml
-from testkit import GiB, wait_until
+from simgpu_env import REPO, RT_CLIENT, Client, SimGpu, run_nvml
+from testkit import GiB, MiB, scratch_cgroup, wait_until
 
 from gemtrace import region as rg
 from gemtrace.config import dropin_dir, load
@@ -135,13 +136,18 @@ def short_dir() -> Iterator[Path]:
 
 
 class Stack:
-    def __init__(self, host: Host, directory: Path, agent: Running, placement: str = "binpack") -> None:
+    def __init__(self, host: Host, directory: Path, agent: Running, pods: Pods | None = None,
+                 loop: bool = True, placement: str = "binpack") -> None:
+        """`pods`: the apiserver's pods of this node to begin with (admit adds its own); `loop`: the
+        plugin's own loop runs (registration, health, reconciliation every second); else the test
+        calls its steps."""
         self.host, self.agent = host, agent
         region = host.region()
         gpus = [(uuid, region.layout.gpus[i].memory_total) for i, uuid in enumerate(region.gpu_uuids())]
         region.close()
         self.gpus = gpus
         self.kubelet = FakeKubelet(directory, gpus)
+        self.kubelet.api.update(pods or {})
         # The GPUs' names as `gemtrace kube-plugin` reads them, from the simulated NVML.
         names = {g["uuid"]: g["name"] for g in run_nvml(
             "from gemtrace.gpus import discover\nfor g in discover(): emit({'uuid': g.uuid, 'name': g.name})",
@@ -153,7 +159,7 @@ class Stack:
         self.plugin = DevicePlugin(gpus, host.state_dir, self.grants, self.injection, device_plugins=directory,
                                    pod_resources=directory / "pod-resources.sock", pods=self.kubelet.pods_of_node,
                                    names=names, packing=PACKINGS[placement]())
-        self.thread = threading.Thread(target=self.plugin.run, daemon=True)
+        self.thread = threading.Thread(target=self.plugin.run if loop else lambda: None, daemon=True)
         self.thread.start()
 
     def close(self) -> None:
@@ -163,10 +169,12 @@ class Stack:
         self.kubelet.server.stop(0)
 
 
-def running_stack(host: Host, short_dir: Path, placement: str = "binpack") -> Iterator[Stack]:
-    """The agent on `host` and the plugin beside a fake kubelet, both stopped afterwards."""
+def running_stack(host: Host, short_dir: Path, pods: Pods | None = None, loop: bool = True,
+                  placement: str = "binpack") -> Iterator[Stack]:
+    """The agent on `host` and the plugin beside a fake kubelet, both stopped afterwards. `pods`: what
+    the apiserver says of the pods to begin with."""
     agent = host.start_agent("--config-poll", "0.1")
-    s = Stack(host, short_dir, agent, placement)
+    s = Stack(host, short_dir, agent, pods, loop, placement)
     yield s
     s.close()
     if agent.proc.poll() is None:
@@ -197,7 +205,8 @@ def test_registers_both_resources_and_lists_one_device_per_gib_and_per_percent(s
         shares.GPU_MEMORY: ("v1beta1", "gemtrace-gpu-memory.sock"),
         shares.GPU_UTIL: ("v1beta1", "gemtrace-gpu-util.sock"),
     }
-    assert all(q.options.get_preferred_allocation_available for q in registered.values())
+    assert all(q.options.get_preferred_allocation_available and q.options.pre_start_required
+               for q in registered.values())
     (uuid, memory), = stack.gpus
     _, memory_devices = first_devices(stack.kubelet.plugin(shares.GPU_MEMORY))
     assert len(memory_devices) == memory // GiB == 16
@@ -293,6 +302,119 @@ def test_minutils_add_up_per_gpu_and_a_spread_grant_gets_what_it_holds_on_each(t
     assert allocated.envs["CUDA_VISIBLE_DEVICES"] == gpu1 and "GEMTRACE_GROUP" not in allocated.envs
 
 
+POD_UID = "5e1f0c2a-7d3b-4f6e-9a80-1b2c3d4e5f60"
+OTHER_UID = "5e1f0c2a-7d3b-4f6e-9a80-1b2c3d4e5f61"
+
+
+def pod_cgroup(uid: str) -> str:
+    """The systemd driver's layout (gemtrace.kube.pods): the test cluster's kubelet (cgroupfs) never looks there."""
+    return f"kubepods.slice/kubepods-pod{uid.replace('-', '_')}.slice"
+
+
+POD_CGROUP = pod_cgroup(POD_UID)
+
+
+PODS = {("ml", "util-only"): PodInfo(POD_UID, {shares.ANNOTATION_PRIORITY: "5"}),
+        ("ml", "env-cleared"): PodInfo(OTHER_UID)}
+
+
+@pytest.fixture
+def apiserver_stack(host: Host, short_dir: Path) -> Iterator[Stack]:
+    yield from running_stack(host, short_dir, PODS)
+
+
+@pytest.fixture
+def stepped_stack(host: Host, short_dir: Path) -> Iterator[Stack]:
+    """The plugin without its loop: nothing reconciles but what the test calls."""
+    yield from running_stack(host, short_dir, PODS, loop=False)
+
+
+def gated_env(stack: Stack) -> dict[str, str]:
+    """A process of a container the plugin allocated: the gate, and no GEMTRACE_GROUP (env -i)."""
+    return stack.host.env(LD_PRELOAD=str(REPO / "build" / "libgemgate.so"),
+                          GEMTRACE_STATE_DIR=str(stack.host.state_dir))
+
+
+def start_in(procs: Path, env: dict[str, str]) -> Client:
+    """The simulated GPU's client holding 1 MiB, started in the cgroup whose cgroup.procs is `procs`."""
+    return Client(["-c", f'echo $$ > {procs}; exec "$0" "$@"', str(RT_CLIENT), "alloc", "--api", "v2",
+                   "--hold", "60", str(MiB)], env, client=Path("/bin/sh"))
+
+
+def group_of(stack: Stack, client: Client) -> str | None:
+    region = stack.host.region()
+    try:
+        names = region.group_names()
+        return next((names.get(region.assigned_group(i, s.pid) or -1) for i, s in region.live_slots()
+                     if s.pid == client.proc.pid), None)
+    finally:
+        region.close()
+
+
+def test_a_util_only_pods_processes_are_its_group_whatever_their_environment(apiserver_stack: Stack) -> None:
+    """A pod asking only for gemtrace.io/gpu-util: no GEMTRACE_GROUP reaches it, so its group is its
+    cgroup's binding rule. A process that started before the plugin knew the pod (in `default`) moves
+    there at the reload that brings the rule; one that asks for [train], open to all, stays there."""
+    stack = apiserver_stack
+    stack.kubelet.registered()
+    (uuid, _), = stack.gpus
+    util = [f"{uuid}-u{i}" for i in range(20)]
+    group = shares.group_name(util)
+    with scratch_cgroup(POD_CGROUP) as procs:
+        early = start_in(procs, gated_env(stack))
+        try:
+            assert early.next_json()["name"] == "CUDA_SUCCESS"
+            assert group_of(stack, early) == "default"  # no rule names its cgroup yet
+            stack.kubelet.pods = [pr.PodResources(name="util-only", namespace="ml", containers=[
+                pr.ContainerResources(name="main", devices=[
+                    pr.ContainerDevices(resource_name=shares.GPU_UTIL, device_ids=util)])])]
+            wait_until("the pod's group defined", lambda: group_defined(stack.host.state_dir, group), timeout=20)
+            settings = load(stack.host.config).groups[group]
+            assert (settings.min_util, settings.max_util, settings.priority, settings.cgroups,
+                    settings.cgroup_binding) == (0.2, 0.2, 5, (f"/{POD_CGROUP}",), True)
+            wait_until("the early process moved to its pod's group", lambda: group_of(stack, early) == group,
+                       timeout=10)
+            later = start_in(procs, {**gated_env(stack), "GEMTRACE_GROUP": "train"})
+            assert later.next_json()["name"] == "CUDA_SUCCESS"
+            assert group_of(stack, later) == group
+            region = stack.host.region()
+            index = region.group_index(group)
+            assert index is not None and region.layout.groups[index].max_util_ppm == 0.2 * rg.UTIL_ONE
+            region.close()
+        finally:
+            early.kill()
+            if "later" in locals():
+                later.kill()
+
+
+def test_prestart_puts_the_pods_rule_in_force_before_its_container_starts(stepped_stack: Stack) -> None:
+    """The kubelet calls PreStartContainer once the pod's cgroup exists and before the container
+    starts: when it returns, the first process of the container, under env -i, is already its pod's
+    (the plugin's own reconciliation, once a second, would come too late for its first allocations)."""
+    stack = stepped_stack
+    stack.plugin.step()
+    stack.kubelet.registered()
+    (uuid, _), = stack.gpus
+    memory = [f"{uuid}-m{i}" for i in (8, 9)]
+    group = shares.group_name(memory)
+    with scratch_cgroup(pod_cgroup(OTHER_UID)) as procs:
+        stack.kubelet.pods = [pr.PodResources(name="env-cleared", namespace="ml", containers=[
+            pr.ContainerResources(name="main", devices=[
+                pr.ContainerDevices(resource_name=shares.GPU_MEMORY, device_ids=memory)])])]
+        stack.kubelet.plugin(shares.GPU_MEMORY).PreStartContainer(dp.PreStartContainerRequest(devicesIDs=memory),
+                                                                  timeout=30)
+        client = start_in(procs, gated_env(stack))
+        try:
+            assert client.next_json()["name"] == "CUDA_SUCCESS"
+            assert group_of(stack, client) == group
+            # Placed there at once, not moved there by a later reload (its first allocations in default).
+            moved = [json.loads(line) for line in stack.agent.log.read_text().splitlines()
+                     if '"process_bound_to_group"' in line]
+            assert client.proc.pid not in [e["pid"] for e in moved]
+        finally:
+            client.kill()
+
+
 def test_health_follows_the_agent(stack: Stack) -> None:
     stack.kubelet.registered()
     stream, devices = first_devices(stack.kubelet.plugin(shares.GPU_UTIL))
@@ -333,7 +455,7 @@ def gpu_stack(simgpu_factory: Callable[..., SimGpu], tmp_path: Path,
         config = tmp_path / "resource.conf"
         config.write_text(PLACEMENT_CONFIG)
         host = Host(simgpu_factory(devices=devices, memory="8GiB"), config, tmp_path / "state", tmp_path)
-        running = running_stack(host, short_dir, placement)
+        running = running_stack(host, short_dir, placement=placement)
         made.append(running)
         stack = next(running)
         stack.kubelet.registered()

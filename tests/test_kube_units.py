@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 from pathlib import Path
+from re import escape as re_escape
 
 import pytest
 from testkit import GiB
@@ -21,6 +22,11 @@ pytestmark = pytest.mark.unit
 
 UID = "0d6f6c2e-3c1a-4c3e-9a51-7b1c2d3e4f50"
 CID = "a" * 64
+
+
+def known_groups() -> set[str]:
+    """The nodes' resource file's groups, as the webhook reads them."""
+    return {"train", "default"}
 
 
 def test_devices_are_one_per_gib_and_per_percent_of_each_gpu() -> None:
@@ -44,12 +50,12 @@ def test_the_dropin_of_a_grant_is_a_valid_resource_file() -> None:
                          cgroup=f"/kubepods/besteffort/pod{UID}")
     settings = parse_text(shares.dropin_text(grant)).groups[grant.group]
     assert (settings.memory_limit, settings.min_util, settings.max_util) == (2 * GiB, 0.3, 0.5)
-    assert settings.cgroups == (f"/kubepods/besteffort/pod{UID}",)
+    # The pod's cgroup binds: its processes cannot leave its group by what they set in GEMTRACE_GROUP.
+    assert (settings.cgroups, settings.cgroup_binding) == ((f"/kubepods/besteffort/pod{UID}",), True)
     # No annotation: MaxUtil is the util request; an annotation below it is raised to it.
     assert shares.Grant(util=("GPU-a-u0",) * 20).max_util_ratio() == 0.2
     assert shares.Grant(util=("GPU-a-u0",) * 20, max_util=0.1).max_util_ratio() == 0.2
     assert shares.Grant(memory=("GPU-a-m0",)).max_util_ratio() == 1.0
-    assert [shares.parse_max_util(t) for t in ("0.5", "1", "0", "1.5", "x", None)] == [0.5, 1.0, None, None, None, None]
 
 
 def test_a_grants_minutil_is_what_it_holds_on_each_gpu_it_may_run_on() -> None:
@@ -120,7 +126,7 @@ def test_the_webhook_patches_a_labelled_pod_and_only_it() -> None:
     pod = {"metadata": {"labels": {shares.LABEL_GROUP: "train"}},
            "spec": {"containers": [{"name": "a", "env": [{"name": "GEMTRACE_STATE_DIR", "value": "/x"}]},
                                    {"name": "b", "volumeMounts": []}]}}
-    answer = webhook.review({"request": {"uid": "u1", "object": pod}}, injection)["response"]
+    answer = webhook.review({"request": {"uid": "u1", "object": pod}}, injection, known_groups)["response"]
     assert answer["allowed"] and answer["uid"] == "u1"
     patch = json.loads(base64.b64decode(answer["patch"]))
     assert patch[0]["path"] == "/spec/volumes" and {v["name"] for v in patch[0]["value"]} == {
@@ -130,10 +136,11 @@ def test_the_webhook_patches_a_labelled_pod_and_only_it() -> None:
     mounts_b = [p["value"]["mountPath"] for p in patch if p["path"] == "/spec/containers/1/volumeMounts/-"]
     assert mounts_b == ["/usr/lib/gemtrace/libgemgate.so", "/run/gemtrace", "/etc/ld.so.preload"]
 
-    unlabelled = webhook.review({"request": {"uid": "u2", "object": {"metadata": {}, "spec": {}}}}, injection)
+    unlabelled = webhook.review({"request": {"uid": "u2", "object": {"metadata": {}, "spec": {}}}}, injection,
+                                known_groups)
     assert unlabelled["response"] == {"uid": "u2", "allowed": True}
     bad = {"metadata": {"labels": {shares.LABEL_GROUP: "no/slash"}}, "spec": {}}
-    refused = webhook.review({"request": {"uid": "u3", "object": bad}}, injection)["response"]
+    refused = webhook.review({"request": {"uid": "u3", "object": bad}}, injection, known_groups)["response"]
     assert not refused["allowed"] and "is not a group name" in refused["status"]["message"]
 
 
@@ -205,3 +212,94 @@ def test_the_container_being_admitted_is_the_oldest_pending_one_asking_as_many_u
                      answered={mem})
     assert keys(util, 10, decisions={young.key: young}) == [("ml", "young", "main")]
     assert keys(mem, 2, decisions={young.key: young}) == [("ml", "old", "init"), ("ml", "old", "main")]
+
+
+def test_a_pods_annotations_set_its_groups_priority_isolation_and_oversubscribe() -> None:
+    annotations = {shares.ANNOTATION_PRIORITY: "10", shares.ANNOTATION_ISOLATION: "mps",
+                   shares.ANNOTATION_OVERSUBSCRIBE: "8GiB", shares.ANNOTATION_MAX_UTIL: "0.5", "other.io/x": "y"}
+    pod = shares.pod_settings(annotations, memory_gib=2)
+    assert pod == shares.PodSettings(0.5, (("Priority", "10"), ("Isolation", "mps"), ("Oversubscribe", "8GiB")))
+    grant = shares.Grant(memory=("GPU-a-m0", "GPU-a-m1"), max_util=pod.max_util, settings=pod.lines,
+                         cgroup=f"/kubepods/pod{UID}")
+    settings = parse_text(shares.dropin_text(grant)).groups[grant.group]
+    assert (settings.priority, settings.isolation, settings.oversubscribe_limit, settings.max_util) == (
+        10, "mps", 8 * GiB, 0.5)
+
+
+@pytest.mark.parametrize(("annotation", "value", "message"), [
+    (shares.ANNOTATION_PRIORITY, "high", "annotation gemtrace.io/priority: Priority 'high' is not a whole number"),
+    (shares.ANNOTATION_PRIORITY, "5000", "annotation gemtrace.io/priority: Priority 5000 is out of range"),
+    (shares.ANNOTATION_ISOLATION, "mig", "annotation gemtrace.io/isolation: Isolation 'mig' is neither time nor mps"),
+    (shares.ANNOTATION_MAX_UTIL, "1.5", "annotation gemtrace.io/max-util: MaxUtil 1.5 is above 1"),
+    (shares.ANNOTATION_OVERSUBSCRIBE, "lots", "annotation gemtrace.io/oversubscribe: Oversubscribe 'lots' is neither"),
+    (shares.ANNOTATION_OVERSUBSCRIBE, "2GiB",
+     "annotation gemtrace.io/oversubscribe: 2GiB is not above the pod's 2 GiB"),
+    # A value must never reach the drop-in as a line of its own.
+    (shares.ANNOTATION_PRIORITY, "1\nMemoryLimit = 1TiB", "annotation gemtrace.io/priority: Priority"),
+    (shares.ANNOTATION_OVERSUBSCRIBE, "true\nCgroup = /", "annotation gemtrace.io/oversubscribe: Oversubscribe"),
+    (shares.ANNOTATION_ISOLATION, "mps\n[other]", "annotation gemtrace.io/isolation: Isolation"),
+])
+def test_the_webhook_refuses_annotations_the_resource_file_would(annotation: str, value: str, message: str) -> None:
+    with pytest.raises(ValueError, match="^" + re_escape(message)):
+        shares.pod_settings({annotation: value}, memory_gib=2)
+    pod = {"metadata": {"annotations": {annotation: value}},
+           "spec": {"containers": [{"name": "a", "resources": {"limits": {shares.GPU_MEMORY: "2"}}}]}}
+    review = {"request": {"uid": "u9", "object": pod}}
+    answer = webhook.review(review, Injection(), known_groups, mutate=False)["response"]
+    assert not answer["allowed"] and answer["status"]["message"].startswith(message)
+    assert "\n" not in answer["status"]["message"].rstrip()  # one line, whatever the value held
+
+
+def test_a_label_naming_a_group_the_resource_file_lacks_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "resource.conf"
+    config.write_text("[train]\nMemoryLimit = 1GiB\n")
+    (tmp_path / "resource.d").mkdir()
+    (tmp_path / "resource.d" / "k8s-0123456789abcdef.conf").write_text("[k8s-0123456789abcdef]\nMaxUtil = 0.5\n")
+    groups = webhook.resource_groups(config)
+
+    def answer(group: str, groups: webhook.Groups = groups) -> dict[str, object]:
+        pod = {"metadata": {"labels": {shares.LABEL_GROUP: group}}, "spec": {"containers": [{"name": "a"}]}}
+        response: dict[str, object] = webhook.review({"request": {"uid": "u", "object": pod}}, Injection(),
+                                                     groups)["response"]
+        return response
+
+    assert answer("train")["allowed"] and answer("default")["allowed"]
+    refused = answer("nosuch")
+    assert not refused["allowed"] and refused["status"] == {"code": 400, "message": (
+        "label gemtrace.io/group=nosuch names no group of the nodes' resource file; name one it defines, or have "
+        "the operator add [nosuch]")}
+    # A pod's own group (a drop-in of the device plugin) is no group to join by label: its quota is the pod's.
+    assert "names a pod's own group" in answer("k8s-0123456789abcdef")["status"]["message"]  # type: ignore[index]
+    unreadable = answer("train", webhook.resource_groups(tmp_path / "missing.conf"))
+    assert not unreadable["allowed"] and "cannot read its resource file" in unreadable["status"]["message"]  # type: ignore[index]
+
+
+def test_the_webhook_refuses_gpus_and_models_no_node_could_place() -> None:
+    def answer(annotations: dict[str, str], memory: str = "8", util: str = "100") -> dict[str, object]:
+        pod = {"metadata": {"annotations": annotations}, "spec": {"containers": [{"name": "a", "resources": {
+            "limits": {shares.GPU_MEMORY: memory, shares.GPU_UTIL: util}}}]}}
+        response: dict[str, object] = webhook.review({"request": {"uid": "u", "object": pod}}, Injection(),
+                                                     known_groups, mutate=False)["response"]
+        return response
+
+    def refusal(annotations: dict[str, str], memory: str = "8", util: str = "100") -> str:
+        response = answer(annotations, memory, util)
+        assert not response["allowed"]
+        message: str = response["status"]["message"]  # type: ignore[index]
+        assert "\n" not in message
+        return message
+
+    assert answer({shares.ANNOTATION_GPUS: "2", shares.ANNOTATION_GPU_MODEL: "H100, A100"})["allowed"]
+    assert refusal({shares.ANNOTATION_GPUS: "two"}).startswith("annotation gemtrace.io/gpus='two' is not a number")
+    assert refusal({shares.ANNOTATION_GPUS: "3"}).startswith(
+        "gemtrace.io/gpu-memory: 8 does not split evenly over gemtrace.io/gpus=3")
+    assert refusal({}, util="150").startswith("gemtrace.io/gpu-util: 150 over 1 GPU(s) is more than 100% of each")
+    assert refusal({shares.ANNOTATION_GPU_MODEL: "H100\n[x]"}).startswith(
+        "annotation gemtrace.io/gpu-model='H100\\n[x]' is not a GPU model name")
+    # A pod asking none of the shares has its annotations read all the same.
+    pod = {"metadata": {"annotations": {shares.ANNOTATION_GPUS: "0"}}, "spec": {"containers": [{"name": "a"}]}}
+    review = webhook.review({"request": {"uid": "u", "object": pod}}, Injection(), known_groups)
+    assert not review["response"]["allowed"]
+    # Oversubscribe is above the memory of each GPU: 8 GiB over 2 GPUs is 4 GiB on each.
+    assert answer({shares.ANNOTATION_GPUS: "2", shares.ANNOTATION_OVERSUBSCRIBE: "6GiB"})["allowed"]
+    assert "is not above the pod's 8 GiB" in refusal({shares.ANNOTATION_OVERSUBSCRIBE: "6GiB"})

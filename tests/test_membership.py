@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from structlog.testing import capture_logs
+from testkit import GiB
 
 from gemtrace import contract, eventlog
 from gemtrace import region as rg
@@ -157,3 +158,51 @@ def test_the_accounting_counts_a_gated_process_where_it_was_assigned(region: rg.
     assert group_of(502, {"GEMTRACE_GROUP": "ml"}, reader, region, CONFIG.groups) == ("default", True)
     assert group_of(600, {"GEMTRACE_GROUP": "ml"}, reader, region, CONFIG.groups) == ("default", True)
     assert group_of(600, {"GEMTRACE_GROUP": "open"}, reader, region, CONFIG.groups) == ("open", True)
+
+
+# Two containers of one pod, each with its grant, and a pod of one: the device plugin's drop-ins.
+POD = "/kubepods/podaa"
+BOUND = parse_text(f"[ml]\nUsers = {ALICE}\n[open]\n[pods]\nCgroup = /kubepods\n"
+                   f"[k8s-a]\nCgroup = {POD}\nCgroupBinding = true\n[k8s-b]\nCgroup = {POD}\nCgroupBinding = true\n"
+                   "[k8s-c]\nCgroup = /kubepods/podcc\nCgroupBinding = true\n")
+
+
+@pytest.mark.parametrize(("requested", "uid", "cgroups", "expected"), [
+    ("", BOB, ["/kubepods/podcc/0123"], ("k8s-c", False, True)),  # env -i in a container: its pod's group
+    ("default", BOB, ["/kubepods/podcc/0123"], ("k8s-c", False, True)),  # an old gate's wish for default
+    ("open", BOB, ["/kubepods/podcc/0123"], ("k8s-c", False, True)),  # a group open to all: still its pod's
+    ("ml", ALICE, ["/kubepods/podcc"], ("k8s-c", False, True)),  # even one its user is admitted to
+    ("k8s-b", BOB, [f"{POD}/0456"], ("k8s-b", False, True)),  # its own container's group, of its pod's
+    ("k8s-c", BOB, [f"{POD}/0456"], ("k8s-a", False, True)),  # another pod's: the first of its own pod's
+    ("", BOB, [f"{POD}/0456"], ("k8s-a", False, True)),
+    ("open", BOB, ["/kubepods/poddd"], ("open", False, False)),  # a plain rule still yields to a request
+    ("", BOB, ["/kubepods/poddd"], ("pods", False, False)),
+])
+def test_a_binding_cgroup_rule_decides_whatever_the_process_asks(requested: str, uid: int, cgroups: list[str],
+                                                                  expected: tuple[str, bool, bool]) -> None:
+    decision = decide(requested, uid, [uid], cgroups, BOUND.groups, set(BOUND.groups))
+    assert (decision.group, decision.refused, decision.bound) == expected
+
+
+def test_a_binding_rule_that_comes_later_moves_the_processes_already_placed(region: rg.Region,
+                                                                           tmp_path: Path) -> None:
+    """The plugin learns a pod's cgroup once the kubelet has made it: a process of the pod that
+    started before (env -i, so placed by no rule in default) moves at the reload that brings it."""
+    proc = tmp_path / "proc"
+    _process(proc, 700, BOB, [BOB], cgroup="0::/kubepods/podcc/0123\n")
+    _process(proc, 701, BOB, [BOB], cgroup="0::/user.slice\n")
+    groups = {"now": CONFIG.groups}
+    membership = Membership(region, lambda: groups["now"], ProcReader(proc))
+    _claim(region, 1, 700, "")
+    _claim(region, 2, 701, "open")
+    assert membership.tick() == 2
+    index = region.defined_groups()
+    assert region.slot_groups() == {1: index["pods"], 2: index["open"]}
+    assert membership.rebind() == 0  # no binding rule yet
+    region.set_group("k8s-c", GiB, 0, 1)
+    groups["now"] = BOUND.groups
+    with capture_logs() as lines:
+        assert membership.rebind() == 1
+    assert region.slot_groups() == {1: region.defined_groups()["k8s-c"], 2: index["open"]}
+    assert [e["pid"] for e in lines if e["event"] == "process_bound_to_group"] == [700]
+    assert membership.rebind() == 0  # the same rules: nothing to look at again

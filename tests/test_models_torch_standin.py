@@ -22,14 +22,13 @@ from simgpu_env import REPO, require_build, simgpu_env
 
 pytestmark = pytest.mark.e2e
 
-BENCH = REPO / "bench" / "gpu" / "models_torch.py"
-
 
 def run_bench(tmp_path: Path, *args: str) -> tuple[int, str, dict[str, Any], str]:
     require_build()
     out = tmp_path / "out"
     env = simgpu_env(tmp_path / "sim", OUT=str(out))
-    done = subprocess.run([sys.executable, str(BENCH), "--stand-in", "--seconds", "2", "--settle", "0.5", *args],
+    done = subprocess.run([sys.executable, "-m", "bench.gpu.models_torch", "--stand-in", "--seconds", "2",
+                           "--settle", "0.5", *args],
                           cwd=REPO, env=env, text=True, capture_output=True, timeout=150)
     result = json.loads((out / "models_torch.json").read_text()) if (out / "models_torch.json").exists() else {}
     table = (out / "models_torch.md").read_text() if (out / "models_torch.md").exists() else ""

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from agent_host import Host, gemtrace, stop
-from simgpu_env import REPO
+from simgpu_env import REPO, last_line
 from testkit import GiB, wait_until
 
 from gemtrace import mps
@@ -80,6 +80,13 @@ def test_threads_come_from_maxutil_else_from_what_the_others_minutils_leave() ->
 
 
 @pytest.mark.unit
+def test_an_opportunistic_mps_group_s_clients_start_at_mps_s_low_priority() -> None:
+    """CUDA_MPS_CLIENT_PRIORITY=1 (below normal): the GPU runs the other clients' kernels first."""
+    groups = [group("spare", opportunistic=True), group("serve")]
+    assert mps.client_variables(groups, "GPU-0") == {"spare": {mps.ENV_PRIORITY: "1"}, "serve": {}}
+
+
+@pytest.mark.unit
 def test_client_variables_per_gpu_follow_gpus_and_memory_limit() -> None:
     groups = [group("a", max_util=0.3, memory_limit=8 * GiB + 5), group("b", min_util=0.7, gpus=("GPU-1",)),
               GroupConfig("t", min_util=0.5)]
@@ -123,10 +130,8 @@ def environment_of(host: Host, group_name: str) -> dict[str, str]:
 
 
 def kernel_share(proc: subprocess.Popen[bytes]) -> float:
-    out, err = proc.communicate(timeout=60)
-    lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, (out, err)
-    return float(lines[-1]["kernel_s"]) / float(lines[-1]["elapsed_s"])
+    last = last_line(proc, 60)
+    return float(last["kernel_s"]) / float(last["elapsed_s"])
 
 
 @pytest.mark.e2e

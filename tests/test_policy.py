@@ -710,3 +710,38 @@ def test_a_holder_whose_processes_exit_keeps_the_time_it_was_seen_busy() -> None
     policy.step(t + 10 * MS, Observation(frozenset(), holder_idle_since=0))
     after = policy.usage(t + 10 * MS)[0].gpu_seconds
     assert before >= 4.9 and after >= before - 0.3, (before, after)
+
+
+def test_an_opportunistic_group_goes_beside_a_production_group_present_and_is_scheduled_without_one() -> None:
+    """Opportunistic groups take no turn while a production group (one not opportunistic) has a
+    process on the GPU: they are released beside it (Decision.beside), idle or not, and the production
+    group is released alone in the token, at once. Without a production group present they take turns
+    as any group. An opportunistic holder goes beside the moment production appears, with no drain
+    (its gate bounds its queue at its next launch)."""
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(opportunistic=True), 1: Quota()})
+    train = frozenset({0})
+    decision = policy.step(0, Observation(train, present=train))
+    assert decision.released == 0 and decision.beside == frozenset()
+    # The production group's first launch (it waits on its held word): the opportunistic holder goes
+    # beside, and production holds the token at this very look.
+    both = frozenset({0, 1})
+    decision = policy.step(1 * MS, Observation(both, present=both))
+    assert decision.beside == train and decision.released == 1 and decision.draining is None
+    # Production idle but present: still beside, nobody else needs the token.
+    for t in range(2 * MS, 200 * MS, 4 * MS):
+        decision = policy.step(t, Observation(train, present=both))
+        assert decision.beside == train and decision.released != 0
+    # Production gone (its last process exited: nothing queued): the opportunistic group is scheduled
+    # again, and takes the GPU from the quiet holder.
+    decision = policy.step(200 * MS, Observation(train, holder_idle_since=199 * MS, present=train))
+    assert decision.beside == frozenset()
+    decision = policy.step(201 * MS, Observation(train, drained_at=199 * MS, present=train))
+    assert decision.released == 0
+
+
+def test_opportunistic_groups_alone_share_the_gpu_as_any_groups() -> None:
+    """Two opportunistic hogs with nobody else: the usual time shares, priorities included."""
+    gpu, policy = simulate({0: Quota(opportunistic=True), 1: Quota(opportunistic=True, priority=1)},
+                           {0: hog(), 1: hog()}, duration=2 * SECOND)
+    assert gpu.share(1, 2 * SECOND) > 0.95 and gpu.share(0, 2 * SECOND) < 0.02

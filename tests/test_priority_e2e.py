@@ -6,11 +6,9 @@ the same machine, and compared by ratio: what a loaded CI machine adds to both c
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import pytest
 from agent_host import Host, stop
+from simgpu_env import last_line
 from testkit import wait_until
 
 pytestmark = pytest.mark.e2e
@@ -18,14 +16,6 @@ pytestmark = pytest.mark.e2e
 KERNEL_NS = 1_000_000
 SECONDS = 4.0
 CONFIG = "[hog]\n\n[service]\nPriority = {priority}\n"
-
-
-def last_line(proc: subprocess.Popen[bytes], timeout: float) -> dict[str, float]:
-    out, err = proc.communicate(timeout=timeout)
-    lines = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
-    assert proc.returncode == 0 and lines, (out, err)
-    result: dict[str, float] = lines[-1]
-    return result
 
 
 def service_beside_a_hog(host: Host) -> tuple[dict[str, float], dict[str, float]]:

@@ -108,7 +108,7 @@ def test_every_constant_of_the_headers_reaches_python() -> None:
 
 
 def test_the_constants_mean_what_the_gate_and_the_agent_take_them_for() -> None:
-    assert region.MAGIC == contract.REGION_MAGIC and region.VERSION == contract.REGION_VERSION == 8
+    assert region.MAGIC == contract.REGION_MAGIC and region.VERSION == contract.REGION_VERSION == 9
     assert b"GEMTRACE" == region.MAGIC.to_bytes(8, "little")
     # A chunk is whole pages of whole slots, and the chunks make the table.
     assert ctypes.sizeof(region.Slot) == contract.SLOT_SIZE and contract.CHUNK_BYTES % 4096 == 0

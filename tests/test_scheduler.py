@@ -509,3 +509,43 @@ def test_a_drain_is_looked_at_when_its_last_process_finishes_not_at_each_ring(re
     finally:
         stop.set()
         thread.join(5)
+
+
+def test_an_opportunistic_group_is_released_beside_production_naming_its_slots(region: rg.Region) -> None:
+    """The words and lists the opportunistic gates read (hook/launch.c, production_busy): alone, the
+    opportunistic holder's word is the beside word with no production named; once a production
+    process launched here, every opportunistic group is released beside it with the production slots
+    listed, and a forged word is put back; when production has gone, it takes turns again."""
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    spare, serve = region.set_group("spare", None, 0, 1), region.set_group("serve", None, 0, 1)
+    scheduler.set_quotas({spare: Quota(opportunistic=True), serve: Quota()})
+    control = region.layout.control[GPU]
+    trainer = claim(region, 0, 1001, spare)
+    launch(trainer, 10, clock())
+    trainer.waiting[GPU] = 1
+    scheduler.step()
+    assert control[spare].held == rg.RELEASED_BESIDE and control[spare].beside_n == 0
+    trainer.waiting[GPU] = 0
+    service = claim(region, 5, 1002, serve)
+    launch(service, 1, clock())
+    service.waiting[GPU] = 1
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert control[serve].held in rg.RELEASED_WORDS and control[serve].held != rg.RELEASED_BESIDE
+    assert control[spare].held == rg.RELEASED_BESIDE
+    assert list(control[spare].beside_slots[: control[spare].beside_n]) == [5]
+    control[spare].held = rg.HELD  # forged: put back at the next look
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert control[spare].held == rg.RELEASED_BESIDE
+    # The service's process exits: the trainer takes turns again (held until the policy releases it).
+    region.free_slot(5, 1002)
+    launch(trainer, 10, clock())
+    trainer.waiting[GPU] = 1
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert control[spare].held == rg.HELD  # a group in turns again, waiting for one
+    clock.advance(1 * MS)
+    scheduler.step()
+    assert control[spare].held == rg.RELEASED_BESIDE and control[spare].beside_n == 0

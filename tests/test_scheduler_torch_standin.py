@@ -47,10 +47,8 @@ for line in loop.stdout:
 """
 
 DRIVER = r"""
-import importlib.util, sys
-spec = importlib.util.spec_from_file_location("scheduler_torch", BENCH)
-bench = sys.modules["scheduler_torch"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench)
+import sys
+import bench.gpu.scheduler_torch as bench
 bench.WORKER = "RT_CLIENT = %r\n" % RT_CLIENT + STANDIN
 import pynvml
 pynvml.nvmlInit()
@@ -64,9 +62,8 @@ def run_bench(tmp_path: Path, devices: int, cases: str) -> tuple[int, str, dict]
     require_build()
     out = tmp_path / "out"
     env = simgpu_env(tmp_path / "sim", devices=devices, OUT=str(out))
-    code = (f"BENCH = {str(REPO / 'bench' / 'gpu' / 'scheduler_torch.py')!r}\n"
-            f"RT_CLIENT = {str(RT_CLIENT)!r}\nCASES = {cases!r}\nSTANDIN = {STANDIN!r}\n" + DRIVER)
-    done = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=180)
+    code = f"RT_CLIENT = {str(RT_CLIENT)!r}\nCASES = {cases!r}\nSTANDIN = {STANDIN!r}\n" + DRIVER
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, text=True, capture_output=True, timeout=180)
     result = json.loads((out / "scheduler_torch.json").read_text()) if (out / "scheduler_torch.json").exists() \
         else {"rows": []}
     return done.returncode, done.stdout + done.stderr, result

@@ -44,7 +44,7 @@ def admission(uid: str = "u-1", obj: object = None) -> bytes:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, ssl.SSLContext]]:
     directory = tmp_path_factory.mktemp("webhook")
     cert, key = make_cert(directory, "webhook")
-    server = webhook.server("127.0.0.1:0", cert, key, Injection())
+    server = webhook.server("127.0.0.1:0", cert, key, Injection(), lambda: {"train"})
     server.start()
     trust = ssl.create_default_context(cafile=str(cert))
     yield server.server_address[1], trust
@@ -235,7 +235,7 @@ def test_past_the_connection_bound_the_longest_waiting_connection_makes_room(tmp
     cert, key = make_cert(tmp_path, "webhook")
     limits = httpd.Limits(connections=20, body_bytes=webhook.LIMITS.body_bytes)
     sock = httpd.listening_socket("127.0.0.1", 0)
-    server = httpd.Server(sock, webhook._handler(Injection()), None, limits)
+    server = httpd.Server(sock, webhook._handler(Injection(), lambda: {"train"}), None, limits)
     server.start()
     try:
         port = server.server_address[1]

@@ -10,7 +10,9 @@ from __future__ import annotations
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from gemtrace import contract
@@ -61,3 +63,35 @@ def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
     slot.pid = pid
     region.assign(index, pid, group)
     return slot
+
+
+@contextmanager
+def scratch_cgroup(path: str) -> Iterator[Path]:
+    """The cgroup `path` (relative, unique to the caller: a pid in it), made for the test (root only)
+    and removed afterwards with the parents it had to make. Yields its cgroup.procs file, where a
+    process writes its pid to enter it; /proc/PID/cgroup then shows "/" + path. On cgroup v2 under the
+    unified root; on v1 under the pids hierarchy, which every process is in. Never under /kubepods:
+    the test cluster's kubelet removes cgroups there that it did not make."""
+    root = Path("/sys/fs/cgroup")
+    hierarchy = root if (root / "cgroup.controllers").exists() else root / "pids"
+    made: list[Path] = []
+    directory = hierarchy
+    for part in path.strip("/").split("/"):
+        directory = directory / part
+        if not directory.is_dir():
+            directory.mkdir()
+            made.append(directory)
+    try:
+        yield directory / "cgroup.procs"
+    finally:
+        # Its processes are the test's, killed by now: wait for the kernel to see them gone.
+        deadline = time.monotonic() + 10
+        for made_dir in reversed(made):
+            while True:
+                try:
+                    made_dir.rmdir()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)

@@ -3,7 +3,7 @@ figures agree with NVML and with kernels of known duration. Run by the integrato
 
     # first make bcc importable by python3 (python3-bpfcc and the kernel's headers; the lent GPU
     # machine has neither, so the integrator sources a carried bundle of Debian 12's bcc)
-    PYTHONPATH=. python3 bench/gpu/ebpf_overhead.py [--rounds 5] [--launches 200000] [--steps 300]
+    python3 -m bench.gpu.ebpf_overhead [--rounds 5] [--launches 200000] [--steps 300]
 
 Self-contained: PyTorch workers run as child processes without the gate; the accounting
 (gemtrace.accounting, probes from bpf/) runs in this process, attached to libcuda before the workers
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import json
 import os
 import platform
@@ -31,27 +30,12 @@ import subprocess
 import sys
 import textwrap
 import time
-import types
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-
-try:
-    import structlog  # noqa: F401
-except ImportError:  # the lent GPU machine's python3 has no structlog: a JSON-lines stand-in
-    class _Log:
-        def _emit(self, level: str, event: str, **kw: object) -> None:
-            print(json.dumps({"level": level, "event": event, **kw}, default=str), file=sys.stderr)
-
-        def __getattr__(self, level: str):  # type: ignore[no-untyped-def]
-            return lambda event, **kw: self._emit(level, event, **kw)
-
-    sys.modules["structlog"] = types.SimpleNamespace(get_logger=lambda *a, **k: _Log())  # type: ignore[assignment]
-
-from gemtrace.accounting import Accounting  # noqa: E402
-from gemtrace.agent import open_accounting  # noqa: E402
-from gemtrace.probes.nvml import NvmlReader  # noqa: E402
+from bench.recording import gpus, publish, stamp
+from gemtrace.accounting import Accounting
+from gemtrace.agent import open_accounting
+from gemtrace.probes.nvml import NvmlReader
 
 MODES = (None, "memory", "launches")
 
@@ -202,7 +186,7 @@ def main() -> int:
     args = ap.parse_args()
     lib = libcuda_path()
     nvml = NvmlReader()
-    lines = [f"# eBPF accounting on {platform.node()} ({datetime.datetime.now():%Y-%m-%d %H:%M}), libcuda {lib}", ""]
+    lines = [f"# eBPF accounting on {platform.node()} ({stamp()}, {gpus()}), libcuda {lib}", ""]
 
     launch = side_by_side(LAUNCH_WORKER, str(args.launches), "us_per_launch", args.rounds, lib, nvml)
     train = side_by_side(TRAIN_WORKER, str(args.steps), "ms_per_step", args.rounds, lib, nvml)
@@ -228,13 +212,7 @@ def main() -> int:
     lines += ["", "## GPU time of an ungated process (NVML-based) against clock64 spin kernels", "",
               "| kernels (CUDA events) | accounted | error | target |", "| --- | --- | --- | --- |",
               f"| {truth:.3f} s | {measured:.3f} s | {err:+.1f}% | within 5%: {verdict} |"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out, "ebpf_overhead.md").write_text(text)
-        Path(out, "ebpf_overhead.json").write_text(json.dumps({"launch": launch, "train": train,
-                                                                 "gpu_time": [truth, measured]}, indent=1))
+    publish("\n".join(lines) + "\n", "ebpf_overhead", {"launch": launch, "train": train, "gpu_time": [truth, measured]})
     return 0
 
 

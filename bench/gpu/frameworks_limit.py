@@ -8,7 +8,7 @@ blocks until the framework raises its own out-of-memory error. It must start, ru
 limit with that error (exit 0 after catching it), not crash. Then it prints what NVML says of the
 links between the GPUs and which GPUs `gemtrace run --gpus N` picks.
 
-    python3 bench/gpu/frameworks_limit.py      # from the repo root, build/libgemgate.so built
+    python3 -m bench.gpu.frameworks_limit      # from the repo root, build/libgemgate.so built
 
 Needs: the frameworks that are installed (a missing one is reported, not failed), nvidia-ml-py,
 psutil, prometheus-client, structlog. Prints a table; with $OUT set, writes frameworks_limit.md there.
@@ -16,6 +16,7 @@ psutil, prometheus-client, structlog. Prints a table; with $OUT set, writes fram
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -25,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-GiB = 1 << 30
+from bench.recording import REPO, gpus, publish, stamp
+from tests.testkit import GiB
+
 LIMIT = 4 * GiB
 
 # Each program prints one JSON line: the total its framework reports, the bytes it held when the
@@ -93,6 +95,8 @@ def gemtrace(*args: str) -> list[str]:
 
 
 def main() -> int:
+    # No options: --help says what the run does, and anything else is refused before a GPU is touched.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     work = Path(tempfile.mkdtemp(prefix="gemtrace-frameworks-"))
     config = work / "resource.conf"
     config.write_text("[small]\nMemoryLimit=4GiB\n")
@@ -138,18 +142,13 @@ def main() -> int:
     finally:
         agent.terminate()
         agent.wait(timeout=30)
-    report = render(rows, links, picks)
-    print(report)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "frameworks_limit.md").write_text(report)
+    publish(render(rows, links, picks), "frameworks_limit")
     ok = all(r.get("exit") == 0 and r.get("error") not in (None, "NoneType") for r in rows if "stderr_tail" not in r)
     return 0 if ok else 1
 
 
 def render(rows: list[dict[str, object]], links: object, picks: dict[int, str]) -> str:
-    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                         capture_output=True, text=True).stdout.strip().replace("\n", "; ")
-    lines = [f"## {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {gpu}, {platform.node()}", "",
+    lines = [f"## {stamp()}, {gpus()}, {platform.node()}", "",
              "Group `small`, MemoryLimit=4GiB, through `gemtrace agent --no-ebpf` and `gemtrace run`:", "",
              "| framework | exit | total it reports | held when refused | its error | message |",
              "| --- | --- | --- | --- | --- | --- |"]

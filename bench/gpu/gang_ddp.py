@@ -18,7 +18,7 @@ Cases (issue 29's targets on two H100s):
   raw-equal     `equal` without gemtrace
   raw-solo      the job alone without gemtrace, and a single-GPU job alone (the hogs' solo)
 
-    python3 bench/gpu/gang_ddp.py [--cases solo,cap30,...] [--seconds 10] [--warmup 25]
+    python3 -m bench.gpu.gang_ddp [--cases solo,cap30,...] [--seconds 10] [--warmup 25]
 
 Prints a markdown table; with $OUT set writes gang_ddp.md and gang_ddp.json there. Needs two GPUs,
 torch with CUDA and torchvision, build/libgemgate.so, and the agent's Python dependencies on PYTHONPATH.
@@ -37,11 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models_torch import GATE, Agent, GroupSpec, gemtrace, publish, report_header  # noqa: E402
+from bench.gpu.models_torch import GATE, REPO, Agent, GroupSpec, gemtrace, report_header
+from bench.recording import publish
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
 # Leave NVLink multicast off (the device machine's notes: NCCL's NVLS and torch's symmetric memory).

@@ -1,7 +1,7 @@
 """The gate on a host of two or more GPUs (issue 2: the device of an allocation, by UUID; launches held
 per GPU). Self-contained; run from the repo root with build/libgemgate.so built:
 
-    python3 bench/gpu/gate_multi_gpu.py
+    python3 -m bench.gpu.gate_multi_gpu
 
 It stands in for the agent (a Region in a temporary state dir with every GPU's NVML UUID, a beating
 heartbeat, a group `bench` with MemoryLimit 4 GiB), then, for the second CUDA device:
@@ -17,6 +17,7 @@ gate_multi_gpu.md there.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -27,18 +28,11 @@ import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-# Run by path, on a GPU machine or loaded so by the stand-in tests: the checkout (gemtrace, bench)
-# and tests/ (testkit) go on the path here.
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from testkit import GiB  # noqa: E402
-
-from bench.recording import gpus as describe_gpus  # noqa: E402
-from bench.recording import stamp  # noqa: E402
-from gemtrace.gpus import discover  # noqa: E402
-from gemtrace.membership import Membership  # noqa: E402
-from gemtrace.region import Region  # noqa: E402
+from bench.recording import REPO, publish, region_gpus, stamp
+from bench.recording import gpus as describe_gpus
+from gemtrace.membership import Membership
+from gemtrace.region import Region
+from tests.testkit import GiB
 
 GATE = REPO / "build" / "libgemgate.so"
 HOLD_S = 1.0
@@ -81,11 +75,6 @@ for _ in range(200):
 torch.cuda.synchronize(dev)
 print(json.dumps({"elapsed_s": time.monotonic() - started}), flush=True)
 """
-
-
-def nvml_gpus() -> list[tuple[str, int]]:
-    """The GPUs as the region lists them: UUID and memory, found as the agent finds them."""
-    return [(gpu.uuid, gpu.memory_total) for gpu in discover()]
 
 
 def bare(uuid: str) -> str:
@@ -131,8 +120,9 @@ class Child:
 
 
 def main() -> int:
-    out_dir = os.environ.get("OUT")
-    gpus = nvml_gpus()
+    # No options: --help says what the run does, and anything else is refused before a GPU is touched.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    gpus = region_gpus()
     if len(gpus) < 2:
         print(f"gate_multi_gpu: {len(gpus)} GPU(s) here; this check needs two.")
         return 0
@@ -238,10 +228,7 @@ def main() -> int:
         "| --- | --- | --- |",
     ]
     text += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    report = "\n".join(text) + "\n"
-    print(report)
-    if out_dir:
-        Path(out_dir, "gate_multi_gpu.md").write_text(report)
+    publish("\n".join(text) + "\n", "gate_multi_gpu")
     return 1 if failures else 0
 
 

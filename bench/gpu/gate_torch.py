@@ -1,6 +1,6 @@
 """The gate on a real GPU (issue 2, "Benchmarks", H100 part). Self-contained; run from the repo root:
 
-    python3 bench/gpu/gate_torch.py
+    python3 -m bench.gpu.gate_torch
 
 It stands in for the agent (a Region in a temporary state dir with the GPU's NVML UUID, a fresh
 heartbeat, a group `bench` with MemoryLimit 4 GiB and a group `free` without limit), then checks:
@@ -17,6 +17,7 @@ Prints a table; with $OUT set, writes gate_gpu.md there.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -29,17 +30,10 @@ import time
 from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-# Run by path, on a GPU machine or loaded so by the stand-in tests: the checkout (gemtrace, bench)
-# and tests/ (testkit) go on the path here.
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-
-from testkit import GiB  # noqa: E402
-
-from bench.recording import MIN_ROUNDS, gpus, interleave, paired, stamp  # noqa: E402
-from gemtrace.gpus import discover  # noqa: E402
-from gemtrace.membership import Membership  # noqa: E402
-from gemtrace.region import Region  # noqa: E402
+from bench.recording import MIN_ROUNDS, REPO, gpus, interleave, paired, publish, region_gpus, stamp
+from gemtrace.membership import Membership
+from gemtrace.region import Region
+from tests.testkit import GiB
 
 GATE = REPO / "build" / "libgemgate.so"
 LOOP_ROUNDS = MIN_ROUNDS
@@ -58,11 +52,6 @@ print(json.dumps({"total": total, "free": free, "past_limit": outcome}))
 """
 
 
-def nvml_gpus() -> list[tuple[str, int]]:
-    """The GPUs as the region lists them: UUID and memory, found as the agent finds them."""
-    return [(gpu.uuid, gpu.memory_total) for gpu in discover()]
-
-
 def decide_groups(region: Region, stop: threading.Event) -> threading.Thread:
     """The agent's decision of each new process's group (gemtrace/membership.py), as its keeper
     thread makes it, every group open to all: gates count as "default" until it is made."""
@@ -78,12 +67,13 @@ def decide_groups(region: Region, stop: threading.Event) -> threading.Thread:
 
 
 def main() -> int:
-    out_dir = os.environ.get("OUT")
+    # No options: --help says what the run does, and anything else is refused before a GPU is touched.
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows: list[tuple[str, str, str]] = []
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
         region = Region.create(Path(tmp))
-        region.set_gpus(nvml_gpus())
+        region.set_gpus(region_gpus())
         region.set_group("default", None, 0.0, 1.0)  # the agent always defines it
         region.set_group("bench", 4 * GiB, 0.0, 1.0)
         region.set_group("free", None, 0.0, 1.0)
@@ -153,10 +143,7 @@ def main() -> int:
     text = [f"# Gate on a real GPU, {stamp()} ({platform.node()}, {gpus()})", "",
             "| check | expected | measured |", "| --- | --- | --- |"]
     text += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    report = "\n".join(text) + "\n"
-    print(report)
-    if out_dir:
-        Path(out_dir, "gate_gpu.md").write_text(report)
+    publish("\n".join(text) + "\n", "gate_gpu")
     return 1 if failures else 0
 
 

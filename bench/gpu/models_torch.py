@@ -30,7 +30,7 @@ left from the runs so far (--seconds plus each run's measured start and stop) an
 line, a case that would not leave room for the solo runs after. With 10 s windows the whole plan is 18
 runs, about 7 minutes on an H100 at ~12 s of start-up per run.
 
-    python3 bench/gpu/models_torch.py [--cases caps,minutil,maxutil,4x2] [--workloads cnn-train,...]
+    python3 -m bench.gpu.models_torch [--cases caps,minutil,maxutil,4x2] [--workloads cnn-train,...]
         [--seconds 10] [--settle 2] [--budget-s 480] [--ebpf] [--gpu 0] [--stand-in]
 
 Prints a markdown table; with $OUT set, writes models_torch.md and models_torch.json there. Exit status
@@ -57,18 +57,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-# Run by path, on a GPU machine or loaded so by the stand-in tests: the checkout (gemtrace, bench)
-# and tests/ (testkit) go on the path here.
-sys.path[:0] = [str(REPO), str(REPO / "tests")]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models_worker import WORKLOADS  # noqa: E402
-from scheduler_torch import CPUS, end, pin_self, worker_cpu  # noqa: E402
-from testkit import free_port  # noqa: E402
-
-from bench.recording import gpus, stamp  # noqa: E402
-from gemtrace.metrics import spec  # noqa: E402
+from bench.gpu.models_worker import WORKLOADS
+from bench.gpu.scheduler_torch import end, json_lines, pin_self, pin_worker, worker_cpu
+from bench.recording import REPO, gpus, publish, stamp
+from gemtrace.metrics import spec
+from tests.testkit import free_port
 
 WORKER = Path(__file__).resolve().parent / "models_worker.py"
 GATE = REPO / "build" / "libgemgate.so"
@@ -108,6 +101,8 @@ class GroupSpec:
     priority: int = 0
     worker_args: tuple[str, ...] = ()  # more arguments of models_worker.py (--pause-ms)
     isolation: str = "time"  # the resource file's Isolation (bench/gpu/mps.py runs "mps")
+    opportunistic: bool = False  # the resource file's Opportunistic (bench/gpu/colocation.py)
+    env: tuple[tuple[str, str], ...] = ()  # more environment for its processes (GEMTRACE_BESIDE_KERNELS)
 
     def quota(self) -> str:
         parts = ([f"MinUtil {self.min_util:g}"] if self.min_util else []) + \
@@ -118,7 +113,8 @@ class GroupSpec:
         return f"[{self.name}]\n" + (f"MinUtil = {self.min_util:g}\n" if self.min_util else "") + \
                (f"MaxUtil = {self.max_util:g}\n" if self.max_util < 1 else "") + \
                (f"Priority = {self.priority}\n" if self.priority else "") + \
-               (f"Isolation = {self.isolation}\n" if self.isolation != "time" else "")
+               (f"Isolation = {self.isolation}\n" if self.isolation != "time" else "") + \
+               ("Opportunistic = yes\n" if self.opportunistic else "")
 
 
 @dataclass(frozen=True)
@@ -175,13 +171,11 @@ class Worker:
     def __init__(self, group: GroupSpec, workload: str, state: Path, env: dict[str, str], log: Path,
                  cpu: int | None, stand_in: bool) -> None:
         self.group, self.workload, self.log = group, workload, log
-        cpus = set(CPUS) if cpu is None else {cpu}  # not the bench's own pin (pin_self)
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if len(CPUS) > 1 else None
         argv = gemtrace("run", "--group", group.name, "--state-dir", str(state), "--require-agent", "--",
                         sys.executable, str(WORKER), workload, *(["--stand-in"] if stand_in else []),
                         *group.worker_args)
-        self.proc = subprocess.Popen(argv, env=env, cwd=REPO, text=True, preexec_fn=pin, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=log.open("w"))
+        self.proc = subprocess.Popen(argv, env=env, cwd=REPO, text=True, preexec_fn=pin_worker(cpu),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log.open("w"))
         self.ready: dict[str, Any] | None = None
         self.result: dict[str, Any] | None = None
         self.done = False
@@ -190,15 +184,13 @@ class Worker:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                obj = json.loads(line)
-                with self.seen:
-                    if obj.get("ready"):
-                        self.ready = obj
-                    elif obj.get("result"):
-                        self.result = obj
-                    self.seen.notify_all()
+        for obj in json_lines(self.proc.stdout):
+            with self.seen:
+                if obj.get("ready"):
+                    self.ready = obj
+                elif obj.get("result"):
+                    self.result = obj
+                self.seen.notify_all()
         with self.seen:
             self.done = True  # its output ended: nothing more will come
             self.seen.notify_all()
@@ -312,7 +304,8 @@ class Options:
 def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str, Any]:
     """One agent, the groups' workers, one shared window. Per group: `rate` (steps/s of all its
     processes), `iters`, `charged` (GPU time charged / window), `results` (its workers' result lines),
-    `memory` and `managed` (bytes held on the GPU at the window's end); and `agent_cpu` (% of one core)."""
+    `memory` and `managed` (bytes held on the GPU at the window's end); `agent_cpu` (% of one core), and
+    `window` (its start and end, time.monotonic())."""
     import psutil
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
@@ -331,7 +324,7 @@ def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str
             worker_env = {**env, "CUDA_VISIBLE_DEVICES": uuid}
             for g in groups:
                 for n in range(g.processes):
-                    workers.append(Worker(g, g.workload or workload, agent.state, worker_env,
+                    workers.append(Worker(g, g.workload or workload, agent.state, {**worker_env, **dict(g.env)},
                                           work / f"{g.name}-{n}.log", worker_cpu(len(workers)), opts.stand_in))
             deadline = time.monotonic() + READY_TIMEOUT_S
             about = [w.wait("ready", deadline) for w in workers][0]
@@ -354,7 +347,7 @@ def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str
             for w in workers:
                 w.stop()
             agent.stop()
-    out: dict[str, Any] = {"groups": {}, "agent_cpu": agent_cpu, "about": about}
+    out: dict[str, Any] = {"groups": {}, "agent_cpu": agent_cpu, "about": about, "window": (start, end)}
     for g in groups:
         mine = [r for w, r in zip(workers, results, strict=True) if w.group is g]
         out["groups"][g.name] = {
@@ -363,22 +356,6 @@ def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str
             "charged": (charged1.get(g.name, 0.0) - charged0.get(g.name, 0.0)) / (t1 - t0),
             **held.get(g.name, {"memory": 0.0, "managed": 0.0})}
     return out
-
-
-def publish(report: str, name: str, data: dict[str, Any], results: Path | None = None, title: str = "") -> None:
-    """Print the report; with `results`, append it there (headed by `title` when the file is new); with
-    $OUT set (the device tool's folder), write NAME.md and NAME.json there."""
-    print("\n" + report)
-    if results is not None:
-        results.parent.mkdir(parents=True, exist_ok=True)
-        new = not results.exists()
-        with results.open("a") as f:
-            f.write((f"# {title}\n\n" if new else "\n") + report)
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, f"{name}.md").write_text(report)
-        Path(out, f"{name}.json").write_text(json.dumps(data, indent=1))
 
 
 def text(value: object) -> str:
@@ -436,33 +413,54 @@ def parse_list(text: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
+def parser(doc: str | None, seconds: float, settle: float = 2.0, *, agent: bool = True,
+           paced: bool = False) -> argparse.ArgumentParser:
+    """The options of every bench built on `run`: the window, the settling before it, the GPU, with
+    `agent` the agent's eBPF probes and the stand-in workers, and with `paced` the pause of a service
+    between requests. The bench adds its own after them."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=seconds,
+                    help=f"the measured window of each run (default {seconds:g})")
+    ap.add_argument("--settle", type=float, default=settle,
+                    help=f"seconds between the last process's warm-up and the window (default {settle:g})")
+    ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) the workers run on (default 0)")
+    if agent:
+        ap.add_argument("--ebpf", action="store_true", help="run the agent with its eBPF probes (root, bcc)")
+        ap.add_argument("--stand-in", action="store_true",
+                        help="workers run the simulated GPU's kernels instead of torch (no GPU needed)")
+    if paced:
+        ap.add_argument("--pause-ms", type=float, default=20.0,
+                        help="the service's pause between an answer and its next request (default 20)")
+    return ap
+
+
+def options(ap: argparse.ArgumentParser, args: argparse.Namespace) -> Options | None:
+    """The runs' Options, once the window makes sense (else a usage error) and the gate is built (else
+    None, having said how to build it); this process is then pinned off the workers' cores."""
+    if args.seconds <= 0 or args.settle < 0 or getattr(args, "pause_ms", 0) < 0:
+        ap.error("--seconds must be positive, --settle and --pause-ms not negative")
+    if not GATE.exists():
+        print(f"{GATE} is missing: run `make -C hook BUILD=$PWD/build` from the repo root first", file=sys.stderr)
+        return None
+    pin_self()
+    return Options(args.seconds, args.settle, getattr(args, "ebpf", False), args.gpu, getattr(args, "stand_in", False))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = parser(__doc__, seconds=10.0)
     ap.add_argument("--cases", type=lambda t: parse_list(t, tuple(CASE), "case"), default=tuple(CASE),
                     help=f"comma-separated, among {','.join(CASE)} (default all)")
     ap.add_argument("--workloads", type=lambda t: parse_list(t, WORKLOADS, "workload"), default=WORKLOADS,
                     help=f"comma-separated, among {','.join(WORKLOADS)} (default all); each case runs those it "
                     "covers")
-    ap.add_argument("--seconds", type=float, default=10.0, help="the measured window of each run (default 10)")
-    ap.add_argument("--settle", type=float, default=2.0,
-                    help="seconds between the last process's warm-up and the window (default 2)")
     ap.add_argument("--budget-s", type=float, default=480.0,
                     help="skip the cases that would end past this many seconds from the start, solo runs after "
                     "included (default 480; 0: no limit)")
-    ap.add_argument("--ebpf", action="store_true", help="run the agent with its eBPF probes (root, bcc)")
-    ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) the workers run on (default 0)")
-    ap.add_argument("--stand-in", action="store_true",
-                    help="workers run the simulated GPU's kernels instead of torch "
-                    "(tests/test_models_torch_standin.py)")
     args = ap.parse_args(argv)
-    if args.seconds <= 0 or args.settle < 0:
-        ap.error("--seconds must be positive and --settle not negative")
-    if not GATE.exists():
-        print(f"{GATE} is missing: run `make -C hook BUILD=$PWD/build` from the repo root first", file=sys.stderr)
+    opts = options(ap, args)
+    if opts is None:
         return 2
-    pin_self()
-    opts = Options(args.seconds, args.settle, args.ebpf, args.gpu, args.stand_in)
     plan = [(c, w) for c, w in PLAN if c in args.cases and w in args.workloads]
     if not plan:
         ap.error("no case covers those workloads: caps runs every workload, minutil, maxutil and 4x2 the training ones")

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable
 
 # Steps run before "ready": the first ones allocate, pick kernels and fill the caching allocator.
-WARMUP_ITERS = {"cnn-train": 8, "transformer-train": 8, "cnn-infer": 50, "transformer-infer": 50}
+WARMUP_ITERS = {"cnn-train": 8, "transformer-train": 8, "cnn-infer": 50, "transformer-infer": 50, "decoder-infer": 3}
 WORKLOADS = tuple(WARMUP_ITERS)
 
 # The transformer of both transformer workloads: a GPT-style stack of pre-norm encoder layers with a
@@ -41,7 +41,10 @@ VOCAB, D_MODEL, HEADS, LAYERS = 32000, 1024, 16, 6
 # --stand-in: (kernel nanoseconds, kernels per step) on the simulated GPU. Long kernels for training,
 # short ones for batch-1 inference, as on the GPU.
 STAND_IN = {"cnn-train": (2_000_000, 4), "transformer-train": (1_000_000, 6),
-            "cnn-infer": (50_000, 12), "transformer-infer": (50_000, 8)}
+            "cnn-infer": (50_000, 12), "transformer-infer": (50_000, 8), "decoder-infer": (30_000, 64)}
+# decoder-infer: a Hugging Face GPT-2-shaped model (GPT2LMHeadModel(GPT2Config()), random weights)
+# generating this many tokens, greedily, at batch 1, per request.
+DECODER_TOKENS = 64
 
 
 def emit(**fields: object) -> None:
@@ -62,6 +65,24 @@ def torch_step(workload: str) -> tuple[Callable[[], None], dict[str, str]]:
     dev = torch.device("cuda")
     about = {"torch": torch.__version__, "torchvision": torchvision.__version__,
              "cuda": str(torch.version.cuda), "device": torch.cuda.get_device_name(dev)}
+
+    if workload == "decoder-infer":
+        import transformers
+
+        about["transformers"] = transformers.__version__
+        decoder = transformers.GPT2LMHeadModel(transformers.GPT2Config()).to(dev).eval()
+        prompt = torch.randint(0, decoder.config.vocab_size, (1, 8), device=dev)
+        mask = torch.ones_like(prompt)
+
+        def decode() -> None:
+            # min_new_tokens: random weights may pick the end-of-text token early.
+            with torch.inference_mode():
+                decoder.generate(prompt, attention_mask=mask, max_new_tokens=DECODER_TOKENS,
+                                 min_new_tokens=DECODER_TOKENS, do_sample=False,
+                                 pad_token_id=decoder.config.eos_token_id)
+            torch.cuda.synchronize()
+
+        return decode, about
 
     if workload in ("cnn-train", "cnn-infer"):
         train = workload == "cnn-train"

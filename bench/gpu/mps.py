@@ -13,7 +13,7 @@ Workloads: cnn-infer (ResNet-18, batch 1) and cnn-train (ResNet-50, batch 64, bf
 run a thread reads NVML every half second (nvmlDeviceGetComputeRunningProcesses,
 nvmlDeviceGetProcessUtilization) to record what is known per process under MPS.
 
-    python3 bench/gpu/mps.py [--seconds 8] [--settle 2] [--workloads cnn-infer,cnn-train] [--gpu 0]
+    python3 -m bench.gpu.mps [--seconds 8] [--settle 2] [--workloads cnn-infer,cnn-train] [--gpu 0]
         [--no-record] [--ebpf] [--stand-in]
 
 Needs nvidia-cuda-mps-control in PATH (/usr/local/nvidia/bin on the lent H100), and what
@@ -25,19 +25,13 @@ server to go and says so if one is left. Exit status 0, or 2 on a failed run.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models_torch import GATE, REPO, SOLO, GroupSpec, Options, RunFailed, publish, report_header, run, text  # noqa: E402
-from scheduler_torch import pin_self  # noqa: E402
-
-from bench.recording import add_record_flag  # noqa: E402 (models_torch puts the checkout on sys.path)
+from bench.gpu.models_torch import REPO, SOLO, GroupSpec, RunFailed, options, parser, report_header, run, text
+from bench.recording import add_record_flag, publish
 
 RESULTS = REPO / "bench" / "results" / "mps.md"
 MPS_PROCESSES = ("nvidia-cuda-mps-control", "nvidia-cuda-mps-server")
@@ -117,21 +111,13 @@ def summary(samples: list[dict[str, Any]], workers: set[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=8.0, help="the measured window of each run (default 8)")
-    ap.add_argument("--settle", type=float, default=2.0, help="seconds of settling before the window (default 2)")
+    ap = parser(__doc__, seconds=8.0)
     ap.add_argument("--workloads", default="cnn-infer,cnn-train", help="models_worker.py workloads")
-    ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) the workers run on (default 0)")
-    ap.add_argument("--ebpf", action="store_true", help="run the agent with its eBPF probes (root, bcc)")
     add_record_flag(ap, RESULTS)
-    ap.add_argument("--stand-in", action="store_true", help="simulated GPU kernels instead of torch")
     args = ap.parse_args(argv)
-    if not GATE.exists():
-        print(f"{GATE} is missing: run `make -C hook BUILD=$PWD/build` from the repo root first", file=sys.stderr)
+    opts = options(ap, args)
+    if opts is None:
         return 2
-    pin_self()
-    opts = Options(args.seconds, args.settle, args.ebpf, args.gpu, args.stand_in)
     workloads = [w for w in args.workloads.split(",") if w]
     began = time.monotonic()
     solo: dict[str, list[float]] = {}

@@ -22,7 +22,7 @@ cache release (on by default for these Oversubscribe groups: gemtrace/cache_rele
 of device memory (hook/memory.c; off by default, GEMTRACE_MANAGED_HINTS=1 turns them on): each case
 runs with them, without them, or both ways.
 
-    python3 bench/gpu/oversubscribe.py [--cases limited,squeezed,pair] [--limit-ratio 0.5]
+    python3 -m bench.gpu.oversubscribe [--cases limited,squeezed,pair] [--limit-ratio 0.5]
         [--oversubscription 1.5] [--cache-release on|off|both] [--hints on|off|both] [--seconds 20]
         [--settle 5] [--gpu 0] [--no-record]
 
@@ -34,7 +34,6 @@ torchvision, the agent's Python dependencies).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -42,19 +41,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, parse_list, publish, run  # noqa: E402
-from scheduler_torch import pin_self  # noqa: E402
-from testkit import GiB  # noqa: E402 (models_torch puts tests/ on sys.path)
-
-from bench.recording import add_record_flag, gpus, stamp  # noqa: E402 (models_torch puts the checkout on sys.path)
-from gemtrace.cache_release import ENV_RELEASE_CACHE  # noqa: E402 (models_torch puts the checkout on sys.path)
-from gemtrace.contract import ENV_MANAGED_HINTS  # noqa: E402
+from bench.gpu.models_torch import REPO, GroupSpec, Options, RunFailed, options, parse_list, parser, run
+from bench.recording import add_record_flag, gpus, publish, stamp
+from gemtrace.cache_release import ENV_RELEASE_CACHE
+from gemtrace.contract import ENV_MANAGED_HINTS
+from tests.testkit import GiB
 
 WORKLOAD = "cnn-train"
 CASES = ("limited", "squeezed", "pair")
@@ -154,8 +147,8 @@ def render(header: str, before: dict[str, Any], after: dict[str, Any] | None, ro
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    # A longer settling than the others': paging settles after the warm-up.
+    ap = parser(__doc__, seconds=20.0, settle=5.0, agent=False)
     ap.add_argument("--cases", type=lambda t: parse_list(t, CASES, "case"), default=CASES,
                     help=f"comma-separated, among {','.join(CASES)} (default all)")
     ap.add_argument("--limit-ratio", type=float, default=0.5,
@@ -169,19 +162,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the gate's advice and prefetch hints on the managed memory it serves: on "
                     "(GEMTRACE_MANAGED_HINTS=1), off (the gate's default), or both, each case once each way "
                     "(default off)")
-    ap.add_argument("--seconds", type=float, default=20.0, help="the measured window of each run (default 20)")
-    ap.add_argument("--settle", type=float, default=5.0,
-                    help="seconds after the warm-up before the window: paging settles (default 5)")
-    ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) (default 0)")
     add_record_flag(ap, RESULTS)
     args = ap.parse_args(argv)
-    if not 0 < args.limit_ratio < 1 or args.oversubscription <= 1 or args.seconds <= 0 or args.settle < 0:
-        ap.error("--limit-ratio must be in (0, 1), --oversubscription above 1, --seconds positive")
-    if not GATE.exists():
-        print(f"{GATE} is missing: run `make -C hook BUILD=$PWD/build` from the repo root first", file=sys.stderr)
+    if not 0 < args.limit_ratio < 1 or args.oversubscription <= 1:
+        ap.error("--limit-ratio must be in (0, 1) and --oversubscription above 1")
+    opts = options(ap, args)
+    if opts is None:
         return 2
-    pin_self()
-    opts = Options(args.seconds, args.settle, False, args.gpu, False)
     began = time.monotonic()
     try:
         before = solo(opts)

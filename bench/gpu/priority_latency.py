@@ -12,7 +12,7 @@ and for each the service's p50 / p99 / max latency per request over the window (
 --pause-ms), the hog's steps/s and the GPU time the agent charged each group. Target: p99 with Priority
 on <= 1.5 x solo p99.
 
-    python3 bench/gpu/priority_latency.py [--seconds 20] [--settle 2] [--pause-ms 20] [--gpu 0] [--ebpf]
+    python3 -m bench.gpu.priority_latency [--seconds 20] [--settle 2] [--pause-ms 20] [--gpu 0] [--ebpf]
         [--no-record] [--stand-in]
 
 Prints a markdown table and appends it, dated, to bench/results/priority_latency.md (not with
@@ -26,18 +26,12 @@ machine without a GPU, as tests/test_models_torch_standin.py does for models_tor
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from models_torch import GATE, REPO, GroupSpec, Options, RunFailed, publish, report_header, run  # noqa: E402
-from scheduler_torch import pin_self  # noqa: E402
-
-from bench.recording import add_record_flag  # noqa: E402 (models_torch puts the checkout on sys.path)
+from bench.gpu.models_torch import REPO, GroupSpec, RunFailed, options, parser, report_header, run
+from bench.recording import add_record_flag, publish
 
 RESULTS = REPO / "bench" / "results" / "priority_latency.md"
 SERVICE, HOG = "cnn-infer", "cnn-train"
@@ -84,26 +78,12 @@ def render(header: str, rows: list[dict[str, Any]], ratio: float, met: bool) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=20.0, help="the measured window of each run (default 20)")
-    ap.add_argument("--settle", type=float, default=2.0,
-                    help="seconds between the last process's warm-up and the window (default 2)")
-    ap.add_argument("--pause-ms", type=float, default=20.0,
-                    help="the service's pause between an answer and its next request (default 20)")
-    ap.add_argument("--gpu", type=int, default=0, help="the GPU (NVML index) the workers run on (default 0)")
-    ap.add_argument("--ebpf", action="store_true", help="run the agent with its eBPF probes (root, bcc)")
+    ap = parser(__doc__, seconds=20.0, paced=True)
     add_record_flag(ap, RESULTS)
-    ap.add_argument("--stand-in", action="store_true",
-                    help="workers run the simulated GPU's kernels instead of torch (no GPU needed)")
     args = ap.parse_args(argv)
-    if args.seconds <= 0 or args.settle < 0 or args.pause_ms < 0:
-        ap.error("--seconds must be positive, --settle and --pause-ms not negative")
-    if not GATE.exists():
-        print(f"{GATE} is missing: run `make -C hook BUILD=$PWD/build` from the repo root first", file=sys.stderr)
+    opts = options(ap, args)
+    if opts is None:
         return 2
-    pin_self()
-    opts = Options(args.seconds, args.settle, args.ebpf, args.gpu, args.stand_in)
     began = time.monotonic()
     rows: list[dict[str, Any]] = []
     about: dict[str, Any] = {}

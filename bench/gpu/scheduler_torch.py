@@ -18,10 +18,10 @@ For comparison, HAMi-core's caps of 30 and 70 delivered about 46% and 54% (issue
 
 Prints a table; with $OUT set, writes scheduler_torch.md and scheduler_torch.json there.
 
-    python3 bench/gpu/scheduler_torch.py [--seconds 8] [--warmup 3] [--cases all|name,...]
+    python3 -m bench.gpu.scheduler_torch [--seconds 8] [--warmup 3] [--cases all|name,...]
 
-Needs: torch with CUDA, nvidia-ml-py, psutil, build/libgemgate.so (`make gate`). structlog is optional
-here (a plain-logging stand-in is used when the GPU machine lacks it).
+Needs, from the repo root: torch with CUDA, build/libgemgate.so (`make gate`), and what the agent needs
+(psutil, nvidia-ml-py, prometheus-client, structlog) on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -36,42 +36,19 @@ import sys
 import tempfile
 import threading
 import time
-import types
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+from bench.recording import REPO, publish, stamp
+from gemtrace import defaults
+from gemtrace.membership import Membership
+from gemtrace.policy import PolicyParams
+from gemtrace.region import Region
+from gemtrace.scheduler import GpuScheduler, Quota
+
 GATE = REPO / "build" / "libgemgate.so"
-
-try:
-    import structlog  # noqa: F401
-except ImportError:  # the GPU machine has no structlog: gemtrace.scheduler only needs get_logger
-
-    class _Log:
-        def __init__(self, name: str) -> None:
-            self._log = logging.getLogger(name)
-
-        def _emit(self, level: int, event: str, **kw: Any) -> None:
-            self._log.log(level, "%s %s", event, " ".join(f"{k}={v}" for k, v in kw.items()))
-
-        def info(self, event: str, **kw: Any) -> None:
-            self._emit(logging.INFO, event, **kw)
-
-        def exception(self, event: str, **kw: Any) -> None:
-            self._log.exception("%s %s", event, kw)
-
-    _shim = types.ModuleType("structlog")
-    _shim.get_logger = _Log  # type: ignore[attr-defined]
-    sys.modules["structlog"] = _shim
-
-from bench.recording import stamp  # noqa: E402
-from gemtrace import defaults  # noqa: E402
-from gemtrace.membership import Membership  # noqa: E402
-from gemtrace.policy import PolicyParams  # noqa: E402
-from gemtrace.region import Region  # noqa: E402
-from gemtrace.scheduler import GpuScheduler, Quota  # noqa: E402
 
 WORKER = r"""
 import json, os, sys, time
@@ -222,6 +199,20 @@ def pin_self() -> None:
         os.sched_setaffinity(0, set(CORES[0]))
 
 
+def pin_worker(cpu: int | None) -> Callable[[], None] | None:
+    """A worker's preexec_fn: onto `cpu` (worker_cpu), or onto any of the CPUs this process started
+    with, not its own pin (pin_self); None where there is a single CPU to give."""
+    cpus = set(CPUS) if cpu is None else {cpu}
+    return (lambda: os.sched_setaffinity(0, cpus)) if len(CPUS) > 1 else None
+
+
+def json_lines(stream: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """A worker's JSON lines as they come, passing over what else it prints (torch's warnings)."""
+    for line in stream:
+        if line.startswith("{"):
+            yield json.loads(line)
+
+
 def end(proc: subprocess.Popen[Any]) -> None:
     """Stop a worker: SIGTERM, then SIGKILL if it is not gone within 10 s."""
     if proc.poll() is None:
@@ -242,10 +233,8 @@ class Worker:
             env[defaults.ENV_GROUP] = load.group
             env[defaults.ENV_STATE_DIR] = str(state_dir)
         self.load = load
-        cpus = set(CPUS) if cpu is None else {cpu}  # not this process's own pin (pin_self)
-        pin = (lambda: os.sched_setaffinity(0, cpus)) if len(CPUS) > 1 else None
         argv = [sys.executable, "-c", WORKER, load.kind, str(load.device), str(load.paced_ms / 1e3)]
-        self.proc = subprocess.Popen(argv, env=env, text=True, preexec_fn=pin,
+        self.proc = subprocess.Popen(argv, env=env, text=True, preexec_fn=pin_worker(cpu),
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.lines: list[dict[str, Any]] = []
         self.ready = threading.Event()
@@ -253,13 +242,11 @@ class Worker:
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                obj = json.loads(line)
-                if obj.get("ready"):
-                    self.ready.set()
-                else:
-                    self.lines.append(obj)
+        for obj in json_lines(self.proc.stdout):
+            if obj.get("ready"):
+                self.ready.set()
+            else:
+                self.lines.append(obj)
 
     def rate(self, t0: float, t1: float) -> float:
         """Iterations per second between the progress lines nearest t0 and t1."""
@@ -463,14 +450,9 @@ def main() -> int:
     slice_note = "" if args.slice_ms is None else f"; slice {args.slice_ms:g} ms"
     header = (f"{stamp()}, {rig.device}, {platform.node()}{slice_note}; {args.seconds:g} s windows after "
               f"{args.warmup:g} s warm-up; share = it/s shared / it/s alone ungated")
-    print(f"\n{header}\n\n{text}")
     ok = all(abs(r["share"] - r["target"]) <= 0.02 if r["kind"] == "=" else r["share"] >= r["target"] - 0.02
              for r in rows if r["kind"] != "~")
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, "scheduler_torch.md").write_text(f"{header}\n\n{text}\n")
-        Path(out, "scheduler_torch.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    publish(f"{header}\n\n{text}\n", "scheduler_torch", {"header": header, "rows": rows})
     return 0 if ok else 1
 
 

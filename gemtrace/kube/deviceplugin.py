@@ -14,6 +14,11 @@ kubelet's device-plugins directory, each registered with the kubelet. Owns the p
   group (GEMTRACE_GROUP) after writing the group's drop-in and waiting, briefly, for the agent to
   define it; CUDA_VISIBLE_DEVICES/NVIDIA_VISIBLE_DEVICES name the GPUs of its devices (each
   resource's; the kubelet keeps the first when they differ, and the grant's MinUtil allows for it).
+- PreStartContainer (asked for at registration): before a container starts, its grant's drop-in gets
+  the pod's binding Cgroup rule (the pod's cgroup exists by then) and the agent applies it, so that
+  the container's first process is its pod's whatever its environment says (a program under env -i
+  has no GEMTRACE_GROUP). Bounded by PRESTART_WAIT_S; a process placed before the rule moves at the
+  reload that brings it (gemtrace.membership).
 - Restarts. When the kubelet restarts it deletes every socket here: the plugin sees its socket's new
   inode, serves again and registers again. Every second it reconciles the drop-ins with PodResources
   (gemtrace.kube.grants), which is also how a restarted plugin picks up the running pods.
@@ -44,6 +49,7 @@ from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
 from gemtrace.kube.placer import Placer
 from gemtrace.kube.pods import Names, write_names
+from gemtrace.kube.shares import Grant
 from gemtrace.placement import DEFAULT_PACKING, PACKINGS, Packing
 
 log = structlog.get_logger("gemtrace.kube.plugin")
@@ -51,6 +57,7 @@ log = structlog.get_logger("gemtrace.kube.plugin")
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 CHECK_SECONDS = 1.0
 ALLOCATE_WAIT_S = 5.0  # for the agent to define a new group (it reloads its resource file every second)
+PRESTART_WAIT_S = 5.0  # for a container's Cgroup rule to be written and applied before it starts
 
 
 def socket_name(resource: str) -> str:
@@ -86,6 +93,18 @@ def ask_agent_to_reload(state_dir: Path) -> None:
             os.kill(pid, signal.SIGHUP)
         except OSError:
             pass  # gone, or not ours to signal: it reloads on its own within a second
+
+
+def config_generation(state_dir: Path) -> int | None:
+    """The agent's count of applied resource files (the region's config_generation); None: no region."""
+    try:
+        region = rg.Region.open(state_dir, writable=False)
+    except (OSError, rg.RegionError):
+        return None
+    try:
+        return int(region.layout.header.config_generation)
+    finally:
+        region.close()
 
 
 def group_defined(state_dir: Path, group: str) -> bool:
@@ -131,9 +150,11 @@ class Inventory:
 
 class ResourceServicer(dp_grpc.DevicePluginServicer):
     def __init__(self, resource: str, inventory: Inventory, grants: Grants, injection: Injection,
-                 state_dir: Path, stopping: threading.Event, placer: Placer) -> None:
+                 state_dir: Path, stopping: threading.Event, placer: Placer,
+                 before_start: Callable[[Sequence[str]], None]) -> None:
         self.resource = resource
         self.placer = placer
+        self.before_start = before_start
         self.inventory = inventory
         self.grants = grants
         self.injection = injection
@@ -141,7 +162,7 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
         self.stopping = stopping
 
     def GetDevicePluginOptions(self, request: dp.Empty, context: Any) -> dp.DevicePluginOptions:
-        return dp.DevicePluginOptions(get_preferred_allocation_available=True)
+        return kubelet.OPTIONS
 
     def ListAndWatch(self, request: dp.Empty, context: Any) -> Iterator[dp.ListAndWatchResponse]:
         seen = -1
@@ -205,6 +226,7 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
 
     def PreStartContainer(self, request: dp.PreStartContainerRequest, context: Any
                           ) -> dp.PreStartContainerResponse:
+        self.before_start(list(request.devicesIDs))
         return dp.PreStartContainerResponse()
 
 
@@ -233,6 +255,11 @@ class DevicePlugin:
         self._servers: list[grpc.Server] = []
         self._stop = threading.Event()
         self.registrations = 0
+        # The loop and PreStartContainer both reconcile; the grants' files are written by one at a time.
+        self._reconciling = threading.Lock()
+        # The agent's config_generation before the last write of a drop-in: it has applied the write
+        # once its generation passes this (None: nothing written since it last did).
+        self._unapplied: int | None = None
         self.placer = Placer(gpus, names or {}, packing or PACKINGS[DEFAULT_PACKING](), pods, self._listed)
 
     def _listed(self) -> list[kubelet.ContainerDevices]:
@@ -259,7 +286,7 @@ class DevicePlugin:
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
             dp_grpc.add_DevicePluginServicer_to_server(
                 ResourceServicer(resource, self.inventory, self.grants, self.injection, self.state_dir, self._stop,
-                                 self.placer),
+                                 self.placer, self.before_start),
                 server)
             server.add_insecure_port(f"unix://{path}")
             server.start()
@@ -275,29 +302,59 @@ class DevicePlugin:
             server.stop(grace=0.5)
         self._servers = []
 
-    def reconcile(self) -> None:
+    def reconcile(self) -> dict[str, Grant] | None:
+        """Make the drop-ins say PodResources' grants; returns them (None: PodResources unavailable)."""
         if self.pod_resources is None:
-            return
+            return None
         try:
             containers = kubelet.list_pod_resources(self.pod_resources)
         except grpc.RpcError as e:
             log.warning("pod_resources_unavailable", socket=str(self.pod_resources), error=str(e.code()))
-            return
+            return None
         pods = None
         if self.pods is not None and containers:
             try:
                 pods = self.pods()
             except Exception as e:  # ApiError; the grants are written without what it would add
                 log.warning("apiserver_unavailable", error=str(e), consequence="no Cgroup rule or MaxUtil annotation")
-        self.placer.prune(containers, pods)
-        writes = self.grants.writes
-        grants = self.grants.reconcile(containers, pods)
-        if self.grants.writes != writes:
-            ask_agent_to_reload(self.state_dir)
+        with self._reconciling:
+            self.placer.prune(containers, pods)
+            writes, generation = self.grants.writes, config_generation(self.state_dir)
+            grants = self.grants.reconcile(containers, pods)
+            if self.grants.writes != writes:
+                if self._unapplied is None and generation is not None:
+                    self._unapplied = generation
+                ask_agent_to_reload(self.state_dir)
         if self.names_file is not None:
             write_names(self.names_file, Names(
                 {info.uid: (namespace, name, info.containers) for (namespace, name), info in (pods or {}).items()},
                 {group: (g.namespace, g.pod, g.container) for group, g in grants.items()}))
+        return grants
+
+    def before_start(self, devices: Sequence[str]) -> None:
+        """PreStartContainer's work: the container's grant written with its pod's Cgroup rule and
+        applied by the agent, within PRESTART_WAIT_S."""
+        wanted = set(devices)
+        deadline = time.monotonic() + PRESTART_WAIT_S
+        while True:
+            grant = next((g for g in (self.reconcile() or {}).values() if wanted & set(g.memory + g.util)), None)
+            if grant is not None and grant.cgroup:
+                break
+            if time.monotonic() > deadline or self._stop.is_set():
+                log.warning("container_starts_without_cgroup_rule", devices=len(devices), waited_s=PRESTART_WAIT_S,
+                            consequence="its processes that set no GEMTRACE_GROUP join its group once the rule comes")
+                return
+            time.sleep(0.1)
+        while self._unapplied is not None:
+            generation = config_generation(self.state_dir)
+            if generation is not None and generation > self._unapplied:
+                self._unapplied = None
+            elif time.monotonic() > deadline or self._stop.is_set():
+                log.warning("cgroup_rule_not_applied_yet", group=grant.group, waited_s=PRESTART_WAIT_S,
+                            consequence="the container starts; its processes join its group once the agent has it")
+                return
+            else:
+                time.sleep(0.02)
 
     def step(self) -> None:
         """One pass of the loop: health, registration after a kubelet (re)start, reconciliation."""

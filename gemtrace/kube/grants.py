@@ -23,14 +23,15 @@ import structlog
 from gemtrace.kube.kubelet import ContainerDevices
 from gemtrace.kube.pods import pod_cgroup
 from gemtrace.kube.shares import (
-    ANNOTATION_MAX_UTIL,
     GPU_MEMORY,
     GPU_UTIL,
     GROUP_PREFIX,
+    GiB,
     Grant,
+    PodSettings,
     dropin_text,
     gpus_asked,
-    parse_max_util,
+    pod_settings,
 )
 
 log = structlog.get_logger("gemtrace.kube.grants")
@@ -65,6 +66,7 @@ class Grants:
         self.writes = 0  # files written or removed so far: the agent has something to reload
         # group -> the container (namespace, pod, name) whose grant this plugin wrote there, as known
         self._container_of: dict[str, tuple[str, str, str]] = {}
+        self._bad_annotations: set[str] = set()  # pod UIDs whose annotations were refused, logged once
 
     def path(self, group: str) -> Path:
         return self.dir / f"{group}.conf"
@@ -109,7 +111,18 @@ class Grants:
         info = (pods or {}).get((container.namespace, container.pod))
         if info is not None:
             cgroup = pod_cgroup(info.uid, self.cgroup_root) or ""
-            grant = replace(grant, max_util=parse_max_util(info.annotations.get(ANNOTATION_MAX_UTIL)), cgroup=cgroup,
+            try:
+                settings = pod_settings(info.annotations, grant.memory_limit() // GiB)
+            except ValueError as e:
+                # The webhook refuses such a pod; one created without it gets none of its annotations
+                # rather than a drop-in the agent would refuse, with every other pod's.
+                settings = PodSettings()
+                if info.uid not in self._bad_annotations:
+                    self._bad_annotations.add(info.uid)
+                    log.warning("pod_annotations_ignored", namespace=container.namespace, pod=container.pod,
+                                error=str(e), consequence="its groups take the resource file's defaults; correct "
+                                "the annotation and create the pod again")
+            grant = replace(grant, max_util=settings.max_util, settings=settings.lines, cgroup=cgroup,
                             gpus_asked=gpus_asked(info.annotations))
         return grant
 

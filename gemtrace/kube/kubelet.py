@@ -23,6 +23,8 @@ KUBELET_SOCKET = "kubelet.sock"
 POD_RESOURCES = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 API_VERSION = "v1beta1"
 CALL_TIMEOUT_S = 10.0
+# PreStartContainer: the plugin puts a container's binding Cgroup rule in force before it starts.
+OPTIONS = dp.DevicePluginOptions(get_preferred_allocation_available=True, pre_start_required=True)
 
 
 def channel(socket: Path) -> grpc.Channel:
@@ -34,7 +36,7 @@ def register(device_plugins: Path, endpoint: str, resource: str) -> None:
     with channel(device_plugins / KUBELET_SOCKET) as ch:
         dp_grpc.RegistrationStub(ch).Register(
             dp.RegisterRequest(version=API_VERSION, endpoint=endpoint, resource_name=resource,
-                               options=dp.DevicePluginOptions(get_preferred_allocation_available=True)),
+                               options=OPTIONS),
             timeout=CALL_TIMEOUT_S,
         )
 

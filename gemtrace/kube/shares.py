@@ -14,7 +14,11 @@ util devices it holds on any of those GPUs: the agent reserves a group's MinUtil
 on, so a grant whose devices the kubelet spread (10 + 50) or put its memory on another GPU than its
 util gets no more on a GPU than the kubelet counted there, and no GPU's MinUtils pass 1. The
 group is named after the memory devices (`k8s-` and a hash), so the same grant gets the same name
-after any restart of the plugin or the kubelet: nothing is counted twice.
+after any restart of the plugin or the kubelet: nothing is counted twice. Its Cgroup rule (the pod's
+cgroup) binds (CgroupBinding): the pod's processes are in its group whatever GEMTRACE_GROUP says.
+The pod's annotations `gemtrace.io/priority`, `gemtrace.io/isolation` and `gemtrace.io/oversubscribe`
+give the group's Priority, Isolation and Oversubscribe, with the resource file's own rules
+(`pod_settings`; the webhook refuses a pod that breaks them).
 
 What one container asks (`Request`): the two resources are what it takes in all, split evenly over
 the pod's annotation `gemtrace.io/gpus` (default 1) so that each GPU gets its memory and its time
@@ -28,11 +32,19 @@ import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from gemtrace.config import check_value, parse_size
+
 GPU_MEMORY = "gemtrace.io/gpu-memory"
 GPU_UTIL = "gemtrace.io/gpu-util"
 ANNOTATION_MAX_UTIL = "gemtrace.io/max-util"
 ANNOTATION_GPUS = "gemtrace.io/gpus"
 ANNOTATION_GPU_MODEL = "gemtrace.io/gpu-model"
+ANNOTATION_PRIORITY = "gemtrace.io/priority"
+ANNOTATION_ISOLATION = "gemtrace.io/isolation"
+ANNOTATION_OVERSUBSCRIBE = "gemtrace.io/oversubscribe"
+# annotation -> the resource file's key it sets in the pod's groups
+ANNOTATION_KEYS = {ANNOTATION_MAX_UTIL: "MaxUtil", ANNOTATION_PRIORITY: "Priority",
+                   ANNOTATION_ISOLATION: "Isolation", ANNOTATION_OVERSUBSCRIBE: "Oversubscribe"}
 LABEL_GROUP = "gemtrace.io/group"
 GiB = 1 << 30
 UTIL_UNITS = 100  # per GPU: 1 unit = 1%
@@ -103,7 +115,7 @@ def request_of(limits: Mapping[str, int], annotations: Mapping[str, str]) -> Req
     totals) and its pod's annotations; RequestError when it cannot be split evenly over its GPUs."""
     text = annotations.get(ANNOTATION_GPUS, "1")
     try:
-        gpus = int(text)
+        gpus = int(text) if isinstance(text, str) else 0
     except ValueError:
         gpus = 0
     if gpus < 1:
@@ -117,8 +129,11 @@ def request_of(limits: Mapping[str, int], annotations: Mapping[str, str]) -> Req
     if util // gpus > UTIL_UNITS:
         raise RequestError(f"{GPU_UTIL}: {util} over {gpus} GPU(s) is more than {UTIL_UNITS}% of each; ask for at most "
                            f"{UTIL_UNITS * gpus}, or for more GPUs ({ANNOTATION_GPUS})")
-    model = (annotations.get(ANNOTATION_GPU_MODEL) or "").strip() or None
-    return Request(memory // gpus, util // gpus, gpus, model)
+    model = annotations.get(ANNOTATION_GPU_MODEL)
+    if model is not None and (not isinstance(model, str) or not model.isprintable()):
+        raise RequestError(f"annotation {ANNOTATION_GPU_MODEL}={model!r} is not a GPU model name; write words of "
+                           "the GPUs' names, comma-separated alternatives (H100, A100)")
+    return Request(memory // gpus, util // gpus, gpus, (model or "").strip() or None)
 
 
 def gpus_asked(annotations: Mapping[str, str]) -> int:
@@ -146,6 +161,7 @@ class Grant:
     max_util: float | None = None  # the pod's annotation, if any
     cgroup: str = ""  # the pod's cgroup path, if known
     gpus_asked: int = 1  # the pod's gemtrace.io/gpus: its util devices are that many GPUs' worth
+    settings: tuple[tuple[str, str], ...] = ()  # (key, value) from the pod's other annotations: PodSettings
 
     @property
     def group(self) -> str:
@@ -181,13 +197,40 @@ class Grant:
         return min(len(self.util) // self.gpus_asked, UTIL_UNITS) / UTIL_UNITS or 1.0
 
 
-def parse_max_util(text: str | None) -> float | None:
-    """The annotation's ratio ("0.5"), or None when absent or not a ratio in (0, 1]."""
-    try:
-        value = float(text) if text is not None else None
-    except ValueError:
-        return None
-    return value if value is not None and 0 < value <= 1 else None
+@dataclass(frozen=True)
+class PodSettings:
+    """What a pod's annotations set in its groups: MaxUtil, and (key, value) lines of the resource file."""
+
+    max_util: float | None = None
+    lines: tuple[tuple[str, str], ...] = ()
+
+
+def pod_settings(annotations: Mapping[str, str], memory_gib: int = 0) -> PodSettings:
+    """The pod's settings from its annotations; ValueError, one sentence naming the annotation, for a
+    value the resource file would refuse (or an Oversubscribe size not above the `memory_gib` the pod
+    asks for per container, which would never allow managed memory)."""
+    max_util = None
+    lines: list[tuple[str, str]] = []
+    for annotation, key in ANNOTATION_KEYS.items():
+        value = annotations.get(annotation)
+        if value is None:
+            continue
+        if not isinstance(value, str):
+            raise ValueError(f"annotation {annotation} must be a string")
+        try:
+            check_value(key, value)
+        except ValueError as e:
+            raise ValueError(f"annotation {annotation}: {e}") from None
+        value = value.strip()
+        if key == "MaxUtil":
+            max_util = float(value)
+            continue
+        if key == "Oversubscribe" and memory_gib and value.lower() not in ("true", "yes", "on", "false", "no", "off"):
+            if parse_size(value) <= memory_gib * GiB:
+                raise ValueError(f"annotation {annotation}: {value} is not above the pod's {memory_gib} GiB of "
+                                 f"{GPU_MEMORY}, so it would never allow managed memory; give more, or true")
+        lines.append((key, value))
+    return PodSettings(max_util, tuple(lines))
 
 
 def dropin_text(grant: Grant) -> str:
@@ -202,8 +245,10 @@ def dropin_text(grant: Grant) -> str:
     if grant.util:
         lines.append(f"MinUtil = {grant.min_util():g}")
     lines.append(f"MaxUtil = {grant.max_util_ratio():g}")
+    lines += [f"{key} = {value}" for key, value in grant.settings]
     if grant.cgroup:
-        lines.append(f"Cgroup = {grant.cgroup}")
+        # Binding: a process of the pod that clears or changes GEMTRACE_GROUP stays in its pod's group.
+        lines += [f"Cgroup = {grant.cgroup}", "CgroupBinding = true"]
     if grant.gpus:
         lines.append(f"Gpus = {'; '.join(grant.gpus)}")
     return "\n".join(lines) + "\n"

@@ -1,11 +1,18 @@
-"""`gemtrace kube-webhook`: a mutating admission webhook that gates the pods labelled with a group.
+"""`gemtrace kube-webhook`: the admission webhook that gates the pods labelled with a group and
+checks the settings pods give gemtrace.
 
 For clusters that keep another device plugin (`nvidia.com/gpu`): a pod labelled
 `gemtrace.io/group=NAME` gets the gate (gemtrace.kube.injection: hostPath volumes for the gate, the
 state dir and /etc/ld.so.preload, mounted in every container) and GEMTRACE_GROUP=NAME, so its
 processes join group NAME of the node's resource file. Any other pod gets no patch at all. A label
-that is no group name is refused with a message saying so (admitted ungated, the pod would run
-without the quotas its owner asked for).
+that is no group name, or names no group of the resource file the webhook reads (--config, the
+nodes'), or names a pod's own group (`k8s-`), is refused with a message saying so (admitted, the pod
+would run without the quotas its owner asked for). So is a pod whose annotations
+(`gemtrace.io/max-util`, `priority`, `isolation`, `oversubscribe`: gemtrace.kube.shares) the resource
+file would refuse, or whose `gemtrace.io/gpus` and `gpu-model` no node could place
+(shares.request_of): refused at admission rather than by the kubelet of the node it lands on. On
+/validate it only checks (a validating webhook for every pod, labelled or not); on any other path it
+also patches.
 
 `review` is pure (AdmissionReview in, AdmissionReview out); `serve` is the HTTPS server around it
 (gemtrace.httpd: slow and idle connections hold no worker, every step has a deadline). Every request
@@ -20,25 +27,31 @@ import base64
 import json
 import signal
 import ssl
+import threading
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from gemtrace import httpd
-from gemtrace.config import _GROUP_NAME
+from gemtrace.config import _GROUP_NAME, ConfigError, load
+from gemtrace.kube.apiserver import ApiError
 from gemtrace.kube.injection import Injection
-from gemtrace.kube.shares import LABEL_GROUP
+from gemtrace.kube.servingcert import Keeper
+from gemtrace.kube.shares import GPU_MEMORY, GPU_UTIL, GROUP_PREFIX, LABEL_GROUP, pod_settings, request_of
 from gemtrace.signals import SignalInbox
 
 log = structlog.get_logger("gemtrace.kube.webhook")
 
 Json = dict[str, Any]
+Groups = Callable[[], Container[str]]  # the groups a label may name; BadPod when they cannot be known
 
 API_VERSION = "admission.k8s.io/v1"
 # The API server sends a pod's review in one JSON document; its objects are at most 1.5 MiB in etcd,
 # and the review carries the pod twice at most (object, oldObject).
 LIMITS = httpd.Limits(body_bytes=4 << 20, workers=4)
+RETRY_S = 2.0  # between first tries to get the certificate from the apiserver
 
 
 class NotAReview(ValueError):
@@ -65,7 +78,52 @@ def _objects(value: Any, where: str) -> list[Json]:
     return value
 
 
-def patch_for(pod: Json, injection: Injection) -> list[Json] | None:
+def resource_groups(path: Path) -> Groups:
+    """The groups of the resource file at `path` (with its drop-ins, less the pods' own), read at
+    each review: a file changed on the nodes is followed at once."""
+    def groups() -> Container[str]:
+        try:
+            config = load(path)
+        except (OSError, ConfigError) as e:
+            raise BadPod(f"the webhook cannot read its resource file to check the label {LABEL_GROUP} ({e}); "
+                         "mount the nodes' resource file at its --config") from None
+        return {name for name in config.groups if not name.startswith(GROUP_PREFIX)}
+    return groups
+
+
+def gemtrace_limits(spec: Json) -> list[dict[str, int]]:
+    """Each container's whole numbers of gemtrace.io/gpu-memory and gpu-util (an extended resource's
+    request is its limit), for those that ask any."""
+    out = []
+    for kind in ("initContainers", "containers"):
+        for i, container in enumerate(_objects(spec.get(kind), f"spec.{kind}")):
+            resources = _mapping(container.get("resources"), f"spec.{kind}[{i}].resources")
+            asked = {**_mapping(resources.get("requests"), f"spec.{kind}[{i}].resources.requests"),
+                     **_mapping(resources.get("limits"), f"spec.{kind}[{i}].resources.limits")}
+            ours = {k: int(v) for k, v in asked.items()
+                    if k in (GPU_MEMORY, GPU_UTIL) and isinstance(v, (str, int)) and str(v).isdigit()}
+            if ours:
+                out.append(ours)
+    return out
+
+
+def check_pod(pod: Json) -> None:
+    """BadPod for annotations that the resource file would refuse in the pod's groups, or a request
+    that no node could place (gemtrace.io/gpus that its shares do not split over, a model that is no
+    name)."""
+    metadata = _mapping(pod.get("metadata"), "metadata")
+    annotations = _mapping(metadata.get("annotations"), "metadata.annotations")
+    try:
+        # A pod that asks none of the shares still has its gemtrace.io/gpus and gpu-model read.
+        requests = [request_of(limits, annotations) for limits in gemtrace_limits(_mapping(pod.get("spec"), "spec"))
+                    or [{}]]
+        # Oversubscribe is per GPU, as the group's MemoryLimit is: a container's memory on each of its GPUs.
+        pod_settings(annotations, max(r.memory for r in requests))
+    except ValueError as e:
+        raise BadPod(str(e)) from None
+
+
+def patch_for(pod: Json, injection: Injection, groups: Groups) -> list[Json] | None:
     """The JSON patch that gates `pod`, None for a pod without the label. ValueError (BadPod): a bad
     label, or a pod whose shape is not a pod's."""
     metadata = _mapping(pod.get("metadata"), "metadata")
@@ -75,6 +133,12 @@ def patch_for(pod: Json, injection: Injection) -> list[Json] | None:
     if not isinstance(group, str) or not _GROUP_NAME.fullmatch(group):
         raise BadPod(f"label {LABEL_GROUP}={group!r} is not a group name (1 to 63 letters, digits or _.:@+-); "
                      "name a group of the nodes' resource file")
+    if group.startswith(GROUP_PREFIX):
+        raise BadPod(f"label {LABEL_GROUP}={group} names a pod's own group ({GROUP_PREFIX}...); name a group of "
+                     "the nodes' resource file")
+    if group not in groups():
+        raise BadPod(f"label {LABEL_GROUP}={group} names no group of the nodes' resource file; name one it "
+                     "defines, or have the operator add [" + group + "]")
     spec = _mapping(pod.get("spec"), "spec")
     patch: list[Json] = []
     mounts = injection.mounts()
@@ -106,9 +170,10 @@ def patch_for(pod: Json, injection: Injection) -> list[Json] | None:
     return patch
 
 
-def review(request_review: Any, injection: Injection) -> Json:
-    """The AdmissionReview response to an AdmissionReview request (admission.k8s.io/v1). NotAReview for
-    a document that is none: not an object, or without a request that has a uid to answer."""
+def review(request_review: Any, injection: Injection, groups: Groups, mutate: bool = True) -> Json:
+    """The AdmissionReview response to an AdmissionReview request (admission.k8s.io/v1): the pod
+    checked and, with `mutate`, patched. NotAReview for a document that is none: not an object, or
+    without a request that has a uid to answer."""
     if not isinstance(request_review, dict):
         raise NotAReview(f"the body is a JSON {type(request_review).__name__}, not an AdmissionReview object")
     if request_review.get("kind", "AdmissionReview") != "AdmissionReview":
@@ -119,7 +184,8 @@ def review(request_review: Any, injection: Injection) -> Json:
     response: Json = {"uid": request["uid"], "allowed": True}
     try:
         pod = _mapping(request.get("object"), "request.object")
-        patch = patch_for(pod, injection)
+        check_pod(pod)
+        patch = patch_for(pod, injection, groups) if mutate else None
     except BadPod as e:
         response.update(allowed=False, status={"code": 400, "message": str(e)})
         patch = None
@@ -134,7 +200,7 @@ def review(request_review: Any, injection: Injection) -> Json:
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
-def _handler(injection: Injection) -> type[httpd.Handler]:
+def _handler(injection: Injection, groups: Groups) -> type[httpd.Handler]:
     class ReviewHandler(httpd.Handler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -148,7 +214,8 @@ def _handler(injection: Injection) -> type[httpd.Handler]:
                     raise NotAReview("the JSON is nested too deeply") from None
                 except ValueError as e:  # bad JSON, bad UTF-8, an integer too long
                     raise NotAReview(f"not JSON: {e}") from None
-                answer, status = json.dumps(review(document, injection)).encode(), 200
+                mutate = self.path.partition("?")[0] != "/validate"
+                answer, status = json.dumps(review(document, injection, groups, mutate)).encode(), 200
                 content_type = "application/json"
             except NotAReview as e:
                 answer, status = f"not an AdmissionReview: {e}\n".encode(), 400
@@ -162,23 +229,42 @@ def _handler(injection: Injection) -> type[httpd.Handler]:
     return ReviewHandler
 
 
-def server(listen: str, cert: Path, key: Path, injection: Injection) -> httpd.Server:
+def server(listen: str, cert: Path, key: Path, injection: Injection, groups: Groups) -> httpd.Server:
     """The HTTPS server, bound and not yet serving (start it)."""
     host, _, port = listen.rpartition(":")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     sock = httpd.listening_socket(host.strip("[]") or "0.0.0.0", int(port))
-    return httpd.Server(sock, _handler(injection), context, LIMITS, name="gemtrace-webhook")
+    return httpd.Server(sock, _handler(injection, groups), context, LIMITS, name="gemtrace-webhook")
 
 
-def serve(listen: str, cert: Path, key: Path, injection: Injection) -> None:
-    """Serve until SIGTERM or SIGINT."""
-    httpd_server = server(listen, cert, key, injection)
+def serve(listen: str, cert: Path, key: Path, injection: Injection, groups: Groups,
+          keeper: Keeper | None = None) -> None:
+    """Serve until SIGTERM or SIGINT. With a `keeper`, the certificate is its Secret's, written to
+    `cert` and `key` before serving and loaded again whenever it renews it."""
     signals = SignalInbox((signal.SIGTERM, signal.SIGINT))
+    stop = threading.Event()
+    if keeper is not None:
+        # Not serving before the certificate is there: the Deployment's other replica may serve meanwhile.
+        while True:
+            try:
+                keeper.check()
+                break
+            except (ApiError, ValueError, OSError) as e:
+                log.warning("webhook_certificate_check_failed", error=str(e))
+            if signals.wait(RETRY_S):
+                return
+    httpd_server = server(listen, cert, key, injection, groups)
+    if keeper is not None:
+        context = httpd_server.tls
+        assert context is not None
+        keeper.on_change = lambda: context.load_cert_chain(cert, key)  # new connections get the new one
+        threading.Thread(target=keeper.run, args=(stop,), name="gemtrace-webhook-cert", daemon=True).start()
     httpd_server.start()
     log.info("webhook_listening", listen=listen)
     try:
         while not signals.wait(60.0):
             pass
     finally:
+        stop.set()
         httpd_server.stop()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 
 from gemtrace.contract import (
+    BESIDE_SLOTS,
     COMM_LEN,
     GROUP_UNASSIGNED,
     HELD,
@@ -22,6 +23,7 @@ from gemtrace.contract import (
     MAX_SLOTS,
     NAME_LEN,
     RELEASED,
+    RELEASED_BESIDE,
     RELEASED_LONG_QUEUE,
     RELEASED_OUTRANKED,
     RELEASED_SHORT_QUEUE,
@@ -30,8 +32,9 @@ from gemtrace.contract import (
 )
 
 # A control word's states that let launches proceed: unbounded (a group not scheduled there), and
-# with the queue bounded for a hold coming, for an outranking group's wait, and with no hold in sight.
-RELEASED_WORDS = (RELEASED, RELEASED_SHORT_QUEUE, RELEASED_OUTRANKED, RELEASED_LONG_QUEUE)
+# with the queue bounded for a hold coming, for an outranking group's wait, with no hold in sight, and
+# for an opportunistic group beside production.
+RELEASED_WORDS = (RELEASED, RELEASED_SHORT_QUEUE, RELEASED_OUTRANKED, RELEASED_LONG_QUEUE, RELEASED_BESIDE)
 
 u32, i32, u64 = ctypes.c_uint32, ctypes.c_int32, ctypes.c_uint64
 
@@ -72,7 +75,8 @@ class GroupRecord(ctypes.Structure):
 
 
 class Control(ctypes.Structure):
-    _fields_ = [("held", u32), ("reserved0", u32), ("grant_seq", u64), ("reserved", u64 * 6)]
+    _fields_ = [("held", u32), ("beside_n", ctypes.c_uint16), ("reserved0", ctypes.c_uint16), ("grant_seq", u64),
+                ("beside_slots", ctypes.c_uint16 * BESIDE_SLOTS)]
 
 
 class Assignment(ctypes.Structure):

@@ -20,13 +20,15 @@ import errno
 import mmap
 import os
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 
 from gemtrace.contract import (
     ATTACH_SOCKET,
     ATTACH_VIEW,
+    BESIDE_MANY,
+    BESIDE_SLOTS,
     CHUNK_SLOTS,
     GROUP_UNASSIGNED,
     HELD,
@@ -129,7 +131,10 @@ def _new_file(state_dir: Path, name: str, size: int, mode: int) -> tuple[Path, i
     header is written): a sparse file would kill the agent and every gated program with SIGBUS on a
     full filesystem."""
     tmp = state_dir / f".{name}.{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    # A new file, never one found there (a leftover of a crash, or a link planted by whoever could
+    # write the directory): the checks of open_state_dir are not repeated here.
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
     try:
         os.fchmod(fd, mode)  # whatever the umask
         try:
@@ -520,6 +525,22 @@ class Region:
         if was_held:
             control.grant_seq += 1
             self._wake(ctypes.addressof(control) + Control.held.offset, wake)
+
+    def set_beside(self, gpu: int, group: int, production: Sequence[int]) -> None:
+        """Name the slots of the GPU's production processes to an opportunistic group released beside
+        them (RELEASED_BESIDE): while one of them has work queued, the group's gates keep a queue of a
+        few kernels. More than fit: BESIDE_MANY, and the gates count production busy all the while.
+        Written count last, so that a gate never reads an entry past what was written."""
+        control = self.layout.control[gpu][group]
+        if len(production) > BESIDE_SLOTS:
+            control.beside_n = BESIDE_MANY
+            return
+        if control.beside_n == len(production) and list(control.beside_slots[: len(production)]) == list(production):
+            return
+        control.beside_n = 0
+        for i, index in enumerate(production):
+            control.beside_slots[i] = index
+        control.beside_n = len(production)
 
     def release_all(self) -> None:
         for gpu in range(MAX_GPUS):

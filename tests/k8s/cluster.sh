@@ -348,18 +348,19 @@ alive() { [ -f "$RUN/pids/$1" ] && pid_alive "$(cat "$RUN/pids/$1")"; }
 
 # A cluster of this script's that another run dir started: its kubelet and apiserver share the host's
 # /var/lib/kubelet and /kubepods cgroups with ours (one kubelet killed the other's pods, one device plugin
-# rewrote the other's grants), so a second one is refused. Prints the first such process: pid and name.
+# rewrote the other's grants), so a second one is refused. Prints each such process, a line each: pid
+# and name; fails where there is none.
 foreign_cluster() {
-    local name pid
+    local name pid found=1
     for name in kubelet kube-apiserver; do
         for pid in $(pgrep -x "$name" 2>/dev/null || true); do
             if ! [ -f "$RUN/pids/$name" ] || [ "$(cat "$RUN/pids/$name")" != "$pid" ]; then
                 echo "$pid $name"
-                return 0
+                found=0
             fi
         done
     done
-    return 1
+    return $found
 }
 
 # wait_for WHAT SECONDS NAME COMMAND...: until COMMAND succeeds, while NAME's process lives.
@@ -453,6 +454,7 @@ cmd_up() {
     fi
     local other
     if other=$(foreign_cluster); then
+        other=${other%%$'\n'*}  # (the first)
         die "another cluster runs on this host (${other#* } pid ${other%% *}, not of $RUN): only one can, as they" \
             "share /var/lib/kubelet and the kubepods cgroups; stop it first (GEMTRACE_K8S_RUN=its run dir $0 down)"
     fi
@@ -480,6 +482,8 @@ cmd_up() {
     start containerd containerd --config "$RUN/containerd/config.toml"
     wait_for "etcd health" 30 etcd curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 
+    # --enable-aggregator-routing: the apiserver calls a webhook's Service at its endpoints (the pod's
+    # address) instead of its ClusterIP, which nothing routes here (no kube-proxy): deploy/'s webhook.
     start kube-apiserver "$bin/kube-apiserver" \
         --etcd-servers "http://127.0.0.1:$ETCD_PORT" \
         --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$APISERVER_PORT" --insecure-port 0 \
@@ -494,6 +498,7 @@ cmd_up() {
         --service-cluster-ip-range "$SERVICE_CIDR" \
         --authorization-mode Node,RBAC \
         --enable-admission-plugins NodeRestriction,MutatingAdmissionWebhook,ValidatingAdmissionWebhook \
+        --enable-aggregator-routing=true \
         --allow-privileged=true
     wait_for "containerd socket" 30 containerd ctr -a "$CONTAINERD_SOCK" version
     local images=$RUN/images

@@ -1,0 +1,77 @@
+"""deploy/'s manifests against what the code and the image say of themselves (no cluster: the k8s
+tier applies them, tests/test_kube_e2e.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from simgpu_env import REPO
+
+import gemtrace
+from gemtrace import cli
+
+pytestmark = pytest.mark.unit
+
+DEPLOY = REPO / "deploy"
+
+
+def objects() -> list[dict[str, Any]]:
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    found = []
+    for name in kustomization["resources"]:
+        found += [o for o in yaml.safe_load_all((DEPLOY / name).read_text()) if o]
+    return found
+
+
+def one(kind: str, name: str) -> dict[str, Any]:
+    (found,) = [o for o in objects() if o["kind"] == kind and o["metadata"]["name"] == name]
+    return found
+
+
+def test_the_image_tag_is_the_version_that_make_image_builds() -> None:
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    (image,) = kustomization["images"]
+    assert image == {"name": "gemtrace/gemtrace", "newTag": gemtrace.__version__}
+    for kind, name in (("DaemonSet", "gemtrace-device-plugin"), ("Deployment", "gemtrace-webhook")):
+        (container,) = one(kind, name)["spec"]["template"]["spec"]["containers"]
+        # A tag-less image in the manifest takes the kustomization's tag; IfNotPresent: the image is
+        # imported into each node, there is no registry to pull it from.
+        assert container["image"] == "gemtrace/gemtrace" and container["imagePullPolicy"] == "IfNotPresent"
+    build = (REPO / "packaging" / "image" / "build.sh").read_text()
+    assert 'ref="gemtrace/gemtrace:$version"' in build
+
+
+def test_the_webhook_runs_with_the_options_that_make_its_certificate_and_the_rbac_they_need() -> None:
+    (container,) = one("Deployment", "gemtrace-webhook")["spec"]["template"]["spec"]["containers"]
+    args = cli.parser().parse_args(container["command"][1:])
+    secret_ns, secret = args.tls_secret.split("/")
+    service_ns, service = args.service.split("/")
+    assert one("Secret", secret)["metadata"]["namespace"] == secret_ns
+    assert one("Service", service)["metadata"]["namespace"] == service_ns
+    configurations = {"MutatingWebhookConfiguration": (args.webhook_configuration, "/mutate"),
+                      "ValidatingWebhookConfiguration": (args.validating_webhook_configuration, "/validate")}
+    for kind, (name, path) in configurations.items():
+        # No caBundle in the manifests: the webhook owns it, and a re-apply must not clear it.
+        for hook in one(kind, name)["webhooks"]:
+            assert "caBundle" not in hook["clientConfig"]
+            assert hook["clientConfig"]["service"] == {"name": service, "namespace": service_ns, "path": path}
+    # The certificate is written where the container may write (an emptyDir), not the read-only root.
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in one("Deployment", "gemtrace-webhook")["spec"]["template"]["spec"]["volumes"]}
+    assert "emptyDir" in volumes[mounts[str(Path(args.cert).parent)]] and "emptyDir" in volumes[mounts["/tmp"]]
+    # Its RBAC: that Secret and that configuration, nothing else.
+    role, cluster_role = one("Role", "gemtrace-webhook"), one("ClusterRole", "gemtrace-webhook")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [secret],
+                              "verbs": ["get", "update"]}]
+    assert cluster_role["rules"] == [
+        {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["mutatingwebhookconfigurations"],
+         "resourceNames": [args.webhook_configuration], "verbs": ["get", "patch"]},
+        {"apiGroups": ["admissionregistration.k8s.io"], "resources": ["validatingwebhookconfigurations"],
+         "resourceNames": [args.validating_webhook_configuration], "verbs": ["get", "patch"]}]
+    # The node's resource file, for the labels' groups, read-only where --config looks.
+    config_mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(Path(args.config).parent))
+    assert config_mount.get("readOnly") is True
+    assert volumes[config_mount["name"]]["hostPath"]["path"] == str(Path(args.config).parent)
