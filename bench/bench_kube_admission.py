@@ -67,7 +67,9 @@ def main() -> int:
                                        "--device-plugins", str(cluster.device_plugins),
                                        "--gate", str(REPO / "build" / "libgemgate.so"),
                                        "--preload-file", str(tmp / "ld.so.preload"), "--pod-names",
-                                       str(tmp / "pods.json"), "--log-level", "warning"),
+                                       str(tmp / "pods.json"), "--log-level", "warning",
+                                       # As the DaemonSet runs it: with its node's pods, so that it places.
+                                       "--node-name", cluster.node, "--kubeconfig", cluster.kubeconfig),
                               env=host.env(), stderr=subprocess.DEVNULL)
     try:
         while cluster.get("node", cluster.node)["status"]["allocatable"].get(shares.GPU_MEMORY) != "16":

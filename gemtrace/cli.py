@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from gemtrace import __version__, defaults
-from gemtrace.placement import DEFAULT_POLICY, POLICIES
+from gemtrace.placement import DEFAULT_PACKING, DEFAULT_POLICY, PACKINGS, POLICIES
 
 # sysexits.h's EX_CONFIG: the host lacks what the agent needs (the NVIDIA driver), so restarting
 # cannot help; the unit names it in RestartPreventExitStatus= (packaging/deb/gemtrace.service).
@@ -193,9 +193,10 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
                      "apt-get install python3-grpcio python3-protobuf)")
     eventlog.configure(args.log_level)
     try:
-        gpus = [(g.uuid, g.memory_total) for g in discover()]
+        found = discover()
     except GpuDiscoveryError as e:
         return _fail(f"{e} The device plugin advertises this node's GPUs: install the NVIDIA driver first.")
+    gpus = [(g.uuid, g.memory_total) for g in found]
     injection = Injection(gate=args.gate, state_dir=args.state_dir, preload_file=args.preload_file)
     try:
         injection.write_preload_file()
@@ -217,7 +218,8 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
     plugin = DevicePlugin(gpus, args.state_dir, Grants(dropin_dir(args.config)), injection,
                           device_plugins=args.device_plugins, pod_resources=args.pod_resources,
                           gpus_present=lambda: {g.uuid for g in discover()}, pods=pods, names_file=args.pod_names,
-                          tell=tell)
+                          tell=tell, names={g.uuid: g.name for g in found},
+                          packing=PACKINGS[args.placement]())
     # The plugin runs in a thread; the main thread only takes the signals (gemtrace.signals says why).
     signals = SignalInbox((signal.SIGTERM, signal.SIGINT))
     worker = threading.Thread(target=plugin.run, name="gemtrace-plugin", daemon=True)
@@ -409,14 +411,18 @@ def parser() -> argparse.ArgumentParser:
     kube_plugin.add_argument("--pod-resources", type=Path, default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"),
                              metavar="SOCKET", help="the kubelet's PodResources socket (default %(default)s)")
     kube_plugin.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="NODE",
-                             help="this node's name: the plugin then reads its pods from the apiserver for their "
-                             "cgroup (a Cgroup rule) and gemtrace.io/max-util annotation (default $NODE_NAME; "
-                             "unset: neither)")
+                             help="this node's name: the plugin then reads its pods from the apiserver to place "
+                             "each container's share on its GPUs, and for their cgroup (a Cgroup rule) and "
+                             "annotations (default $NODE_NAME; unset: none of these)")
     kube_plugin.add_argument("--pod-names", type=Path, default=POD_NAMES, metavar="FILE",
                              help="where to write the pods' names for the agent's metrics labels (default %(default)s; "
                              "the agent's --pod-names)")
     kube_plugin.add_argument("--kubeconfig", type=Path, metavar="FILE",
                              help="credentials for the apiserver (default: the pod's service account)")
+    kube_plugin.add_argument("--placement", choices=sorted(PACKINGS), default=DEFAULT_PACKING,
+                             help="which GPU a pod's share goes to among those it fits: binpack, the fullest "
+                                  "first (whole GPUs stay free for large pods), or spread, the emptiest first "
+                                  "(default %(default)s; needs --node-name)")
     injection_options(kube_plugin)
     kube_plugin.set_defaults(func=cmd_kube_plugin)
 

@@ -1,5 +1,6 @@
 """Which GPUs a `gemtrace run --gpus N` gets: the topology as plain data, the policies that choose,
-and the arithmetic of which GPUs are free for a group.
+and the arithmetic of which GPUs are free for a group. And which GPUs a pod's share goes to on a
+Kubernetes node (`place`): whole on each GPU, of the model asked, binpacked or spread.
 
 Owns the scores and the choice; never touches NVML or the region (topology.py reads the one,
 allotment.py the other). A policy is one class with one method, `allocate(available, size)`, as
@@ -10,6 +11,7 @@ POLICIES by one line; docs/placement.md explains the scores and why best-effort 
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -183,3 +185,78 @@ def free_for(group: str, limit: int | None, gpus: Sequence[GpuNode], uses: Itera
         if gpu.memory_total - taken >= need:
             free.append(gpu)
     return free
+
+
+# ---- which GPUs a pod's share goes to on a Kubernetes node ----------------------------------------
+
+
+@dataclass(frozen=True)
+class Room:
+    """One GPU as the device plugin sees it: its NVML name and the units (GiB, percent) that no
+    container holds yet."""
+
+    uuid: str
+    name: str
+    memory: int
+    util: int
+
+
+class Packing(Protocol):
+    def order(self, rooms: Sequence[Room]) -> list[Room]:
+        """`rooms` (each of which fits the request) in the order to fill them; ties keep their order."""
+        ...
+
+
+class Binpack:
+    """The fullest GPU that fits first: the free GPUs stay whole for the large requests to come."""
+
+    def order(self, rooms: Sequence[Room]) -> list[Room]:
+        return sorted(rooms, key=lambda r: (r.memory, r.util))
+
+
+class Spread:
+    """The emptiest GPU first: a pod shares a GPU only once every GPU has one, and competes least."""
+
+    def order(self, rooms: Sequence[Room]) -> list[Room]:
+        return sorted(rooms, key=lambda r: (-r.memory, -r.util))
+
+
+PACKINGS: dict[str, Callable[[], Packing]] = {
+    "binpack": Binpack,
+    "spread": Spread,
+}
+DEFAULT_PACKING = "binpack"
+
+
+class Unplaceable(Exception):
+    """No GPU set fits a request; str() is a sentence for the pod's owner."""
+
+
+def model_matches(model: str, name: str) -> bool:
+    """Whether a GPU named `name` (NVML's, e.g. "NVIDIA H100 80GB HBM3") is the `model` asked: any of
+    its comma-separated names as a whole word, case aside ("H100" is an H100, "A10" no A100)."""
+    return any(re.search(rf"(?<![a-z0-9]){re.escape(m.strip())}(?![a-z0-9])", name, re.IGNORECASE)
+               for m in model.split(",") if m.strip())
+
+
+def place(rooms: Sequence[Room], memory: int, util: int, count: int, model: str | None,
+          packing: Packing) -> list[Room]:
+    """`count` distinct GPUs of `rooms` each with `memory` GiB and `util` percent free, of `model` if
+    given, in the packing's order; Unplaceable says why there are none."""
+    if model is not None:
+        matching = [r for r in rooms if model_matches(model, r.name)]
+        if not matching:
+            names = ", ".join(sorted({r.name for r in rooms})) or "none"
+            raise Unplaceable(f"no GPU of this node is a {model} (its GPUs: {names}); ask for one of those "
+                              "models, or schedule the pod on a node that has it (a nodeSelector)")
+    else:
+        matching = list(rooms)
+    fitting = [r for r in matching if r.memory >= memory and r.util >= util]
+    if len(fitting) < count:
+        of_model = f"{model} " if model is not None else ""
+        raise Unplaceable(f"the pod needs {count} {of_model}GPU(s) with {memory} GiB and "
+                          f"{util}% free on each, and this node has {len(fitting)} (the most free on one: "
+                          f"{max((r.memory for r in matching), default=0)} GiB, "
+                          f"{max((r.util for r in matching), default=0)}%); ask for less, or for more GPUs "
+                          "with less on each (gemtrace.io/gpus)")
+    return packing.order(fitting)[:count]

@@ -19,7 +19,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ import pytest
 import yaml
 from agent_host import CONFIG, Host, Running, stop
 from k8s_cluster import K8sCluster, pod_manifest
-from simgpu_env import REPO, SIMGPU_DIR
+from simgpu_env import REPO, SIMGPU_DIR, SimGpu
 from testkit import GiB, free_port, wait_until
 
 from gemtrace.kube import shares
@@ -207,8 +207,9 @@ class Node:
         except AssertionError as e:
             raise AssertionError(f"{e}\n{self.deployment.describe()}\n{self.plugin_log()}") from None
 
-    def install(self) -> None:
-        """deploy/ applied, until this plugin has registered and the node advertises the GPU's shares."""
+    def install(self, memory: str = "16", util: str = "100") -> None:
+        """deploy/ applied, until this plugin has registered and the node advertises `memory` GiB and
+        `util`% (the GPUs' shares)."""
         self.deployment.apply()
         # The node's figures may be the previous test's plugin's: wait for this one's registration, or a
         # pod placed meanwhile fails the kubelet's admission (its devices unknown for a moment).
@@ -217,9 +218,9 @@ class Node:
 
         def advertised() -> bool:
             capacity = self.cluster.get("node", self.cluster.node)["status"]["allocatable"]
-            return capacity.get(shares.GPU_MEMORY) == "16" and capacity.get(shares.GPU_UTIL) == "100"
+            return capacity.get(shares.GPU_MEMORY) == memory and capacity.get(shares.GPU_UTIL) == util
 
-        wait_until("the node advertising 16 GiB and 100%", advertised, timeout=60, step=0.5)
+        wait_until(f"the node advertising {memory} GiB and {util}%", advertised, timeout=60, step=0.5)
 
     def restart_plugin(self) -> None:
         """The plugin's pod deleted: its DaemonSet makes another, which must register anew."""
@@ -276,15 +277,32 @@ class Node:
         return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-@pytest.fixture
-def node(k8s_cluster: K8sCluster, gemtrace_image: str, host: Host) -> Iterator[Node]:
-    n = Node(k8s_cluster, host)
+def running_node(cluster: K8sCluster, host: Host, memory: str = "16", util: str = "100",
+                 plugin_args: tuple[str, ...] = ()) -> Iterator[Node]:
+    """deploy/ applied for the agent on `host`, once the node advertises `memory` GiB and `util`%."""
+    n = Node(cluster, host, plugin_args)
     try:
-        n.install()
+        n.install(memory, util)
         yield n
     finally:
         print(n.plugin_log())
         n.close()
+
+
+@pytest.fixture
+def node(k8s_cluster: K8sCluster, gemtrace_image: str, host: Host) -> Iterator[Node]:
+    yield from running_node(k8s_cluster, host)
+
+
+@pytest.fixture
+def two_gpu_node(k8s_cluster: K8sCluster, gemtrace_image: str, simgpu_factory: Callable[..., SimGpu],
+                 tmp_path: Path) -> Iterator[Node]:
+    """The node with 2 simulated GPUs of 8 GiB (the plugin's pod gets them from the overlay's
+    SIMGPU_ variables, as it gets the one of `node`), binpacked as deploy/ places by default."""
+    config = tmp_path / "resource.conf"
+    config.write_text(CONFIG)  # [train] reserves MinUtil 0.2 of every GPU: 0.5 more fits on each
+    host = Host(simgpu_factory(devices=2, memory="8GiB"), config, tmp_path / "state", tmp_path)
+    yield from running_node(k8s_cluster, host, "16", "200", plugin_args=("--placement", "binpack"))
 
 
 def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: Node) -> None:
@@ -659,3 +677,75 @@ def _refusal(node: Node, manifest: dict[str, Any]) -> str:
         node.cluster.delete_pod(name)
         assert time.monotonic() < deadline, f"pod {name}: admitted for 30 s"
         time.sleep(0.5)
+
+
+def _dropin(node: Node, name: str) -> str:
+    """The drop-in of the pod's one container, once the plugin has its pod (its Cgroup rule)."""
+    def written() -> str | None:
+        texts = [p.read_text() for p in (node.host.tmp / "resource.d").glob("k8s-*.conf")]
+        mine = [t for t in texts if f"default/{name} container main" in t and "Cgroup" in t]
+        return mine[0] if mine else None
+    text: str = wait_until(f"{name}'s drop-in", written, timeout=30, step=0.2)
+    return text
+
+
+def test_4_gib_and_50_percent_on_two_8_gib_gpus_gets_4_gib_and_half_of_one_gpu(two_gpu_node: Node) -> None:
+    node, name = two_gpu_node, "share-4g-50"
+    # Two pods first, 1 GiB + 60% and 2 GiB + 10%: chosen one resource at a time, the first goes to one
+    # GPU and the second to the other, which leaves one GPU the most memory and the other the most
+    # time, and the 4 GiB + 50% pod split between them.
+    before = [("share-1g-60", "1", "60"), ("share-2g-10", "2", "10")]
+    manifest = node.pod(name, "/simgpu/simgpu-rt devices && /simgpu/simgpu-rt meminfo && "
+                              "/simgpu/simgpu-rt alloc --hold 60 3GiB 1536MiB",
+                        limits={shares.GPU_MEMORY: "4", shares.GPU_UTIL: "50"})
+    try:
+        for other, memory, util in before:
+            node.create(node.pod(other, "sleep 120", limits={shares.GPU_MEMORY: memory, shares.GPU_UTIL: util}))
+            node.cluster.wait_pod(other, lambda p: p["status"].get("phase") == "Running", "running")
+        node.create(manifest)
+        devices, meminfo, first, second, *_ = _wait_holding(node, name)
+        out = f"{node.cluster.kubectl('logs', name)}\n--- plugin\n{node.plugin_log()[-3000:]}"
+        # One GPU, seen as 4 GiB: 3 GiB is allocated, 1.5 GiB more is not.
+        assert devices["count"] == 1 and meminfo["total"] == 4 * GiB, out
+        assert (first["name"], second["name"]) == ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"), out
+        text = _dropin(node, name)
+        assert "MemoryLimit = 4GiB\nMinUtil = 0.5\nMaxUtil = 0.5\n" in text, text
+        assert f"Gpus = {devices['devices'][0]['uuid']}\n" in text, text
+    finally:
+        for pod in (name, *(other for other, _, _ in before)):
+            node.cluster.delete_pod(pod)
+
+
+def test_a_pod_asking_2_gpus_gets_both_each_limited(two_gpu_node: Node) -> None:
+    node, name = two_gpu_node, "share-2-gpus"
+    script = ("/simgpu/simgpu-rt devices && /simgpu/simgpu-rt meminfo --device 0 && "
+              "/simgpu/simgpu-rt meminfo --device 1 && /simgpu/simgpu-rt alloc --device 1 --hold 60 3GiB 1536MiB")
+    manifest = node.pod(name, script, limits={shares.GPU_MEMORY: "8", shares.GPU_UTIL: "100"})
+    manifest["metadata"]["annotations"] = {shares.ANNOTATION_GPUS: "2"}
+    try:
+        node.create(manifest)
+        devices, zero, one, first, second, *_ = _wait_holding(node, name)
+        out = f"{node.cluster.kubectl('logs', name)}\n--- plugin\n{node.plugin_log()[-3000:]}"
+        assert devices["count"] == 2 and (zero["total"], one["total"]) == (4 * GiB, 4 * GiB), out
+        assert (first["name"], second["name"]) == ("CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"), out
+        text = _dropin(node, name)
+        assert "MemoryLimit = 4GiB\nMinUtil = 0.5\nMaxUtil = 0.5\n" in text, text
+        (gpus,) = [line.removeprefix("Gpus = ").split("; ") for line in text.splitlines() if line.startswith("Gpus")]
+        assert sorted(gpus) == sorted(d["uuid"] for d in devices["devices"]), text
+    finally:
+        node.cluster.delete_pod(name)
+
+
+def test_a_pod_asking_a_model_the_2_gpus_are_not_fails_saying_why(two_gpu_node: Node) -> None:
+    node, name = two_gpu_node, "share-h100"
+    manifest = node.pod(name, "true", limits={shares.GPU_MEMORY: "1", shares.GPU_UTIL: "10"})
+    manifest["metadata"]["annotations"] = {shares.ANNOTATION_GPU_MODEL: "H100"}
+    try:
+        node.cluster.create(manifest)
+        pod = node.cluster.wait_pod(name, lambda p: p["status"].get("phase") == "Failed", "the kubelet's refusal")
+        assert pod["status"].get("reason") == "UnexpectedAdmissionError", pod["status"]
+        assert ("gemtrace: no GPU of this node is a H100 (its GPUs: Simulated GPU); ask for one of those models, "
+                "or schedule the pod on a node that has it (a nodeSelector)") in pod["status"]["message"], pod["status"]
+        assert not list((node.host.tmp / "resource.d").glob("k8s-*.conf"))
+    finally:
+        node.cluster.delete_pod(name)

@@ -1,6 +1,8 @@
 """The device plugin against a fake kubelet: no cluster. The fake serves Registration and
 PodResources on sockets of a temporary directory, as the kubelet does, and drives the plugin through
-ListAndWatch and Allocate; a real agent (on the simulated GPU) reads the groups the plugin writes."""
+ListAndWatch, GetPreferredAllocation and Allocate (`admit`: as the kubelet's device manager, one
+resource after the other); a fake apiserver lists the node's pods; a real agent (on the simulated
+GPU) reads the groups the plugin writes."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+import uuid as uuidlib
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 from agent_host import CONFIG, Host, Running, stop
-from simgpu_env import REPO, RT_CLIENT, Client, SimGpu
+from simgpu_env import REPO, RT_CLIENT, Client, SimGpu, run_nvml
 from testkit import GiB, MiB, scratch_cgroup, wait_until
 
 from gemtrace import region as rg
@@ -33,6 +36,7 @@ from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
 from gemtrace.kube.pb import podresources_pb2 as pr
 from gemtrace.kube.pb import podresources_pb2_grpc as pr_grpc
+from gemtrace.placement import PACKINGS
 
 pytestmark = pytest.mark.e2e
 
@@ -41,11 +45,13 @@ pytestmark = pytest.mark.e2e
 class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServicer):
     """Registration on device-plugins/kubelet.sock and PodResources on pod-resources.sock."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, gpus: Sequence[tuple[str, int]]) -> None:
         self.dir = directory
+        self.gpus = list(gpus)
         self.registrations: queue.Queue[dp.RegisterRequest] = queue.Queue()
         self.pods: list[pr.PodResources] = []
         self.listed: list[tuple[float, list[str]]] = []  # (time, pod names) of each List answered
+        self.api: Pods = {}  # the pods `admit` made, as the apiserver says them
         self.server: grpc.Server | None = None
         self.start()
 
@@ -90,10 +96,48 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
     def plugin(self, resource: str) -> dp_grpc.DevicePluginStub:
         return dp_grpc.DevicePluginStub(kubelet.channel(self.dir / socket_name(resource)))
 
+    def admit(self, name: str, limits: dict[str, int], annotations: dict[str, str] | None = None,
+              order: Sequence[str] = (shares.GPU_UTIL, shares.GPU_MEMORY)) -> dict[str, dp.ContainerAllocateResponse]:
+        """Admit a pod of one container, `main`, as the kubelet 1.20 device manager does: for each
+        resource in turn, GetPreferredAllocation among the devices no container holds, the answer's
+        free devices taken (filled up in ID order where it gave too few), Allocate, and the devices
+        listed in PodResources at once. The apiserver lists the pod Pending until then, Running
+        after; a refusal (grpc.RpcError) fails it, as the kubelet does."""
+        key = ("ml", name)
+        self.api[key] = PodInfo(str(uuidlib.uuid4()), dict(annotations or {}), phase="Pending",
+                                created=f"2026-11-26T10:{len(self.api):02d}:00Z", requests={"main": dict(limits)})
+        devices: dict[str, list[str]] = {}
+        responses = {}
+        try:
+            for resource in (r for r in order if r in limits):
+                size = limits[resource]
+                taken = {d for p in self.pods for c in p.containers for cd in c.devices
+                         if cd.resource_name == resource for d in cd.device_ids}
+                available = [d for d, _ in shares.device_ids(resource, self.gpus) if d not in taken]
+                stub = self.plugin(resource)
+                (answer,) = stub.GetPreferredAllocation(dp.PreferredAllocationRequest(container_requests=[
+                    dp.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=size)]),
+                    timeout=30).container_responses
+                chosen = [d for d in answer.deviceIDs if d in available][:size]
+                chosen += [d for d in available if d not in chosen][: size - len(chosen)]
+                (responses[resource],) = stub.Allocate(dp.AllocateRequest(container_requests=[
+                    dp.ContainerAllocateRequest(devicesIDs=chosen)]), timeout=30).container_responses
+                devices[resource] = chosen
+                self.pods = [p for p in self.pods if p.name != name] + [pr.PodResources(
+                    name=name, namespace="ml", containers=[pr.ContainerResources(name="main", devices=[
+                        pr.ContainerDevices(resource_name=r, device_ids=ds) for r, ds in devices.items()])])]
+        except grpc.RpcError:
+            self.api[key] = replace(self.api[key], phase="Failed")
+            self.pods = [p for p in self.pods if p.name != name]
+            raise
+        self.api[key] = replace(self.api[key], phase="Running")
+        return responses
+
 
 class FakeApiserver:
-    """The apiserver's pods of the node: those the kubelet lists, as `known` says them (else a uid of
-    their name), running unless said `finished`; and the events the plugin posts."""
+    """The apiserver's pods of the node: those `admit` made (Pending until admitted), and those the
+    kubelet lists, as `known` says them (else a uid of their name), ended if said `finished`; and the
+    events the plugin posts."""
 
     def __init__(self, kubelet: FakeKubelet, known: Pods | None = None) -> None:
         self.kubelet = kubelet
@@ -102,9 +146,12 @@ class FakeApiserver:
         self.events: list[tuple[str, str, str, str]] = []
 
     def pods(self) -> Pods:
-        return {(p.namespace, p.name): replace(self.known.get((p.namespace, p.name)) or PodInfo(f"uid-{p.name}"),
-                                               finished=p.name in self.finished)
-                for p in self.kubelet.pods}
+        out = dict(self.kubelet.api)
+        for p in self.kubelet.pods:
+            key = (p.namespace, p.name)
+            info = out.get(key) or self.known.get(key) or PodInfo(f"uid-{p.name}")
+            out[key] = replace(info, phase="Succeeded") if p.name in self.finished else info
+        return out
 
     def tell(self, namespace: str, pod: str, uid: str, message: str) -> None:
         self.events.append((namespace, pod, uid, message))
@@ -120,17 +167,22 @@ def short_dir() -> Iterator[Path]:
 
 class Stack:
     def __init__(self, host: Host, directory: Path, agent: Running, pods: Pods | None = None,
-                 loop: bool = True) -> None:
-        """`pods`: what the apiserver says of those pods beyond their being there (uid, annotations).
-        `loop`: the plugin's own loop runs (registration, health, reconciliation every second); else
-        the test calls its steps."""
+                 loop: bool = True, placement: str = "binpack") -> None:
+        """`pods`: what the apiserver says of those pods beyond their being there (uid, annotations);
+        `admit` adds its own. `loop`: the plugin's own loop runs (registration, health,
+        reconciliation every second); else the test calls its steps."""
         self.host, self.agent, self.directory, self.loop = host, agent, directory, loop
-        self.kubelet = FakeKubelet(directory)
-        self.api = FakeApiserver(self.kubelet, pods)
         region = host.region()
         gpus = [(uuid, region.layout.gpus[i].memory_total) for i, uuid in enumerate(region.gpu_uuids())]
         region.close()
         self.gpus = gpus
+        self.kubelet = FakeKubelet(directory, gpus)
+        self.api = FakeApiserver(self.kubelet, pods)
+        # The GPUs' names as `gemtrace kube-plugin` reads them, from the simulated NVML.
+        self.names = {g["uuid"]: g["name"] for g in run_nvml(
+            "from gemtrace.gpus import discover\nfor g in discover(): emit({'uuid': g.uuid, 'name': g.name})",
+            host.env())}
+        self.placement = placement
         self.injection = Injection(gate=REPO / "build" / "libgemgate.so", state_dir=host.state_dir,
                                    preload_file=host.tmp / "ld.so.preload")
         self.injection.write_preload_file()
@@ -141,7 +193,8 @@ class Stack:
         self.grants = Grants(dropin_dir(self.host.config))
         self.plugin = DevicePlugin(self.gpus, self.host.state_dir, self.grants, self.injection,
                                    device_plugins=self.directory, pod_resources=self.directory / "pod-resources.sock",
-                                   pods=self.api.pods, names_file=self.host.tmp / "pods.json", tell=self.api.tell)
+                                   pods=self.api.pods, names_file=self.host.tmp / "pods.json", tell=self.api.tell,
+                                   names=self.names, packing=PACKINGS[self.placement]())
         self.thread = threading.Thread(target=self.plugin.run if self.loop else lambda: None, daemon=True)
         self.thread.start()
 
@@ -155,11 +208,12 @@ class Stack:
         self.kubelet.server.stop(0)
 
 
-def running_stack(host: Host, short_dir: Path, pods: Pods | None = None, loop: bool = True) -> Iterator[Stack]:
+def running_stack(host: Host, short_dir: Path, pods: Pods | None = None, loop: bool = True,
+                  placement: str = "binpack") -> Iterator[Stack]:
     """The agent on `host` and the plugin beside a fake kubelet and apiserver, both stopped afterwards.
     `pods`: what the apiserver says of the pods it names (else a uid of their name and no annotations)."""
     agent = host.start_agent("--config-poll", "0.1", "--pod-names", str(host.tmp / "pods.json"))
-    s = Stack(host, short_dir, agent, pods, loop)
+    s = Stack(host, short_dir, agent, pods, loop, placement)
     yield s
     s.close()
     if agent.proc.poll() is None:
@@ -516,3 +570,141 @@ def test_the_agent_tells_a_pid_namespace_of_its_own() -> None:
     inside = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],
                             capture_output=True, text=True)
     assert inside.stdout == "True\n", inside.stderr
+
+
+# ---- placement: a container's share whole on each of its GPUs -------------------------------------
+
+PLACEMENT_CONFIG = "[infer]\nMaxUtil = 0.5\n"  # no MinUtil of its own: the pods' may fill every GPU
+MEM, UTIL = shares.GPU_MEMORY, shares.GPU_UTIL
+
+
+@pytest.fixture
+def gpu_stack(simgpu_factory: Callable[..., SimGpu], tmp_path: Path,
+              short_dir: Path) -> Iterator[Callable[..., Stack]]:
+    """make(devices, placement): the agent and the plugin on a node of `devices` GPUs of 8 GiB."""
+    made: list[Iterator[Stack]] = []
+
+    def make(devices: int, placement: str = "binpack") -> Stack:
+        config = tmp_path / "resource.conf"
+        config.write_text(PLACEMENT_CONFIG)
+        host = Host(simgpu_factory(devices=devices, memory="8GiB"), config, tmp_path / "state", tmp_path)
+        running = running_stack(host, short_dir, placement=placement)
+        made.append(running)
+        stack = next(running)
+        stack.kubelet.registered()
+        return stack
+
+    yield make
+    for running in made:
+        next(running, None)
+
+
+def pod_devices(stack: Stack, pod: str) -> dict[str, list[str]]:
+    (listed,) = [p for p in stack.kubelet.pods if p.name == pod]
+    return {d.resource_name: list(d.device_ids) for c in listed.containers for d in c.devices}
+
+
+def group_of_pod(stack: Stack, pod: str) -> str:
+    return shares.group_name(pod_devices(stack, pod)[MEM])
+
+
+def defined(stack: Stack, pod: str) -> tuple[int | None, float | None, tuple[str, ...]]:
+    """(MemoryLimit, MinUtil, Gpus) of the pod's group, once the agent has it with its MinUtil."""
+    group = group_of_pod(stack, pod)
+    wait_until(f"the agent defining {pod}'s group", lambda: group_defined(stack.host.state_dir, group), timeout=20)
+    settings = load(stack.host.config).groups[group]
+    region = stack.host.region()
+    index = region.group_index(group)
+    assert index is not None
+    entry = region.layout.groups[index]
+    assert (entry.memory_limit, entry.min_util_ppm) == (settings.memory_limit, round(settings.min_util * rg.UTIL_ONE))
+    region.close()
+    return settings.memory_limit, settings.min_util, settings.gpus
+
+
+def placed_on(stack: Stack, pod: str) -> list[int]:
+    """The indexes of the GPUs the pod's devices are on (each resource's)."""
+    uuids = [uuid for uuid, _ in stack.gpus]
+    return sorted({uuids.index(shares.gpu_of(d)) for ds in pod_devices(stack, pod).values() for d in ds})
+
+
+def test_a_share_lands_whole_on_one_gpu_memory_and_time_together(gpu_stack: Callable[..., Stack]) -> None:
+    stack = gpu_stack(2)
+    (gpu0, _), (gpu1, _) = stack.gpus
+
+    # Already running: 1 GiB + 60% on GPU 0, 2 GiB + 10% on GPU 1. GPU 0 has the most memory free
+    # (7 GiB), GPU 1 the most time (90%): each resource chosen alone would split the pod between them.
+    def held(pod: str, gpu: str, memory: int, util: int) -> pr.PodResources:
+        return pr.PodResources(name=pod, namespace="ml", containers=[pr.ContainerResources(name="main", devices=[
+            pr.ContainerDevices(resource_name=MEM, device_ids=[f"{gpu}-m{i}" for i in range(memory)]),
+            pr.ContainerDevices(resource_name=UTIL, device_ids=[f"{gpu}-u{i}" for i in range(util)])])])
+
+    stack.kubelet.pods = [held("b", gpu0, 1, 60), held("a", gpu1, 2, 10)]
+    responses = stack.kubelet.admit("x", {MEM: 4, UTIL: 50})
+    assert placed_on(stack, "x") == [1]
+    assert defined(stack, "x") == (4 * GiB, 0.5, (gpu1,))
+    assert {r.envs["CUDA_VISIBLE_DEVICES"] for r in responses.values()} == {gpu1}
+    assert responses[MEM].envs["GEMTRACE_GROUP"] == group_of_pod(stack, "x")
+
+    # Its processes get the 4 GiB: 3.5 GiB is allocated, 4.5 GiB is not.
+    group = group_of_pod(stack, "x")
+    fits = stack.host.run(group, "alloc", "--api", "v2", str(7 * GiB // 2))
+    assert b"CUDA_SUCCESS" in fits.communicate(timeout=60)[0]
+    over = stack.host.run(group, "alloc", "--api", "v2", str(9 * GiB // 2))
+    assert b"CUDA_ERROR_OUT_OF_MEMORY" in over.communicate(timeout=60)[0]
+
+
+def test_a_pod_asking_two_gpus_gets_both_each_limited(gpu_stack: Callable[..., Stack]) -> None:
+    stack = gpu_stack(2)
+    (gpu0, _), (gpu1, _) = stack.gpus
+    # The resources are the totals the kubelet counts; gemtrace.io/gpus splits them over the GPUs.
+    responses = stack.kubelet.admit("pair", {MEM: 8, UTIL: 100}, {shares.ANNOTATION_GPUS: "2"},
+                                    order=(MEM, UTIL))
+    devices = pod_devices(stack, "pair")
+    assert sorted(shares.gpu_of(d) for d in devices[MEM]) == sorted([gpu0] * 4 + [gpu1] * 4)
+    assert sorted(shares.gpu_of(d) for d in devices[UTIL]) == sorted([gpu0] * 50 + [gpu1] * 50)
+    assert defined(stack, "pair") == (4 * GiB, 0.5, (gpu0, gpu1))
+    assert load(stack.host.config).groups[group_of_pod(stack, "pair")].max_util == 0.5  # of each GPU, as asked
+    assert {r.envs["CUDA_VISIBLE_DEVICES"] for r in responses.values()} == {f"{gpu0},{gpu1}"}
+
+    # Each GPU has 4 GiB and 50% left: 5 GiB on one is refused, with the reason, though 8 GiB are free.
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.kubelet.admit("big", {MEM: 5, UTIL: 10})
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "needs 1 GPU(s) with 5 GiB and 10% free on each, and this node has 0" in refused.value.details()
+    # An uneven split is refused before any GPU is chosen.
+    with pytest.raises(grpc.RpcError) as uneven:
+        stack.kubelet.admit("odd", {MEM: 3}, {shares.ANNOTATION_GPUS: "2"})
+    assert "3 does not split evenly over gemtrace.io/gpus=2" in uneven.value.details()
+    # What fits still does: 4 GiB + 50% twice more, one on each GPU.
+    stack.kubelet.admit("fill-0", {MEM: 4, UTIL: 50})
+    stack.kubelet.admit("fill-1", {MEM: 4, UTIL: 50})
+    assert [placed_on(stack, p) for p in ("fill-0", "fill-1")] == [[0], [1]]
+
+
+def test_a_gpu_model_is_matched_by_name_and_a_model_the_node_lacks_is_refused(
+        gpu_stack: Callable[..., Stack]) -> None:
+    stack = gpu_stack(2)
+    with pytest.raises(grpc.RpcError) as refused:
+        stack.kubelet.admit("h100", {MEM: 1, UTIL: 10}, {shares.ANNOTATION_GPU_MODEL: "H100"})
+    assert refused.value.details() == (
+        "gemtrace: no GPU of this node is a H100 (its GPUs: Simulated GPU); ask for one of those models, or "
+        "schedule the pod on a node that has it (a nodeSelector)")
+    assert stack.kubelet.api[("ml", "h100")].phase == "Failed" and not stack.grants.owned()
+    stack.kubelet.admit("sim", {MEM: 1, UTIL: 10}, {shares.ANNOTATION_GPU_MODEL: "A100, simulated"})
+    assert defined(stack, "sim")[:2] == (GiB, 0.1)
+
+
+@pytest.mark.parametrize(("placement", "small", "whole"), [("binpack", [0, 0, 0, 0], [1]),
+                                                          ("spread", [0, 1, 2, 3], [4])])
+def test_binpack_fills_one_gpu_first_and_spread_one_pod_per_gpu_on_eight_gpus(
+        gpu_stack: Callable[..., Stack], placement: str, small: list[int], whole: list[int]) -> None:
+    stack = gpu_stack(8, placement)
+    for i in range(4):
+        stack.kubelet.admit(f"small-{i}", {MEM: 2, UTIL: 20})
+    assert [placed_on(stack, f"small-{i}")[0] for i in range(4)] == small
+    # A pod wanting a whole GPU: binpack kept GPUs 1-7 whole; spread left 4-7.
+    stack.kubelet.admit("whole", {MEM: 8, UTIL: 100})
+    assert placed_on(stack, "whole") == whole
+    assert defined(stack, "whole")[:2] == (8 * GiB, 1.0)
+    assert defined(stack, "small-3")[:2] == (2 * GiB, 0.2)

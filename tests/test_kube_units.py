@@ -13,7 +13,10 @@ from testkit import GiB
 
 from gemtrace.config import parse_text
 from gemtrace.kube import pods, shares, webhook
+from gemtrace.kube.grants import PodInfo
 from gemtrace.kube.injection import Injection
+from gemtrace.kube.kubelet import ContainerDevices
+from gemtrace.kube.placer import Decision, pending_containers
 
 pytestmark = pytest.mark.unit
 
@@ -71,6 +74,11 @@ def test_a_grants_minutil_is_what_it_holds_on_each_gpu_it_may_run_on() -> None:
     wide = shares.Grant(util=units("GPU-a", 100) + units("GPU-b", 50))
     assert (wide.min_util(), wide.max_util_ratio()) == (0.5, 1.0)
     assert "Gpus = GPU-a; GPU-b\n" in shares.dropin_text(wide)
+    # Asked for 2 GPUs (gemtrace.io/gpus), 50 on each: its cap is 0.5 of each, not the 100 in all.
+    pair = shares.Grant(util=units("GPU-a", 50) + units("GPU-b", 50), gpus_asked=2)
+    assert (pair.min_util(), pair.max_util_ratio(), pair.split) == (0.5, 0.5, False)
+    asked = ({}, {shares.ANNOTATION_GPUS: "2"}, {shares.ANNOTATION_GPUS: "x"})
+    assert [shares.gpus_asked(a) for a in asked] == [1, 2, 1]
 
 
 @pytest.mark.parametrize(
@@ -160,24 +168,81 @@ def test_a_containers_util_only_grant_goes_once_its_whole_grant_is_known(tmp_pat
 
 
 def test_a_pod_is_finished_once_nothing_of_it_can_run_any_more() -> None:
-    from gemtrace.kube.apiserver import _finished
+    from gemtrace.kube.apiserver import Apiserver
 
-    def pod(phase: str, deleted: bool, *states: str) -> dict[str, object]:
-        metadata = {"deletionTimestamp": "2026-11-26T20:00:00Z"} if deleted else {}
-        return {"metadata": metadata, "status": {"phase": phase,
-                                                 "containerStatuses": [{"state": {s: {}}} for s in states]}}
+    class Listing(Apiserver):
+        def __init__(self, pod: dict[str, object]) -> None:
+            self.pod = pod
 
-    assert _finished(pod("Succeeded", False, "terminated")) and _finished(pod("Failed", False))
-    assert _finished(pod("Running", True, "terminated", "terminated"))
+        def get(self, path: str, **query: str) -> dict[str, object]:
+            return {"items": [self.pod]}
+
+    def finished(phase: str, deleted: bool, *states: str) -> bool:
+        metadata = {"namespace": "ml", "name": "p", "uid": UID}
+        if deleted:
+            metadata["deletionTimestamp"] = "2026-11-26T20:00:00Z"
+        pod = {"metadata": metadata, "status": {"phase": phase,
+                                                "containerStatuses": [{"state": {s: {}}} for s in states]}}
+        return Listing(pod).pods_of_node("node")[("ml", "p")].finished
+
+    assert finished("Succeeded", False, "terminated") and finished("Failed", False)
+    assert finished("Running", True, "terminated", "terminated")
     # Deleted but a container still stopping (its grace period): its processes still hold the GPU.
-    assert not _finished(pod("Running", True, "terminated", "running"))
-    assert not _finished(pod("Running", False, "terminated")) and not _finished(pod("Pending", True))
+    assert not finished("Running", True, "terminated", "running")
+    assert not finished("Running", False, "terminated") and not finished("Pending", True)
 
 
 def test_a_dropin_says_whose_it_is_once_the_kubelet_has_named_the_pod() -> None:
     listed = shares.Grant(memory=("GPU-0-m0",), namespace="ml", pod="trainer", container="main")
     assert shares.dropin_container(shares.dropin_text(listed)) == ("ml", "trainer", "main")
     assert shares.dropin_container(shares.dropin_text(shares.Grant(memory=("GPU-0-m0",)))) is None
+
+
+def test_a_request_is_split_evenly_over_its_gpus_or_refused_saying_what_to_ask() -> None:
+    mem, util = shares.GPU_MEMORY, shares.GPU_UTIL
+    assert shares.request_of({mem: 4, util: 50}, {}) == shares.Request(4, 50, 1, None)
+    assert shares.request_of({mem: 8, util: 100}, {shares.ANNOTATION_GPUS: "2", shares.ANNOTATION_GPU_MODEL: " H100 "}
+                             ) == shares.Request(4, 50, 2, "H100")
+    assert shares.request_of({util: 30}, {}).units(mem) == 0
+    for limits, asked, message in [
+        ({mem: 3}, {shares.ANNOTATION_GPUS: "2"}, "gemtrace.io/gpu-memory: 3 does not split evenly over "
+                                                  "gemtrace.io/gpus=2; ask for a multiple of 2"),
+        ({util: 150}, {}, "gemtrace.io/gpu-util: 150 over 1 GPU(s) is more than 100% of each; ask for at most 100"),
+        ({mem: 1}, {shares.ANNOTATION_GPUS: "two"}, "annotation gemtrace.io/gpus='two' is not a number of GPUs"),
+        ({mem: 1}, {shares.ANNOTATION_GPUS: "0"}, "annotation gemtrace.io/gpus='0' is not a number of GPUs"),
+    ]:
+        with pytest.raises(shares.RequestError) as e:
+            shares.request_of(limits, asked)
+        assert str(e.value).startswith(message)
+
+
+def test_the_container_being_admitted_is_the_oldest_pending_one_asking_as_many_units() -> None:
+    mem, util = shares.GPU_MEMORY, shares.GPU_UTIL
+
+    def pod(created: str, phase: str = "Pending", **containers: dict[str, int]) -> PodInfo:
+        return PodInfo(UID, phase=phase, created=created, requests=dict(containers))
+
+    node = {
+        ("ml", "running"): pod("2026-11-26T10:00:00Z", "Running", main={mem: 2}),
+        ("ml", "young"): pod("2026-11-26T10:05:00Z", main={mem: 2, util: 10}),
+        ("ml", "old"): pod("2026-11-26T10:01:00Z", init={mem: 2}, main={mem: 2, util: 20}),
+        ("ml", "other"): pod("2026-11-26T10:00:30Z", main={mem: 3}),
+    }
+
+    def keys(resource: str, units: int, listed: list[ContainerDevices] = [],  # noqa: B006
+             decisions: dict[tuple[str, str, str], Decision] | None = None) -> list[tuple[str, str, str]]:
+        return [key for key, _, _ in pending_containers(node, listed, resource, units, decisions or {})]
+
+    assert keys(mem, 2) == [("ml", "old", "init"), ("ml", "old", "main"), ("ml", "young", "main")]
+    assert keys(mem, 3) == [("ml", "other", "main")]
+    # The init container holds its memory: the next one asking 2 is the old pod's main.
+    held = [ContainerDevices("ml", "old", "init", {mem: ("GPU-a-m0", "GPU-a-m1")})]
+    assert keys(mem, 2, held) == [("ml", "old", "main"), ("ml", "young", "main")]
+    # The young pod's memory was decided first: its util call is its own, before older pods'.
+    young = Decision(("ml", "young", "main"), {mem: ("GPU-a-m2", "GPU-a-m3"), util: ("GPU-a-u0",)}, None, 0.0,
+                     answered={mem})
+    assert keys(util, 10, decisions={young.key: young}) == [("ml", "young", "main")]
+    assert keys(mem, 2, decisions={young.key: young}) == [("ml", "old", "init"), ("ml", "old", "main")]
 
 
 def test_a_pods_annotations_set_its_groups_priority_isolation_and_oversubscribe() -> None:
@@ -238,3 +303,34 @@ def test_a_label_naming_a_group_the_resource_file_lacks_is_refused(tmp_path: Pat
     assert "names a pod's own group" in answer("k8s-0123456789abcdef")["status"]["message"]  # type: ignore[index]
     unreadable = answer("train", webhook.resource_groups(tmp_path / "missing.conf"))
     assert not unreadable["allowed"] and "cannot read its resource file" in unreadable["status"]["message"]  # type: ignore[index]
+
+
+def test_the_webhook_refuses_gpus_and_models_no_node_could_place() -> None:
+    def answer(annotations: dict[str, str], memory: str = "8", util: str = "100") -> dict[str, object]:
+        pod = {"metadata": {"annotations": annotations}, "spec": {"containers": [{"name": "a", "resources": {
+            "limits": {shares.GPU_MEMORY: memory, shares.GPU_UTIL: util}}}]}}
+        response: dict[str, object] = webhook.review({"request": {"uid": "u", "object": pod}}, Injection(),
+                                                     known_groups, mutate=False)["response"]
+        return response
+
+    def refusal(annotations: dict[str, str], memory: str = "8", util: str = "100") -> str:
+        response = answer(annotations, memory, util)
+        assert not response["allowed"]
+        message: str = response["status"]["message"]  # type: ignore[index]
+        assert "\n" not in message
+        return message
+
+    assert answer({shares.ANNOTATION_GPUS: "2", shares.ANNOTATION_GPU_MODEL: "H100, A100"})["allowed"]
+    assert refusal({shares.ANNOTATION_GPUS: "two"}).startswith("annotation gemtrace.io/gpus='two' is not a number")
+    assert refusal({shares.ANNOTATION_GPUS: "3"}).startswith(
+        "gemtrace.io/gpu-memory: 8 does not split evenly over gemtrace.io/gpus=3")
+    assert refusal({}, util="150").startswith("gemtrace.io/gpu-util: 150 over 1 GPU(s) is more than 100% of each")
+    assert refusal({shares.ANNOTATION_GPU_MODEL: "H100\n[x]"}).startswith(
+        "annotation gemtrace.io/gpu-model='H100\\n[x]' is not a GPU model name")
+    # A pod asking none of the shares has its annotations read all the same.
+    pod = {"metadata": {"annotations": {shares.ANNOTATION_GPUS: "0"}}, "spec": {"containers": [{"name": "a"}]}}
+    review = webhook.review({"request": {"uid": "u", "object": pod}}, Injection(), known_groups)
+    assert not review["response"]["allowed"]
+    # Oversubscribe is above the memory of each GPU: 8 GiB over 2 GPUs is 4 GiB on each.
+    assert answer({shares.ANNOTATION_GPUS: "2", shares.ANNOTATION_OVERSUBSCRIBE: "6GiB"})["allowed"]
+    assert "is not above the pod's 8 GiB" in refusal({shares.ANNOTATION_OVERSUBSCRIBE: "6GiB"})

@@ -17,15 +17,20 @@ from simgpu_env import REPO, SimGpu
 from testkit import GiB
 
 from gemtrace.placement import (
+    PACKINGS,
     POLICIES,
     BestEffortPolicy,
     GpuNode,
     GroupUse,
     Links,
     PcieLevel,
+    Room,
     SimplePolicy,
+    Unplaceable,
     free_for,
+    model_matches,
     pair_score,
+    place,
     set_score,
 )
 
@@ -230,3 +235,35 @@ def test_claims_of_several_groups_add_up() -> None:
 def test_docs_name_every_policy() -> None:
     doc = (REPO / "docs" / "placement.md").read_text()
     assert all(f"`{name}`" in doc for name in POLICIES)
+
+
+# ---- a pod's share on a Kubernetes node -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("model", "name", "matches"), [
+    ("H100", "NVIDIA H100 80GB HBM3", True),
+    ("h100", "NVIDIA H100 PCIe", True),
+    ("A100", "NVIDIA A100-SXM4-80GB", True),
+    ("A10", "NVIDIA A100-SXM4-80GB", False),
+    ("H100", "NVIDIA GH100", False),
+    ("A100, H100", "NVIDIA H100 80GB HBM3", True),
+    ("L4", "NVIDIA L40S", False),
+    ("Simulated GPU", "Simulated GPU", True),
+])
+def test_a_model_is_a_whole_word_of_the_gpus_name(model: str, name: str, matches: bool) -> None:
+    assert model_matches(model, name) is matches
+
+
+def test_binpack_takes_the_fullest_gpu_that_fits_and_spread_the_emptiest() -> None:
+    rooms = [Room("a", "X", 8, 100), Room("b", "X", 3, 40), Room("c", "X", 5, 90), Room("d", "X", 5, 60),
+             Room("e", "Y", 4, 100)]
+    binpack, spread = PACKINGS["binpack"](), PACKINGS["spread"]()
+    assert [r.uuid for r in place(rooms, 4, 50, 1, None, binpack)] == ["e"]
+    assert [r.uuid for r in place(rooms, 4, 50, 1, "X", binpack)] == ["d"]  # 5 GiB: fuller than a; of d, c: less time
+    assert [r.uuid for r in place(rooms, 4, 50, 2, None, spread)] == ["a", "c"]
+    assert [r.uuid for r in place(rooms, 1, 0, 5, None, binpack)] == ["b", "e", "d", "c", "a"]
+    with pytest.raises(Unplaceable, match=r"needs 2 X GPU\(s\) with 6 GiB and 90% free on each, and this node has 1 "
+                                          r"\(the most free on one: 8 GiB, 100%\)"):
+        place(rooms, 6, 90, 2, "X", spread)
+    with pytest.raises(Unplaceable, match=r"no GPU of this node is a H100 \(its GPUs: X, Y\)"):
+        place(rooms, 1, 1, 1, "H100", binpack)

@@ -92,7 +92,8 @@ class Apiserver:
         items = self.get("/api/v1/pods", fieldSelector=f"spec.nodeName={node}")["items"]
         return {(p["metadata"]["namespace"], p["metadata"]["name"]):
                 PodInfo(p["metadata"]["uid"], dict(p["metadata"].get("annotations") or {}), _containers(p),
-                        _finished(p))
+                        (p.get("status") or {}).get("phase", ""), p["metadata"].get("creationTimestamp", ""),
+                        _requests(p), _stopped(p))
                 for p in items}
 
     def pod_event(self, namespace: str, pod: str, uid: str, reason: str, message: str, node: str) -> None:
@@ -114,14 +115,25 @@ def event_body(namespace: str, pod: str, uid: str, reason: str, message: str, no
     }
 
 
-def _finished(pod: dict[str, Any]) -> bool:
-    """Ended (Succeeded, Failed), or deleted with every container stopped: nothing of it runs any more."""
-    status = pod.get("status") or {}
-    if status.get("phase") in ("Succeeded", "Failed"):
-        return True
-    containers = status.get("containerStatuses") or []
+def _stopped(pod: dict[str, Any]) -> bool:
+    """Deleted with every container stopped (its phase may still say Running): nothing of it runs any more."""
+    containers = (pod.get("status") or {}).get("containerStatuses") or []
     return bool(pod["metadata"].get("deletionTimestamp")) and bool(containers) and all(
         "terminated" in (c.get("state") or {}) for c in containers)
+
+
+def _requests(pod: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Container name -> its gemtrace.io resources' limits (an extended resource's request is its
+    limit), init containers first, as the kubelet allocates them."""
+    spec = pod.get("spec") or {}
+    out = {}
+    for c in (spec.get("initContainers") or []) + (spec.get("containers") or []):
+        resources = c.get("resources") or {}
+        asked = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+        ours = {k: int(v) for k, v in asked.items() if k.startswith("gemtrace.io/") and str(v).isdigit()}
+        if ours:
+            out[c["name"]] = ours
+    return out
 
 
 def _containers(pod: dict[str, Any]) -> dict[str, str]:

@@ -6,6 +6,10 @@ kubelet's device-plugins directory, each registered with the kubelet. Owns the p
 - Health. Every device of a GPU is Healthy while the agent beats (its heartbeat in the region is
   fresh) and NVML still lists the GPU; otherwise Unhealthy, and ListAndWatch sends the change at
   once, so the kubelet stops placing pods there.
+- Placement. GetPreferredAllocation answers with the devices that gemtrace.kube.placer decided for
+  the container being admitted, both resources at once: its memory and time whole on each of its
+  GPUs, of the model it asks, binpacked or spread (`--placement`). Allocate refuses, with the
+  reason, a container that could not be placed: the kubelet fails the pod with that message.
 - Allocate hands a container the gate (gemtrace.kube.injection: mounts and envs) and, for memory, its
   group (GEMTRACE_GROUP) after writing the group's drop-in and waiting, briefly, for the agent to
   define it; CUDA_VISIBLE_DEVICES/NVIDIA_VISIBLE_DEVICES name the GPUs of its devices (each
@@ -46,8 +50,10 @@ from gemtrace.kube.grants import Grants, Pods
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
+from gemtrace.kube.placer import Placer
 from gemtrace.kube.pods import Names, read_refusals, refused_file, write_names
 from gemtrace.kube.shares import Grant
+from gemtrace.placement import DEFAULT_PACKING, PACKINGS, Packing
 
 log = structlog.get_logger("gemtrace.kube.plugin")
 
@@ -149,9 +155,10 @@ class Inventory:
 class ResourceServicer(dp_grpc.DevicePluginServicer):
     def __init__(self, resource: str, inventory: Inventory, grants: Grants, injection: Injection,
                  state_dir: Path, stopping: threading.Event, refused: Callable[[], dict[str, str]],
-                 before_start: Callable[[Sequence[str]], None]) -> None:
+                 placer: Placer, before_start: Callable[[Sequence[str]], None]) -> None:
         self.refused = refused
         self.resource = resource
+        self.placer = placer
         self.before_start = before_start
         self.inventory = inventory
         self.grants = grants
@@ -175,15 +182,21 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
     def GetPreferredAllocation(self, request: dp.PreferredAllocationRequest, context: Any
                                ) -> dp.PreferredAllocationResponse:
         return dp.PreferredAllocationResponse(container_responses=[
-            dp.ContainerPreferredAllocationResponse(deviceIDs=shares.preferred(
-                list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
+            dp.ContainerPreferredAllocationResponse(deviceIDs=self.placer.preferred(
+                self.resource, list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size))
             for r in request.container_requests])
 
     def Allocate(self, request: dp.AllocateRequest, context: Any) -> dp.AllocateResponse:
-        return dp.AllocateResponse(container_responses=[self._allocate(list(r.devicesIDs))
+        return dp.AllocateResponse(container_responses=[self._allocate(list(r.devicesIDs), context)
                                                         for r in request.container_requests])
 
-    def _allocate(self, devices: list[str]) -> dp.ContainerAllocateResponse:
+    def _allocate(self, devices: list[str], context: Any) -> dp.ContainerAllocateResponse:
+        decision = self.placer.allocating(self.resource, devices)
+        if decision is not None and decision.refusal is not None:
+            # The kubelet fails the pod with this message (UnexpectedAdmissionError): its owner reads why.
+            log.warning("allocate_refused", resource=self.resource, namespace=decision.key[0], pod=decision.key[1],
+                        container=decision.key[2], reason=decision.refusal)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"gemtrace: {decision.refusal}")
         mounts = [dp.Mount(container_path=str(m.container_path), host_path=str(m.host_path), read_only=m.read_only)
                   for m in self.injection.mounts()]
         group = None
@@ -191,7 +204,9 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
         if self.resource == shares.GPU_MEMORY:
             # Only the memory resource names the group: the kubelet merges the two resources' envs
             # in no fixed order, keeping the first of a name, so two writers could disagree.
-            grant = shares.Grant(memory=tuple(devices))
+            # With a decision its util devices are known already: the drop-in has its MinUtil at once.
+            util = decision.devices.get(shares.GPU_UTIL, ()) if decision is not None else ()
+            grant = shares.Grant(memory=tuple(devices), util=util, gpus_asked=decision.gpus if decision else 1)
             group = grant.group
             if self.grants.write(grant, keep_existing=True):
                 ask_agent_to_reload(self.state_dir)
@@ -232,12 +247,14 @@ class DevicePlugin:
                  device_plugins: Path = kubelet.DEVICE_PLUGINS, pod_resources: Path | None = kubelet.POD_RESOURCES,
                  gpus_present: Callable[[], set[str]] | None = None,
                  pods: Callable[[], Pods] | None = None, names_file: Path | None = None,
-                 tell: Callable[[str, str, str, str], None] | None = None) -> None:
-        """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for the grants' Cgroup
-        rule and MaxUtil annotation, and which pods are gone; None: without them. `names_file`: where
-        to write the pods' names for the agent's metrics labels (gemtrace.kube.pods.NAMES_FILE); the
-        agent's refusals are read beside it. `tell(namespace, pod, uid, message)`: a Warning event on
-        a pod whose grant the agent refused."""
+                 tell: Callable[[str, str, str, str], None] | None = None,
+                 names: dict[str, str] | None = None, packing: Packing | None = None) -> None:
+        """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for placement, the
+        grants' Cgroup rule and MaxUtil annotation, and which pods are gone; None: without them.
+        `names_file`: where to write the pods' names for the agent's metrics labels
+        (gemtrace.kube.pods.NAMES_FILE); the agent's refusals are read beside it. `tell(namespace,
+        pod, uid, message)`: a Warning event on a pod whose grant the agent refused. `names`: each
+        GPU's NVML name (uuid -> name), for gemtrace.io/gpu-model; `packing`: binpack by default."""
         self.inventory = Inventory(gpus)
         self.state_dir = state_dir
         self.grants = grants
@@ -262,6 +279,10 @@ class DevicePlugin:
         # The agent's config_generation before the last write of a drop-in: it has applied the write
         # once its generation passes this (None: nothing written since it last did).
         self._unapplied: int | None = None
+        self.placer = Placer(gpus, names or {}, packing or PACKINGS[DEFAULT_PACKING](), pods, self._listed)
+
+    def _listed(self) -> list[kubelet.ContainerDevices]:
+        return kubelet.list_pod_resources(self.pod_resources) if self.pod_resources is not None else []
 
     def check_health(self) -> None:
         alive = agent_alive(self.state_dir)
@@ -284,7 +305,7 @@ class DevicePlugin:
             server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
             dp_grpc.add_DevicePluginServicer_to_server(
                 ResourceServicer(resource, self.inventory, self.grants, self.injection, self.state_dir, self._stop,
-                                 self.refusals, self.before_start),
+                                 self.refusals, self.placer, self.before_start),
                 server)
             server.add_insecure_port(f"unix://{path}")
             server.start()
@@ -316,6 +337,7 @@ class DevicePlugin:
             except Exception as e:  # ApiError; the grants are written without what it would add
                 log.warning("apiserver_unavailable", error=str(e), consequence="no Cgroup rule or MaxUtil annotation")
         with self._reconciling:
+            self.placer.prune(containers, pods)
             writes, generation = self.grants.writes, config_generation(self.state_dir)
             grants = self.grants.reconcile(containers, pods)
             if self.grants.writes != writes:

@@ -37,6 +37,7 @@ from gemtrace.kube.shares import (
     PodSettings,
     dropin_container,
     dropin_text,
+    gpus_asked,
     pod_settings,
 )
 
@@ -56,7 +57,17 @@ class PodInfo:
     uid: str
     annotations: dict[str, str] = field(default_factory=dict)
     containers: dict[str, str] = field(default_factory=dict)  # container ID -> name
-    finished: bool = False  # ended, or deleted with every container stopped: its grants go
+    phase: str = ""
+    created: str = ""  # metadata.creationTimestamp, RFC 3339 in UTC: sorts as the times do
+    # container name -> gemtrace.io resource -> units, init containers first: the kubelet's order
+    requests: dict[str, dict[str, int]] = field(default_factory=dict)
+    stopped: bool = False  # deleted with every container stopped
+
+    @property
+    def finished(self) -> bool:
+        """Ended (Succeeded, Failed), or deleted with every container stopped: nothing of it runs
+        any more, and its grants go."""
+        return self.phase in ("Succeeded", "Failed") or self.stopped
 
 
 Pods = dict[tuple[str, str], PodInfo]  # (namespace, name) -> info
@@ -126,7 +137,8 @@ class Grants:
                     log.warning("pod_annotations_ignored", namespace=container.namespace, pod=container.pod,
                                 error=str(e), consequence="its groups take the resource file's defaults; correct "
                                 "the annotation and create the pod again")
-            grant = replace(grant, max_util=settings.max_util, settings=settings.lines, cgroup=cgroup)
+            grant = replace(grant, max_util=settings.max_util, settings=settings.lines, cgroup=cgroup,
+                            gpus_asked=gpus_asked(info.annotations))
         return grant
 
     def reconcile(self, containers: list[ContainerDevices], pods: Pods | None = None) -> dict[str, Grant]:

@@ -18,7 +18,12 @@ after any restart of the plugin or the kubelet: nothing is counted twice. Its Cg
 cgroup) binds (CgroupBinding): the pod's processes are in its group whatever GEMTRACE_GROUP says.
 The pod's annotations `gemtrace.io/priority`, `gemtrace.io/isolation` and `gemtrace.io/oversubscribe`
 give the group's Priority, Isolation and Oversubscribe, with the resource file's own rules
-(`pod_settings`; the webhook refuses a pod that breaks them). Pure functions only.
+(`pod_settings`; the webhook refuses a pod that breaks them).
+
+What one container asks (`Request`): the two resources are what it takes in all, split evenly over
+the pod's annotation `gemtrace.io/gpus` (default 1) so that each GPU gets its memory and its time
+whole, and `gemtrace.io/gpu-model` names the GPU models it accepts. The device plugin places it
+(gemtrace.placement.place) and steers the kubelet to those devices. Pure functions only.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from gemtrace.config import check_value, parse_size
 GPU_MEMORY = "gemtrace.io/gpu-memory"
 GPU_UTIL = "gemtrace.io/gpu-util"
 ANNOTATION_MAX_UTIL = "gemtrace.io/max-util"
+ANNOTATION_GPUS = "gemtrace.io/gpus"
+ANNOTATION_GPU_MODEL = "gemtrace.io/gpu-model"
 ANNOTATION_PRIORITY = "gemtrace.io/priority"
 ANNOTATION_ISOLATION = "gemtrace.io/isolation"
 ANNOTATION_OVERSUBSCRIBE = "gemtrace.io/oversubscribe"
@@ -85,6 +92,64 @@ def preferred(available: Sequence[str], must_include: Sequence[str], size: int) 
     return chosen[:size]
 
 
+class RequestError(ValueError):
+    """A container's request that no node could place; str() says what to change."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What one container asks on each of its GPUs: `memory` GiB and `util` percent, on `gpus`
+    distinct GPUs, of `model` (NVML name words, comma-separated alternatives) if given."""
+
+    memory: int
+    util: int
+    gpus: int = 1
+    model: str | None = None
+
+    def units(self, resource: str) -> int:
+        """The devices of `resource` it takes in all, on all its GPUs."""
+        return (self.memory if resource == GPU_MEMORY else self.util) * self.gpus
+
+
+def request_of(limits: Mapping[str, int], annotations: Mapping[str, str]) -> Request:
+    """A container's request from its limits of the two resources (what the kubelet counts: the
+    totals) and its pod's annotations; RequestError when it cannot be split evenly over its GPUs."""
+    text = annotations.get(ANNOTATION_GPUS, "1")
+    try:
+        gpus = int(text) if isinstance(text, str) else 0
+    except ValueError:
+        gpus = 0
+    if gpus < 1:
+        raise RequestError(f"annotation {ANNOTATION_GPUS}={text!r} is not a number of GPUs; "
+                           "write a whole number, 1 or more")
+    memory, util = limits.get(GPU_MEMORY, 0), limits.get(GPU_UTIL, 0)
+    for resource, total in ((GPU_MEMORY, memory), (GPU_UTIL, util)):
+        if total % gpus:
+            raise RequestError(f"{resource}: {total} does not split evenly over {ANNOTATION_GPUS}={gpus}; ask for a "
+                               f"multiple of {gpus} (the total over all its GPUs)")
+    if util // gpus > UTIL_UNITS:
+        raise RequestError(f"{GPU_UTIL}: {util} over {gpus} GPU(s) is more than {UTIL_UNITS}% of each; ask for at most "
+                           f"{UTIL_UNITS * gpus}, or for more GPUs ({ANNOTATION_GPUS})")
+    model = annotations.get(ANNOTATION_GPU_MODEL)
+    if model is not None and (not isinstance(model, str) or not model.isprintable()):
+        raise RequestError(f"annotation {ANNOTATION_GPU_MODEL}={model!r} is not a GPU model name; write words of "
+                           "the GPUs' names, comma-separated alternatives (H100, A100)")
+    return Request(memory // gpus, util // gpus, gpus, (model or "").strip() or None)
+
+
+def gpus_asked(annotations: Mapping[str, str]) -> int:
+    """The pod's gemtrace.io/gpus, or 1 where it is absent or no count (request_of says why)."""
+    try:
+        return max(int(annotations.get(ANNOTATION_GPUS, "1")), 1)
+    except ValueError:
+        return 1
+
+
+def unit_index(device_id: str) -> int:
+    """The unit's number in a device ID that device_ids made (`...-m12` -> 12)."""
+    return int(device_id.rsplit("-", 1)[1][1:])
+
+
 @dataclass(frozen=True)
 class Grant:
     """What a container holds: its devices of each resource, and what is known of its pod."""
@@ -96,6 +161,7 @@ class Grant:
     container: str = ""
     max_util: float | None = None  # the pod's annotation, if any
     cgroup: str = ""  # the pod's cgroup path, if known
+    gpus_asked: int = 1  # the pod's gemtrace.io/gpus: its util devices are that many GPUs' worth
     settings: tuple[tuple[str, str], ...] = ()  # (key, value) from the pod's other annotations: PodSettings
 
     @property
@@ -111,7 +177,7 @@ class Grant:
     @property
     def split(self) -> bool:
         """Its util devices are not all on each GPU it may run on: it gets less MinUtil than it asked."""
-        return bool(self.util) and self.min_util() * UTIL_UNITS < min(len(self.util), UTIL_UNITS)
+        return bool(self.util) and self.min_util() * UTIL_UNITS < min(len(self.util) // self.gpus_asked, UTIL_UNITS)
 
     def memory_limit(self) -> int:
         per_gpu: dict[str, int] = {}
@@ -126,9 +192,10 @@ class Grant:
         return min(per_gpu.values(), default=0) / UTIL_UNITS if self.util else 0.0
 
     def max_util_ratio(self) -> float:
+        """The annotation (never below the MinUtil), else its util request on one GPU."""
         if self.max_util is not None:
             return max(self.max_util, self.min_util())
-        return min(len(self.util), UTIL_UNITS) / UTIL_UNITS or 1.0
+        return min(len(self.util) // self.gpus_asked, UTIL_UNITS) / UTIL_UNITS or 1.0
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,10 @@ that is no group name, or names no group of the resource file the webhook reads 
 nodes'), or names a pod's own group (`k8s-`), is refused with a message saying so (admitted, the pod
 would run without the quotas its owner asked for). So is a pod whose annotations
 (`gemtrace.io/max-util`, `priority`, `isolation`, `oversubscribe`: gemtrace.kube.shares) the resource
-file would refuse. On /validate it only checks (a validating webhook for every pod, labelled or not);
-on any other path it also patches.
+file would refuse, or whose `gemtrace.io/gpus` and `gpu-model` no node could place
+(shares.request_of): refused at admission rather than by the kubelet of the node it lands on. On
+/validate it only checks (a validating webhook for every pod, labelled or not); on any other path it
+also patches.
 
 `review` is pure (AdmissionReview in, AdmissionReview out); `serve` is the HTTPS server around it
 (gemtrace.httpd: slow and idle connections hold no worker, every step has a deadline). Every request
@@ -37,7 +39,7 @@ from gemtrace.config import _GROUP_NAME, ConfigError, load
 from gemtrace.kube.apiserver import ApiError
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.servingcert import Keeper
-from gemtrace.kube.shares import GPU_MEMORY, GROUP_PREFIX, LABEL_GROUP, pod_settings
+from gemtrace.kube.shares import GPU_MEMORY, GPU_UTIL, GROUP_PREFIX, LABEL_GROUP, pod_settings, request_of
 from gemtrace.signals import SignalInbox
 
 log = structlog.get_logger("gemtrace.kube.webhook")
@@ -89,25 +91,34 @@ def resource_groups(path: Path) -> Groups:
     return groups
 
 
-def memory_gib(spec: Json) -> int:
-    """The most gemtrace.io/gpu-memory one container of the pod asks for, in GiB (0: none)."""
-    most = 0
+def gemtrace_limits(spec: Json) -> list[dict[str, int]]:
+    """Each container's whole numbers of gemtrace.io/gpu-memory and gpu-util (an extended resource's
+    request is its limit), for those that ask any."""
+    out = []
     for kind in ("initContainers", "containers"):
         for i, container in enumerate(_objects(spec.get(kind), f"spec.{kind}")):
             resources = _mapping(container.get("resources"), f"spec.{kind}[{i}].resources")
-            for field in ("limits", "requests"):
-                value = _mapping(resources.get(field), f"spec.{kind}[{i}].resources.{field}").get(GPU_MEMORY)
-                if isinstance(value, (str, int)) and str(value).isdigit():
-                    most = max(most, int(value))
-    return most
+            asked = {**_mapping(resources.get("requests"), f"spec.{kind}[{i}].resources.requests"),
+                     **_mapping(resources.get("limits"), f"spec.{kind}[{i}].resources.limits")}
+            ours = {k: int(v) for k, v in asked.items()
+                    if k in (GPU_MEMORY, GPU_UTIL) and isinstance(v, (str, int)) and str(v).isdigit()}
+            if ours:
+                out.append(ours)
+    return out
 
 
 def check_pod(pod: Json) -> None:
-    """BadPod for annotations that the resource file would refuse in the pod's groups."""
+    """BadPod for annotations that the resource file would refuse in the pod's groups, or a request
+    that no node could place (gemtrace.io/gpus that its shares do not split over, a model that is no
+    name)."""
     metadata = _mapping(pod.get("metadata"), "metadata")
     annotations = _mapping(metadata.get("annotations"), "metadata.annotations")
     try:
-        pod_settings(annotations, memory_gib(_mapping(pod.get("spec"), "spec")))
+        # A pod that asks none of the shares still has its gemtrace.io/gpus and gpu-model read.
+        requests = [request_of(limits, annotations) for limits in gemtrace_limits(_mapping(pod.get("spec"), "spec"))
+                    or [{}]]
+        # Oversubscribe is per GPU, as the group's MemoryLimit is: a container's memory on each of its GPUs.
+        pod_settings(annotations, max(r.memory for r in requests))
     except ValueError as e:
         raise BadPod(str(e)) from None
 
