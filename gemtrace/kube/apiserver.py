@@ -16,6 +16,7 @@ import json
 import os
 import ssl
 import tempfile
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -30,6 +31,14 @@ TIMEOUT_S = 10.0
 
 class ApiError(Exception):
     """The apiserver could not be asked or refused; str() says which and what to do."""
+
+
+class Conflict(ApiError):
+    """409: the object changed since it was read."""
+
+
+class NotFound(ApiError):
+    """404: no such object."""
 
 
 @dataclass
@@ -70,20 +79,26 @@ class Apiserver:
         return cls(cluster["server"].rstrip("/"), ssl_context, user.get("token"))
 
     def get(self, path: str, **query: str) -> dict[str, Any]:
-        return self._call("GET", path + ("?" + urllib.parse.urlencode(query) if query else ""))
+        return self.call("GET", path + ("?" + urllib.parse.urlencode(query) if query else ""))
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    def call(self, method: str, path: str, body: Any = None,
+             content_type: str = "application/json") -> dict[str, Any]:
+        """One request; ApiError says what failed (Conflict for 409, NotFound for 404)."""
         url = self.server + path
         request = urllib.request.Request(url, method=method, headers={"Accept": "application/json"},
                                          data=None if body is None else json.dumps(body).encode())
         if body is not None:
-            request.add_header("Content-Type", "application/json")
+            request.add_header("Content-Type", content_type)
         if self.token:
             request.add_header("Authorization", f"Bearer {self.token}")
         try:
             with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=self.context) as response:
                 result: dict[str, Any] = json.load(response)
                 return result
+        except urllib.error.HTTPError as e:
+            detail = e.read(2000).decode(errors="replace")
+            error = {409: Conflict, 404: NotFound}.get(e.code, ApiError)
+            raise error(f"{method} {url}: {e.code} {detail}") from None
         except OSError as e:
             raise ApiError(f"{method} {url}: {e}") from None
 
@@ -99,7 +114,7 @@ class Apiserver:
     def pod_event(self, namespace: str, pod: str, uid: str, reason: str, message: str, node: str) -> None:
         """A Warning event on the pod (`kubectl describe pod` shows it); raises ApiError."""
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        self._call("POST", f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/events", event_body(
+        self.call("POST", f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/events", event_body(
             namespace, pod, uid, reason, message, node, now))
 
 

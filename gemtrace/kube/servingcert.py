@@ -19,15 +19,12 @@ the files. Never writes any object but that Secret and those webhook configurati
 from __future__ import annotations
 
 import base64
-import json
 import os
 import ssl
 import subprocess
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +32,7 @@ from typing import Any
 
 import structlog
 
-from gemtrace.kube.apiserver import TIMEOUT_S, ApiError, Apiserver
+from gemtrace.kube.apiserver import ApiError, Apiserver, Conflict, NotFound
 
 log = structlog.get_logger("gemtrace.kube.servingcert")
 
@@ -141,37 +138,6 @@ def _openssl(args: list[str], stdin: str | None = None) -> str:
     return done.stdout
 
 
-class Conflict(ApiError):
-    """409: the object changed since it was read."""
-
-
-class NotFound(ApiError):
-    """404: no such object."""
-
-
-def call(api: Apiserver, method: str, path: str, body: Any = None,
-         content_type: str = "application/json") -> dict[str, Any]:
-    """One request to the apiserver; ApiError (Conflict for 409) says what failed."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(api.server + path, data=data, method=method,
-                                     headers={"Accept": "application/json", "Content-Type": content_type})
-    if api.token:
-        request.add_header("Authorization", f"Bearer {api.token}")
-    try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=api.context) as response:
-            result: dict[str, Any] = json.load(response)
-            return result
-    except urllib.error.HTTPError as e:
-        detail = e.read(2000).decode(errors="replace")
-        if e.code == 409:
-            raise Conflict(f"{method} {path}: 409 {detail}") from None
-        if e.code == 404:
-            raise NotFound(f"{method} {path}: 404 {detail}") from None
-        raise ApiError(f"{method} {path}: {e.code} {detail}") from None
-    except OSError as e:
-        raise ApiError(f"{method} {path}: {e}") from None
-
-
 @dataclass
 class Keeper:
     """Keeps `secret` (namespace, name) holding a valid pair for the service (namespace, name), its
@@ -210,7 +176,7 @@ class Keeper:
         return f"/api/v1/namespaces/{namespace}/secrets/{name}"
 
     def _current_or_renewed(self) -> Pair:
-        secret = call(self.api, "GET", self._secret_path())
+        secret = self.api.call("GET", self._secret_path())
         pair = Pair.from_data(secret.get("data"))
         now = self.clock()
         if not due(pair, now):
@@ -220,10 +186,10 @@ class Keeper:
         new = Pair(bundle_after(ca, pair, now), ca_key, cert, key)
         secret["data"] = new.data()  # the Secret's resourceVersion stays: a concurrent write is a 409
         try:
-            call(self.api, "PUT", self._secret_path(), secret)
+            self.api.call("PUT", self._secret_path(), secret)
         except Conflict:
             # Another replica renewed first: serve its pair.
-            found = Pair.from_data(call(self.api, "GET", self._secret_path()).get("data"))
+            found = Pair.from_data(self.api.call("GET", self._secret_path()).get("data"))
             if found is None or due(found, now):
                 raise ApiError(f"{self._secret_path()} changed while renewing and holds no valid certificate; "
                                "the next check tries again") from None
@@ -235,7 +201,7 @@ class Keeper:
     def _patch_bundle(self, resource: str, name: str, bundle: str) -> None:
         path = f"/apis/admissionregistration.k8s.io/v1/{resource}/{name}"
         try:
-            configuration = call(self.api, "GET", path)
+            configuration = self.api.call("GET", path)
         except NotFound:
             log.warning("webhook_configuration_missing", configuration=f"{resource}/{name}")
             return
@@ -250,7 +216,7 @@ class Keeper:
                 patch += [{"op": "test", "path": f"/webhooks/{i}/name", "value": webhook.get("name")},
                           {"op": "add", "path": f"/webhooks/{i}/clientConfig/caBundle", "value": wanted}]
         if patch:
-            call(self.api, "PATCH", path, patch, content_type="application/json-patch+json")
+            self.api.call("PATCH", path, patch, content_type="application/json-patch+json")
             log.info("webhook_ca_bundle_patched", configuration=f"{resource}/{name}", webhooks=len(patch) // 2)
 
     def run(self, stop: threading.Event) -> None:
