@@ -588,14 +588,14 @@ class TimeSharePolicy:
                 self._hold(now)
 
     def _kept_pause(self, holder: int, now: int) -> bool:
-        """Is the quiet holder within the pause it keeps the GPU through (`_pause_kept`)? A training
+        """Is the quiet holder within the pause it keeps the GPU through (`_quiet_allowance`)? A training
         loop pauses between steps (its sync, then its CPU work): revoked at each pause, a loop paid a
         step of its debt a hog's slice (ResNet-50 with 5 ms of CPU a step, MinUtil 0.6 beside two hogs
         on the fake GPU: 0.33 of the GPU)."""
         idle_since = self._holder_idle_since
-        return idle_since is not None and now - idle_since < self._pause_kept(holder)
+        return idle_since is not None and now - idle_since < self._quiet_allowance(holder)
 
-    def _pause_kept(self, holder: int) -> int:
+    def _quiet_allowance(self, holder: int) -> int:
         """How long a quiet holder keeps the GPU while others want it: owed_pause_ns while it is paid
         its MinUtil debt; gang_pause_ns in its turn across GPUs (a rank quiet between steps, revoked
         there, closes the turn on every GPU of the job, which waits to line up again); else 0."""
@@ -873,7 +873,7 @@ class TimeSharePolicy:
         p = self.params
         if self._kept_pause(holder, now):
             assert self._holder_idle_since is not None
-            return self._holder_idle_since + self._pause_kept(holder)
+            return self._holder_idle_since + self._quiet_allowance(holder)
         account = self._accounts[holder]
         steady = account.steady and not account.idled and not self._outranked_present(holder)
         return now + (p.steady_poll_ns if steady else p.poll_ns)
