@@ -141,9 +141,10 @@ class PolicyParams:
     # holder ran unwatched meanwhile, and a MaxUtil bucket charged all of it would hold its group for
     # many times the stall (a group capped at 0.3 after 10 s: 23 s). Its bucket starts again from empty.
     stall_ns: int = 2000 * MS
-    # A capped group that spans GPUs (gemtrace/gang.py) waits for credit for a turn this long: each turn
-    # costs it a clearing on every GPU of it and a restart of all its ranks at once, so it runs in
-    # fewer, longer turns.
+    # A group that spans GPUs (gemtrace/gang.py) runs in turns this long, and a capped one waits for
+    # the credit of a whole turn: each turn costs it a clearing on every GPU of it and a restart of all
+    # its ranks at once (a step's worth of work: the ranks line up again at their next collective), so
+    # it runs in fewer, longer turns.
     gang_slice_ns: int = 180 * MS
     # A group in its turn across GPUs that goes quiet keeps the GPU this long (its ranks' CPU work
     # between steps) before it is revoked early as any quiet holder is.
@@ -804,13 +805,19 @@ class TimeSharePolicy:
             capacity = self._cap_capacity()
             return lambda g: ((capacity - self._account(g).cap_credit) / self._accounts[g].quota.max_util,
                               g != self._holder, self._accounts[g].last_run)
-        return lambda g: (self._account(g).usage, g != self._holder, self._accounts[g].last_run)
+        # By the usage each would have halfway through its slice: a gang's turns are longer than the
+        # others' slices, and chosen when its usage just came under theirs it would end each turn
+        # further above them than they end theirs above it (no quota beside single-GPU jobs: 0.53 of
+        # each GPU against their 0.47).
+        return lambda g: (self._account(g).usage + (self._turn_ns(g) - self.slice_ns()) / 2, g != self._holder,
+                          self._accounts[g].last_run)
 
     def _slice_for(self, group: int, owed_first: bool) -> int:
         p = self.params
         account = self._account(group)
         quota = account.quota
-        length = float(self.slice_ns())
+        turn = self._turn_ns(group)
+        length = float(turn)
         if owed_first and quota.min_util < 1.0:
             # Long enough to pay the debt (time owed grows at min_util while it runs).
             length = min(float(p.max_owed_slice_ns), max(float(p.min_slice_ns),

@@ -30,11 +30,16 @@ class Job:
     collective_ns: int = 2 * MS
     segments: int = 4
     pause_ns: int = 0  # CPU work between steps: every rank quiet (nothing queued) that long
+    # A rank released after a hold runs this long before it moves again (its CPU refills the queue the
+    # hold emptied, the ranks line up at their next collective): what each turn costs the job.
+    restart_ns: int = 0
     steps: int = 0
     pause_left: int = 0
     done: int = 0  # segments done this step
     left: dict[int, int] = field(default_factory=dict)  # each rank's compute left this segment
     collective_left: int = 0
+    ran: set[int] = field(default_factory=set)  # the GPUs its ranks ran on in the last tick
+    restart_left: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._next_segment()
@@ -52,6 +57,13 @@ class Job:
         if self.pause_left > 0:
             self.pause_left -= dt
             return
+        for gpu in running - self.ran:
+            self.restart_left[gpu] = self.restart_ns
+        self.ran = set(running)
+        for gpu in running:
+            if self.restart_left.get(gpu, 0) > 0:
+                self.restart_left[gpu] -= dt
+                running = running - {gpu}
         for gpu in running:
             self.left[gpu] = max(0, self.left[gpu] - dt)
         if all(self.left[gpu] == 0 for gpu in self.gpus) and running >= set(self.gpus):
@@ -229,6 +241,17 @@ def test_an_unlimited_job_shares_each_gpu_evenly_with_the_single_gpu_jobs() -> N
         assert share(gpu, hog) == pytest.approx(0.5, abs=0.03)
 
 
+def test_a_job_whose_turns_cost_it_a_restart_runs_in_turns_long_enough_to_pay_for_them() -> None:
+    # Each turn costs the job 8 ms before its ranks move again: in turns of a 60 ms slice, it would do
+    # 0.43 of its solo work with half of each GPU. Its turns are longer, and still half of each GPU.
+    job = Job((0, 1), restart_ns=8 * MS)
+    gpus, turns = simulate({0: {0: Quota(), 1: Quota()}, 1: {0: Quota(), 2: Quota()}}, {0: job})
+    assert job.steps / 10 / job.solo_steps_per_second() >= 0.45
+    for gpu, hog in zip(gpus, (1, 2), strict=True):
+        assert share(gpu, hog) == pytest.approx(0.5, abs=0.03)
+    assert turns.turns < 40
+
+
 def test_a_job_beside_work_on_one_of_its_gpus_gets_that_gpus_fair_share() -> None:
     # GPU 0 is shared with a hog; GPU 1 is the job's alone. The job runs half the time on both (its
     # rank on GPU 1 could do nothing more: it would spin), and the hog keeps its half of GPU 0.
@@ -343,14 +366,19 @@ def test_an_idle_gpu_whose_capped_groups_wait_for_their_turns_looks_only_when_cr
 
 
 def test_a_gpu_consents_to_the_barred_groups_it_would_choose_over_its_holder() -> None:
-    # Holder 1 (priority 1) past its first 15 ms: barred 2 of its priority and less used would be
-    # chosen over it, barred 3 of a lower priority would not, however little it ran.
-    policy = TimeSharePolicy(PolicyParams(), now=0)
+    # Barred 2 of the holder's priority, never run, is chosen over holder 1 once 1 has used more than
+    # 2 would have used halfway through its turn (a gang's turn, 120 ms longer than a slice: 60 ms);
+    # barred 3 of a lower priority is not, however little it ran.
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
     policy.set_quotas(0, {1: Quota(0, 1.0, 1), 2: Quota(0, 1.0, 1), 3: Quota(0, 1.0, 0)})
     wanting, barred = frozenset({1, 2, 3}), frozenset({2, 3})
     assert policy.step(0, Observation(wanting, present=wanting, barred=barred)).released == 1
-    decision = policy.step(20 * MS, Observation(wanting, present=wanting, barred=barred))
-    assert decision.released == 1 and decision.ready == {2}
+    half_turn_more = (params.gang_slice_ns - params.slice_ns) // 2
+    early = policy.step(half_turn_more - 5 * MS, Observation(wanting, present=wanting, barred=barred))
+    assert early.released == 1 and early.ready == frozenset()
+    later = policy.step(half_turn_more + 10 * MS, Observation(wanting, present=wanting, barred=barred))
+    assert later.released == 1 and later.ready == {2}
 
 
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
