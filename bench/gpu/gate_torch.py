@@ -1,17 +1,19 @@
-"""The gate on a real GPU (issue 2, "Benchmarks", H100 part). Self-contained; run from the repo root:
+"""The gate on a real GPU (issue 2, "Benchmarks", H100 part), through the product. Run from the repo root:
 
     python3 -m bench.gpu.gate_torch
 
-It stands in for the agent (a Region in a temporary state dir with the GPU's NVML UUID, a fresh
-heartbeat, a group `bench` with MemoryLimit 4 GiB and a group `free` without limit), then checks:
+It starts `gemtrace agent --no-ebpf` on a resource file of two groups, `bench` with MemoryLimit 4 GiB and
+`free` without limit, and runs every gated program as a user would, `gemtrace run --group G -- CMD`; then
+checks:
   1. PyTorch with a 4 GiB limit, for the default caching allocator, expandable_segments:True and
      backend:cudaMallocAsync: torch.cuda.mem_get_info() reports 4 GiB total, 3 GiB fit, and an
      allocation past 4 GiB raises torch.cuda.OutOfMemoryError;
   2. a program built by nvcc with the static cudart (bench/gpu/gate_probe.cu) is gated the same way;
-  3. the empty-kernel launch loop of that program, gate (group within quota) against no gate,
+  3. the empty-kernel launch loop of that program, gated in `free` (within quota) against no gate,
      20 interleaved rounds (bench/recording.py's `interleave`), with one GPU visible and (on a host
      of several) all of them: the overhead in percent as the median of the paired differences, its
-     interquartile range and a 95% bootstrap interval (`paired`; target: median <= 2%).
+     interquartile range and a 95% bootstrap interval (`paired`; target: median <= 2%). The loop times
+     itself, so `gemtrace run`'s own start is not in the figure.
 Prints a table; with $OUT set, writes gate_gpu.md there.
 """
 
@@ -25,17 +27,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from functools import partial
 from pathlib import Path
 
-from bench.recording import MIN_ROUNDS, REPO, gpus, interleave, paired, publish, region_gpus, stamp
-from gemtrace.membership import Membership
-from gemtrace.region import Region
+from bench.gpu.models_torch import GATE, Agent, GroupSpec, RunFailed, gemtrace
+from bench.recording import MIN_ROUNDS, REPO, gpus, interleave, paired, publish, stamp
 from tests.testkit import GiB
 
-GATE = REPO / "build" / "libgemgate.so"
+GROUPS = (GroupSpec("bench", memory_limit="4GiB"), GroupSpec("free"))
 LOOP_ROUNDS = MIN_ROUNDS
 LOOP_LAUNCHES = 500_000
 
@@ -52,93 +51,87 @@ print(json.dumps({"total": total, "free": free, "past_limit": outcome}))
 """
 
 
-def decide_groups(region: Region, stop: threading.Event) -> threading.Thread:
-    """The agent's decision of each new process's group (gemtrace/membership.py), as its keeper
-    thread makes it, every group open to all: gates count as "default" until it is made."""
-    membership = Membership(region, lambda: {})
-
-    def keep() -> None:
-        while not stop.wait(0.005):
-            membership.tick()
-
-    thread = threading.Thread(target=keep, daemon=True)
-    thread.start()
-    return thread
-
-
 def main() -> int:
     # No options: --help says what the run does, and anything else is refused before a GPU is touched.
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows: list[tuple[str, str, str]] = []
     failures = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        region = Region.create(Path(tmp))
-        region.set_gpus(region_gpus())
-        region.set_group("default", None, 0.0, 1.0)  # the agent always defines it
-        region.set_group("bench", 4 * GiB, 0.0, 1.0)
-        region.set_group("free", None, 0.0, 1.0)
-        region.heartbeat(time.monotonic_ns() + 3600 * 10**9)
-        decide_groups(region, threading.Event())
-        gated = dict(os.environ, LD_PRELOAD=str(GATE), GEMTRACE_STATE_DIR=tmp, GEMTRACE_GROUP="bench")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
+           "GEMTRACE_GATE": str(GATE)}
+    with tempfile.TemporaryDirectory(prefix="gemtrace-gate-") as tmp:
+        agent = Agent(Path(tmp), GROUPS, env, ebpf=False)
+        try:
+            uuids = []
+            while True:
+                try:
+                    uuids.append(agent.gpu_uuid(len(uuids)))
+                except RunFailed:  # (no GPU of that index)
+                    break
 
-        for conf in ("", "expandable_segments:True", "backend:cudaMallocAsync"):
-            env = dict(gated, PYTORCH_CUDA_ALLOC_CONF=conf) if conf else gated
-            proc = subprocess.run([sys.executable, "-c", TORCH_CHECK], env=env, capture_output=True, text=True)
-            got = json.loads(proc.stdout.splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
-            ok = got.get("total") == 4 * GiB and got.get("past_limit") == "OutOfMemoryError"
+            def gated(group: str, *argv: str) -> list[str]:
+                return gemtrace("run", "--group", group, "--state-dir", str(agent.state), "--require-agent", "--",
+                                *argv)
+
+            for conf in ("", "expandable_segments:True", "backend:cudaMallocAsync"):
+                conf_env = dict(env, PYTORCH_CUDA_ALLOC_CONF=conf) if conf else env
+                proc = subprocess.run(gated("bench", sys.executable, "-c", TORCH_CHECK), env=conf_env,
+                                      capture_output=True, text=True)
+                got = (json.loads(proc.stdout.splitlines()[-1]) if proc.returncode == 0
+                       else {"error": proc.stderr[-500:]})
+                ok = got.get("total") == 4 * GiB and got.get("past_limit") == "OutOfMemoryError"
+                failures += not ok
+                rows.append((f"torch {conf or 'default allocator'}", "4 GiB total, OOM past it",
+                             f"total {got.get('total', 0) / GiB:.2f} GiB, {got.get('past_limit', got.get('error'))}"))
+
+            probe = Path(tmp) / "gate_probe"
+            subprocess.run(["nvcc", "-O2", "-o", str(probe), str(REPO / "bench" / "gpu" / "gate_probe.cu")], check=True)
+            proc = subprocess.run(gated("bench", str(probe), "alloc", str(3 * GiB), str(2 * GiB)), env=env,
+                                  capture_output=True, text=True)
+            lines = [json.loads(line) for line in proc.stdout.splitlines()]
+            ok = [line.get("result") for line in lines[:2]] == ["cudaSuccess", "cudaErrorMemoryAllocation"] and \
+                lines[2]["total"] == 4 * GiB
             failures += not ok
-            rows.append((f"torch {conf or 'default allocator'}", "4 GiB total, OOM past it",
-                         f"total {got.get('total', 0) / GiB:.2f} GiB, {got.get('past_limit', got.get('error'))}"))
+            rows.append(("nvcc static cudart", "3 GiB ok, 2 GiB more refused, 4 GiB total",
+                         f"{lines[0].get('result')}, {lines[1].get('result')}, "
+                         f"total {lines[2]['total'] / GiB:.2f} GiB"))
 
-        probe = Path(tmp) / "gate_probe"
-        subprocess.run(["nvcc", "-O2", "-o", str(probe), str(REPO / "bench" / "gpu" / "gate_probe.cu")], check=True)
-        proc = subprocess.run([str(probe), "alloc", str(3 * GiB), str(2 * GiB)], env=gated, capture_output=True,
-                              text=True)
-        lines = [json.loads(line) for line in proc.stdout.splitlines()]
-        ok = [line.get("result") for line in lines[:2]] == ["cudaSuccess", "cudaErrorMemoryAllocation"] and \
-            lines[2]["total"] == 4 * GiB
-        failures += not ok
-        rows.append(("nvcc static cudart", "3 GiB ok, 2 GiB more refused, 4 GiB total",
-                     f"{lines[0].get('result')}, {lines[1].get('result')}, total {lines[2]['total'] / GiB:.2f} GiB"))
+            # The launch loop, gate (group within quota) against no gate, interleaved rounds; one GPU
+            # visible (the common case: the gate knows the GPU without asking the driver), and all of
+            # them where there are several (the gate asks the driver for the current context per launch).
+            cases = [("one GPU visible", {"CUDA_VISIBLE_DEVICES": "0"})]
+            if len(uuids) > 1:
+                cases.append((f"{len(uuids)} GPUs visible", {}))
+            # Runs of one configuration spread by 20% on the H100 (bench/results/gpu_gate.md), far more
+            # than the 2% to resolve: every run is pinned to the same CPU, and the figure is the median of
+            # the differences within each round (a gated run against the plain run just before it).
+            cpus = sorted(os.sched_getaffinity(0))
+            cpu = cpus[len(cpus) // 2]
 
-        # The launch loop, gate (group within quota) against no gate, interleaved rounds; one GPU
-        # visible (the common case: the gate knows the GPU without asking the driver), and all of
-        # them where there are several (the gate asks the driver for the current context per launch).
-        free_env = dict(gated, GEMTRACE_GROUP="free")
-        cases = [("one GPU visible", {"CUDA_VISIBLE_DEVICES": "0"})]
-        if len(region.gpu_uuids()) > 1:
-            cases.append((f"{len(region.gpu_uuids())} GPUs visible", {}))
-        # Runs of one configuration spread by 20% on the H100 (bench/results/gpu_gate.md), far more
-        # than the 2% to resolve: every run is pinned to the same CPU, and the figure is the median of
-        # the differences within each round (a gated run against the plain run just before it).
-        cpus = sorted(os.sched_getaffinity(0))
-        cpu = cpus[len(cpus) // 2]
+            def pinned() -> None:
+                os.sched_setaffinity(0, {cpu})
 
-        def pinned() -> None:
-            os.sched_setaffinity(0, {cpu})
+            def launch_loop(argv: list[str], env: dict[str, str]) -> float:
+                run = subprocess.run(argv, env=env, capture_output=True, text=True, check=True, preexec_fn=pinned)
+                return float(json.loads(run.stdout.splitlines()[-1])["ns_per_launch"])
 
-        def launch_loop(env: dict[str, str]) -> float:
-            run = subprocess.run([str(probe), "launch", str(LOOP_LAUNCHES)], env=env, capture_output=True,
-                                 text=True, check=True, preexec_fn=pinned)
-            return float(json.loads(run.stdout)["ns_per_launch"])
-
-        for case, visible in cases:
-            plain_env, gate_env = dict(os.environ, **visible), dict(free_env, **visible)
-            runs = interleave([("no gate", partial(launch_loop, plain_env)),
-                               ("gate", partial(launch_loop, gate_env))], LOOP_ROUNDS)
-            plain, with_gate = runs["no gate"], runs["gate"]
-            print(f"{case}, CPU {cpu}: no gate {plain}\n{case}, CPU {cpu}: gate    {with_gate}")
-            p, g = statistics.median(plain), statistics.median(with_gate)
-            overhead = paired(plain, with_gate, relative=True)
-            print(f"{case}: gate - no gate {overhead}")
-            failures += overhead.median > 2.0
-            rows.append((f"empty-kernel launch loop, {case}", "<= 2% added (paired median)",
-                         f"{p:.0f} ns -> {g:.0f} ns per launch (medians); {overhead.median:+.2f}% median of the "
-                         f"paired differences (IQR {overhead.q1:+.2f}% to {overhead.q3:+.2f}%, 95% interval "
-                         f"{overhead.low:+.2f}% to {overhead.high:+.2f}%), {LOOP_ROUNDS} interleaved rounds of "
-                         f"{LOOP_LAUNCHES} launches, pinned to one CPU"))
-        region.stop()
-        region.close()
+            loop = [str(probe), "launch", str(LOOP_LAUNCHES)]
+            for case, visible in cases:
+                case_env = dict(env, **visible)
+                runs = interleave([("no gate", partial(launch_loop, loop, case_env)),
+                                   ("gate", partial(launch_loop, gated("free", *loop), case_env))], LOOP_ROUNDS)
+                plain, with_gate = runs["no gate"], runs["gate"]
+                print(f"{case}, CPU {cpu}: no gate {plain}\n{case}, CPU {cpu}: gate    {with_gate}")
+                p, g = statistics.median(plain), statistics.median(with_gate)
+                overhead = paired(plain, with_gate, relative=True)
+                print(f"{case}: gate - no gate {overhead}")
+                failures += overhead.median > 2.0
+                rows.append((f"empty-kernel launch loop, {case}", "<= 2% added (paired median)",
+                             f"{p:.0f} ns -> {g:.0f} ns per launch (medians); {overhead.median:+.2f}% median of the "
+                             f"paired differences (IQR {overhead.q1:+.2f}% to {overhead.q3:+.2f}%, 95% interval "
+                             f"{overhead.low:+.2f}% to {overhead.high:+.2f}%), {LOOP_ROUNDS} interleaved rounds of "
+                             f"{LOOP_LAUNCHES} launches, pinned to one CPU"))
+        finally:
+            agent.stop()
 
     text = [f"# Gate on a real GPU, {stamp()} ({platform.node()}, {gpus()})", "",
             "| check | expected | measured |", "| --- | --- | --- |"]

@@ -103,6 +103,7 @@ class GroupSpec:
     isolation: str = "time"  # the resource file's Isolation (bench/gpu/mps.py runs "mps")
     opportunistic: bool = False  # the resource file's Opportunistic (bench/gpu/colocation.py)
     env: tuple[tuple[str, str], ...] = ()  # more environment for its processes (GEMTRACE_BESIDE_KERNELS)
+    memory_limit: str | None = None  # the resource file's MemoryLimit (bench/gpu/gate_torch.py)
 
     def quota(self) -> str:
         parts = ([f"MinUtil {self.min_util:g}"] if self.min_util else []) + \
@@ -114,7 +115,8 @@ class GroupSpec:
                (f"MaxUtil = {self.max_util:g}\n" if self.max_util < 1 else "") + \
                (f"Priority = {self.priority}\n" if self.priority else "") + \
                (f"Isolation = {self.isolation}\n" if self.isolation != "time" else "") + \
-               ("Opportunistic = yes\n" if self.opportunistic else "")
+               ("Opportunistic = yes\n" if self.opportunistic else "") + \
+               (f"MemoryLimit = {self.memory_limit}\n" if self.memory_limit else "")
 
 
 @dataclass(frozen=True)
