@@ -31,15 +31,15 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     sources/         what eBPF, the gates' slots and NVML know, behind one interface:
       ebpf.py          the probes, the libcuda rescans, the ring-buffer thread
       gate.py          the gates' slots, through region.SlotColumns
-      nvml.py          NVML's per-process memory and device utilisation
+      nvml.py          NVML's per-process memory and device utilisation (pynvml, as gpus.py binds it)
     merge.py         the best figure of each process: docs/accounting.md's table, a function a row
     enforcement.py   memory enforcement: which process dies when a group is over its MemoryLimit
     groups_of.py     the group of a process and the GPUs it sees, from /proc (pure parsers)
-    gpus.py          the host's GPUs from NVML (index, UUID, name, memory), read at agent start
+    gpus.py          the host's GPUs from NVML (index, UUID, name, memory), read at agent start; nvml():
+                     NVML's one binding (pynvml), initialised
     probes/          where the agent learns what processes do with libcuda:
       libcuda.py       which libcuda files processes map, from /proc/PID/maps
       bpf_loader.py    bcc: compiles bpf/gemtrace_cuda.bpf.c, attaches, reads its maps
-      nvml.py          NVML's per-process memory and device utilisation (ctypes)
     metrics.py       the one catalogue of metric names, types, units, labels and help texts; family()
     collectors/      the Prometheus collectors, one module each, registered in collectors/__init__.py:
       agent.py         the agent itself: version, reloads, refused requests, its GPUs (an AgentView)

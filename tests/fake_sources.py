@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from gemtrace import defaults
 from gemtrace.config import GroupConfig
 from gemtrace.probes.bpf_loader import Usage
-from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.sources import AllocationListener, Devices, Figures, Key, SourceReading
 from gemtrace.sources.ebpf import memory_figures, usage_figures
+from gemtrace.sources.nvml import NvmlProcess
 
 
 def group(memory_limit: int | None = None, cgroups: tuple[str, ...] = ()) -> GroupConfig:

@@ -20,10 +20,10 @@ from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_enviro
 from gemtrace.merge import Merged
 from gemtrace.probes import libcuda
 from gemtrace.probes.bpf_loader import has_bpf_privilege
-from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.region import Region
 from gemtrace.sources import Figures, Key
 from gemtrace.sources.gate import GateSource
+from gemtrace.sources.nvml import NvmlProcess
 
 pytestmark = pytest.mark.unit
 

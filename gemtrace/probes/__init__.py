@@ -4,7 +4,5 @@
                  parsed from /proc/PID/maps; pure parsers apart from the reader.
   bpf_loader.py  bcc: compiles bpf/gemtrace_cuda.bpf.c, attaches it to each libcuda file, detaches
                  from a file whose last process exited, reads the maps and the ring buffer.
-  nvml.py        NVML's per-process memory and device utilisation, for processes eBPF or the gate
-                 do not cover.
 Nothing here decides anything: gemtrace.accounting turns what the probes read into a Snapshot.
 """
