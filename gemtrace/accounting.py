@@ -40,11 +40,11 @@ from gemtrace.gpu_time import GpuTimeShare
 from gemtrace.groups_of import ENV_VISIBLE_DEVICES, ProcReader, visible_devices
 from gemtrace.membership import group_of
 from gemtrace.merge import Merged
-from gemtrace.probes.bpf_loader import BpfProbes
 from gemtrace.region import Region
 from gemtrace.snapshot import ProcessAccount, Snapshot
 from gemtrace.sources import AllocationSource, Figures, Key, Source, SourceReading
 from gemtrace.sources.ebpf import EbpfSource, boot_ticks
+from gemtrace.sources.ebpf.probes import BpfProbes
 from gemtrace.sources.nvml import NvmlLike, NvmlSource
 
 log = structlog.get_logger("gemtrace.accounting")

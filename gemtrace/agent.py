@@ -58,11 +58,10 @@ from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
 from gemtrace.kube.pods import NAMES_FILE, PodLabels, refused_file, write_refusals
 from gemtrace.membership import Membership
-from gemtrace.probes.bpf_loader import BpfUnavailable
 from gemtrace.region import Region, RegionError
 from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
 from gemtrace.signals import SignalInbox
-from gemtrace.sources.ebpf import EbpfSource
+from gemtrace.sources.ebpf import BpfUnavailable, EbpfSource
 from gemtrace.sources.gate import GateSource
 from gemtrace.sources.nvml import NvmlLike, NvmlReader
 from gemtrace.state_dir import StateDirError, open_lock_file, open_state_dir, storage_error

@@ -3,7 +3,7 @@ constructor (`ebpf=`, `gate=`, `nvml=`) where the agent passes the real one, and
 it reads (`Config`, `group`). No root, no GPU, no bcc.
 
 Each fake keeps the figures a test sets and turns them into readings through the same pure functions
-as the real source (eBPF's maps -> figures: gemtrace/sources/ebpf.py), so what is tested is what
+as the real source (eBPF's maps -> figures: gemtrace/sources/ebpf/source.py), so what is tested is what
 runs. FakeEbpf replays eBPF's allocation and exit events: its listeners are woken synchronously,
 in the caller's thread, as the real watcher thread would wake them. Lives in tests/: it never ships.
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 from gemtrace import defaults
 from gemtrace.config import GroupConfig
-from gemtrace.probes.bpf_loader import Usage
 from gemtrace.sources import AllocationListener, Devices, Figures, Key, SourceReading
 from gemtrace.sources.ebpf import memory_figures, usage_figures
+from gemtrace.sources.ebpf.probes import Usage
 from gemtrace.sources.nvml import NvmlProcess
 
 

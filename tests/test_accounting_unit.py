@@ -18,10 +18,10 @@ from gemtrace.enforcement import Enforcement, MemoryEnforcer
 from gemtrace.gpu_time import GpuTimeShare
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
 from gemtrace.merge import Merged
-from gemtrace.probes import libcuda
-from gemtrace.probes.bpf_loader import has_bpf_privilege
 from gemtrace.region import Region
 from gemtrace.sources import Figures, Key
+from gemtrace.sources.ebpf import libcuda
+from gemtrace.sources.ebpf.probes import has_bpf_privilege
 from gemtrace.sources.gate import GateSource
 from gemtrace.sources.nvml import NvmlProcess
 
