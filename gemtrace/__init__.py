@@ -24,8 +24,11 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     scheduler.py     one GPU's adapter between the region's slots and the policy (futex words)
     mps.py           the MPS control daemons of the GPUs that Isolation=mps groups use
     gang.py          the turns of groups that span GPUs, shared by every GPU's scheduler
-    accounting.py    the merge of the sources it is given (agent.py opens them), kept across polls: rebuilt
-                     memory, each process's facts, NVML's time integrated
+    accounting.py    the merge of the sources it is given (agent.py opens them), kept across polls: GPU time
+                     shared within groups, NVML's time integrated; over the three modules below
+    process_facts.py each process's facts (group, GPUs, start time) kept while it lives; the sources' Devices
+    inherited.py     the memory eBPF never saw, rebuilt for processes older than their probes
+    verified.py      the verified memory and the trust the accounting writes to the region (issue 25)
     gpu_time.py      GPU time within a group: its processes never get more than the group (pure)
     snapshot.py      a poll's per-process view (Snapshot): what the accounting publishes, the rest reads
     sources/         what each source knows of each process's GPU use, behind one interface (__init__.py):

@@ -117,6 +117,10 @@ class NvmlSource:
     def __init__(self, reader: NvmlLike) -> None:
         self.reader = reader
 
+    @property
+    def available(self) -> bool:
+        return self.reader.available
+
     def gpu_uuids(self) -> list[str]:
         return self.reader.gpu_uuids()
 
