@@ -52,6 +52,8 @@ class NvmlReader:
                     continue  # a device NVML cannot name is one no figure can be placed on
                 self._handles.append((uuid, handle))
                 self._room.append(room)
+            # pynvml's own lookup, which each of its wrappers calls (private, but the version is pinned:
+            # constraints.txt, packaging/deb/vendor.txt); processes() says why it goes around the wrapper.
             self._list = self._nvml._nvmlGetFunctionPointer("nvmlDeviceGetComputeRunningProcesses_v3")
             self.available = True
         except self._nvml.NVMLError as e:  # one subclass per return code: Uninitialized, FunctionNotFound...
