@@ -122,7 +122,7 @@ def thread_wakeups(pid: int) -> dict[int, int]:
 # (the agent's accounting poll calls processes() and utilization() once a second).
 NVML_TIMING = """
 import json, statistics, sys, time
-from gemtrace.probes.nvml import NvmlReader
+from gemtrace.sources.nvml import NvmlReader
 reader = NvmlReader()
 if not reader.available:
     print(json.dumps({"reason": reader.reason}))

@@ -3,7 +3,7 @@
  * its release by (tgid, pointer or handle)), the device of each process (from context creation and
  * switches), and, in the opt-in "launches" mode, kernel launch counts.
  *
- * Loaded by gemtrace/probes/bpf_loader.py with bcc; user space attaches each program to the entry
+ * Loaded by gemtrace/sources/ebpf/probes.py with bcc; user space attaches each program to the entry
  * points named beside it there. Never blocks or alters the traced call: a full map loses a record
  * (and the figures say less), it never fails a CUDA call. Only calls that returned CUDA_SUCCESS count,
  * and a release of a pointer never seen (made before the agent, or twice) subtracts nothing, so no

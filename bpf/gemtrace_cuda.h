@@ -1,6 +1,6 @@
 /*
  * gemtrace_cuda.h - the structs that bpf/gemtrace_cuda.bpf.c shares with user space
- * (gemtrace/probes/bpf_loader.py reads the maps and the ring buffer through bcc, which derives its
+ * (gemtrace/sources/ebpf/probes.py reads the maps and the ring buffer through bcc, which derives its
  * ctypes mirrors from these very declarations, so this file is the one home of the layout). Its
  * constants reach the agent through gemtrace/contract.py, generated from it (hook/gemtrace_contract.h).
  */

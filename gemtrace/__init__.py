@@ -24,22 +24,23 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     scheduler.py     one GPU's adapter between the region's slots and the policy (futex words)
     mps.py           the MPS control daemons of the GPUs that Isolation=mps groups use
     gang.py          the turns of groups that span GPUs, shared by every GPU's scheduler
-    accounting.py    the merge of the sources it is given (agent.py opens them), kept across polls: rebuilt
-                     memory, each process's facts, NVML's time integrated
+    accounting.py    the merge of the sources it is given (agent.py opens them), kept across polls: GPU time
+                     shared within groups, NVML's time integrated; over the three modules below
+    process_facts.py each process's facts (group, GPUs, start time) kept while it lives; the sources' Devices
+    inherited.py     the memory eBPF never saw, rebuilt for processes older than their probes
+    verified.py      the verified memory and the trust the accounting writes to the region (issue 25)
     gpu_time.py      GPU time within a group: its processes never get more than the group (pure)
     snapshot.py      a poll's per-process view (Snapshot): what the accounting publishes, the rest reads
-    sources/         what eBPF, the gates' slots and NVML know, behind one interface:
-      ebpf.py          the probes, the libcuda rescans, the ring-buffer thread
+    sources/         what each source knows of each process's GPU use, behind one interface (__init__.py):
+      ebpf/            uprobes on every libcuda file: which files processes map (libcuda.py), bcc
+                       (probes.py), the rescans and the ring-buffer thread (source.py)
       gate.py          the gates' slots, through region.SlotColumns
-      nvml.py          NVML's per-process memory and device utilisation
+      nvml.py          NVML's per-process memory and device utilisation (pynvml, as gpus.py binds it)
     merge.py         the best figure of each process: docs/accounting.md's table, a function a row
     enforcement.py   memory enforcement: which process dies when a group is over its MemoryLimit
     groups_of.py     the group of a process and the GPUs it sees, from /proc (pure parsers)
-    gpus.py          the host's GPUs from NVML (index, UUID, name, memory), read at agent start
-    probes/          where the agent learns what processes do with libcuda:
-      libcuda.py       which libcuda files processes map, from /proc/PID/maps
-      bpf_loader.py    bcc: compiles bpf/gemtrace_cuda.bpf.c, attaches, reads its maps
-      nvml.py          NVML's per-process memory and device utilisation (ctypes)
+    gpus.py          the host's GPUs from NVML (index, UUID, name, memory), read at agent start; nvml():
+                     NVML's one binding (pynvml), initialised
     metrics.py       the one catalogue of metric names, types, units, labels and help texts; family()
     collectors/      the Prometheus collectors, one module each, registered in collectors/__init__.py:
       agent.py         the agent itself: version, reloads, refused requests, its GPUs (an AgentView)

@@ -58,14 +58,12 @@ from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
 from gemtrace.kube.pods import NAMES_FILE, PodLabels, refused_file, write_refusals
 from gemtrace.membership import Membership
-from gemtrace.probes.bpf_loader import BpfUnavailable
-from gemtrace.probes.nvml import NvmlReader
 from gemtrace.region import Region, RegionError
 from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
 from gemtrace.signals import SignalInbox
-from gemtrace.sources.ebpf import EbpfSource
+from gemtrace.sources.ebpf import BpfUnavailable, EbpfSource
 from gemtrace.sources.gate import GateSource
-from gemtrace.sources.nvml import NvmlLike
+from gemtrace.sources.nvml import NvmlLike, NvmlReader, NvmlSource
 from gemtrace.state_dir import StateDirError, open_lock_file, open_state_dir, storage_error
 
 log = structlog.get_logger("gemtrace.agent")
@@ -383,7 +381,7 @@ def open_accounting(
             reason = str(e)
             log.warning("ebpf_unavailable", reason=reason,
                         consequence="memory and launches come from the gates and NVML only")
-    sources = Sources(GateSource(region), nvml if nvml is not None else NvmlReader(), ebpf, reason)
+    sources = Sources(GateSource(region), NvmlSource(nvml if nvml is not None else NvmlReader()), ebpf, reason)
     accounting = Accounting(region, config_getter, sources, group_seconds=group_seconds, watched=watched)
     accounting.start(Enforcement(enforcer or MemoryEnforcer(), accounting.limits, accounting.holdings))
     return accounting

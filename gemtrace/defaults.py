@@ -23,7 +23,7 @@ DEFAULT_GROUP = contract.DEFAULT_GROUP
 # The MPS control daemon's program for groups with Isolation=mps (gemtrace/mps.py): a name found in PATH.
 MPS_CONTROL = "nvidia-cuda-mps-control"
 
-# The BPF probes' modes (what each attaches: gemtrace.probes.bpf_loader; their cost: docs/accounting.md).
+# The BPF probes' modes (what each attaches: gemtrace.sources.ebpf.probes; their cost: docs/accounting.md).
 PROBE_MODES = ("memory", "launches")
 PROBE_MODE = "memory"
 

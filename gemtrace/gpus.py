@@ -1,7 +1,9 @@
 """The GPUs of this host, from NVML: index, UUID, name, memory. Read once at agent start.
 
-Never used on a per-call path. Without NVML (no driver, no libnvidia-ml) it raises GpuDiscoveryError
-with what to check; the simulated GPU in simgpu/ provides an NVML that pynvml loads unmodified.
+Also the package's one binding of NVML: pynvml (NVIDIA's own bindings), initialised by nvml(), which
+topology.py and the accounting's NVML source (sources/nvml.py) call too. Never used on a per-call
+path. Without NVML (no driver, no libnvidia-ml) it raises GpuDiscoveryError with what to check; the
+simulated GPU in simgpu/ provides an NVML that pynvml loads unmodified.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class Gpu:
     memory_total: int
 
 
-def _text(value: str | bytes) -> str:
+def text(value: str | bytes) -> str:
+    """A string pynvml answers: bytes from older versions, str from newer."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -47,8 +50,8 @@ def discover() -> list[Gpu]:
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         gpus.append(Gpu(
             index=index,
-            uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-            name=_text(pynvml.nvmlDeviceGetName(handle)),
+            uuid=text(pynvml.nvmlDeviceGetUUID(handle)),
+            name=text(pynvml.nvmlDeviceGetName(handle)),
             memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total),
         ))
     return gpus

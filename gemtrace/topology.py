@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gemtrace.gpus import nvml
+from gemtrace.gpus import nvml, text
 from gemtrace.placement import GpuNode, Links, PcieLevel
 
 
@@ -81,17 +81,13 @@ def build(readings: Sequence[GpuReading], ancestors: Mapping[tuple[int, int], in
     return nodes
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def _nvlinks(pynvml: Any, handle: Any) -> list[NvLink]:
     links = []
     for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
         try:
             if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
                 continue
-            remote = _text(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+            remote = text(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
             version = int(pynvml.nvmlDeviceGetNvLinkVersion(handle, link))
         except pynvml.NVMLError_NotSupported:
             break  # no NVLink on this GPU
@@ -113,9 +109,9 @@ def read() -> list[GpuNode]:
         readings = [
             GpuReading(
                 index=i,
-                uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
+                uuid=text(pynvml.nvmlDeviceGetUUID(h)),
                 memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
-                bus_id=_text(pynvml.nvmlDeviceGetPciInfo(h).busId),
+                bus_id=text(pynvml.nvmlDeviceGetPciInfo(h).busId),
                 nvlinks=_nvlinks(pynvml, h),
             )
             for i, h in enumerate(handles)

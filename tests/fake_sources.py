@@ -1,9 +1,9 @@
-"""Fakes of the accounting's sources, chosen by configuration: a test passes one to Accounting's
-constructor (`ebpf=`, `gate=`, `nvml=`) where the agent passes the real one, and the resource file
-it reads (`Config`, `group`). No root, no GPU, no bcc.
+"""Fakes of the accounting's sources, chosen by configuration: a test puts them in the Sources it
+gives Accounting's constructor where the agent puts the real ones (FakeNvml is NVML's reader, under
+the real NvmlSource), and the resource file it reads (`Config`, `group`). No root, no GPU, no bcc.
 
 Each fake keeps the figures a test sets and turns them into readings through the same pure functions
-as the real source (eBPF's maps -> figures: gemtrace/sources/ebpf.py), so what is tested is what
+as the real source (eBPF's maps -> figures: gemtrace/sources/ebpf/source.py), so what is tested is what
 runs. FakeEbpf replays eBPF's allocation and exit events: its listeners are woken synchronously,
 in the caller's thread, as the real watcher thread would wake them. Lives in tests/: it never ships.
 """
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 from gemtrace import defaults
 from gemtrace.config import GroupConfig
-from gemtrace.probes.bpf_loader import Usage
-from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.sources import AllocationListener, Devices, Figures, Key, SourceReading
 from gemtrace.sources.ebpf import memory_figures, usage_figures
+from gemtrace.sources.ebpf.probes import Usage
+from gemtrace.sources.nvml import NvmlProcess
 
 
 def group(memory_limit: int | None = None, cgroups: tuple[str, ...] = ()) -> GroupConfig:
@@ -154,7 +154,7 @@ class FakeGate:
 
 @dataclass
 class FakeNvml:
-    """NVML's reader as a test sets it (NvmlLike: Accounting's `nvml=` takes it as it takes NvmlReader)."""
+    """NVML's reader as a test sets it (NvmlLike: NvmlSource takes it as it takes NvmlReader)."""
 
     gpus: list[str] = field(default_factory=list)
     procs: list[NvmlProcess] = field(default_factory=list)

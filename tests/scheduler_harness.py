@@ -185,11 +185,9 @@ def rig(sim: SimGpu, state_dir: Path, gate: Path | None = None, client: Path | N
     gate, client = gate or GATE, client or RT_CLIENT
     if not gate.exists():
         raise FileNotFoundError(f"{gate} is missing: run `make gate` first")
-    found = sim.nvml(
-        "n = pynvml.nvmlDeviceGetCount()\n"
-        "hs = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]\n"
-        "gpus = [[pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetMemoryInfo(h).total] for h in hs]\n"
-        "emit({'gpus': gpus})\n"
+    found = sim.nvml(  # in a child: NVML binds one simulation per process
+        "from gemtrace.gpus import discover\n"
+        "emit({'gpus': [[gpu.uuid, gpu.memory_total] for gpu in discover()]})\n"
     )[0]["gpus"]
     region = Region.create(state_dir)
     region.set_gpus([(str(uuid), int(total)) for uuid, total in found])

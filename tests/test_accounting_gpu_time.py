@@ -9,15 +9,15 @@ import subprocess
 import sys
 
 import pytest
-from simgpu_env import LIBNVML, REPO, SimGpu
+from simgpu_env import REPO, SimGpu
 
 pytestmark = pytest.mark.e2e
 
 CHILD = r"""
 import json, select, subprocess, sys, time
 from gemtrace.agent import open_accounting
-from gemtrace.probes.nvml import NvmlReader
-nvml = NvmlReader(sys.argv[1])
+from gemtrace.sources.nvml import NvmlReader
+nvml = NvmlReader()
 assert nvml.available, nvml.reason
 acc = open_accounting(None, lambda: None, use_ebpf=False, nvml=nvml)
 end = time.monotonic() + 1.2  # an agent polls all along: NVML's window is full before the work starts
@@ -26,7 +26,7 @@ while time.monotonic() < end:
     time.sleep(0.05)
 # The client holds after its report: an exited process leaves the snapshot at the next poll, and
 # NVML's window still holds its last second of work.
-client = subprocess.Popen([*sys.argv[2:], "--hold", "30"], stdout=subprocess.PIPE, text=True)
+client = subprocess.Popen([*sys.argv[1:], "--hold", "30"], stdout=subprocess.PIPE, text=True)
 while not select.select([client.stdout], [], [], 0.05)[0]:
     acc.poll()
 truth = json.loads(client.stdout.readline())
@@ -47,7 +47,7 @@ def test_gpu_seconds_of_an_ungated_process_alone_within_5_percent(simgpu: SimGpu
     # A count of iterations, not seconds: 3 s of kernels however long a busy host takes to launch them.
     client = [str(REPO / "build/simgpu/simgpu-rt"), "launch-loop", "--kernel-ns", "2000000",
               "--launches-per-iter", "5", "--iters", "300"]
-    out = subprocess.run([sys.executable, "-c", CHILD, str(LIBNVML), *client], env=simgpu.env(PYTHONPATH=str(REPO)),
+    out = subprocess.run([sys.executable, "-c", CHILD, *client], env=simgpu.env(PYTHONPATH=str(REPO)),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])

@@ -18,12 +18,12 @@ from gemtrace.enforcement import Enforcement, MemoryEnforcer
 from gemtrace.gpu_time import GpuTimeShare
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
 from gemtrace.merge import Merged
-from gemtrace.probes import libcuda
-from gemtrace.probes.bpf_loader import has_bpf_privilege
-from gemtrace.probes.nvml import NvmlProcess
 from gemtrace.region import Region
 from gemtrace.sources import Figures, Key
+from gemtrace.sources.ebpf import libcuda
+from gemtrace.sources.ebpf.probes import has_bpf_privilege
 from gemtrace.sources.gate import GateSource
+from gemtrace.sources.nvml import NvmlProcess, NvmlSource
 
 pytestmark = pytest.mark.unit
 
@@ -168,7 +168,7 @@ def test_gated_processes_from_slots_and_series_leave_at_the_exit(tmp_path: Path)
     _claim_slot(region, 3, 301, g, 1, memory=123 << 20, launches=4567, busy_ns=2_500_000_000)
     clock = Clock()
     acc = Accounting(region, lambda: Config({"train": group(1 << 30)}),  # type: ignore[arg-type]
-                     Sources(GateSource(region), FakeNvml(available=False)), proc_root=proc, clock=clock)
+                     Sources(GateSource(region), NvmlSource(FakeNvml(available=False))), proc_root=proc, clock=clock)
     assert "disabled" in acc.ebpf_status
     snap = acc.poll(clock.now)
     assert snap.processes == (
@@ -230,7 +230,7 @@ def _fake_accounting(tmp_path: Path, ebpf: FakeEbpf, gate: FakeGate | None = Non
     killed: list[int] = []
     enforcer = MemoryEnforcer(kill=killed.append, clock=lambda: 1_000_000_500)
     acc = Accounting(None, lambda: Config({"train": group(limit)}),  # type: ignore[arg-type]
-                     Sources(gate or FakeGate(), nvml or FakeNvml(gpus=UUIDS), ebpf), proc_root=tmp_path,
+                     Sources(gate or FakeGate(), NvmlSource(nvml or FakeNvml(gpus=UUIDS)), ebpf), proc_root=tmp_path,
                      **kw)  # type: ignore[arg-type]
     acc.start(Enforcement(enforcer, acc.limits, acc.holdings))
     return acc, enforcer, killed
@@ -314,7 +314,7 @@ def test_a_slot_that_claims_more_than_the_agent_verified_is_over_reporting(tmp_p
     else:
         enforcer = MemoryEnforcer(kill=lambda pid: None)
         acc = Accounting(None, lambda: Config({"train": group(None)}),  # type: ignore[arg-type]
-                         Sources(gate, nvml), proc_root=tmp_path)
+                         Sources(gate, NvmlSource(nvml)), proc_root=tmp_path)
         acc.start(Enforcement(enforcer, acc.limits, acc.holdings))
     assert acc.enforcement is not None
     verified = VerifiedFigures()
@@ -348,7 +348,7 @@ def test_ungated_gpu_time_is_nvmls_utilisation_less_the_gates_share_split_equall
     nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(701, UUIDS[0], MiB), NvmlProcess(702, UUIDS[0], MiB)],
                           busy={UUIDS[0]: 0.9})
     clock = Clock()
-    acc = Accounting(None, lambda: None, Sources(gate, nvml), proc_root=tmp_path, clock=clock)
+    acc = Accounting(None, lambda: None, Sources(gate, NvmlSource(nvml)), proc_root=tmp_path, clock=clock)
     acc.poll(clock.now)
     clock.now += 2_000_000_000
     busy[0] = 600_000_000
@@ -368,7 +368,7 @@ def test_a_process_that_is_gone_or_whose_pid_names_another_is_never_exported(tmp
     nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(801, UUIDS[0], MiB), NvmlProcess(803, UUIDS[0], MiB)],
                           busy={UUIDS[0]: 0.5})
     clock = Clock()
-    acc = Accounting(None, lambda: None, Sources(gate, nvml), proc_root=tmp_path, clock=clock)
+    acc = Accounting(None, lambda: None, Sources(gate, NvmlSource(nvml)), proc_root=tmp_path, clock=clock)
     assert [p.pid for p in acc.poll(clock.now).processes] == [801, 802, 803]
     clock.now += 2_000_000_000
     assert {p.pid: p.gpu_seconds for p in acc.poll(clock.now).processes}[803] == pytest.approx(0.5)
@@ -397,7 +397,7 @@ def test_the_verified_figures_reach_the_region_and_follow_the_process(tmp_path: 
     _claim_slot(region, 3, 301, g, 1, memory=1 << 40, launches=0, busy_ns=0)
     nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(301, UUIDS[1], 8 * MiB)])
     acc = Accounting(region, lambda: Config({"train": group(1 << 30)}),  # type: ignore[arg-type]
-                     Sources(GateSource(region), nvml), proc_root=proc)
+                     Sources(GateSource(region), NvmlSource(nvml)), proc_root=proc)
     acc.poll()
     assert region.verified(3) == (301, [0, 8 * MiB] + [0] * 6, [0] * 8)
     nvml.procs = [NvmlProcess(301, UUIDS[1], 24 * MiB)]

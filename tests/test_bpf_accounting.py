@@ -29,8 +29,8 @@ from gemtrace.collectors.enforcement import EnforcementCollector
 from gemtrace.collectors.processes import ProcessCollector
 from gemtrace.enforcement import MemoryEnforcer
 from gemtrace.membership import Membership
-from gemtrace.probes.libcuda import file_id_of
 from gemtrace.region import Region
+from gemtrace.sources.ebpf.libcuda import file_id_of
 
 pytestmark = pytest.mark.bpf
 

@@ -10,10 +10,12 @@ import re
 import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 import gemtrace.region
+import gemtrace.sources.ebpf
 
 pytestmark = pytest.mark.unit
 
@@ -161,10 +163,14 @@ def test_no_shipped_module_imports_a_test_helper() -> None:
     assert not offenders, "move what they need into gemtrace/, or the import into tests/: " + "; ".join(offenders)
 
 
+def listed_order(package: ModuleType) -> list[str]:
+    """A subpackage's modules in the order its __init__.py lists them, bottom first."""
+    doc = package.__doc__ or ""
+    return [f"{package.__name__}.{m}" for m in re.findall(r"^\s{4}(\w+)\.py\s", doc, re.MULTILINE)]
+
+
 def region_order() -> list[str]:
-    """The region's modules in the order gemtrace/region/__init__.py lists them, bottom first."""
-    doc = gemtrace.region.__doc__ or ""
-    return ["gemtrace.region." + m for m in re.findall(r"^\s{4}(\w+)\.py\s", doc, re.MULTILINE)]
+    return listed_order(gemtrace.region)
 
 
 def test_the_region_package_imports_only_downwards() -> None:
@@ -179,6 +185,18 @@ def test_the_region_package_imports_only_downwards() -> None:
         outside = graph[name] - inside
         assert outside <= {"gemtrace.contract", "gemtrace.eventlog"}, f"{name} imports {sorted(outside)}"
     assert graph["gemtrace.region"] <= set(order) | {"gemtrace.contract"}
+
+
+def test_the_ebpf_source_imports_only_downwards() -> None:
+    """gemtrace/sources/ebpf/: libcuda discovery, then bcc's probes, then the source over both, each
+    file importing only those listed before it; the package's __init__ only re-exports them."""
+    order = listed_order(gemtrace.sources.ebpf)
+    graph = import_graph()
+    assert sorted(order) == sorted(n for n in graph if n.startswith("gemtrace.sources.ebpf."))  # the list is whole
+    for position, name in enumerate(order):
+        inside = {d for d in graph[name] if d.startswith("gemtrace.sources.ebpf")}
+        assert inside <= set(order[:position]), f"{name} imports {sorted(inside - set(order[:position]))}"
+    assert graph["gemtrace.sources.ebpf"] <= set(order)
 
 
 def gate_graph(build: Path) -> dict[str, set[str]]:

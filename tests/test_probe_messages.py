@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gemtrace.probes.bpf_loader import distribution, missing_headers_help
+from gemtrace.sources.ebpf.probes import distribution, missing_headers_help
 
 pytestmark = pytest.mark.unit
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from bench.recording import gpus, publish, stamp
 from gemtrace.accounting import Accounting
 from gemtrace.agent import open_accounting
-from gemtrace.probes.nvml import NvmlReader
+from gemtrace.sources.nvml import NvmlReader
 
 MODES = (None, "memory", "launches")
 

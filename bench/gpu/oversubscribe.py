@@ -86,11 +86,9 @@ class Balloon:
     """A plain CUDA process, outside gemtrace, that leaves `leave` bytes of the GPU free."""
 
     def __init__(self, leave: int, gpu: int) -> None:
-        import pynvml
+        from gemtrace.gpus import discover
 
-        pynvml.nvmlInit()
-        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(gpu))
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid.decode() if isinstance(uuid, bytes) else str(uuid)}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": discover()[gpu].uuid}
         env.pop("LD_PRELOAD", None)
         self.proc = subprocess.Popen([sys.executable, "-c", BALLOON, str(leave)], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)

@@ -280,17 +280,12 @@ class Rig:
     """A region with every GPU's UUID, one scheduler thread per GPU and a heartbeat."""
 
     def __init__(self, state_dir: Path, params: PolicyParams | None = None) -> None:
-        import pynvml
+        from gemtrace.gpus import discover, nvml
 
-        pynvml.nvmlInit()
-        handles = self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        gpus = []
-        for h in handles:
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            gpus.append((uuid.decode() if isinstance(uuid, bytes) else uuid,
-                         int(pynvml.nvmlDeviceGetMemoryInfo(h).total)))
-        name = pynvml.nvmlDeviceGetName(handles[0])
-        self.device = name.decode() if isinstance(name, bytes) else str(name)
+        found = discover()  # as the agent finds them
+        self.handles = [nvml().nvmlDeviceGetHandleByIndex(gpu.index) for gpu in found]
+        gpus = [(gpu.uuid, gpu.memory_total) for gpu in found]
+        self.device = found[0].name
         self.state_dir = state_dir
         self.region = Region.create(state_dir)
         self.region.set_gpus(gpus)

@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemtrace import defaults
-from gemtrace.probes.libcuda import FileId
+from gemtrace.sources.ebpf.libcuda import FileId
 
 # The checkout's bpf/, then the package's.
-BPF_SOURCE_DIRS = (Path(__file__).resolve().parents[2] / "bpf", defaults.BPF_INSTALLED)
+BPF_SOURCE_DIRS = (Path(__file__).resolve().parents[3] / "bpf", defaults.BPF_INSTALLED)
 BPF_PROGRAM = "gemtrace_cuda.bpf.c"
 
 MODES = defaults.PROBE_MODES

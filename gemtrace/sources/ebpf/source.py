@@ -21,9 +21,9 @@ import structlog
 from gemtrace import defaults
 from gemtrace.contract import EVENT_ALLOC, EVENT_EXIT
 from gemtrace.groups_of import ProcReader
-from gemtrace.probes import libcuda
-from gemtrace.probes.bpf_loader import BpfProbes, Event, Usage
 from gemtrace.sources import AllocationListener, Devices, Figures, Key, SourceReading
+from gemtrace.sources.ebpf import libcuda
+from gemtrace.sources.ebpf.probes import BpfProbes, Event, Usage
 
 log = structlog.get_logger("gemtrace.accounting")
 
