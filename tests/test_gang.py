@@ -230,8 +230,10 @@ def test_a_capped_job_that_pauses_between_steps_keeps_its_turns_whole() -> None:
 def test_a_guaranteed_job_gets_its_min_util_of_its_solo_work() -> None:
     job, gpus = ddp_beside_hogs(Quota(0.6, 1.0))
     assert job.steps / 10 / job.solo_steps_per_second() >= 0.57
-    for gpu in gpus:
+    for gpu, hog in zip(gpus, (1, 2), strict=True):
         assert share(gpu, 0) >= 0.59
+        # and no more than its guarantee: a debt's slice paid in whole turns gave it 0.75
+        assert share(gpu, hog) == pytest.approx(0.4, abs=0.03)
 
 
 def test_an_unlimited_job_shares_each_gpu_evenly_with_the_single_gpu_jobs() -> None:
