@@ -50,7 +50,7 @@ from simgpu_env import RT_CLIENT, SimGpu, require_build
 from testkit import free_port, wait_until
 
 from bench.recording import REPO, add_record_flag, add_tree_flag, record, trees
-from gemtrace.launcher import child_environment, find_gate
+from gemtrace.run.launcher import child_environment, find_gate
 
 RESULTS = REPO / "bench" / "results" / "agent_cpu.md"
 SAMPLER = REPO / "bench" / "agent_sampler.py"

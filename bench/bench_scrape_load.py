@@ -39,7 +39,7 @@ from testkit import free_port
 
 from bench.bench_agent_cpu import cpu_ticks, serving
 from bench.recording import REPO, add_record_flag, add_tree_flag, record, trees
-from gemtrace.launcher import child_environment, find_gate
+from gemtrace.run.launcher import child_environment, find_gate
 
 RESULTS = REPO / "bench" / "results" / "scrape_load.md"
 SLOW_CLIENTS = REPO / "tests" / "slow_clients.py"

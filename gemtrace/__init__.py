@@ -22,7 +22,8 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     membership.py    each gated process's group, decided once by the agent (admission, Cgroup rules)
     policy.py        the time-share policy of one GPU: pure, driven by a clock it is given
     scheduler.py     one GPU's adapter between the region's slots and the policy (futex words)
-    mps.py           the MPS control daemons of the GPUs that Isolation=mps groups use
+    mps.py           the MPS control daemons of the GPUs that Isolation=mps groups use, and their
+                     clients' variables, which `gemtrace run` sets (so it sits here, shared)
     gang.py          the turns of groups that span GPUs, shared by every GPU's scheduler
     accounting.py    the merge of the sources it is given (agent.py opens them), kept across polls: GPU time
                      shared within groups, NVML's time integrated; over the three modules below
@@ -52,13 +53,8 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
     web_config.py    who may read /metrics: TLS and basic auth from a node_exporter-style web config
     eventlog.py      structlog configured once: JSON lines, or key-values on a terminal
     signals.py       a daemon's signals, taken by its main loop rather than acted on in a handler
-    launcher.py      `gemtrace run`: CMD's environment with the gate preloaded, then exec
-    allotment.py     what a `gemtrace run` is allotted besides its group: GPUs, memory share
-    placement.py     which GPUs a `run --gpus N` gets: topology as data, the policies (pure)
-    topology.py      the NVML adapter behind placement.py: PCIe and NVLink between GPUs
-    framework_env.py the memory share frameworks are told, from the group's MemoryLimit (pure)
-    cache_release.py whether a `gemtrace run` empties PyTorch's cache while its group is held, and how
-    torch_hook/      that hook, run in the user's interpreter (stdlib only): sitecustomize, watcher
+    run/             `gemtrace run`, the user's side: CMD's environment with the gate preloaded, then exec; the GPUs
+                     and memory share it is allotted; PyTorch's cache release (run/__init__.py has its map)
     top.py           `gemtrace top`: the live terminal view, from the agent's /metrics
     status.py        `gemtrace status`: one frame of top's view, or JSON
     kube/            gemtrace on Kubernetes: the device plugin, the webhook, the gate injected into

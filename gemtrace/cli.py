@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from gemtrace import __version__, defaults
-from gemtrace.placement import DEFAULT_PACKING, DEFAULT_POLICY, PACKINGS, POLICIES
+from gemtrace.run.placement import DEFAULT_PACKING, DEFAULT_POLICY, PACKINGS, POLICIES
 
 # sysexits.h's EX_CONFIG: the host lacks what the agent needs (the NVIDIA driver), so restarting
 # cannot help; the unit names it in RestartPreventExitStatus= (packaging/deb/gemtrace.service).
@@ -125,7 +125,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gemtrace.launcher import LaunchError, run
+    from gemtrace.run.launcher import LaunchError, run
 
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:

@@ -1,7 +1,7 @@
 """The GPUs of this host, from NVML: index, UUID, name, memory. Read once at agent start.
 
 Also the package's one binding of NVML: pynvml (NVIDIA's own bindings), initialised by nvml(), which
-topology.py and the accounting's NVML source (sources/nvml.py) call too. Never used on a per-call
+run/topology.py and the accounting's NVML source (sources/nvml.py) call too. Never used on a per-call
 path. Without NVML (no driver, no libnvidia-ml) it raises GpuDiscoveryError with what to check; the
 simulated GPU in simgpu/ provides an NVML that pynvml loads unmodified.
 """

@@ -1,4 +1,4 @@
-"""The PyTorch cache release of `gemtrace run` (gemtrace/cache_release.py, gemtrace/torch_hook/).
+"""The PyTorch cache release of `gemtrace run` (gemtrace/run/cache_release.py, gemtrace/run/torch_hook/).
 
 This machine has no torch: the programs import a stand-in `torch` (put on PYTHONPATH here) whose
 `cuda.is_initialized()` is true once the program has started the simulated libcuda through the gate
@@ -17,8 +17,8 @@ import pytest
 from agent_host import Host, gemtrace, host  # noqa: F401 (host is a fixture)
 from simgpu_env import LIBCUDA, RT_CLIENT, require_build
 
-from gemtrace import cache_release
-from gemtrace.torch_hook import gemtrace_cache_release as hook  # type: ignore[import-not-found]
+from gemtrace.run import cache_release
+from gemtrace.run.torch_hook import gemtrace_cache_release as hook  # type: ignore[import-not-found]
 
 CONFIG = "[busy]\nMinUtil = 0.5\n\n[capped]\nMaxUtil = 0.3\nMemoryLimit = 1GiB\nOversubscribe = true\n\n[plain]\n"
 

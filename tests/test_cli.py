@@ -17,8 +17,8 @@ from simgpu_env import simgpu_env
 
 from gemtrace import cli, defaults, top
 from gemtrace.contract import HEARTBEAT_STALE_NS
-from gemtrace.launcher import agent_absence
 from gemtrace.region import Region, RegionLayout
+from gemtrace.run.launcher import agent_absence
 
 pytestmark = pytest.mark.unit
 

@@ -197,6 +197,21 @@ def test_installed_code_is_used(installed: Path) -> None:
     assert version == _version()
 
 
+def test_installed_run_puts_the_shipped_torch_hook_first_on_pythonpath(installed: Path) -> None:
+    """The cache release's hook is a folder of gemtrace/run/ that is no package: the .deb must ship it where
+    the installed `gemtrace run` looks for it, or PyTorch programs would start without it and no error."""
+    proc = _sh(
+        "/usr/bin/python3",
+        "-c",
+        "from gemtrace.run import cache_release; print(cache_release.variables({})['PYTHONPATH'])",
+        env=_clean_env(PYTHONPATH="/usr/lib/gemtrace/python"),
+        cwd="/",
+    )
+    hook = Path(proc.stdout.strip())
+    assert hook == Path("/usr/lib/gemtrace/python/gemtrace/run/torch_hook")
+    assert sorted(p.name for p in hook.glob("*.py")) == ["gemtrace_cache_release.py", "sitecustomize.py"]
+
+
 def test_help_and_man_page_name_every_command_and_option(installed: Path) -> None:
     """`man gemtrace` documents every flag that the installed command's --help shows."""
     out = _installed_gemtrace("--help").stdout

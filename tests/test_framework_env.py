@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from testkit import GiB
 
-from gemtrace.framework_env import variables
+from gemtrace.run.framework_env import variables
 
 pytestmark = pytest.mark.unit
 

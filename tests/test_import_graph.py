@@ -1,7 +1,8 @@
 """The package can be drawn bottom-up: no import circle anywhere in gemtrace/ (an import inside a function
 or under TYPE_CHECKING counts: it is a circle broken at run time, not gone), the region's subpackage
-imports only downwards in the order its __init__ lists, and no two files of the gate (hook/) lean on
-each other's functions, and nothing shipped imports what only tests/ holds (issue 28)."""
+imports only downwards in the order its __init__ lists, `gemtrace run`'s side (gemtrace/run/) and the
+agent's stay apart, no two files of the gate (hook/) lean on each other's functions, and nothing shipped
+imports what only tests/ holds (issue 28)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from types import ModuleType
 import pytest
 
 import gemtrace.region
+import gemtrace.run
 import gemtrace.sources.ebpf
 
 pytestmark = pytest.mark.unit
@@ -197,6 +199,54 @@ def test_the_ebpf_source_imports_only_downwards() -> None:
         inside = {d for d in graph[name] if d.startswith("gemtrace.sources.ebpf")}
         assert inside <= set(order[:position]), f"{name} imports {sorted(inside - set(order[:position]))}"
     assert graph["gemtrace.sources.ebpf"] <= set(order)
+
+
+# What `gemtrace run` may take from the rest of gemtrace, directly or through each other: what the agent and
+# the user's side both need (the region and the resource file they agree on, the header's constants, the GPUs'
+# listing, MPS's client variables beside the daemons the agent starts), never the agent's own machinery.
+RUN_SHARED = {"gemtrace.config", "gemtrace.contract", "gemtrace.defaults", "gemtrace.eventlog", "gemtrace.gpus",
+              "gemtrace.groups_of", "gemtrace.mps", "gemtrace.region"}
+
+
+def reached(graph: Mapping[str, Iterable[str]], starts: Iterable[str]) -> set[str]:
+    """Every module that `starts` import, directly or through others."""
+    seen: set[str] = set()
+    todo = list(starts)
+    while todo:
+        for dep in graph.get(todo.pop(), ()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_run_package_imports_only_downwards() -> None:
+    """gemtrace/run/: each module imports only those listed before it in run/__init__.py; the torch hook,
+    run in the user's interpreter where gemtrace may not be importable, imports none of gemtrace."""
+    order = listed_order(gemtrace.run)
+    graph = import_graph()
+    hook = {n for n in graph if n.startswith("gemtrace.run.torch_hook.")}
+    assert {"gemtrace.run.torch_hook.sitecustomize", "gemtrace.run.torch_hook.gemtrace_cache_release"} <= hook
+    assert sorted(order) == sorted(n for n in graph if n.startswith("gemtrace.run.") and n not in hook)
+    for position, name in enumerate(order):
+        inside = {d for d in graph[name] if d.startswith("gemtrace.run")}
+        assert inside <= set(order[:position]), f"{name} imports {sorted(inside - set(order[:position]))}"
+    for name in hook:
+        assert not graph[name], f"{name} imports {sorted(graph[name])}: the hook runs with the stdlib only"
+
+
+def test_the_run_side_and_the_agent_side_stay_apart() -> None:
+    """`gemtrace run` reaches only what both sides share, and the agent never reaches gemtrace/run/: the
+    user's command cannot pull in the agent's machinery, nor the agent the user's."""
+    graph = import_graph()
+    run = {n for n in graph if n.startswith("gemtrace.run")}
+    outside = reached(graph, run) - run
+    allowed = {n for n in outside if any(n == s or n.startswith(s + ".") for s in RUN_SHARED)}
+    assert "gemtrace.mps" in outside  # the closure was followed out of the package
+    assert outside == allowed, f"gemtrace/run/ reaches the agent's {sorted(outside - allowed)}"
+    agent = reached(graph, ["gemtrace.agent"])
+    assert "gemtrace.scheduler" in agent
+    assert not agent & run, f"the agent reaches {sorted(agent & run)}"
 
 
 def gate_graph(build: Path) -> dict[str, set[str]]:

@@ -36,7 +36,7 @@ from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
 from gemtrace.kube.pb import podresources_pb2 as pr
 from gemtrace.kube.pb import podresources_pb2_grpc as pr_grpc
-from gemtrace.placement import PACKINGS
+from gemtrace.run.placement import PACKINGS
 
 pytestmark = pytest.mark.e2e
 

@@ -1,5 +1,5 @@
 """GPU choice for `gemtrace run --gpus N`: the scores, the policies on the simulated GPU's topologies
-(read through the real NVML adapter, topology.py), and which GPUs are free for a group.
+(read through the real NVML adapter, run/topology.py), and which GPUs are free for a group.
 
 The expected sets are derived by hand in docs/placement.md ("What it picks"); in short, on the
 DGX-1 (Volta) the eight pairs with 2 NVLinks form two perfect matchings of equal score,
@@ -16,7 +16,7 @@ import pytest
 from simgpu_env import REPO, SimGpu
 from testkit import GiB
 
-from gemtrace.placement import (
+from gemtrace.run.placement import (
     PACKINGS,
     POLICIES,
     BestEffortPolicy,
@@ -42,7 +42,7 @@ TOPOLOGIES = ["dgx1", "dgx-a100", "pcie", "hostbridge"]
 def read_nodes(sim: SimGpu, topology: str) -> list[GpuNode]:
     """topology.read() in a child on the simulation (pynvml binds one NVML per process)."""
     lines = sim.nvml(
-        "from gemtrace import topology\n"
+        "from gemtrace.run import topology\n"
         "for n in topology.read():\n"
         "    emit({'index': n.index, 'uuid': n.uuid, 'memory_total': n.memory_total, 'links': {\n"
         "        str(k): [None if v.pcie is None else int(v.pcie), v.nvlinks, v.nvlink_version]\n"

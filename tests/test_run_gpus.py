@@ -12,8 +12,8 @@ from agent_host import Host, gemtrace, stop
 from testkit import GiB, wait_until
 
 from gemtrace import region as rg
-from gemtrace.allotment import group_uses
-from gemtrace.placement import GroupUse
+from gemtrace.run.allotment import group_uses
+from gemtrace.run.placement import GroupUse
 
 
 def uuids(host: Host) -> list[str]:

@@ -11,8 +11,8 @@ from collections.abc import Callable
 import pytest
 from simgpu_env import SimGpu
 
-from gemtrace.placement import Links, PcieLevel
-from gemtrace.topology import GpuReading, NvLink, build, normalise_bus_id
+from gemtrace.run.placement import Links, PcieLevel
+from gemtrace.run.topology import GpuReading, NvLink, build, normalise_bus_id
 
 pytestmark = pytest.mark.unit
 

@@ -82,7 +82,7 @@ print(json.dumps({"reported_total": total, "held_at_refusal": held,
 
 TOPOLOGY = r"""
 import json
-from gemtrace import topology
+from gemtrace.run import topology
 nodes = topology.read()
 print(json.dumps([{"index": n.index, "uuid": n.uuid, "links": {str(k): {"pcie": getattr(v.pcie, "name", v.pcie),
                    "nvlinks": v.nvlinks, "nvlink_version": v.nvlink_version} for k, v in n.links.items()}}
@@ -158,7 +158,7 @@ def render(rows: list[dict[str, object]], links: object, picks: dict[int, str]) 
                      f"{'-' if total is None else f'{int(total) / GiB:.2f} GiB'} | "
                      f"{int(r.get('held_at_refusal', 0)) / GiB:.2f} GiB | {r.get('error', '-')} | "
                      f"{str(r.get('message', r.get('stderr_tail', '')))[:120]} |")
-    lines += ["", "NVML's links between the GPUs (gemtrace/topology.py):", "", "```", json.dumps(links, indent=1),
+    lines += ["", "NVML's links between the GPUs (gemtrace/run/topology.py):", "", "```", json.dumps(links, indent=1),
               "```", "", "`gemtrace run --gpus N` picked: " + "; ".join(f"N={n}: {p}" for n, p in picks.items()), ""]
     return "\n".join(lines)
 

@@ -16,7 +16,7 @@ Cases, each against solo (the same workload alone, gated, no limit, run before a
 "Need" is the solo run's device memory at the window's end (the caching allocator's reserve: its peak).
 Whether a run finished at all is the first result: an oversubscribed GPU that thrashes or hangs shows
 as a failed run, with the worker's log. --cache-release runs each case with `gemtrace run`'s PyTorch
-cache release (on by default for these Oversubscribe groups: gemtrace/cache_release.py), without it
+cache release (on by default for these Oversubscribe groups: gemtrace/run/cache_release.py), without it
 (GEMTRACE_RELEASE_CACHE=0), or both ways, one after the other (issue 14's "the same without").
 --hints does the same for the gate's advice and prefetch hints on the managed memory it serves in place
 of device memory (hook/memory.c; off by default, GEMTRACE_MANAGED_HINTS=1 turns them on): each case
@@ -45,8 +45,8 @@ from typing import Any
 
 from bench.gpu.models_torch import REPO, GroupSpec, Options, RunFailed, options, parse_list, parser, run
 from bench.recording import add_record_flag, gpus, publish, stamp
-from gemtrace.cache_release import ENV_RELEASE_CACHE
 from gemtrace.contract import ENV_MANAGED_HINTS
+from gemtrace.run.cache_release import ENV_RELEASE_CACHE
 from tests.testkit import GiB
 
 WORKLOAD = "cnn-train"

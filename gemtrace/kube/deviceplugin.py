@@ -53,7 +53,7 @@ from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
 from gemtrace.kube.placer import Placer
 from gemtrace.kube.pods import Names, read_refusals, refused_file, write_names
 from gemtrace.kube.shares import Grant
-from gemtrace.placement import DEFAULT_PACKING, PACKINGS, Packing
+from gemtrace.run.placement import DEFAULT_PACKING, PACKINGS, Packing
 
 log = structlog.get_logger("gemtrace.kube.plugin")
 

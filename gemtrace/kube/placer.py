@@ -31,7 +31,7 @@ import structlog
 from gemtrace.kube import shares
 from gemtrace.kube.grants import Pods
 from gemtrace.kube.kubelet import ContainerDevices
-from gemtrace.placement import Packing, Room, Unplaceable, place
+from gemtrace.run.placement import Packing, Room, Unplaceable, place
 
 log = structlog.get_logger("gemtrace.kube.placer")
 

@@ -23,15 +23,16 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from gemtrace import allotment, cache_release, defaults, mps
+from gemtrace import defaults, mps
 from gemtrace.config import ConfigError, GroupConfig, load
 from gemtrace.contract import HEARTBEAT_STALE_NS
-from gemtrace.placement import DEFAULT_POLICY
 from gemtrace.region import REGION_FILE, Region, RegionError, RegionLayout, SlotTableLayout
+from gemtrace.run import allotment, cache_release
+from gemtrace.run.placement import DEFAULT_POLICY
 
 START_AGENT = "sudo systemctl start gemtrace"
 
-CHECKOUT_GATE = Path(__file__).resolve().parent.parent / "build" / "libgemgate.so"
+CHECKOUT_GATE = Path(__file__).resolve().parents[2] / "build" / "libgemgate.so"
 
 
 class LaunchError(Exception):
@@ -137,9 +138,9 @@ def run(group: str, command: list[str], config: Path | None, state_dir: Path, re
         gpus: int | None = None, policy: str = DEFAULT_POLICY, release_cache: bool | None = None) -> None:
     """Replace this process with `command` in `group` (returns only by raising). Without a running
     agent it says so in one line and runs `command` anyway, or with `require_agent` refuses (status 1).
-    With `gpus` it picks that many GPUs by `policy` (gemtrace/allotment.py). `release_cache` switches
+    With `gpus` it picks that many GPUs by `policy` (gemtrace/run/allotment.py). `release_cache` switches
     the PyTorch cache release on or off (None: GEMTRACE_RELEASE_CACHE, else the group's Oversubscribe;
-    gemtrace/cache_release.py)."""
+    gemtrace/run/cache_release.py)."""
     if not command:
         raise LaunchError("no command given: gemtrace run --group NAME -- CMD [ARGS]")
     layout, table, why_none = read_region(state_dir)

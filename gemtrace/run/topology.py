@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gemtrace.gpus import nvml, text
-from gemtrace.placement import GpuNode, Links, PcieLevel
+from gemtrace.run.placement import GpuNode, Links, PcieLevel
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """gemtrace's start-up hook for Python programs under `gemtrace run` with the PyTorch cache release
-on (gemtrace/cache_release.py puts this directory first on PYTHONPATH).
+on (gemtrace/run/cache_release.py puts this directory first on PYTHONPATH).
 
 It costs one look at each module name imported until `torch` is: only then does it load
 gemtrace_cache_release.py, which watches the group's held word. Then it runs the sitecustomize this

@@ -15,12 +15,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from gemtrace import defaults, framework_env, placement, topology
+from gemtrace import defaults
 from gemtrace import region as rg
 from gemtrace.config import ConfigError, format_size, load
 from gemtrace.gpus import GpuDiscoveryError, discover
 from gemtrace.groups_of import ENV_VISIBLE_DEVICES, visible_devices
-from gemtrace.placement import GpuNode, GroupUse
+from gemtrace.run import framework_env, placement, topology
+from gemtrace.run.placement import GpuNode, GroupUse
 
 
 class AllotmentError(Exception):

@@ -4,7 +4,7 @@ scheduler holds a process's group, its caching allocator's idle blocks are hande
 job's idle cache out to make room for the group that runs. docs/frameworks.md has the user's side.
 
 Owns whether a `gemtrace run` gets it and the variables that switch it on. The hook itself is
-gemtrace/torch_hook/ (a `sitecustomize` put first on PYTHONPATH, which runs the user's own
+gemtrace/run/torch_hook/ (a `sitecustomize` put first on PYTHONPATH, which runs the user's own
 sitecustomize too): it runs in the user's interpreter, which need not have gemtrace installed, so it
 is stdlib-only and reads the region through the offsets this module hands it in ENV_LAYOUT, taken
 from gemtrace/region/layout.py's ctypes mirror (one home for the layout).

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-ENV_RELEASE_CACHE = "GEMTRACE_RELEASE_CACHE"  # gemtrace/cache_release.py's names
+ENV_RELEASE_CACHE = "GEMTRACE_RELEASE_CACHE"  # gemtrace/run/cache_release.py's names
 ENV_LAYOUT = "GEMTRACE_CACHE_RELEASE_LAYOUT"
 ENV_STATE_DIR = "GEMTRACE_STATE_DIR"  # gemtrace/contract.py's; `gemtrace run` always sets it
 POLL_S = 0.01  # how late an empty_cache may come after the hold: a slice is 20 ms or more
