@@ -4,7 +4,7 @@ The kubelet chooses each resource's devices apart (GetPreferredAllocation, then 
 resource and then the other, in no fixed order) and never says whose they are. Left to itself it
 would put a container's memory on one GPU and its time on another, or spread either over several.
 So, at the first of a container's two GetPreferredAllocation calls, the Placer finds the container
-the kubelet is admitting, decides its GPUs for both resources at once (gemtrace.placement.place:
+the kubelet is admitting, decides its GPUs for both resources at once (gemtrace.run.placement.place:
 whole on each GPU, of the model asked, binpacked or spread) and answers both calls with those
 devices; Allocate refuses, with the reason, a container it could not place.
 

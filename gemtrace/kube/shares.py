@@ -23,7 +23,7 @@ give the group's Priority, Isolation and Oversubscribe, with the resource file's
 What one container asks (`Request`): the two resources are what it takes in all, split evenly over
 the pod's annotation `gemtrace.io/gpus` (default 1) so that each GPU gets its memory and its time
 whole, and `gemtrace.io/gpu-model` names the GPU models it accepts. The device plugin places it
-(gemtrace.placement.place) and steers the kubelet to those devices. Pure functions only.
+(gemtrace.run.placement.place) and steers the kubelet to those devices. Pure functions only.
 """
 
 from __future__ import annotations
