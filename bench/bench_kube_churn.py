@@ -1,7 +1,8 @@
 """Pods created and deleted one after another (issue 26): does each get its limit, and how long is its
 admission? On the one-node test cluster (tests/k8s/cluster.sh) with the simulated GPU, installed as
-tests/test_kube_e2e.py installs it (its `Node`): the agent on the host, and deploy/'s device plugin
-and webhook as pods of the image `make image` builds, through `kubectl apply -k`. The main file
+tests/test_kube_e2e.py installs it (its `Node`): the agent on the host with the node's files, and
+deploy/'s device plugin and webhook as pods of the image `make image` builds, through
+`kubectl apply -k deploy/`. The main file
 reserves MinUtil 0.2 of the GPU; each pod asks for 2 GiB and 30%, prints what its gate says of the
 GPU's memory, and is deleted (waiting until it is gone) before the next is made.
 A pod got its limit when it saw 2 GiB (in `default` it would see the GPU's 16). Admission: from the
@@ -22,10 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from agent_host import CONFIG, Host
 from k8s_cluster import CLUSTER_SH, K8sCluster, cluster_env
 from simgpu_env import SimGpu
-from test_kube_e2e import Node, import_image
+from test_kube_e2e import Node, import_image, on_the_node
 from testkit import GiB
 
 from bench.recording import RESULTS as RESULTS_DIR
@@ -56,7 +56,7 @@ def cycle(node: Node, name: str, limits: dict[str, str] | None) -> tuple[float, 
     finally:
         cluster.delete_pod(name)
     deleted = time.monotonic()
-    while list((node.host.tmp / "resource.d").glob("k8s-*.conf")) and time.monotonic() - deleted < 120:
+    while list(node.dropins.glob("k8s-*.conf")) and time.monotonic() - deleted < 120:
         time.sleep(0.05)
     return admission, total, time.monotonic() - deleted
 
@@ -77,8 +77,7 @@ def main() -> int:
         raise SystemExit(f"tests/k8s/cluster.sh up failed:\n{up.stderr}")
     cluster = K8sCluster(cluster_env())
     tmp = Path(tempfile.mkdtemp(prefix="gt-kube-churn-"))
-    host = Host(SimGpu(tmp / "sim"), tmp / "resource.conf", tmp / "state", tmp)
-    host.config.write_text(CONFIG)  # [train] reserves MinUtil 0.2 of the GPU
+    host = on_the_node(cluster, SimGpu(tmp / "sim"), tmp)  # CONFIG: [train] reserves MinUtil 0.2 of the GPU
     node = None
     try:
         import_image(cluster)
