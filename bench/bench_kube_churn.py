@@ -10,11 +10,13 @@ nothing of gemtrace takes its turn, so that both kinds meet the cluster in the s
 A pod got its limit when it saw 2 GiB (in `default` it would see the GPU's 16). Admission: from just
 before `kubectl create` to the container's first instruction, by its own clock (`date`, the host's);
 the kubelet's status of a started container comes later and at its own pace (its PLEG relists every
-second), so polling the pod would measure that instead. Where the time went, per pod, from the logs
-of that moment (one pod at a time, so a log line's time names its pod): the plugin's answers to the
-kubelet (Allocate and PreStartContainer, their `took_s`) and the kubelet's retries of the pod's
-service-account token volume (its secret cache, refused by the Node authorizer until the apiserver
-has the new pod bound to the node). Appends a dated table to bench/results/kube_churn.md.
+second), so polling the pod would measure that instead. Where the time went, per pod: the plugin's
+answers to the kubelet (Allocate and PreStartContainer, their `took_s` in its log; one pod at a time,
+so a line's time names its pod) and, for each pod at 2 s or more, the kubelet's steps from its log:
+the pod's arrival (SyncLoop ADD), its service-account token volume mounted (the kubelet's secret
+cache, which the Node authorizer refuses until it has the new pod bound to the node, then retries),
+its sandbox begun, and its container's first instruction. Appends a dated table to
+bench/results/kube_churn.md.
 
     sudo flock /tmp/gemtrace-k8s.lock .venv/bin/python -m bench.bench_kube_churn [--pods 50] [--no-record]
 """
@@ -45,9 +47,11 @@ from gemtrace.kube import shares
 RESULTS = RESULTS_DIR / "kube_churn.md"
 PLAIN_EVERY = 5
 BOUND_S = 2.0  # the issue's admission bound
-# The kubelet's log (klog): I1126 23:51:20.595532 ... and its token volume's retry.
+# The kubelet's log (klog, --v 2): I1126 23:51:20.595532 ..., and its lines of a pod's steps.
 KLOG_TIME = re.compile(r"^[IWE](\d\d)(\d\d) (\d\d:\d\d:\d\d\.\d+)")
 SECRET_RETRY = "failed to sync secret cache"
+STEPS = {"arrived": 'SyncLoop (ADD, "api"): "{name}_', "token": 'SetUp succeeded for volume "default-token-',
+         "sandbox": 'No sandbox for pod "{name}_'}
 
 
 @dataclass
@@ -109,6 +113,35 @@ def secret_retries(log: str, year: int) -> list[float]:
     return found
 
 
+def kubelet_steps(log: str, year: int, name: str) -> dict[str, float]:
+    """The time of each of STEPS for pod `name` in the kubelet's log."""
+    found: dict[str, float] = {}
+    for line in log.splitlines():
+        m = KLOG_TIME.match(line)
+        if not m:
+            continue
+        for step, text in STEPS.items():
+            mine = f'pod "{name}"' in line if step == "token" else True
+            if step not in found and mine and text.format(name=name) in line:
+                found[step] = datetime.fromisoformat(f"{year}-{m[1]}-{m[2]}T{m[3]}+00:00").timestamp()
+    return found
+
+
+def slow_pods(cycles: list[Cycle], waits: list[tuple[float, float]], log: str, year: int) -> str:
+    """A line for each pod at BOUND_S or more: where its time went."""
+    lines = []
+    for c in cycles:
+        if c.admission < BOUND_S:
+            continue
+        steps = kubelet_steps(log, year, c.name)
+        marks = [("create", c.created), *((s, steps[s]) for s in STEPS if s in steps), ("first instruction", c.started)]
+        parts = ", ".join(f"to {b} {tb - ta:.2f}" for (_, ta), (b, tb) in zip(marks, marks[1:], strict=False))
+        plugin = sum(took for t, took in waits if c.created <= t <= c.started)
+        lines.append(f"- {c.name}: {c.admission:.2f} s; {parts} s (from the step before); the plugin's answers "
+                     f"{plugin:.2f} s\n")
+    return "".join(lines)
+
+
 def summary(values: list[float]) -> str:
     ordered = sorted(values)
     p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
@@ -152,7 +185,10 @@ def main() -> int:
                 plain.append(cycle(node, f"churn-plain-{i}", None))
         refused = node.agent.log.read_text().count('"event": "dropin_refused"')
         waits = plugin_waits(node.plugin_log())
-        retries = secret_retries((cluster.logs / "kubelet.log").read_text(), datetime.now(UTC).year)
+        year = datetime.now(UTC).year
+        kubelet_log = (cluster.logs / "kubelet.log").read_text()
+        retries = secret_retries(kubelet_log, year)
+        slow = slow_pods(plain + shared, waits, kubelet_log, year)
     finally:
         if node is not None:
             node.close()
@@ -164,7 +200,8 @@ def main() -> int:
         "| drop-ins refused |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
         + row("nothing of gemtrace", plain, waits, retries, "-", "-")
         + row("2 GiB + 30% each", shared, waits, retries, f"{limited} of {len(shared)}", str(refused))
-        + f"\nEach pod's admission, in order (s): {', '.join(f'{c.admission:.2f}' for c in shared)}\n")
+        + f"\nEach pod's admission, in order (s): {', '.join(f'{c.admission:.2f}' for c in shared)}\n"
+        + (f"\nThe kubelet's steps of the pods at {BOUND_S:g} s or more:\n\n{slow}" if slow else ""))
     print(table)
     if not args.no_record:
         record(RESULTS, "Pods created and deleted one after another", table, about="bench/bench_kube_churn.py, "
