@@ -1,19 +1,15 @@
-"""The agent's cost and the pods' admission with many pods on a node of several GPUs (issues 12 and
-26), on the one-node test cluster (tests/k8s/cluster.sh) with --gpus simulated GPUs of 16 GiB: the
-agent and `gemtrace kube-plugin` (placing each share on a GPU, binpacked) on the host. --pods pods,
-created one after another without waiting, each hold a little of the simulated GPU's memory (a
-process the agent follows, labels with its pod and exports): --shared of them ask for 2 GiB + 10%
-(gated, a group each; the region has 64 groups), the others are gated in one group `pods` of the
-resource file, as the webhook puts a labelled pod (its mounts and envs in the manifest: the agent
-follows only gated processes when it runs without eBPF, as here).
-Measures each pod's admission, from just before its `kubectl create` to its container's first
-instruction by its own clock (`date`), and, with no pod and then with all of them Running and
-holding: the agent's CPU (utime + stime from /proc/PID/stat over --window seconds, as % of one core)
-and its /metrics scrape time (median and worst of --scrapes) and size; appends a dated table to
-bench/results/kube_admission.md.
+"""The agent's cost with many pods on a node (issue 12), on the one-node test cluster
+(tests/k8s/cluster.sh) with the simulated GPU: the agent and `gemtrace kube-plugin` on the host, as in
+tests/test_kube_e2e.py. --pods pods each hold a little of the simulated GPU's memory (a process the
+agent follows, labels with its pod and exports): --shared of them ask for 1 GiB + 1% (gated, a group
+each: the simulated GPU has 16 GiB and the region 64 groups), the others are gated in one group
+`pods` of the resource file, as the webhook puts a labelled pod (its mounts and envs in the manifest:
+the agent follows only gated processes when it runs without eBPF, as here).
+Measures, with no pod and then with all of them Running and holding: the agent's CPU (utime + stime
+from /proc/PID/stat over --window seconds, as % of one core) and its /metrics scrape time (median and
+worst of --scrapes) and size; appends a dated table to bench/results/kube_admission.md.
 
-    sudo flock /tmp/gemtrace-k8s.lock .venv/bin/python -m bench.bench_kube_agent_cost [--pods 100] \
-        [--gpus 8] [--shared 50] [--no-record]
+    sudo .venv/bin/python -m bench.bench_kube_agent_cost [--pods 100] [--shared 15] [--no-record]
 """
 
 from __future__ import annotations
@@ -39,26 +35,23 @@ from bench.recording import RESULTS as RESULTS_DIR
 from gemtrace.kube import shares
 from gemtrace.kube.injection import Injection
 
-HOLD = "date +%s.%N && /simgpu/simgpu-rt alloc --hold 3600 16MiB"
-SHARE = {shares.GPU_MEMORY: "2", shares.GPU_UTIL: "10"}
+HOLD = "/simgpu/simgpu-rt alloc --hold 3600 16MiB"
 GROUP = "pods"
 
 RESULTS = RESULTS_DIR / "kube_admission.md"
 
 
-def holder(name: str, sim: SimGpu, limits: dict[str, str] | None, injection: Injection) -> dict[str, Any]:
+def holder(name: str, sim_state: str, limits: dict[str, str] | None, injection: Injection) -> dict[str, Any]:
     """A pod holding 16 MiB of the simulated GPU (its driver through a hostPath, as in the e2e tests);
     without limits, gated in the group `pods` as the webhook would."""
     manifest = pod_manifest(name, ["sh", "-c", HOLD], limits=limits)
     container = manifest["spec"]["containers"][0]
-    env = sim.env()
     container["env"] = [{"name": "LD_LIBRARY_PATH", "value": "/simgpu"},
-                        {"name": "SIMGPU_STATE_DIR", "value": "/simgpu-state"},
-                        *({"name": k, "value": env[k]} for k in ("SIMGPU_DEVICES", "SIMGPU_MEMORY"))]
+                        {"name": "SIMGPU_STATE_DIR", "value": "/simgpu-state"}]
     container["volumeMounts"] = [{"name": "simgpu", "mountPath": "/simgpu", "readOnly": True},
                                  {"name": "simgpu-state", "mountPath": "/simgpu-state"}]
     manifest["spec"]["volumes"] = [{"name": "simgpu", "hostPath": {"path": str(SIMGPU_DIR)}},
-                                   {"name": "simgpu-state", "hostPath": {"path": env["SIMGPU_STATE_DIR"]}}]
+                                   {"name": "simgpu-state", "hostPath": {"path": sim_state}}]
     if limits is None:
         for mount in injection.mounts():
             container["volumeMounts"].append({"name": mount.name, "mountPath": str(mount.container_path),
@@ -66,14 +59,6 @@ def holder(name: str, sim: SimGpu, limits: dict[str, str] | None, injection: Inj
             manifest["spec"]["volumes"].append({"name": mount.name, "hostPath": {"path": str(mount.host_path)}})
         container["env"] += [{"name": k, "value": v} for k, v in injection.env(GROUP).items()]
     return manifest
-
-
-def first_instruction(cluster: K8sCluster, name: str) -> float | None:
-    """When the pod's container began, by its clock (HOLD's first line); None: it has not."""
-    try:
-        return float(cluster.kubectl("logs", name).split("\n", 1)[0])
-    except (AssertionError, ValueError):
-        return None
 
 
 def cpu_seconds(pid: int) -> float:
@@ -102,8 +87,7 @@ def measure(pid: int, url: str, window: float, scrapes: int) -> dict[str, float]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pods", type=int, default=100)
-    ap.add_argument("--shared", type=int, default=50)
-    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--shared", type=int, default=15)
     ap.add_argument("--window", type=float, default=30)
     ap.add_argument("--scrapes", type=int, default=10)
     add_record_flag(ap, RESULTS)
@@ -111,10 +95,11 @@ def main() -> int:
     subprocess.run([str(CLUSTER_SH), "up"], check=True, capture_output=True)
     cluster = K8sCluster(cluster_env())
     tmp = Path(tempfile.mkdtemp(prefix="gt-kube-cost-"))
-    host = Host(SimGpu(tmp / "sim", devices=args.gpus), tmp / "resource.conf", tmp / "state", tmp)
+    host = Host(SimGpu(tmp / "sim"), tmp / "resource.conf", tmp / "state", tmp)
     host.config.write_text(f"[{GROUP}]\n")
     injection = Injection(gate=REPO / "build" / "libgemgate.so", state_dir=host.state_dir,
                           preload_file=tmp / "ld.so.preload")
+    sim_state = host.sim.env()["SIMGPU_STATE_DIR"]
     agent = host.start_agent("--pod-names", str(tmp / "pods.json"))
     plugin = subprocess.Popen(gemtrace("kube-plugin", "--config", str(host.config), "--state-dir", str(host.state_dir),
                                        "--device-plugins", str(cluster.device_plugins),
@@ -125,14 +110,13 @@ def main() -> int:
                               env=host.env(), stderr=subprocess.DEVNULL)
     names = [f"cost-{i}" for i in range(args.pods)]
     try:
-        while cluster.get("node", cluster.node)["status"]["allocatable"].get(shares.GPU_MEMORY) != str(16 * args.gpus):
+        while cluster.get("node", cluster.node)["status"]["allocatable"].get(shares.GPU_MEMORY) != "16":
             time.sleep(0.2)
         idle = measure(agent.proc.pid, agent.url, args.window, args.scrapes)
         start = time.monotonic()
-        created = {}
         for i, name in enumerate(names):
-            created[name] = time.time()
-            cluster.create(holder(name, host.sim, SHARE if i < args.shared else None, injection))
+            limits = {shares.GPU_MEMORY: "1", shares.GPU_UTIL: "1"} if i < args.shared else None
+            cluster.create(holder(name, sim_state, limits, injection))
         while True:  # every pod Running and its process followed by the agent
             body = agent.metrics()
             followed = sum(1 for line in body.splitlines()
@@ -143,8 +127,6 @@ def main() -> int:
             time.sleep(2)
         admitted = time.monotonic() - start
         busy = measure(agent.proc.pid, agent.url, args.window, args.scrapes)
-        admissions = {name: started - created[name] for name in names
-                      if (started := first_instruction(cluster, name)) is not None}
     finally:
         for name in names:
             subprocess.run([cluster.kubectl_bin, "--kubeconfig", cluster.kubeconfig, "delete", "pod", name,
@@ -157,30 +139,16 @@ def main() -> int:
     rows = "".join(f"| {label} | {m['processes']:.0f} | {m['cpu'] * 100:.1f}% | {m['median_ms']:.1f} ms | "
                    f"{m['max_ms']:.1f} ms | {m['kib']:.0f} KiB |\n"
                    for label, m in (("no pod", idle), (f"{args.pods} pods ({args.shared} with shares)", busy)))
-    def admission(which: list[str]) -> str:
-        ordered = sorted(admissions[n] for n in which if n in admissions)
-        if not ordered:
-            return "none started"
-        missing = f" ({len(which) - len(ordered)} not started)" if len(ordered) < len(which) else ""
-        p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
-        return f"{statistics.median(ordered):.2f} / {p90:.2f} / {ordered[-1]:.2f} s{missing}"
-
-    table = (f"{args.gpus} simulated GPUs of 16 GiB. Each pod holds 16 MiB of the simulated GPU; {args.shared} ask for "
-             f"{SHARE[shares.GPU_MEMORY]} GiB + {SHARE[shares.GPU_UTIL]}%, the others are in the group `{GROUP}`. "
-             f"Agent CPU over {args.window:g} s, {args.scrapes} scrapes; "
+    table = (f"Each pod holds 16 MiB of the simulated GPU; agent CPU over {args.window:g} s, {args.scrapes} scrapes; "
              f"{args.pods} pods Running and followed {admitted:.0f} s after the first create; "
              f"load {load:.1f} at the end.\n\n"
-             "| pods | admission median / p90 / max |\n| --- | --- |\n"
-             f"| {args.shared} with shares | {admission(names[:args.shared])} |\n"
-             f"| {args.pods - args.shared} in `{GROUP}` | {admission(names[args.shared:])} |\n\n"
              "| pods on the node | processes exported | agent CPU (one core) | scrape median | scrape worst "
              "| /metrics size |\n| --- | --- | --- | --- | --- | --- |\n" + rows)
     print(table)
     if not args.no_record:
         record(RESULTS, "Pods admitted per second through the device plugin", table,
-               about=f"the agent's cost and the pods' admission with {args.pods} pods on {args.gpus} GPUs "
-               "(bench/bench_kube_agent_cost.py)")
-    print(json.dumps({"idle": idle, "busy": busy, "admitted_s": admitted, "admissions": admissions}))
+               about=f"the agent's cost with {args.pods} pods (bench/bench_kube_agent_cost.py)")
+    print(json.dumps({"idle": idle, "busy": busy, "admitted_s": admitted}))
     return 0
 
 
