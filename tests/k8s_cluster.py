@@ -6,8 +6,7 @@ only drives it: the session fixture `k8s_cluster` brings it up once and down at 
 message, since a pod that never starts is explained by the kubelet's or containerd's log, not by the
 test's. It never starts a daemon itself.
 
-The node has no CNI and so stays NotReady: `pod_manifest` makes pods that run anyway (hostNetwork,
-tolerating the not-ready and unschedulable taints) from the locally built test image.
+`pod_manifest` makes pods that run once from the locally built test image, on the cluster's pod network.
 """
 
 from __future__ import annotations
@@ -45,13 +44,7 @@ def pod_manifest(
         "metadata": {"name": name},
         "spec": {
             "restartPolicy": "Never",
-            "hostNetwork": True,
             "terminationGracePeriodSeconds": 1,
-            # No CNI: the node is NotReady for good. No tolerationSeconds: never evicted for it.
-            "tolerations": [
-                {"key": "node.kubernetes.io/not-ready", "operator": "Exists"},
-                {"key": "node.kubernetes.io/unschedulable", "operator": "Exists"},
-            ],
             "containers": [container],
         },
     }
@@ -70,6 +63,11 @@ class K8sCluster:
         self.ca_cert = Path(env["GEMTRACE_K8S_CA_CERT"])
         self.ca_key = Path(env["GEMTRACE_K8S_CA_KEY"])
         self.containerd = env["GEMTRACE_K8S_CONTAINERD_SOCK"]
+        # What the node's kubelet and containers see as /etc/gemtrace, /run/gemtrace... (NODE_DIRS), and
+        # the simulated GPU that its containers asking NVIDIA_VISIBLE_DEVICES get (KEY=VALUE lines).
+        self.node_root = Path(env["GEMTRACE_K8S_NODE_ROOT"])
+        self.node_dirs = [self.node_root / d.lstrip("/") for d in env["GEMTRACE_K8S_NODE_DIRS"].split()]
+        self.gpu_driver = Path(env["GEMTRACE_K8S_GPU_DRIVER"])
 
     def import_image(self, archive: Path) -> None:
         """An image archive (`docker save` or OCI) into the node's containerd, where the kubelet finds it."""

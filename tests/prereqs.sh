@@ -35,6 +35,7 @@ test_packages=(
     # The k8s tier's one-node cluster (tests/k8s/cluster.sh): Kubernetes built from Debian's source
     # with Go, Debian's reflect2 1.0.2 in place of the vendored 1.0.1, etcd, containerd and runc.
     golang-go golang-github-modern-go-reflect2-dev etcd-server containerd runc curl rsync jq
+    containernetworking-plugins iptables  # its pod network: a CNI bridge, the apiserver's ClusterIP
     debian-archive-keyring  # the k8s tier fetches Debian's kubernetes source, also on Ubuntu (universe)
     python3-yaml  # the k8s tier reads deploy/'s manifests with the distribution's python3
     "${image_tools[@]}"  # the k8s tier deploys deploy/ with the image of make image

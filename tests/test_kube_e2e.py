@@ -1,22 +1,20 @@
 """gemtrace on the real one-node cluster (tests/k8s/cluster.sh), with the simulated GPU on the node,
-installed the README's way: the agent on the host, as the .deb puts it, and `kubectl apply -k deploy/`
-with the image of `make image` for the device plugin's DaemonSet and the webhook, whose certificate
-and caBundle it makes itself. Pods ask for shares and are gated with nothing set by their user. The
-simulated GPU's libraries reach the pods through a hostPath, as a real driver's would through
-NVIDIA's container toolkit.
+installed the README's way: the agent on the host with the node's files, as the .deb puts it, and
+`kubectl apply -k deploy/` itself, with the image of `make image` under the name and tag deploy/ gives
+it, for the device plugin's DaemonSet and the webhook, whose certificate and caBundle it makes itself.
+Pods ask for shares and are gated with nothing set by their user.
 
-deploy/ is applied through an overlay (`Deployment.overlay`) that changes only what this cluster and
-this host differ in from a GPU node: no CNI and no kube-proxy (pods on the host's network, the
-apiserver at 127.0.0.1, the NotReady node's taints tolerated, one webhook replica), the simulated
-GPU in place of NVIDIA's container runtime, and the test's own paths for the agent's files and the
-resource file the webhook reads (each test's agent has its own, beside other tests' agents on this
-host)."""
+Nothing of deploy/ is changed for the test: what this host lacks of a GPU node, the cluster provides
+(cluster.sh's header): a pod network, the node's /etc/gemtrace, /run/gemtrace, /var/lib/gemtrace and
+/usr/lib/gemtrace (each test's agent takes them, emptied, in turn: `on_the_node`), and the simulated
+GPU given to the plugin's container as NVIDIA's container runtime gives a real driver. The pods of
+the tests mount the simulated GPU's libraries themselves, as an image would hold CUDA's."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -25,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 from agent_host import CONFIG, Host, Running, stop
 from k8s_cluster import K8sCluster, pod_manifest
 from simgpu_env import REPO, SIMGPU_DIR, SimGpu
-from testkit import GiB, free_port, wait_until
+from testkit import GiB, wait_until
 
 from gemtrace.kube import shares
 
@@ -62,93 +59,43 @@ def gemtrace_image(k8s_cluster: K8sCluster) -> str:
     return import_image(k8s_cluster)
 
 
+def on_the_node(cluster: K8sCluster, sim: SimGpu, tmp: Path) -> Host:
+    """A host whose agent has the node's files (the cluster's NODE_ROOT, which the kubelet and the
+    containers see as /etc/gemtrace, /run/gemtrace, /var/lib/gemtrace and /usr/lib/gemtrace), emptied
+    of an earlier test's, the gate where the .deb installs it, and `sim` as the node's GPU."""
+    for directory in cluster.node_dirs:
+        for path in directory.iterdir():
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+    gate = cluster.node_root / "usr/lib/gemtrace/libgemgate.so"
+    shutil.copy(GATE, gate.with_suffix(".new"))
+    gate.with_suffix(".new").rename(gate)  # a new inode: no process maps a file being written
+    config = cluster.node_root / "etc/gemtrace/resource.conf"
+    config.write_text(CONFIG)
+    driver = {k: v for k, v in sim.env().items() if k.startswith("SIMGPU_")}
+    cluster.gpu_driver.write_text("".join(f"{k}={v}\n" for k, v in {"LD_LIBRARY_PATH": str(SIMGPU_DIR),
+                                                                      **driver}.items()))
+    return Host(sim, config, cluster.node_root / "run/gemtrace", tmp)
+
+
 class Deployment:
-    """deploy/ on the cluster, through the overlay of the module's docstring, for one test's host."""
+    """deploy/ on the cluster, as the README applies it."""
 
-    def __init__(self, cluster: K8sCluster, host: Host, names: Path, plugin_args: tuple[str, ...] = ()) -> None:
-        self.cluster, self.host = cluster, host
-        self.dir = host.tmp / "overlay"
-        self.webhook_port = free_port()
+    def __init__(self, cluster: K8sCluster) -> None:
+        self.cluster = cluster
         self.applied_at = 0.0
-        self.overlay(names, plugin_args)
-
-    def overlay(self, names: Path, plugin_args: tuple[str, ...]) -> None:
-        """The overlay's files; `plugin_args`: more options of the plugin's command."""
-        host, cluster = self.host, self.cluster
-        apiserver = yaml.safe_load(Path(cluster.kubeconfig).read_text())["clusters"][0]["cluster"]["server"]
-        address, _, port = apiserver.removeprefix("https://").rpartition(":")
-        sim_state = Path(host.sim.env()["SIMGPU_STATE_DIR"])
-        # The apiserver listens on 127.0.0.1 only, where the kubernetes Service's ClusterIP leads nowhere.
-        api_env = [{"name": "KUBERNETES_SERVICE_HOST", "value": address},
-                   {"name": "KUBERNETES_SERVICE_PORT", "value": port}]
-        no_cni = {"hostNetwork": True, "dnsPolicy": "Default",
-                  "tolerations": [{"operator": "Exists"}]}
-        # The test's paths, mounted where they are on the host: the plugin hands the kubelet host paths.
-        paths = {"tmp": host.tmp, "simgpu": SIMGPU_DIR, "simgpu-state": sim_state}
-        plugin = {
-            "apiVersion": "apps/v1", "kind": "DaemonSet",
-            "metadata": {"name": "gemtrace-device-plugin", "namespace": NAMESPACE},
-            "spec": {"template": {"spec": {
-                **no_cni,
-                "containers": [{
-                    "name": "plugin",
-                    "command": ["gemtrace", "kube-plugin", "--config", str(host.config),
-                                "--state-dir", str(host.state_dir), "--gate", str(GATE),
-                                "--preload-file", str(host.tmp / "ld.so.preload"), "--pod-names", str(names),
-                                *plugin_args],
-                    "env": api_env + [{"name": k, "value": v} for k, v in host.sim.env().items()
-                                      if k.startswith("SIMGPU_") or k == "LD_LIBRARY_PATH"],
-                    "volumeMounts": [{"name": n, "mountPath": str(p)} for n, p in paths.items()],
-                }],
-                "volumes": [{"name": n, "hostPath": {"path": str(p)}} for n, p in paths.items()],
-            }}},
-        }
-        webhook = {
-            "apiVersion": "apps/v1", "kind": "Deployment",
-            "metadata": {"name": "gemtrace-webhook", "namespace": NAMESPACE},
-            "spec": {"replicas": 1, "template": {"spec": {
-                **no_cni,
-                "containers": [{
-                    "name": "webhook",
-                    "command": ["gemtrace", "kube-webhook", "--listen", f"0.0.0.0:{self.webhook_port}",
-                                "--cert", "/tls/tls.crt", "--key", "/tls/tls.key",
-                                "--tls-secret", f"{NAMESPACE}/gemtrace-webhook-tls",
-                                "--service", f"{NAMESPACE}/gemtrace-webhook",
-                                "--webhook-configuration", CONFIGURATIONS["mutatingwebhookconfiguration"],
-                                "--validating-webhook-configuration",
-                                CONFIGURATIONS["validatingwebhookconfiguration"],
-                                "--state-dir", str(host.state_dir), "--gate", str(GATE),
-                                "--preload-file", str(host.tmp / "ld.so.preload")],
-                    "env": api_env,
-                }],
-                # The test's resource file where deploy/ mounts the node's /etc/gemtrace (the default
-                # --config); the webhook runs as nobody, so the test's directory must let it read.
-                "volumes": [{"name": "config", "hostPath": {"path": str(host.config.parent)}}],
-            }}},
-        }
-        port = [{"op": "replace", "path": "/spec/template/spec/containers/0/ports/0/containerPort",
-                 "value": self.webhook_port}]
-        self.dir.mkdir()
-        (self.dir / "plugin.yaml").write_text(yaml.safe_dump(plugin))
-        (self.dir / "webhook.yaml").write_text(yaml.safe_dump(webhook))
-        (self.dir / "webhook-port.yaml").write_text(yaml.safe_dump(port))
-        (self.dir / "kustomization.yaml").write_text(yaml.safe_dump({
-            "bases": [os.path.relpath(DEPLOY, self.dir)],
-            "patchesStrategicMerge": ["plugin.yaml", "webhook.yaml"],
-            "patchesJson6902": [{"target": {"group": "apps", "version": "v1", "kind": "Deployment",
-                                            "name": "gemtrace-webhook", "namespace": NAMESPACE},
-                                 "path": "webhook-port.yaml"}],
-        }))
 
     def apply(self) -> None:
-        """The README's operator steps: label the GPU node, `kubectl apply -k`."""
+        """The README's operator steps: label the GPU node, `kubectl apply -k deploy/`."""
         self.cluster.kubectl("label", "node", self.cluster.node, "gemtrace.io/gpu=true", "--overwrite")
-        self.cluster.kubectl("apply", "-k", str(self.dir))
+        self.cluster.kubectl("apply", "-k", str(DEPLOY))
         self.applied_at = time.monotonic()
 
     def delete(self) -> None:
         """Everything deploy/ made, gone (the namespace too) before the next test applies it again."""
-        self.cluster.kubectl("delete", "-k", str(self.dir), "--ignore-not-found", "--wait=true", "--timeout=120s",
+        self.cluster.kubectl("delete", "-k", str(DEPLOY), "--ignore-not-found", "--wait=true", "--timeout=120s",
                              timeout=150)
 
     def pods(self, selector: str) -> list[dict[str, Any]]:
@@ -172,15 +119,13 @@ class Deployment:
 class Node:
     """The node: the agent on the host (restartable) and deploy/'s plugin and webhook in pods."""
 
-    def __init__(self, cluster: K8sCluster, host: Host, plugin_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, cluster: K8sCluster, host: Host) -> None:
         self.cluster, self.host = cluster, host
-        host.sim.env()  # the simulation's state dir exists before any pod mounts it
-        # The webhook (nobody, as deploy/ runs it) reads the resource file in this directory, as it reads a
-        # node's /etc/gemtrace; pytest and mkdtemp make it the owner's alone.
-        host.config.parent.chmod(0o755)
-        self.names = host.tmp / "pods.json"
+        # Where deploy/'s plugin writes them: /var/lib/gemtrace/kube and /etc/gemtrace/resource.d.
+        self.names = cluster.node_root / "var/lib/gemtrace/kube/pods.json"
+        self.dropins = host.config.parent / "resource.d"
         self.agent = self.start_agent()
-        self.deployment = Deployment(cluster, host, self.names, plugin_args)
+        self.deployment = Deployment(cluster)
         self.plugin_uid = ""
 
     def start_agent(self) -> Running:
@@ -277,10 +222,9 @@ class Node:
         return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def running_node(cluster: K8sCluster, host: Host, memory: str = "16", util: str = "100",
-                 plugin_args: tuple[str, ...] = ()) -> Iterator[Node]:
+def running_node(cluster: K8sCluster, host: Host, memory: str = "16", util: str = "100") -> Iterator[Node]:
     """deploy/ applied for the agent on `host`, once the node advertises `memory` GiB and `util`%."""
-    n = Node(cluster, host, plugin_args)
+    n = Node(cluster, host)
     try:
         n.install(memory, util)
         yield n
@@ -290,19 +234,17 @@ def running_node(cluster: K8sCluster, host: Host, memory: str = "16", util: str 
 
 
 @pytest.fixture
-def node(k8s_cluster: K8sCluster, gemtrace_image: str, host: Host) -> Iterator[Node]:
-    yield from running_node(k8s_cluster, host)
+def node(k8s_cluster: K8sCluster, gemtrace_image: str, simgpu: SimGpu, tmp_path: Path) -> Iterator[Node]:
+    yield from running_node(k8s_cluster, on_the_node(k8s_cluster, simgpu, tmp_path))
 
 
 @pytest.fixture
 def two_gpu_node(k8s_cluster: K8sCluster, gemtrace_image: str, simgpu_factory: Callable[..., SimGpu],
                  tmp_path: Path) -> Iterator[Node]:
-    """The node with 2 simulated GPUs of 8 GiB (the plugin's pod gets them from the overlay's
-    SIMGPU_ variables, as it gets the one of `node`), binpacked as deploy/ places by default."""
-    config = tmp_path / "resource.conf"
-    config.write_text(CONFIG)  # [train] reserves MinUtil 0.2 of every GPU: 0.5 more fits on each
-    host = Host(simgpu_factory(devices=2, memory="8GiB"), config, tmp_path / "state", tmp_path)
-    yield from running_node(k8s_cluster, host, "16", "200", plugin_args=("--placement", "binpack"))
+    """The node with 2 simulated GPUs of 8 GiB, binpacked as deploy/ places by default. CONFIG's
+    [train] reserves MinUtil 0.2 of every GPU: 0.5 more fits on each."""
+    host = on_the_node(k8s_cluster, simgpu_factory(devices=2, memory="8GiB"), tmp_path)
+    yield from running_node(k8s_cluster, host, "16", "200")
 
 
 def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: Node) -> None:
@@ -322,7 +264,7 @@ def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: N
 
         # Its group: the requested GiB, 30% guaranteed, the annotation's MaxUtil, its pod's cgroup.
         uid = cluster.get("pod", name)["metadata"]["uid"]
-        dropins = list((node.host.tmp / "resource.d").glob("k8s-*.conf"))
+        dropins = list((node.dropins).glob("k8s-*.conf"))
         assert len(dropins) == 1, [(p.name, p.read_text()) for p in dropins]
         (dropin,) = dropins
         group = dropin.stem
@@ -343,7 +285,7 @@ def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: N
                 and series()), timeout=30, step=0.5)
         except AssertionError as e:
             processes = [s for s in node.agent.metrics().splitlines() if s.startswith("gemtrace_process_memory")]
-            raise AssertionError(f"{e}\n{processes}\n{(node.host.tmp / 'pods.json').read_text()}") from None
+            raise AssertionError(f"{e}\n{processes}\n{node.names.read_text()}") from None
         memory = next(s for s in found if s.startswith("gemtrace_process_memory_bytes{"))
         assert f'group="{group}"' in memory and float(memory.rsplit(" ", 1)[1]) == GiB
         limit = next(s for s in found if s.startswith("gemtrace_group_memory_limit_bytes{"))
@@ -356,7 +298,7 @@ def test_restarting_the_plugin_and_the_agent_keeps_a_running_pod_gated_and_group
     name = "share-restarts"
     manifest = node.pod(name, "/simgpu/simgpu-rt alloc --hold 90 1GiB", limits={shares.GPU_MEMORY: "2"})
     cluster = node.cluster
-    dropins = node.host.tmp / "resource.d"
+    dropins = node.dropins
 
     def our_series() -> list[str]:
         return [s for s in node.agent.metrics().splitlines()
@@ -405,7 +347,7 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
         found = {}
         region = node.host.region()
         try:
-            for dropin in (node.host.tmp / "resource.d").glob("k8s-*.conf"):
+            for dropin in (node.dropins).glob("k8s-*.conf"):
                 for name in targets:
                     index = region.group_index(dropin.stem)
                     if f"default/{name} " in dropin.read_text() and index is not None:
@@ -446,7 +388,7 @@ def test_pods_created_and_deleted_one_after_another_each_get_their_limit(node: N
     grant kept a while, its MinUtil would still count, and the fourth pod's would take the GPU past 1.
     Admission is measured from the create to the container started, against plain pods' in the
     same run: the cluster's own pace on this machine."""
-    cluster, dropins = node.cluster, node.host.tmp / "resource.d"
+    cluster, dropins = node.cluster, node.dropins
 
     def admitted(manifest: dict[str, Any]) -> float:
         started = time.monotonic()
@@ -682,7 +624,7 @@ def _refusal(node: Node, manifest: dict[str, Any]) -> str:
 def _dropin(node: Node, name: str) -> str:
     """The drop-in of the pod's one container, once the plugin has its pod (its Cgroup rule)."""
     def written() -> str | None:
-        texts = [p.read_text() for p in (node.host.tmp / "resource.d").glob("k8s-*.conf")]
+        texts = [p.read_text() for p in (node.dropins).glob("k8s-*.conf")]
         mine = [t for t in texts if f"default/{name} container main" in t and "Cgroup" in t]
         return mine[0] if mine else None
     text: str = wait_until(f"{name}'s drop-in", written, timeout=30, step=0.2)
@@ -746,6 +688,6 @@ def test_a_pod_asking_a_model_the_2_gpus_are_not_fails_saying_why(two_gpu_node: 
         assert pod["status"].get("reason") == "UnexpectedAdmissionError", pod["status"]
         assert ("gemtrace: no GPU of this node is a H100 (its GPUs: Simulated GPU); ask for one of those models, "
                 "or schedule the pod on a node that has it (a nodeSelector)") in pod["status"]["message"], pod["status"]
-        assert not list((node.host.tmp / "resource.d").glob("k8s-*.conf"))
+        assert not list((node.dropins).glob("k8s-*.conf"))
     finally:
         node.cluster.delete_pod(name)

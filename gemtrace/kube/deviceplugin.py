@@ -191,6 +191,7 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
                                                         for r in request.container_requests])
 
     def _allocate(self, devices: list[str], context: Any) -> dp.ContainerAllocateResponse:
+        started = time.monotonic()
         decision = self.placer.allocating(self.resource, devices)
         if decision is not None and decision.refusal is not None:
             # The kubelet fails the pod with this message (UnexpectedAdmissionError): its owner reads why.
@@ -216,7 +217,9 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
         gpus = ",".join(dict.fromkeys(shares.gpu_of(d) for d in devices))
         envs = {"CUDA_VISIBLE_DEVICES": gpus, "NVIDIA_VISIBLE_DEVICES": gpus}
         envs.update(self.injection.env(group))
-        log.info("allocated", resource=self.resource, devices=len(devices), group=group)
+        # took_s: what the kubelet's admission of the pod waited on the plugin (with prestart_answered's).
+        log.info("allocated", resource=self.resource, devices=len(devices), group=group,
+                 took_s=round(time.monotonic() - started, 3))
         return dp.ContainerAllocateResponse(envs=envs, mounts=mounts)
 
     def _wait_defined(self, group: str) -> None:
@@ -236,7 +239,10 @@ class ResourceServicer(dp_grpc.DevicePluginServicer):
 
     def PreStartContainer(self, request: dp.PreStartContainerRequest, context: Any
                           ) -> dp.PreStartContainerResponse:
+        started = time.monotonic()
         self.before_start(list(request.devicesIDs))
+        log.info("prestart_answered", resource=self.resource, devices=len(request.devicesIDs),
+                 took_s=round(time.monotonic() - started, 3))
         return dp.PreStartContainerResponse()
 
 

@@ -14,8 +14,22 @@
 # Owns: the cache of built binaries ($GEMTRACE_K8S_CACHE), the run dir ($GEMTRACE_K8S_RUN), the logs
 # ($GEMTRACE_K8S_LOGS) and the kubelet root (/var/lib/kubelet, where device plugins register), which it
 # removes on `down` only when `up` made it. It never touches a system containerd, etcd or kubelet: its
-# own run on their own sockets, ports and data dirs. No CNI: the node stays NotReady, so test pods use
-# hostNetwork and tolerate the not-ready/unschedulable taints (tests/k8s_cluster.py's pod_manifest).
+# own run on their own sockets, ports and data dirs.
+#
+# The node is a GPU node as an operator's is once gemtrace's .deb is installed, so that deploy/ applies
+# to it unchanged (`kubectl apply -k deploy/`, as the README says). What stands in for what a real
+# cluster has, each a property of this cluster rather than a patch of deploy/:
+#   - the pod network: Debian's CNI bridge plugin, pods on $POD_SUBNET behind the bridge $BRIDGE (the
+#     node is Ready); the kubernetes Service's ClusterIP reaches the apiserver through one DNAT rule on
+#     that bridge, in place of kube-proxy, which Debian's package does not build here.
+#   - gemtrace's files on the node (/etc/gemtrace, /run/gemtrace, /var/lib/gemtrace, /usr/lib/gemtrace)
+#     are, for the kubelet and containerd, the directories under $NODE_ROOT: they run in a mount
+#     namespace of their own where those are bound there. The test's agent runs on the host with
+#     those directories as its own (a host runs many tests' agents; a node has one), and neither the
+#     host's own /etc/gemtrace nor anything else of it is touched.
+#   - the GPU driver: containerd's runc is tests/k8s/simgpu-runc, which gives a container that names
+#     NVIDIA_VISIBLE_DEVICES the simulated GPU that $GPU_DRIVER describes, as NVIDIA's container
+#     runtime gives it the real driver.
 set -euo pipefail
 
 CACHE=${GEMTRACE_K8S_CACHE:-/var/cache/gemtrace-k8s}
@@ -46,6 +60,18 @@ KUBELET_HEALTHZ_PORT=$((KUBELET_PORT - 2))
 CONTROLLER_MANAGER_PORT=${GEMTRACE_K8S_CONTROLLER_MANAGER_PORT:-20257}
 SCHEDULER_PORT=${GEMTRACE_K8S_SCHEDULER_PORT:-20259}
 SERVICE_CIDR=10.96.0.0/16
+KUBERNETES_SERVICE_IP=10.96.0.1  # the first of SERVICE_CIDR: the apiserver's own Service
+# The pod network: one bridge on the host, its first address the pods' gateway.
+POD_SUBNET_PREFIX=${GEMTRACE_K8S_POD_SUBNET_PREFIX:-10.244.0}
+POD_SUBNET=$POD_SUBNET_PREFIX.0/24
+BRIDGE_IP=$POD_SUBNET_PREFIX.1
+BRIDGE=gemtrace-cni0
+CNI_BIN=/usr/lib/cni  # containernetworking-plugins, on Debian as on Ubuntu
+NODE_ROOT=$RUN/node
+NODE_DIRS=(/etc/gemtrace /run/gemtrace /var/lib/gemtrace /usr/lib/gemtrace)
+# The simulated GPU of the node, as KEY=VALUE lines (the tests write it): tests/k8s/simgpu-runc.
+GPU_DRIVER=$NODE_ROOT/simgpu.env
+RUNTIME=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/simgpu-runc
 # Debian's kubernetes 1.20 vendors reflect2 1.0.1, whose map iteration relies on Go runtime internals
 # that changed in Go 1.18: built with bookworm's Go 1.19, the apiserver crashes when it applies a
 # mutating webhook's JSON patch. reflect2 1.0.2 (Debian's package) follows the change; it is copied
@@ -379,7 +405,7 @@ $(tail -n 15 "$LOGS/$name.log")"
 kubectl_() { "$(bin_dir)/kubectl" --kubeconfig "$KUBECTL_CONFIG" "$@"; }
 
 write_containerd_config() {
-    mkdir -p "$RUN/containerd" "$RUN/cni/bin" "$RUN/cni/net.d"
+    mkdir -p "$RUN/containerd" "$RUN/cni/net.d"
     cat >"$RUN/containerd/config.toml" <<EOF
 version = 2
 root = "$RUN/containerd/root"
@@ -397,6 +423,8 @@ state = "$RUN/containerd/state"
   # Without it the sandbox fails to start when the runtime itself runs with a raised oom_score_adj
   # (as under a CI runner or this machine's process manager): runc may not lower it below its own.
   restrict_oom_score_adj = true
+  # The pods' network namespaces under its state dir, not in the host's /run/netns.
+  netns_mounts_under_state_dir = true
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -407,10 +435,67 @@ state = "$RUN/containerd/state"
         SystemdCgroup = false
         # runc's state, which would otherwise go to /run/containerd/runc, beside a system containerd's.
         Root = "$RUN/containerd/runc"
+        # runc, with the simulated GPU's driver given as NVIDIA's container runtime gives the real one.
+        BinaryName = "$RUNTIME"
   [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "$RUN/cni/bin"
+    bin_dir = "$CNI_BIN"
     conf_dir = "$RUN/cni/net.d"
 EOF
+    # The pods talk to the host (apiserver, agent) and to each other, not beyond it: no masquerading,
+    # and not isGateway, which would turn on the host's IP forwarding; their route to the host is the
+    # bridge's address, which make_node gives it.
+    cat >"$RUN/cni/net.d/10-gemtrace.conflist" <<EOF
+{"cniVersion": "0.4.0", "name": "gemtrace-k8s", "plugins": [
+  {"type": "bridge", "bridge": "$BRIDGE", "isGateway": false, "ipMasq": false,
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_SUBNET", "gateway": "$BRIDGE_IP"}]],
+            "routes": [{"dst": "0.0.0.0/0", "gw": "$BRIDGE_IP"}], "dataDir": "$RUN/cni/ipam"}}]}
+EOF
+}
+
+# The apiserver, which listens on 127.0.0.1 only, at its Service's ClusterIP for the pods: a DNAT of
+# what comes in on the bridge (route_localnet lets the bridge's packets go to 127.0.0.1, on this
+# bridge alone). The rule, by its comment, is the only thing this cluster adds to the host's tables.
+DNAT_RULE=(PREROUTING -i "$BRIDGE" -d "$KUBERNETES_SERVICE_IP" -p tcp --dport 443
+           -m comment --comment gemtrace-k8s -j DNAT --to-destination "127.0.0.1:$APISERVER_PORT")
+
+# The node's network and mount namespace: the bridge and its rule, then a process holding a mount
+# namespace where NODE_DIRS are bound to NODE_ROOT's, in which containerd and the kubelet start
+# (`in_node`). Mount points the host lacks are made, and noted so that `down` removes them.
+make_node() {
+    command -v iptables >/dev/null || die "iptables is missing: apt-get install -y iptables"
+    [ -x "$CNI_BIN/bridge" ] || die "$CNI_BIN/bridge is missing: apt-get install -y containernetworking-plugins"
+    ip link add "$BRIDGE" type bridge
+    ip addr add "$BRIDGE_IP/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    sysctl -qw "net.ipv4.conf.$BRIDGE.route_localnet=1"
+    iptables -t nat -A "${DNAT_RULE[@]}"
+    local d pid
+    mkdir -p "$NODE_ROOT"
+    for d in "${NODE_DIRS[@]}"; do
+        mkdir -p "$NODE_ROOT$d"
+        if ! [ -d "$d" ]; then mkdir -p "$d" && echo "$d" >>"$RUN/made-mount-points"; fi
+    done
+    : >"$GPU_DRIVER"
+    start node-ns unshare --mount --propagation slave sleep infinity
+    pid=$(cat "$RUN/pids/node-ns")
+    wait_for "the node's mount namespace" 10 node-ns other_mount_ns "$pid"
+    for d in "${NODE_DIRS[@]}"; do nsenter --mount="/proc/$pid/ns/mnt" mount --bind "$NODE_ROOT$d" "$d"; done
+}
+
+other_mount_ns() { [ "$(readlink /proc/self/ns/mnt)" != "$(readlink "/proc/$1/ns/mnt")" ]; }
+
+# in_node: the words that, before a command given to `start`, run it in the node's mount namespace
+# (nsenter execs it: the pid stays the command's).
+in_node() { echo nsenter --mount="/proc/$(cat "$RUN/pids/node-ns")/ns/mnt" --; }
+
+# The node's network undone (its mount namespace goes with its last process); mount points it made removed.
+unmake_node() {
+    while iptables -t nat -D "${DNAT_RULE[@]}" 2>/dev/null; do :; done
+    ip link del "$BRIDGE" 2>/dev/null || true
+    local d
+    if [ -f "$RUN/made-mount-points" ]; then
+        while read -r d; do rmdir "$d" 2>/dev/null || true; done <"$RUN/made-mount-points"
+    fi
 }
 
 write_kubelet_config() {
@@ -441,6 +526,10 @@ imageGCLowThresholdPercent: 99
 nodeStatusUpdateFrequency: 4s
 syncFrequency: 10s
 EOF
+}
+
+node_ready() {
+    [ "$(kubectl_ get node "$NODE" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}')" = True ]
 }
 
 cgroup_mode() {
@@ -479,7 +568,9 @@ cmd_up() {
         --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER_PORT" \
         --initial-cluster "gemtrace=http://127.0.0.1:$ETCD_PEER_PORT"
     write_containerd_config
-    start containerd containerd --config "$RUN/containerd/config.toml"
+    make_node
+    # shellcheck disable=SC2046  # in_node's words
+    start containerd env GEMTRACE_K8S_GPU_DRIVER="$GPU_DRIVER" $(in_node) containerd --config "$RUN/containerd/config.toml"
     wait_for "etcd health" 30 etcd curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 
     # --enable-aggregator-routing: the apiserver calls a webhook's Service at its endpoints (the pod's
@@ -526,12 +617,14 @@ cmd_up() {
         --authorization-kubeconfig "$RUN/scheduler.kubeconfig" \
         --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --port 0 --leader-elect=false
 
-    start kubelet "$bin/kubelet" --config "$RUN/kubelet-config.yaml" \
+    # shellcheck disable=SC2046  # in_node's words
+    start kubelet $(in_node) "$bin/kubelet" --config "$RUN/kubelet-config.yaml" \
         --kubeconfig "$RUN/kubelet.kubeconfig" --root-dir "$KUBELET_ROOT" \
         --container-runtime remote --container-runtime-endpoint "unix://$CONTAINERD_SOCK" \
         --pod-infra-container-image "$PAUSE_IMAGE" \
         --hostname-override "$NODE" --node-ip "$NODE_IP" --v 2
     wait_for "node $NODE" 90 kubelet kubectl_ get node "$NODE"
+    wait_for "node $NODE Ready" 90 kubelet node_ready
     # Pods are refused until the token controller has made the namespace's service account.
     wait_for "default service account" 60 kube-controller-manager kubectl_ get serviceaccount default
     log "up in $((SECONDS - start_s)) s; KUBECONFIG=$KUBECTL_CONFIG"
@@ -594,6 +687,8 @@ teardown() {
     stop kube-scheduler kube-controller-manager kube-apiserver containerd
     stop etcd
     for pid in $(our_shims); do kill -9 "$pid" 2>/dev/null || true; done
+    stop node-ns
+    unmake_node
     unmount_under "$RUN"
     if [ -f "$KUBELET_ROOT/.gemtrace-k8s" ]; then
         unmount_under "$KUBELET_ROOT"
@@ -623,6 +718,9 @@ GEMTRACE_K8S_CONTAINERD_SOCK=$CONTAINERD_SOCK
 GEMTRACE_K8S_DEVICE_PLUGINS=$KUBELET_ROOT/device-plugins
 GEMTRACE_K8S_CA_CERT=$PKI/ca.crt
 GEMTRACE_K8S_CA_KEY=$PKI/ca.key
+GEMTRACE_K8S_NODE_ROOT=$NODE_ROOT
+GEMTRACE_K8S_NODE_DIRS=${NODE_DIRS[*]}
+GEMTRACE_K8S_GPU_DRIVER=$GPU_DRIVER
 EOF
 }
 
