@@ -759,10 +759,15 @@ class ConfigWatcher:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            requested = self._requested.wait(self.interval)
+            self._requested.wait(self.interval)
             if stop.is_set():
                 return
-            self._requested.clear()
+            # Read the request where it is cleared, not what the wait returned: one that came after a
+            # wait timed out and before the clear was lost (a SIGHUP with the file unchanged then
+            # reloaded nothing: seen with the agent's CPUs busy).
+            requested = self._requested.is_set()
+            if requested:
+                self._requested.clear()
             self.check(force=requested)
 
     def wake(self) -> None:

@@ -174,6 +174,40 @@ def test_a_request_reloads_at_once_changed_or_not_and_wake_ends_the_run(tmp_path
     assert not thread.is_alive() and seen == [path]
 
 
+class _RequestAfterTimeout(threading.Event):
+    """A wait that times out while a request lands before the watcher goes on: the first wait only."""
+
+    def __init__(self, watcher: ConfigWatcher) -> None:
+        super().__init__()
+        self.watcher, self.first = watcher, True
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self.first:
+            return super().wait(timeout)
+        self.first = False
+        timed_out = super().wait(0)
+        self.watcher.request()  # the SIGHUP, between the wait's end and what follows it
+        return timed_out
+
+
+def test_a_request_that_lands_as_the_poll_times_out_is_not_lost(tmp_path: Path) -> None:
+    path = tmp_path / "r.conf"
+    path.write_text("[a]\n")
+    seen: list[Path] = []
+    watcher = ConfigWatcher(path, seen.append, interval=0.01)
+    watcher._requested = _RequestAfterTimeout(watcher)
+    stop = threading.Event()
+    thread = threading.Thread(target=watcher.run, args=(stop,))
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stop.set()
+    watcher.wake()
+    thread.join(timeout=1)
+    assert seen == [path]  # the file never changed: only the request reloads it
+
+
 # -- what an adversary tried (issue 11): every one a ConfigError with its line, nothing else -------
 
 
