@@ -680,7 +680,8 @@ class TimeSharePolicy:
         return self._turn_ns(group) * (1.0 - self._accounts[group].quota.max_util)
 
     def _turn_ns(self, group: int) -> int:
-        """The slice a group waits for credit for: a gang turn for a group that spans GPUs."""
+        """A group's slice (what it runs, what a capped group waits for credit for, what the order among
+        groups looks half of ahead): a gang turn for a group that spans GPUs."""
         if group in self._barred or group in self._clearing or group in self._due:
             return max(self.slice_ns(), self.params.gang_slice_ns)
         return self.slice_ns()
@@ -816,8 +817,7 @@ class TimeSharePolicy:
         p = self.params
         account = self._account(group)
         quota = account.quota
-        turn = self._turn_ns(group)
-        length = float(turn)
+        length = float(self._turn_ns(group))
         if owed_first and quota.min_util < 1.0:
             # Long enough to pay the debt (time owed grows at min_util while it runs).
             length = min(float(p.max_owed_slice_ns), max(float(p.min_slice_ns),
