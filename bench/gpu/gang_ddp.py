@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.models_torch import GATE, REPO, Agent, GroupSpec, gemtrace, report_header
+from bench.gpu.models_torch import REPO, Agent, GroupSpec, gemtrace, product_env, report_header
 from bench.recording import publish
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
@@ -107,8 +106,7 @@ def result_of(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
 
 
 def run_case(case: Case, seconds: float, warmup: float) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "GEMTRACE_GATE": str(GATE)}
+    env = product_env()
     with tempfile.TemporaryDirectory(prefix="gemtrace-ddp-") as tmp:
         work = Path(tmp)
         agent = Agent(work, case.groups, env, ebpf=False) if case.gated else None

@@ -30,7 +30,7 @@ import tempfile
 from functools import partial
 from pathlib import Path
 
-from bench.gpu.models_torch import GATE, Agent, GroupSpec, RunFailed, gemtrace
+from bench.gpu.models_torch import Agent, GroupSpec, RunFailed, gemtrace, product_env
 from bench.recording import MIN_ROUNDS, REPO, gpus, interleave, paired, publish, stamp
 from tests.testkit import GiB
 
@@ -56,8 +56,7 @@ def main() -> int:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     rows: list[tuple[str, str, str]] = []
     failures = 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "GEMTRACE_GATE": str(GATE)}
+    env = product_env()
     with tempfile.TemporaryDirectory(prefix="gemtrace-gate-") as tmp:
         agent = Agent(Path(tmp), GROUPS, env, ebpf=False)
         try:

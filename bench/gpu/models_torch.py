@@ -159,6 +159,13 @@ SOLO = GroupSpec("solo")
 AGENT_CPU_TARGET = 2.0  # % of one core, with 8 processes in 4 capped groups (issue 13)
 
 
+def product_env() -> dict[str, str]:
+    """This process's environment for the agent and `gemtrace run`: this checkout's package first on
+    PYTHONPATH, and its gate."""
+    return {**os.environ, "GEMTRACE_GATE": str(GATE),
+            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def gemtrace(*args: str) -> list[str]:
     return [sys.executable, "-m", "gemtrace.cli", *args]
 
@@ -310,8 +317,7 @@ def run(groups: tuple[GroupSpec, ...], workload: str, opts: Options) -> dict[str
     `window` (its start and end, time.monotonic())."""
     import psutil
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]),
-           "GEMTRACE_GATE": str(GATE)}
+    env = product_env()
     with tempfile.TemporaryDirectory(prefix="gemtrace-models-") as tmp:
         work = Path(tmp)
         if opts.stand_in and "SIMGPU_STATE_DIR" not in env:
