@@ -8,6 +8,8 @@ all-reduced every step) or alone on the first visible GPU.
 steps until T1 (CLOCK_MONOTONIC, which every process of the host shares), counts the steps that end
 in [T0, T1) (each ends with loss.item(): the GPU finished it), and prints one JSON line {"result": true,
 "steps": N, "rate": N / (T1 - T0), ...}: under --ddp only rank 0 prints (every rank takes the same steps).
+With BENCH_STEP_TIMES=PATH each rank also writes the CLOCK_MONOTONIC end of each of its steps
+(one per line, PATH.RANK.PID: several jobs may share PATH), to lay beside a scheduler's turns.
 """
 
 from __future__ import annotations
@@ -54,10 +56,12 @@ def main() -> int:
         loss.item()
 
     steps = 0
+    ends: list[float] = []
     over = torch.zeros(1, device=device)
     while True:
         step()
         now = time.monotonic()
+        ends.append(now)
         if args.start <= now < args.end:
             steps += 1
         if not args.ddp:
@@ -74,6 +78,9 @@ def main() -> int:
         print(json.dumps({"result": True, "steps": steps, "rate": steps / (args.end - args.start),
                           "ddp": args.ddp, "torch": torch.__version__, "cuda": str(torch.version.cuda),
                           "device": torch.cuda.get_device_name(device)}), flush=True)
+    if os.environ.get("BENCH_STEP_TIMES"):
+        with open(f"{os.environ['BENCH_STEP_TIMES']}.{rank}.{os.getpid()}", "w") as out:
+            out.writelines(f"{t:.6f}\n" for t in ends)
     if args.ddp:
         torch.distributed.destroy_process_group()
     return 0
