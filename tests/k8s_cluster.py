@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from testkit import owning_host_dirs
 
 CLUSTER_SH = Path(__file__).parent / "k8s" / "cluster.sh"
 # Building Kubernetes the first time takes minutes on two cores; `up` itself well under one.
@@ -68,6 +69,18 @@ class K8sCluster:
         self.node_root = Path(env["GEMTRACE_K8S_NODE_ROOT"])
         self.node_dirs = [self.node_root / d.lstrip("/") for d in env["GEMTRACE_K8S_NODE_DIRS"].split()]
         self.gpu_driver = Path(env["GEMTRACE_K8S_GPU_DRIVER"])
+        self.node_ns_pidfile = Path(env["GEMTRACE_K8S_NODE_NS_PIDFILE"])
+        self.host_node_dirs = env["GEMTRACE_K8S_NODE_DIRS"].split()
+
+    def check_node(self) -> None:
+        """Fail loudly where the node's directories are no longer its own: their binds in its mount
+        namespace go when the host's mount points are removed (an `apt purge gemtrace` beside the
+        cluster), and its pods then get the host's paths instead."""
+        pid = self.node_ns_pidfile.read_text().strip()
+        mounted = {line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}
+        lost = [d for d in self.host_node_dirs if d not in mounted]
+        assert not lost, (f"the test node's binds of {', '.join(lost)} are gone: something removed those host "
+                          "directories while the cluster ran (an apt purge of gemtrace does); run it again alone")
 
     def import_image(self, archive: Path) -> None:
         """An image archive (`docker save` or OCI) into the node's containerd, where the kubelet finds it."""
@@ -137,6 +150,7 @@ class K8sCluster:
         return result
 
     def create(self, manifest: Manifest) -> None:
+        self.check_node()
         self.kubectl("create", "-f", "-", stdin=json.dumps(manifest))
 
     def delete_pod(self, name: str) -> None:
@@ -210,13 +224,18 @@ def cluster_env() -> dict[str, str]:
 
 @pytest.fixture(scope="session")
 def k8s_cluster() -> Iterator[K8sCluster]:
-    """The cluster, up for the whole session (building Kubernetes first if the cache has no build)."""
-    up = _cluster_sh("up", timeout=UP_TIMEOUT_S)
-    env = cluster_env()
-    try:
-        if up.returncode != 0:
-            pytest.fail(f"tests/k8s/cluster.sh up failed:\n{up.stderr}\n{log_tails(Path(env['GEMTRACE_K8S_LOGS']))}")
-        yield K8sCluster(env)
-    finally:
-        down = _cluster_sh("down", timeout=300)
-        assert down.returncode == 0, f"tests/k8s/cluster.sh down failed:\n{down.stderr}"
+    """The cluster, up for the whole session (building Kubernetes first if the cache has no build), and
+    the host's gemtrace directories its node binds over held meanwhile (tests/test_deb.py waits)."""
+    with owning_host_dirs("the Kubernetes test cluster"):
+        up = _cluster_sh("up", timeout=UP_TIMEOUT_S)
+        env = cluster_env()
+        try:
+            if up.returncode != 0:
+                logs = log_tails(Path(env["GEMTRACE_K8S_LOGS"]))
+                pytest.fail(f"tests/k8s/cluster.sh up failed:\n{up.stderr}\n{logs}")
+            cluster = K8sCluster(env)
+            cluster.check_node()
+            yield cluster
+        finally:
+            down = _cluster_sh("down", timeout=300)
+            assert down.returncode == 0, f"tests/k8s/cluster.sh down failed:\n{down.stderr}"

@@ -9,6 +9,7 @@ import gzip
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -98,3 +99,28 @@ def test_the_source_package_comes_from_an_apt_of_its_own_and_the_hosts_apt_is_un
     assert f"Dir::State::Lists={cache}/apt/lists" in out.stdout
     after = {d: sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir()) for d in host_apt if d.is_dir()}
     assert after == before
+
+
+def test_the_host_s_gemtrace_directories_have_one_owning_test_run_at_a_time(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # test_deb's purge removes the directories the cluster's node binds over: the second owner waits,
+    # and past its wait says who holds them.
+    import testkit
+
+    monkeypatch.setattr(testkit, "HOST_DIRS_LOCK", tmp_path / "host-dirs.lock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import testkit, pathlib;"
+         "testkit.HOST_DIRS_LOCK = pathlib.Path(sys.argv[2]);"
+         "cm = testkit.owning_host_dirs('the other run'); cm.__enter__(); print('held', flush=True); time.sleep(30)",
+         str(Path(__file__).parent), str(tmp_path / "host-dirs.lock")],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        with pytest.raises(TimeoutError, match=r"waited 1 s .* which the other run \(pid \d+\) holds"):
+            with testkit.owning_host_dirs("this run", wait_s=1):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with testkit.owning_host_dirs("this run", wait_s=5):  # free again once its holder is gone
+        assert (tmp_path / "host-dirs.lock").read_text().startswith("this run (pid")

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from simgpu_env import LIBCUDA, RT_CLIENT, simgpu_env
-from testkit import GiB, free_port, wait_until
+from testkit import GiB, free_port, owning_host_dirs, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -83,12 +83,14 @@ def deb() -> Path:
 @pytest.fixture(scope="module")
 def installed(deb: Path) -> Iterator[Path]:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    _sh("apt-get", "install", "-y", deb, env=env, timeout=900)
-    try:
-        yield deb
-    finally:
-        if _installed():  # a step failed before test_purge: leave the machine clean anyway
-            subprocess.run(["apt-get", "purge", "-y", "gemtrace"], env=env, capture_output=True, timeout=600)
+    # Its purge removes the directories a test cluster's node binds over: one owner at a time.
+    with owning_host_dirs("tests/test_deb.py"):
+        _sh("apt-get", "install", "-y", deb, env=env, timeout=900)
+        try:
+            yield deb
+        finally:
+            if _installed():  # a step failed before test_purge: leave the machine clean anyway
+                subprocess.run(["apt-get", "purge", "-y", "gemtrace"], env=env, capture_output=True, timeout=600)
 
 
 def test_lintian_reports_no_errors(deb: Path) -> None:

@@ -7,6 +7,8 @@ pytest (the GPU benches import it on machines that have only their own dependenc
 
 from __future__ import annotations
 
+import fcntl
+import os
 import socket
 import subprocess
 import time
@@ -20,6 +22,39 @@ from gemtrace import region as rg
 
 MiB = 1 << 20
 GiB = 1 << 30
+
+
+# The host's gemtrace directories (/etc/gemtrace, /usr/lib/gemtrace, /var/lib/gemtrace, /run/gemtrace) are
+# owned by one test run at a time: tests/test_deb.py installs and purges the package there, and the test
+# cluster binds its node's directories over them (a purge removes those mount points, which detaches the
+# node's binds: its pods then got the host's paths, and hostPaths made as empty directories).
+HOST_DIRS_LOCK = Path("/run/lock/gemtrace-tests-host-dirs.lock")
+HOST_DIRS_WAIT_S = 45 * 60
+
+
+@contextmanager
+def owning_host_dirs(what: str, wait_s: float = HOST_DIRS_WAIT_S) -> Iterator[None]:
+    """Hold the host's gemtrace directories for `what`, waiting while another test run holds them. The
+    lock is an open file's, not inherited by children: it goes when this process does, however it ends."""
+    HOST_DIRS_LOCK.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(HOST_DIRS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = HOST_DIRS_LOCK.read_text().strip() or "another test run"
+                    raise TimeoutError(f"{what} waited {wait_s:.0f} s for the host's gemtrace directories, which "
+                                       f"{holder} holds ({HOST_DIRS_LOCK})") from None
+                time.sleep(1)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{what} (pid {os.getpid()})\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def free_port() -> int:
