@@ -28,8 +28,8 @@ from typing import TextIO
 from prometheus_client.parser import text_string_to_metric_families
 
 from gemtrace import defaults, region
+from gemtrace.agent.exporter import UNIX_PREFIX
 from gemtrace.config import format_size
-from gemtrace.exporter import UNIX_PREFIX
 from gemtrace.metrics import CATALOGUE
 
 REFRESH_SECONDS = 1.0

@@ -244,8 +244,8 @@ def test_the_run_side_and_the_agent_side_stay_apart() -> None:
     allowed = {n for n in outside if any(n == s or n.startswith(s + ".") for s in RUN_SHARED)}
     assert "gemtrace.mps" in outside  # the closure was followed out of the package
     assert outside == allowed, f"gemtrace/run/ reaches the agent's {sorted(outside - allowed)}"
-    agent = reached(graph, ["gemtrace.agent"])
-    assert "gemtrace.scheduler" in agent
+    agent = reached(graph, ["gemtrace.agent.agent"])
+    assert "gemtrace.agent.scheduler" in agent
     assert not agent & run, f"the agent reaches {sorted(agent & run)}"
 
 

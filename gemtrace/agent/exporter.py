@@ -6,7 +6,7 @@ its only state.
 Uses prometheus-client's encoders and content negotiation (OpenMetrics) as shipped by Debian 12 (0.16),
 which has no TLS, no authentication and no unix socket of its own: gemtrace.httpd runs each
 connection's TLS handshake with the web config's ssl context (in its loop, under a deadline), basic
-auth answers 401 before the scrape is made (gemtrace.web_config checks both), and `unix:PATH` listens
+auth answers 401 before the scrape is made (gemtrace.agent.web_config checks both), and `unix:PATH` listens
 on a socket whose mode and group say who may connect. /metrics names every user's processes (pid,
 comm, group): docs/metrics.md says who can see it, and how to narrow that.
 """
@@ -31,7 +31,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
 from gemtrace import httpd
-from gemtrace.web_config import WebConfig
+from gemtrace.agent.web_config import WebConfig
 
 UNIX_PREFIX = "unix:"
 # A collection runs Python over every series under the agent's GIL, which the schedulers' looks need
