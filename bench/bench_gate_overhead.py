@@ -41,7 +41,7 @@ from pathlib import Path
 from bench.recording import MIN_ROUNDS, REPO, Paired, add_record_flag, interleave, machine, paired, stamp
 from bench.recording import RESULTS as RESULTS_DIR
 from gemtrace import region as rg
-from gemtrace.membership import Membership
+from gemtrace.agent.membership import Membership
 from gemtrace.region import Region
 
 SIM = REPO / "build" / "simgpu"
@@ -69,7 +69,7 @@ def one_run(env: dict[str, str], launches: int) -> float:
 
 def keep_beating(region: Region, stop: threading.Event) -> None:
     """The agent's keeper, as far as the gates can tell: the heartbeat, and each new process's group
-    decided (gemtrace/membership.py, every group open to all) within a few ms, as the gates wait for it."""
+    decided (gemtrace/agent/membership.py, every group open to all) within a few ms, as the gates wait for it."""
     membership = Membership(region, lambda: {})
     while not stop.is_set():
         region.heartbeat(time.monotonic_ns())

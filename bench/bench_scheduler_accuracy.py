@@ -27,7 +27,7 @@ import scheduler_harness as harness
 from simgpu_env import SimGpu, require_build
 
 from bench.recording import REPO, add_record_flag, record
-from gemtrace.policy import MS, PolicyParams
+from gemtrace.agent.policy import MS, PolicyParams
 
 RESULTS = REPO / "bench" / "results" / "scheduler_accuracy.md"
 POINTS = 2.0

@@ -27,7 +27,7 @@ from testkit import claim
 from bench.recording import RESULTS as RESULTS_DIR
 from bench.recording import add_record_flag, record
 from gemtrace import region as rg
-from gemtrace.scheduler import GpuScheduler, Quota
+from gemtrace.agent.scheduler import GpuScheduler, Quota
 
 RESULTS = RESULTS_DIR / "agent_cpu.md"
 SLEEPS_MS = (0, 1, 5, 20, 60)

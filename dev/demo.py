@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from gemtrace import top
-from gemtrace.agent import ENV_PROBE_LIBCUDA
+from gemtrace.agent.agent import ENV_PROBE_LIBCUDA
 
 REPO = Path(__file__).resolve().parent.parent
 SIMGPU = REPO / "build" / "simgpu"

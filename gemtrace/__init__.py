@@ -4,7 +4,9 @@ The package, one module per concern: what the .deb ships (packaging/deb/build.sh
 the user's commands (run, status, top). The gate itself is C, in hook/; BPF programs are in bpf/. What only a checkout
 uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the simulated GPU), tests/, bench/.
     cli.py           the `gemtrace` command: argument parsing, errors as one line and an exit status
-    agent.py         the agent's lifecycle and loop: heartbeat, reaping dead slots, reloads, shutdown
+    agent/           the agent daemon: its lifecycle, loop and state dir, each GPU's scheduling, the
+                     accounting of what sources/ (below) report, memory enforcement, /metrics
+                     (agent/__init__.py has its map)
     config.py        the resource file: reading, parsing (pure), validating, watching for changes
     defaults.py      paths, ports and intervals that more than one part uses
     contract.py      the C headers' constants (env names, limits, magics, BPF event types): generated
@@ -18,39 +20,18 @@ uses is outside: dev/ (`make demo`, the dashboards' generator), simgpu/ (the sim
       doorbells.py     the page of per-GPU futex words that gates ring when a wait is news
       server.py        the attach socket where gates get their slots, fair per user (SO_PEERCRED)
       region.py        Region: the region file and the slot table mapped, created or adopted, and their care
-    state_dir.py     the agent's state dir, checked to be its own before anything is written there
-    membership.py    each gated process's group, decided once by the agent (admission, Cgroup rules)
-    policy.py        the time-share policy of one GPU: pure, driven by a clock it is given
-    scheduler.py     one GPU's adapter between the region's slots and the policy (futex words)
     mps.py           the MPS control daemons of the GPUs that Isolation=mps groups use, and their
                      clients' variables, which `gemtrace run` sets (so it sits here, shared)
-    gang.py          the turns of groups that span GPUs, shared by every GPU's scheduler
-    accounting.py    the merge of the sources it is given (agent.py opens them), kept across polls: GPU time
-                     shared within groups, NVML's time integrated; over the three modules below
-    process_facts.py each process's facts (group, GPUs, start time) kept while it lives; the sources' Devices
-    inherited.py     the memory eBPF never saw, rebuilt for processes older than their probes
-    verified.py      the verified memory and the trust the accounting writes to the region (issue 25)
-    gpu_time.py      GPU time within a group: its processes never get more than the group (pure)
-    snapshot.py      a poll's per-process view (Snapshot): what the accounting publishes, the rest reads
     sources/         what each source knows of each process's GPU use, behind one interface (__init__.py):
       ebpf/            uprobes on every libcuda file: which files processes map (libcuda.py), bcc
                        (probes.py), the rescans and the ring-buffer thread (source.py)
       gate.py          the gates' slots, through region.SlotColumns
       nvml.py          NVML's per-process memory and device utilisation (pynvml, as gpus.py binds it)
-    merge.py         the best figure of each process: docs/accounting.md's table, a function a row
-    enforcement.py   memory enforcement: which process dies when a group is over its MemoryLimit
     groups_of.py     the group of a process and the GPUs it sees, from /proc (pure parsers)
     gpus.py          the host's GPUs from NVML (index, UUID, name, memory), read at agent start; nvml():
                      NVML's one binding (pynvml), initialised
     metrics.py       the one catalogue of metric names, types, units, labels and help texts; family()
-    collectors/      the Prometheus collectors, one module each, registered in collectors/__init__.py:
-      agent.py         the agent itself: version, reloads, refused requests, its GPUs (an AgentView)
-      groups.py        groups' quotas and what the scheduler gave them, their memory (a GroupsView)
-      processes.py     per-process series from the accounting's snapshot
-      enforcement.py   OOM kills, quota breaches and slot tampering, per group
-    exporter.py      the /metrics HTTP endpoint over the collectors' registry
     httpd.py         the HTTP server behind /metrics and the webhook: slow clients hold no worker
-    web_config.py    who may read /metrics: TLS and basic auth from a node_exporter-style web config
     eventlog.py      structlog configured once: JSON lines, or key-values on a terminal
     signals.py       a daemon's signals, taken by its main loop rather than acted on in a handler
     run/             `gemtrace run`, the user's side: CMD's environment with the gate preloaded, then exec; the GPUs

@@ -45,7 +45,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def _host_managed_size(text: str) -> int:
-    from gemtrace.agent import host_memory
+    from gemtrace.agent.agent import host_memory
     from gemtrace.config import format_size, parse_size
 
     try:
@@ -70,13 +70,14 @@ def _fail(message: str, status: int = 1) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from gemtrace import eventlog, web_config
-    from gemtrace.agent import Agent, agent_signals
+    from gemtrace import eventlog
+    from gemtrace.agent import web_config
+    from gemtrace.agent.agent import Agent, agent_signals
+    from gemtrace.agent.exporter import Exporter, ListenError, listen_target, parse_group, parse_mode
+    from gemtrace.agent.state_dir import StateDirError, storage_error
     from gemtrace.config import ConfigError
-    from gemtrace.exporter import Exporter, ListenError, listen_target, parse_group, parse_mode
     from gemtrace.gpus import GpuDiscoveryError
     from gemtrace.region import RegionError
-    from gemtrace.state_dir import StateDirError, storage_error
 
     eventlog.configure(args.log_level)
     # Who may read /metrics is checked before anything else starts: a mistake there stops the agent
@@ -107,7 +108,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             raise
         return _fail(str(found))
     try:
-        from gemtrace.collectors import registry_for
+        from gemtrace.agent.collectors import registry_for
 
         exporter = Exporter(registry_for(agent), args.listen, web, socket_mode, socket_gid)
     except (ListenError, OSError) as e:

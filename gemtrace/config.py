@@ -60,7 +60,7 @@ class ConfigError(Exception):
     """A resource file that cannot be used; str() is "FILE:LINE: what is wrong; what to do"."""
 
 
-ISOLATION_TIME = "time"  # the scheduler gives the groups of a GPU turns (gemtrace/scheduler.py)
+ISOLATION_TIME = "time"  # the scheduler gives the groups of a GPU turns (gemtrace/agent/scheduler.py)
 ISOLATION_MPS = "mps"  # side by side through the GPU's NVIDIA MPS daemon (gemtrace/mps.py, docs/mps.md)
 ISOLATIONS = (ISOLATION_TIME, ISOLATION_MPS)
 

@@ -12,6 +12,8 @@ from gemtrace import contract
 CONFIG_PATH = Path("/etc/gemtrace/resource.conf")
 STATE_DIR = Path(contract.DEFAULT_STATE_DIR)
 LISTEN = "127.0.0.1:9843"
+# A listen address or a metrics source that names a unix socket: the agent serves /metrics there, top reads it.
+UNIX_PREFIX = "unix:"
 # Where packaging/deb/build.sh installs the gate and the BPF sources.
 GATE_INSTALLED = Path("/usr/lib/gemtrace/libgemgate.so")
 BPF_INSTALLED = Path("/usr/share/gemtrace/bpf")

@@ -3,7 +3,7 @@
 A process in a cgroup that a binding rule names (`Cgroup` with `CgroupBinding = true`: the device
 plugin's rule for a pod) belongs to that group whatever its environment says; else to the group it
 asks for (GEMTRACE_GROUP) if its owner is admitted there (the caller says who is:
-gemtrace/membership.py decides for gated processes, once); else to the group whose `Cgroup` rule in
+gemtrace/agent/membership.py decides for gated processes, once); else to the group whose `Cgroup` rule in
 the resource file is the longest prefix (at a path boundary) of one of its cgroup paths (e.g.
 /kubepods/pod1234); else to `default`. Its device ordinals map to physical GPUs through
 CUDA_VISIBLE_DEVICES (ordinals or UUIDs or unique UUID prefixes, as CUDA reads them), never by
@@ -52,7 +52,7 @@ def _under(path: str, prefix: str) -> bool:
 
 def group_for(environ: Mapping[str, str], cgroups: Sequence[str], rules: Mapping[str, Sequence[str]],
               admitted: Callable[[str], bool] | None = None) -> str:
-    """The group of a process that no binding rule names (gemtrace/membership.py looks at those
+    """The group of a process that no binding rule names (gemtrace/agent/membership.py looks at those
     first, with bound_group). `rules`: group name -> its Cgroup prefixes from the resource file;
     `admitted(name)`: whether the process may join the group it asks for (None: it may)."""
     named = environ.get(ENV_GROUP, "").strip()

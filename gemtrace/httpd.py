@@ -1,4 +1,4 @@
-"""The HTTP server that /metrics (gemtrace.exporter) and the admission webhook (gemtrace.kube.webhook)
+"""The HTTP server that /metrics (gemtrace.agent.exporter) and the admission webhook (gemtrace.kube.webhook)
 stand behind: a slow, idle or hostile client costs a file descriptor for a bounded time, never another
 client's answer.
 

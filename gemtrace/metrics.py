@@ -56,7 +56,7 @@ _SPECS = [
                "eBPF uprobes currently attached to libcuda files (0 when eBPF is unavailable)."),
     MetricSpec("gemtrace_probe_libcuda_files", "gauge", "", (),
                "Distinct libcuda files the eBPF probes are attached to."),
-    # the scrape itself (gemtrace.collectors): a collector that fails loses only its own series
+    # the scrape itself (gemtrace.agent.collectors): a collector that fails loses only its own series
     MetricSpec("gemtrace_scrape_collector_success", "gauge", "", ("collector",),
                "1 if the collector's part of this scrape succeeded, 0 if it failed (its series are missing)."),
     MetricSpec("gemtrace_scrape_collector_duration_seconds", "gauge", "seconds", ("collector",),

@@ -29,7 +29,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gemtrace import defaults, region
 from gemtrace.config import format_size
-from gemtrace.exporter import UNIX_PREFIX
 from gemtrace.metrics import CATALOGUE
 
 REFRESH_SECONDS = 1.0
@@ -321,8 +320,8 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 
 def fetch(url: str, timeout: float = 2.0) -> str:
-    if url.startswith(UNIX_PREFIX):
-        conn = _UnixHTTPConnection(url[len(UNIX_PREFIX):], timeout)
+    if url.startswith(defaults.UNIX_PREFIX):
+        conn = _UnixHTTPConnection(url[len(defaults.UNIX_PREFIX):], timeout)
         try:
             conn.request("GET", "/metrics")
             reply = conn.getresponse()
@@ -339,7 +338,7 @@ def fetch(url: str, timeout: float = 2.0) -> str:
 def snapshot(source: str, previous: Frame | None) -> Frame:
     """The next frame from an agent URL, or from a state dir's region when `source` is a path."""
     now = time.time()
-    if not source.startswith(("http://", "https://", UNIX_PREFIX)):
+    if not source.startswith(("http://", "https://", defaults.UNIX_PREFIX)):
         try:
             r = region.Region.open(Path(source), writable=False)
         except (OSError, region.RegionError) as exc:
@@ -393,7 +392,7 @@ def _curses(stdscr: curses.window, url: str, interval: float) -> int:
 
 def metrics_url(address: str) -> str:
     """`host:port`, `unix:PATH` or a full URL; the agent serves /metrics."""
-    if "://" in address or address.startswith(UNIX_PREFIX):
+    if "://" in address or address.startswith(defaults.UNIX_PREFIX):
         return address
     return f"http://{address}/metrics"
 

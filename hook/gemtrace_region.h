@@ -25,7 +25,7 @@
  *     waiting on a held word (see Launch gating), and when the program's own sync empties its queue
  *     while its group is held there (a drain's end); the scheduler sleeps on it where that is news.
  *     A bell is a wake-up hint and nothing more: any user may ring or scribble on it, which costs the
- *     agent looks that it spaces (gemtrace/scheduler.py, RING_GAP_NS), and nothing reads a decision
+ *     agent looks that it spaces (gemtrace/agent/scheduler.py, RING_GAP_NS), and nothing reads a decision
  *     from it. Named "gemtrace-bells-<region_id in hex>".
  * gemtrace/region/layout.py mirrors this header with ctypes; tests/test_region_layout.py compiles a program
  * printing sizeof/offsetof of every field and compares, so the two cannot drift. The constants below

@@ -2,7 +2,7 @@
 wake-tree tests and bench/bench_release_wake.py (issue 13).
 
 It stands in for the agent as tests/test_gate.py does (a Region in a private state dir, the simulated
-GPUs' UUIDs, a heartbeat thread that also decides new processes' groups with gemtrace/membership.py),
+GPUs' UUIDs, a heartbeat thread that also decides new processes' groups with gemtrace/agent/membership.py),
 and starts N `simgpu-rt launch-per-line` clients with the real gate (build/libgemgate.so) preloaded:
 each reaches the simulated driver as the CUDA runtime does, makes one launch per line it reads, and
 prints CLOCK_MONOTONIC when that launch returned. A round holds the group's word on GPU 0, asks every
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from simgpu_env import REPO, RT_CLIENT, simgpu_env
 
-from gemtrace.membership import Membership
+from gemtrace.agent.membership import Membership
 from gemtrace.region import WAKE_FANOUT, Region
 
 GATE = REPO / "build" / "libgemgate.so"

@@ -3,7 +3,7 @@ bench/bench_scheduler_accuracy.py.
 
 It runs what the agent would, minus the agent: a Region in a private state dir with the simulated
 GPUs' NVML UUIDs, one GpuScheduler thread per GPU, a heartbeat thread (gates ignore a silent agent)
-that also decides new processes' groups as the agent does (gemtrace/membership.py, every group open
+that also decides new processes' groups as the agent does (gemtrace/agent/membership.py, every group open
 to all), and gated launch loops (build/libgemgate.so preloaded, GEMTRACE_GROUP set) as each group's processes.
 A group's device share is the kernel time its processes completed over a window in the middle of
 the run (read from the clients' once-a-second progress lines) divided by the window's length; its
@@ -27,10 +27,10 @@ import psutil
 from simgpu_env import REPO, RT_CLIENT, Client, SimGpu
 
 from gemtrace import defaults
-from gemtrace.membership import Membership
-from gemtrace.policy import MS, PolicyParams
+from gemtrace.agent.membership import Membership
+from gemtrace.agent.policy import MS, PolicyParams
+from gemtrace.agent.scheduler import GpuScheduler, Quota
 from gemtrace.region import Region
-from gemtrace.scheduler import GpuScheduler, Quota
 
 GATE = REPO / "build" / "libgemgate.so"
 KERNEL_NS = 2 * MS  # the issue's benchmark: 2 ms kernels

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 CHILD = r"""
 import json, select, subprocess, sys, time
-from gemtrace.agent import open_accounting
+from gemtrace.agent.agent import open_accounting
 from gemtrace.sources.nvml import NvmlReader
 nvml = NvmlReader()
 assert nvml.available, nvml.reason

@@ -12,12 +12,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from testkit import MiB, claim
 
-from gemtrace.accounting import Accounting, ProcessAccount, Snapshot, Sources
-from gemtrace.collectors.processes import ProcessCollector
-from gemtrace.enforcement import Enforcement, MemoryEnforcer
-from gemtrace.gpu_time import GpuTimeShare
+from gemtrace.agent.accounting import Accounting, ProcessAccount, Snapshot, Sources
+from gemtrace.agent.collectors.processes import ProcessCollector
+from gemtrace.agent.enforcement import Enforcement, MemoryEnforcer
+from gemtrace.agent.gpu_time import GpuTimeShare
+from gemtrace.agent.merge import Merged
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
-from gemtrace.merge import Merged
 from gemtrace.region import Region
 from gemtrace.sources import Figures, Key
 from gemtrace.sources.ebpf import libcuda

@@ -23,12 +23,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from simgpu_env import LIBCUDA, REPO, SimGpu
 from testkit import MiB
 
-from gemtrace.accounting import Accounting, Snapshot
-from gemtrace.agent import open_accounting
-from gemtrace.collectors.enforcement import EnforcementCollector
-from gemtrace.collectors.processes import ProcessCollector
-from gemtrace.enforcement import MemoryEnforcer
-from gemtrace.membership import Membership
+from gemtrace.agent.accounting import Accounting, Snapshot
+from gemtrace.agent.agent import open_accounting
+from gemtrace.agent.collectors.enforcement import EnforcementCollector
+from gemtrace.agent.collectors.processes import ProcessCollector
+from gemtrace.agent.enforcement import MemoryEnforcer
+from gemtrace.agent.membership import Membership
 from gemtrace.region import Region
 from gemtrace.sources.ebpf.libcuda import file_id_of
 
@@ -316,7 +316,7 @@ def test_a_slot_that_hides_memory_is_tampering_and_ebpf_wins(sim: SimGpu, make_a
 
 def test_without_privilege_the_reason_is_said_and_gates_still_count() -> None:
     require_bcc()
-    code = ("from gemtrace.agent import open_accounting; "
+    code = ("from gemtrace.agent.agent import open_accounting; "
             "a = open_accounting(None, lambda: None); print(a.ebpf_status); a.close()")
     # Root stripped of every capability, as in an unprivileged container: files stay readable.
     out = subprocess.run(["setpriv", "--inh-caps=-all", "--bounding-set=-all", sys.executable, "-c", code],

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from testkit import GiB, MiB
 
-from gemtrace.collectors.enforcement import EnforcementCollector
-from gemtrace.enforcement import Holding, MemoryEnforcer
+from gemtrace.agent.collectors.enforcement import EnforcementCollector
+from gemtrace.agent.enforcement import Holding, MemoryEnforcer
 from gemtrace.groups_of import ProcReader, parse_uid
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""Gang turns (gemtrace/gang.py) with the policies of several fake GPUs on one fake clock: a job whose
+"""Gang turns (gemtrace/agent/gang.py) with the policies of several fake GPUs on one fake clock: a job whose
 ranks meet at a collective every step makes progress only while all of them run, so its turns must
 line up across its GPUs, while each GPU's own quotas and fairness still hold. No region, no sleeping:
 the simulated GPU's collectives through the real agent are in tests/test_gang_e2e.py."""
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from gemtrace.gang import GangTurns, GpuReport, Turns
-from gemtrace.policy import MS, Decision, Observation, PolicyParams, Quota, TimeSharePolicy
+from gemtrace.agent.gang import GangTurns, GpuReport, Turns
+from gemtrace.agent.policy import MS, Decision, Observation, PolicyParams, Quota, TimeSharePolicy
 
 pytestmark = pytest.mark.unit
 

@@ -1,6 +1,6 @@
 """The gate (build/libgemgate.so) on the simulated GPU, with the test standing in for the agent:
 it creates the region, publishes the simulated GPUs and groups, beats the heartbeat, decides the
-processes' groups (the agent's own gemtrace/membership.py, every group open to all), holds and
+processes' groups (the agent's own gemtrace/agent/membership.py, every group open to all), holds and
 releases. Every figure the gate must produce is asserted."""
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from testkit import GiB, MiB, scratch_cgroup, wait_until
 
 from gemtrace import contract
 from gemtrace import region as rg
+from gemtrace.agent.membership import Membership
 from gemtrace.config import parse_text
-from gemtrace.membership import Membership
 from gemtrace.region import Region
 
 pytestmark = pytest.mark.e2e

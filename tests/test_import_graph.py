@@ -1,7 +1,8 @@
 """The package can be drawn bottom-up: no import circle anywhere in gemtrace/ (an import inside a function
 or under TYPE_CHECKING counts: it is a circle broken at run time, not gone), the region's subpackage
 imports only downwards in the order its __init__ lists, `gemtrace run`'s side (gemtrace/run/) and the
-agent's stay apart, no two files of the gate (hook/) lean on each other's functions, and nothing shipped
+agent's (gemtrace/agent/ and the sources it opens) stay apart, the root holds only what they share and the
+command line, no two files of the gate (hook/) lean on each other's functions, and nothing shipped
 imports what only tests/ holds (issue 28)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from types import ModuleType
 
 import pytest
 
+import gemtrace.agent
 import gemtrace.region
 import gemtrace.run
 import gemtrace.sources.ebpf
@@ -235,18 +237,53 @@ def test_the_run_package_imports_only_downwards() -> None:
         assert not graph[name], f"{name} imports {sorted(graph[name])}: the hook runs with the stdlib only"
 
 
+# The agent's side: the daemon and the sources it opens. Nothing outside it imports it but the command line,
+# which starts the agent.
+AGENT_SIDE = ("gemtrace.agent", "gemtrace.sources")
+COMMAND_LINE = "gemtrace.cli"
+
+
+def on_side(name: str, prefixes: Iterable[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
 def test_the_run_side_and_the_agent_side_stay_apart() -> None:
     """`gemtrace run` reaches only what both sides share, and the agent never reaches gemtrace/run/: the
     user's command cannot pull in the agent's machinery, nor the agent the user's."""
     graph = import_graph()
     run = {n for n in graph if n.startswith("gemtrace.run")}
     outside = reached(graph, run) - run
-    allowed = {n for n in outside if any(n == s or n.startswith(s + ".") for s in RUN_SHARED)}
+    allowed = {n for n in outside if on_side(n, RUN_SHARED)}
     assert "gemtrace.mps" in outside  # the closure was followed out of the package
     assert outside == allowed, f"gemtrace/run/ reaches the agent's {sorted(outside - allowed)}"
-    agent = reached(graph, ["gemtrace.agent"])
-    assert "gemtrace.scheduler" in agent
+    agent_side = {n for n in graph if on_side(n, AGENT_SIDE)}
+    agent = reached(graph, agent_side)
+    assert {"gemtrace.agent.scheduler", "gemtrace.sources.ebpf.probes", "gemtrace.region"} <= agent
     assert not agent & run, f"the agent reaches {sorted(agent & run)}"
+
+
+def test_only_the_command_line_imports_the_agent_side() -> None:
+    """The root's shared modules, the region, `gemtrace run`, top and Kubernetes' side never import the agent's
+    modules: what they share with it sits in the root, below both (move a piece the agent and another side
+    both need there)."""
+    graph = import_graph()
+    agent_side = {n for n in graph if on_side(n, AGENT_SIDE)}
+    assert graph[COMMAND_LINE] & agent_side  # the side was recognised
+    offenders = [f"{name} imports {sorted(graph[name] & agent_side)}" for name in sorted(graph)
+                 if name not in agent_side and name != COMMAND_LINE and graph[name] & agent_side]
+    assert not offenders, "; ".join(offenders)
+
+
+def test_the_agent_map_lists_every_part() -> None:
+    """gemtrace/agent/__init__.py's map names each module and subpackage of gemtrace/agent/, and only those:
+    a newcomer draws the agent from it."""
+    doc = gemtrace.agent.__doc__ or ""
+    listed = set(re.findall(r"^\s{4}(\w+)(?:\.py|/)\s", doc, re.MULTILINE))
+    folder = Path(gemtrace.agent.__file__).parent
+    present = {p.stem for p in folder.glob("*.py") if p.stem != "__init__"}
+    present |= {p.parent.name for p in folder.glob("*/__init__.py")}
+    assert {"agent", "policy", "collectors"} <= present
+    assert listed == present, f"unlisted: {sorted(present - listed)}, listed but gone: {sorted(listed - present)}"
 
 
 def gate_graph(build: Path) -> dict[str, set[str]]:

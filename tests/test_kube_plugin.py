@@ -564,7 +564,7 @@ def test_preferred_allocation_keeps_a_grant_on_one_gpu() -> None:
 
 
 def test_the_agent_tells_a_pid_namespace_of_its_own() -> None:
-    code = "from gemtrace.agent import nested_pid_namespace; print(nested_pid_namespace())"
+    code = "from gemtrace.agent.agent import nested_pid_namespace; print(nested_pid_namespace())"
     here = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert here.stdout == "False\n"
     inside = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", code],

@@ -1,4 +1,4 @@
-"""The agent's one decision of a gated process's group (gemtrace/membership.py): the pure rule, then
+"""The agent's one decision of a gated process's group (gemtrace/agent/membership.py): the pure rule, then
 the pass over a real region file with processes described by a /proc tree."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from testkit import GiB
 
 from gemtrace import contract, eventlog
 from gemtrace import region as rg
+from gemtrace.agent.membership import Membership, decide, group_of
 from gemtrace.config import parse_text
 from gemtrace.groups_of import ProcReader, parse_gids
-from gemtrace.membership import Membership, decide, group_of
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""The merge, row by row of docs/accounting.md's table "Sources, best first" (gemtrace/merge.py).
+"""The merge, row by row of docs/accounting.md's table "Sources, best first" (gemtrace/agent/merge.py).
 
 Each test names its row; the figures of each source differ, so a test fails if the wrong one wins.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from testkit import MiB
 
-from gemtrace import merge
+from gemtrace.agent import merge
 from gemtrace.sources import Figures, SourceReading
 
 pytestmark = pytest.mark.unit

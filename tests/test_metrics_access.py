@@ -29,9 +29,10 @@ import bcrypt
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 
-from gemtrace import top, web_config
-from gemtrace.exporter import MIN_COLLECT_INTERVAL_SECONDS, Exporter, ListenError, listen_target, parse_mode
-from gemtrace.web_config import WebConfigError
+from gemtrace import top
+from gemtrace.agent import web_config
+from gemtrace.agent.exporter import MIN_COLLECT_INTERVAL_SECONDS, Exporter, ListenError, listen_target, parse_mode
+from gemtrace.agent.web_config import WebConfigError
 
 pytestmark = pytest.mark.unit
 

@@ -22,8 +22,8 @@ from test_metrics_access import SYSTEM_PYTHON, get, make_cert, write_config
 from test_trust import Adversary, adversary  # noqa: F401 (a fixture)
 from test_webhook_server import flood
 
-from gemtrace import collectors, web_config
-from gemtrace.exporter import MIN_COLLECT_INTERVAL_SECONDS, Exporter
+from gemtrace.agent import collectors, web_config
+from gemtrace.agent.exporter import MIN_COLLECT_INTERVAL_SECONDS, Exporter
 
 DEADLINE_S = 1.0
 CLIENTS = 200

@@ -7,7 +7,7 @@ from dataclasses import astuple, dataclass, field
 
 import pytest
 
-from gemtrace.policy import MS, Decision, Observation, Phase, PolicyParams, Quota, TimeSharePolicy
+from gemtrace.agent.policy import MS, Decision, Observation, Phase, PolicyParams, Quota, TimeSharePolicy
 
 pytestmark = pytest.mark.unit
 

@@ -20,11 +20,11 @@ from testkit import claim, wait_until
 
 from gemtrace import contract, defaults
 from gemtrace import region as rg
-from gemtrace.agent import Agent, AgentLock, AgentRunning, Reaper, raise_fd_limit
+from gemtrace.agent.agent import Agent, AgentLock, AgentRunning, Reaper, raise_fd_limit
+from gemtrace.agent.policy import MS
+from gemtrace.agent.scheduler import GpuScheduler, Quota
 from gemtrace.gpus import Gpu
 from gemtrace.groups_of import ProcReader
-from gemtrace.policy import MS
-from gemtrace.scheduler import GpuScheduler, Quota
 
 pytestmark = pytest.mark.unit
 

@@ -12,8 +12,8 @@ import pytest
 import testkit
 
 from gemtrace import region as rg
-from gemtrace.policy import MS, PolicyParams
-from gemtrace.scheduler import RESCAN_NET_NS, GpuScheduler, Quota, SlotTable
+from gemtrace.agent.policy import MS, PolicyParams
+from gemtrace.agent.scheduler import RESCAN_NET_NS, GpuScheduler, Quota, SlotTable
 
 pytestmark = pytest.mark.unit
 

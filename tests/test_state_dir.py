@@ -17,8 +17,8 @@ import pytest
 from agent_host import Host, gemtrace, stop
 from test_trust import Adversary, adversary  # noqa: F401  (the fixture, shared with that module)
 
-from gemtrace import state_dir as sd
-from gemtrace.agent import LOCK_FILE
+from gemtrace.agent import state_dir as sd
+from gemtrace.agent.agent import LOCK_FILE
 
 PRECIOUS = "root's own file, which the agent must never write\n"
 

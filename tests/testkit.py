@@ -92,7 +92,7 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float = 20, step: f
 
 def claim(region: rg.Region, index: int, pid: int, group: int) -> rg.Slot:
     """A gate's claim of slot `index` and the agent's decision putting it in `group`, as they would
-    leave the region (gemtrace/membership.py decides for real)."""
+    leave the region (gemtrace/agent/membership.py decides for real)."""
     slot = region.slots[index]
     slot.flags = contract.SLOT_GATED
     slot.pid = pid

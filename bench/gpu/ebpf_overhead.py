@@ -6,7 +6,7 @@ figures agree with NVML and with kernels of known duration. Run by the integrato
     python3 -m bench.gpu.ebpf_overhead [--rounds 5] [--launches 200000] [--steps 300]
 
 Self-contained: PyTorch workers run as child processes without the gate; the accounting
-(gemtrace.accounting, probes from bpf/) runs in this process, attached to libcuda before the workers
+(gemtrace.agent.accounting, probes from bpf/) runs in this process, attached to libcuda before the workers
 start. Side by side, interleaved rounds of:
   1. an empty-kernel launch loop (torch.cuda._sleep(0): one cuLaunchKernel each), per mode
      off / memory (the default) / launches; target: the default adds <= 2%;
@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 
 from bench.recording import gpus, publish, stamp
-from gemtrace.accounting import Accounting
-from gemtrace.agent import open_accounting
+from gemtrace.agent.accounting import Accounting
+from gemtrace.agent.agent import open_accounting
 from gemtrace.sources.nvml import NvmlReader
 
 MODES = (None, "memory", "launches")

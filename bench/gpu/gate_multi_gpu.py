@@ -30,7 +30,7 @@ from pathlib import Path
 
 from bench.recording import REPO, publish, region_gpus, stamp
 from bench.recording import gpus as describe_gpus
-from gemtrace.membership import Membership
+from gemtrace.agent.membership import Membership
 from gemtrace.region import Region
 from tests.testkit import GiB
 

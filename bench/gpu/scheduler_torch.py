@@ -43,10 +43,10 @@ from typing import Any
 
 from bench.recording import REPO, publish, stamp
 from gemtrace import defaults
-from gemtrace.membership import Membership
-from gemtrace.policy import PolicyParams
+from gemtrace.agent.membership import Membership
+from gemtrace.agent.policy import PolicyParams
+from gemtrace.agent.scheduler import GpuScheduler, Quota
 from gemtrace.region import Region
-from gemtrace.scheduler import GpuScheduler, Quota
 
 GATE = REPO / "build" / "libgemgate.so"
 

@@ -18,7 +18,7 @@ kubelet's device-plugins directory, each registered with the kubelet. Owns the p
   the pod's binding Cgroup rule (the pod's cgroup exists by then) and the agent applies it, so that
   the container's first process is its pod's whatever its environment says (a program under env -i
   has no GEMTRACE_GROUP). Bounded by PRESTART_WAIT_S; a process placed before the rule moves at the
-  reload that brings it (gemtrace.membership).
+  reload that brings it (gemtrace.agent.membership).
 - Restarts. When the kubelet restarts it deletes every socket here: the plugin sees its socket's new
   inode, serves again and registers again. Every second it reconciles the drop-ins with PodResources
   and the apiserver (gemtrace.kube.grants), which is also how a restarted plugin picks up the running

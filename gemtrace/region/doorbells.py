@@ -4,7 +4,7 @@ wait where it is news, instead of polling for it.
 
 The page is a memfd the agent makes, seals against shrinking and growing, and sends read-write with
 every answer of its socket (server.py). Every user can ring it, or write anything there:
-a bell only wakes a scheduler up, which spaces the looks a ring brings (gemtrace/scheduler.py).
+a bell only wakes a scheduler up, which spaces the looks a ring brings (gemtrace/agent/scheduler.py).
 """
 
 from __future__ import annotations

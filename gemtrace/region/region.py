@@ -3,7 +3,7 @@
 This module owns the mapping of the region file and the slot table: creating the region so a gate
 never maps a half-written file, releasing a futex word, storing an assignment in one word, freeing a
 dead process's slot. It never decides anything: the scheduler decides what to hold,
-gemtrace/membership.py which group a process is in, the agent when to reap.
+gemtrace/agent/membership.py which group a process is in, the agent when to reap.
 
 `region` (the agent's word: header, GPUs, groups, control words, assignments, chunk owners) is root's,
 mode 0644: gates map it read-only. The slot table (each gated process's own figures) is made of

@@ -6,7 +6,7 @@ reads a snapshot of the agent's region, for the groups in force and to tell an o
 is there (the gate then lets CMD run without its group's quotas, which a first run should not hide).
 
 It refuses at once a group the caller is not admitted to (Users=/UnixGroups=), reading the resource
-file itself: the agent would run CMD in another group (gemtrace/membership.py decides, and that is
+file itself: the agent would run CMD in another group (gemtrace/agent/membership.py decides, and that is
 what counts), and a person should hear so before CMD runs, not find it in the agent's log. The file,
 not the region: admission lists are as long as an operator makes them and the gates have no use for
 them, so they stay out of the file every gate maps; the agent reloads the file within a second of a

@@ -2,7 +2,7 @@
 
 A source reads one thing (eBPF's maps: ebpf/, with the uprobes and the libcuda discovery it owns; the
 gates' slots: gate.py; NVML: nvml.py) into a SourceReading of plain figures per (pid, GPU UUID). It
-never merges (gemtrace/merge.py picks the best figure for each process, as docs/accounting.md's table
+never merges (gemtrace/agent/merge.py picks the best figure for each process, as docs/accounting.md's table
 says), keeps no figure across reads that the accounting keeps, and never kills. Each source has a
 fake (tests/fake_sources.py) that a test passes to Accounting's constructor in place of the real
 one: no patching, no root.

@@ -7,7 +7,7 @@ Listed bottom-up, each file importing only those listed before it (and the sourc
                  a file whose last process exited, reads the maps and the ring buffer
     source.py    EbpfSource: the probes' lifetime, the libcuda rescans, the ring-buffer thread, and
                  the maps read as per-process figures
-Nothing here merges, decides or kills: gemtrace.accounting merges the figures with the other sources'.
+Nothing here merges, decides or kills: gemtrace.agent.accounting merges the figures with the other sources'.
 """
 
 from gemtrace.sources.ebpf.probes import BpfUnavailable

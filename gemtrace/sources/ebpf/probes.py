@@ -4,7 +4,7 @@ Owns the list of probed entry points (the one place that says which program hand
 symbol) and the lifetime of each attachment. Each file is attached through an open descriptor
 (/proc/self/fd/N), so it can be detached by the same name after every process that mapped it, and
 with them its mount namespace, is gone; the descriptor is closed on detach so a container's overlay
-can be unmounted (Datadog #13803). Never kills, never decides: gemtrace.accounting does.
+can be unmounted (Datadog #13803). Never kills, never decides: gemtrace.agent.accounting does.
 
 Where the kernel has them (Linux 6.6+), the probes of one program on one file are one uprobe_multi
 link (BPF_LINK_CREATE, BPF_TRACE_UPROBE_MULTI) rather than a perf event each: closing a perf event

@@ -4,7 +4,7 @@ The rule is docs/accounting.md's table "Sources, best first", stated there once;
 is one row of it, in the table's order, and tests/test_merge.py checks every row. Pure: figures in,
 figures out; no clock, no /proc, no state. What is stateful about a figure (GPU time apportioned
 within a group, NVML's time integrated, a figure kept after an exit, the context overhead learnt
-over polls) is gemtrace/accounting.py's. Never reads a source itself.
+over polls) is gemtrace/agent/accounting.py's. Never reads a source itself.
 """
 
 from __future__ import annotations

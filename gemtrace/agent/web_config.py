@@ -6,7 +6,7 @@ and the two checks it asks for: TLS, as an `ssl.SSLContext` from Python's ssl mo
 and, if asked, clients' certificates), and HTTP basic auth against bcrypt hashes, checked by the
 `bcrypt` package (imported only when the file has users). Every mistake in the file is found when
 the agent starts and reported as one line naming the file and the key; the exporter
-(gemtrace.exporter) does the serving. The subset gemtrace reads:
+(gemtrace.agent.exporter) does the serving. The subset gemtrace reads:
 
     tls_server_config:
       cert_file: /etc/gemtrace/tls.crt

@@ -6,7 +6,7 @@ its only state.
 Uses prometheus-client's encoders and content negotiation (OpenMetrics) as shipped by Debian 12 (0.16),
 which has no TLS, no authentication and no unix socket of its own: gemtrace.httpd runs each
 connection's TLS handshake with the web config's ssl context (in its loop, under a deadline), basic
-auth answers 401 before the scrape is made (gemtrace.web_config checks both), and `unix:PATH` listens
+auth answers 401 before the scrape is made (gemtrace.agent.web_config checks both), and `unix:PATH` listens
 on a socket whose mode and group say who may connect. /metrics names every user's processes (pid,
 comm, group): docs/metrics.md says who can see it, and how to narrow that.
 """
@@ -30,10 +30,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 
-from gemtrace import httpd
-from gemtrace.web_config import WebConfig
+from gemtrace import defaults, httpd
+from gemtrace.agent.web_config import WebConfig
 
-UNIX_PREFIX = "unix:"
 # A collection runs Python over every series under the agent's GIL, which the schedulers' looks need
 # too: back-to-back scrapes (a curl loop, a scraper misconfigured to a tight interval, any local user
 # on the default 127.0.0.1 listener) stretched the switch gap's p90 from 0.36 to 5.2 ms and cost 11%
@@ -63,8 +62,8 @@ class UnixListen:
 def parse_listen(listen: str) -> tuple[str, int] | Path:
     """"127.0.0.1:9843", "[::1]:9843" or ":9843" (all addresses) -> (host, port); "unix:/PATH" -> the path.
     Port 0 asks the kernel for a free one (tests use it; the agent logs the port it got)."""
-    if listen.startswith(UNIX_PREFIX):
-        path = Path(listen[len(UNIX_PREFIX):])
+    if listen.startswith(defaults.UNIX_PREFIX):
+        path = Path(listen[len(defaults.UNIX_PREFIX):])
         if not path.is_absolute():
             raise ListenError(f"--listen {listen!r}: a unix socket's path is absolute, "
                               "e.g. unix:/run/gemtrace/metrics.sock")
@@ -255,7 +254,7 @@ class Exporter:
         if isinstance(where, UnixListen):
             sock = _unix_socket(where)
             self._unix_path = where.path
-            self.address = f"{UNIX_PREFIX}{where.path}"
+            self.address = f"{defaults.UNIX_PREFIX}{where.path}"
         else:
             host, port = where
             sock = httpd.listening_socket(host, port)

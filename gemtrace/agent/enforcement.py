@@ -18,7 +18,7 @@ was rebuilt from its slot or NVML) counts as the oldest; among equals an ungated
 (the gate held the gated one to the limit, nothing held the other), then the bigger (fewer die).
 A process outside the group is never a candidate. A killed process keeps its memory until it has
 exited, so it stays `pending` and is not counted twice. The figures come from eBPF
-(gemtrace.accounting), so a process without the gate is held to the limit too. Pure apart from the
+(gemtrace.agent.accounting), so a process without the gate is held to the limit too. Pure apart from the
 injected `kill`; called on every allocation event.
 
 Enforcement is how it is wired: a subscriber of the accounting, woken by eBPF's allocation events
@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 if TYPE_CHECKING:
-    from gemtrace.merge import Merged
-    from gemtrace.snapshot import Snapshot
+    from gemtrace.agent.merge import Merged
+    from gemtrace.agent.snapshot import Snapshot
     from gemtrace.sources import Key
 
 RESOURCE_MEMORY = "memory"

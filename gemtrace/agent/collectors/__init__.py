@@ -23,23 +23,23 @@ from prometheus_client.registry import Collector
 from gemtrace.metrics import family, spec
 
 if TYPE_CHECKING:
-    from gemtrace.agent import Agent
+    from gemtrace.agent.agent import Agent
 
 
 def _agent(agent: Agent) -> Collector:
-    from gemtrace.collectors.agent import AgentCollector
+    from gemtrace.agent.collectors.agent import AgentCollector
 
     return AgentCollector(agent.agent_view)
 
 
 def _groups(agent: Agent) -> Collector:
-    from gemtrace.collectors.groups import GroupCollector
+    from gemtrace.agent.collectors.groups import GroupCollector
 
     return GroupCollector(agent.groups_view)
 
 
 def _processes(agent: Agent) -> Collector:
-    from gemtrace.collectors.processes import ProcessCollector
+    from gemtrace.agent.collectors.processes import ProcessCollector
 
     acc = agent.accounting
     return ProcessCollector(lambda: agent.snapshot, lambda: (acc.probes_attached, acc.libcuda_files),
@@ -47,13 +47,13 @@ def _processes(agent: Agent) -> Collector:
 
 
 def _enforcement(agent: Agent) -> Collector:
-    from gemtrace.collectors.enforcement import EnforcementCollector
+    from gemtrace.agent.collectors.enforcement import EnforcementCollector
 
     return EnforcementCollector(agent.enforcer, lambda: agent.config.groups)
 
 
 def _attach(agent: Agent) -> Collector:
-    from gemtrace.collectors.attach import AttachCollector
+    from gemtrace.agent.collectors.attach import AttachCollector
 
     return AttachCollector(agent.region.attach_counts, agent.region.chunk_holdings)
 

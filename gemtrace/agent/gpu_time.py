@@ -1,6 +1,6 @@
 """GPU time within a group: a group's gated processes together are never given more GPU time than the
 scheduler charged the group on that GPU (docs/accounting.md, "GPU time within a group"). Pure: plain figures in, figures
-out; the accounting (gemtrace/accounting.py) calls it at each poll."""
+out; the accounting (gemtrace/agent/accounting.py) calls it at each poll."""
 
 from __future__ import annotations
 

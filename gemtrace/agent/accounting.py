@@ -5,17 +5,17 @@ group, NVML's time integrated. A process is in a snapshot only while it runs: on
 gone, a zombie, or one whose pid now names another process (another start time) is left out at the
 next poll, whatever a source still says of it (its series leave /metrics within a poll). It merges
 the three sources it is given behind one interface (gemtrace/sources/: eBPF, the gates' slots, NVML;
-the agent opens the host's, gemtrace.agent.open_accounting, a test passes fakes) with
-gemtrace/merge.py, whose functions are docs/accounting.md's table "Sources, best first", row by row.
-The enforcement it is given (gemtrace/enforcement.py, at start()) subscribes: to eBPF's allocation
+the agent opens the host's, gemtrace.agent.agent.open_accounting, a test passes fakes) with
+gemtrace/agent/merge.py, whose functions are docs/accounting.md's table "Sources, best first", row by row.
+The enforcement it is given (gemtrace/agent/enforcement.py, at start()) subscribes: to eBPF's allocation
 events (the source's thread wakes it within milliseconds) and to each snapshot (the audit of the
 slots). Without eBPF (bcc cannot run, or disabled) ebpf_status says why and the gates and NVML still
 count.
 
-The parts it leans on, each a module of its own: each process's facts (gemtrace/process_facts.py:
+The parts it leans on, each a module of its own: each process's facts (gemtrace/agent/process_facts.py:
 group, GPUs, start time, kept while it lives); the memory eBPF never saw, rebuilt for inherited
-processes (gemtrace/inherited.py: memory = max(eBPF, rebuilt), and the enforcer acts on it at once);
-the verified memory and trust it writes to the region (gemtrace/verified.py, issue 25). A group's
+processes (gemtrace/agent/inherited.py: memory = max(eBPF, rebuilt), and the enforcer acts on it at once);
+the verified memory and trust it writes to the region (gemtrace/agent/verified.py, issue 25). A group's
 processes are never given more GPU time together than the scheduler gave the group (GpuTimeShare):
 a burst measured by the gate also holds the time it waited behind the group's other processes.
 Never kills but through the enforcement it is given; never reads bcc, the slots or NVML but through
@@ -31,20 +31,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
-from gemtrace import merge
-from gemtrace.enforcement import Enforcement, Holding
-from gemtrace.gpu_time import GpuTimeShare
+from gemtrace.agent import merge
+from gemtrace.agent.enforcement import Enforcement, Holding
+from gemtrace.agent.gpu_time import GpuTimeShare
+from gemtrace.agent.inherited import InheritedMemory
+from gemtrace.agent.merge import Merged
+from gemtrace.agent.process_facts import ProcessFacts, Rules, inherited
+from gemtrace.agent.snapshot import ProcessAccount, Snapshot
+from gemtrace.agent.verified import VerifiedMemory
 from gemtrace.groups_of import ProcReader
-from gemtrace.inherited import InheritedMemory
-from gemtrace.merge import Merged
-from gemtrace.process_facts import ProcessFacts, Rules, inherited
 from gemtrace.region import Region
-from gemtrace.snapshot import ProcessAccount, Snapshot
 from gemtrace.sources import AllocationSource, Key, Source, SourceReading
 from gemtrace.sources.ebpf import EbpfSource, boot_ticks
 from gemtrace.sources.ebpf.probes import BpfProbes
 from gemtrace.sources.nvml import NvmlSource
-from gemtrace.verified import VerifiedMemory
 
 
 @dataclass
@@ -75,7 +75,7 @@ class SnapshotListener(Protocol):
 
 @dataclass(frozen=True)
 class Sources:
-    """What the accounting merges, opened by whoever builds it: the agent (gemtrace.agent.open_accounting,
+    """What the accounting merges, opened by whoever builds it: the agent (gemtrace.agent.agent.open_accounting,
     the host's) or a test (the fakes of tests/fake_sources.py)."""
 
     gate: Source  # the gates' slots
@@ -198,7 +198,7 @@ class Accounting:
             f = ebpf.figures.get((pid, uuid))
             when = (f.last_alloc_ns if f is not None else 0) or _monotonic_of_ticks(info.start_time, suspended_ns)
             # The uid says whose process it is: a victim is chosen among the users who took the group
-            # over (gemtrace.enforcement). Read at each check, not kept with the group: a process may
+            # over (gemtrace.agent.enforcement). Read at each check, not kept with the group: a process may
             # change its uid (setuid) after it started.
             holdings.append(Holding(pid, info.group, uuid, used, when, pid in gated, uid=self.proc.uid(pid)))
         return holdings
@@ -255,7 +255,7 @@ class Accounting:
         """Whether `pid` is the running process the sources mean. Gone or a zombie: no (a source may
         still list it: NVML until the driver destroys its context, a slot until the reaper frees it).
         Another start time than its slot recorded: the slot is a dead process's, or a pod's gate's
-        pid from its own namespace not yet translated (gemtrace/agent.py's Reaper), and this pid is
+        pid from its own namespace not yet translated (gemtrace/agent/agent.py's Reaper), and this pid is
         another process's. Another start time than the facts kept of it: the pid was reused, those
         facts are forgotten and read afresh."""
         start = self._watched(pid) if self._watched is not None else None

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import structlog
 
-from gemtrace import merge
-from gemtrace.process_facts import ProcessFacts, Rules, inherited
+from gemtrace.agent import merge
+from gemtrace.agent.process_facts import ProcessFacts, Rules, inherited
 from gemtrace.sources import Key, SourceReading
 
 log = structlog.get_logger("gemtrace.accounting")

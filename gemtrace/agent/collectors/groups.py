@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from gemtrace.agent.policy import GroupUsage
+from gemtrace.agent.snapshot import Snapshot
 from gemtrace.metrics import family, spec
-from gemtrace.policy import GroupUsage
-from gemtrace.snapshot import Snapshot
 
 
 @dataclass(frozen=True)

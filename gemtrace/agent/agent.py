@@ -2,7 +2,7 @@
 
 Owns the agent's lifecycle: the state dir's lock (one agent per region), the keeper thread (the
 heartbeat every tick, since gates ignore a silent agent so a dead agent never hangs a program; the
-group of every new gated process decided within the tick, gemtrace/membership.py; and every second
+group of every new gated process decided within the tick, gemtrace/agent/membership.py; and every second
 the group table re-asserted, processes of dropped groups moved to default, unused entries freed),
 the config thread (reloading the resource file when it changes or on SIGHUP, so that no file can
 stall anything else), and the main loop: reaping the slots of processes that died
@@ -37,9 +37,14 @@ import structlog
 
 from gemtrace import contract, defaults, mps
 from gemtrace import region as rg
-from gemtrace.accounting import Accounting, Snapshot, Sources
-from gemtrace.collectors.agent import AgentView
-from gemtrace.collectors.groups import GroupQuota, GroupsView
+from gemtrace.agent.accounting import Accounting, Snapshot, Sources
+from gemtrace.agent.collectors.agent import AgentView
+from gemtrace.agent.collectors.groups import GroupQuota, GroupsView
+from gemtrace.agent.enforcement import Enforcement, MemoryEnforcer
+from gemtrace.agent.gang import GangTurns
+from gemtrace.agent.membership import Membership
+from gemtrace.agent.scheduler import GpuScheduler, GroupUsage, Quota
+from gemtrace.agent.state_dir import StateDirError, open_lock_file, open_state_dir, storage_error
 from gemtrace.config import (
     ISOLATION_MPS,
     UNATTACHED,
@@ -52,19 +57,14 @@ from gemtrace.config import (
     load,
     unknown_gpus,
 )
-from gemtrace.enforcement import Enforcement, MemoryEnforcer
-from gemtrace.gang import GangTurns
 from gemtrace.gpus import Gpu, discover
 from gemtrace.groups_of import ProcReader
 from gemtrace.kube.pods import NAMES_FILE, PodLabels, refused_file, write_refusals
-from gemtrace.membership import Membership
 from gemtrace.region import Region, RegionError
-from gemtrace.scheduler import GpuScheduler, GroupUsage, Quota
 from gemtrace.signals import SignalInbox
 from gemtrace.sources.ebpf import BpfUnavailable, EbpfSource
 from gemtrace.sources.gate import GateSource
 from gemtrace.sources.nvml import NvmlLike, NvmlReader, NvmlSource
-from gemtrace.state_dir import StateDirError, open_lock_file, open_state_dir, storage_error
 
 log = structlog.get_logger("gemtrace.agent")
 
@@ -106,7 +106,7 @@ class AgentLock:
     for the message the second one gives. The kernel drops the lock when the process dies.
 
     Taking it is the agent's first step in the state dir: the directory is checked to be the agent's
-    own (gemtrace/state_dir.py) and `state_dir` is then its resolved path, the one the agent uses."""
+    own (gemtrace/agent/state_dir.py) and `state_dir` is then its resolved path, the one the agent uses."""
 
     def __init__(self, state_dir: Path) -> None:
         self.state_dir, dir_fd = open_state_dir(state_dir)
@@ -651,7 +651,7 @@ class Agent:
         """GPU seconds the schedulers charged each group, by (GPU UUID, group name)."""
         return {key: usage.gpu_seconds for key, usage in self.group_usage().items()}
 
-    # -- what /metrics reads (collect apart from expose: gemtrace/collectors/) ------------------------
+    # -- what /metrics reads (collect apart from expose: gemtrace/agent/collectors/) ------------------------
 
     def agent_view(self) -> AgentView:
         return AgentView(self.reloads["success"], self.reloads["failure"], self.last_reload_ok, tuple(self.gpus),

@@ -1,7 +1,7 @@
 """The scheduler of one GPU: reads the gates' slots, asks the policy, writes the futex words.
 
 This module owns the adapter between the region (hook/gemtrace_region.h) and the pure time-share
-policy (gemtrace/policy.py): it turns the slots of one GPU into an `Observation` (which groups want the
+policy (gemtrace/agent/policy.py): it turns the slots of one GPU into an `Observation` (which groups want the
 GPU, whether the released group went idle, whether a held group finished draining) and carries out
 the `Decision` by holding and releasing control[gpu][group] words. The agent runs one `GpuScheduler`
 per GPU, each in its own thread (`run(stop)`). It never decides anything itself, never writes a slot,
@@ -20,7 +20,7 @@ It visits one by one only the users whose launches moved and the slots of the gr
 policy waits for (holder, draining, overrunning); the other users' groups come from set
 operations over the columns, with each user's group kept while no pid, assignment or quota changed.
 So a look costs per group in play and per process that launched since the last one, not per process
-of the host. It looks at the policy's next deadline (gemtrace/policy.py, `_wake_at`): a slice's end
+of the host. It looks at the policy's next deadline (gemtrace/agent/policy.py, `_wake_at`): a slice's end
 while others wait, every few ms while a holder that idles keeps others waiting, a MaxUtil bucket
 filling, a drain's timeout; every other look is a net for a ring that never came.
 Where the policy says a thread's wait is news (`Decision.wake_on_wait`: a group that outranks the
@@ -47,8 +47,8 @@ from dataclasses import dataclass
 import structlog
 
 from gemtrace import region as rg
-from gemtrace.gang import GangTurns, GpuReport
-from gemtrace.policy import Decision, GroupUsage, Observation, PolicyParams, Quota, TimeSharePolicy
+from gemtrace.agent.gang import GangTurns, GpuReport
+from gemtrace.agent.policy import Decision, GroupUsage, Observation, PolicyParams, Quota, TimeSharePolicy
 
 __all__ = ["GpuScheduler", "GroupUsage", "Quota", "SlotTable"]
 
@@ -211,7 +211,7 @@ class GpuScheduler:
         self._short_queue = False
         self._outranked = False
         self._wake_on_wait = False
-        # The turns of groups that span GPUs, shared with the other GPUs' schedulers (gemtrace/gang.py);
+        # The turns of groups that span GPUs, shared with the other GPUs' schedulers (gemtrace/agent/gang.py);
         # while a group here spans GPUs, this scheduler sleeps on its doorbell, which a turn's change rings.
         self._gang = gang
         self._gang_here = False

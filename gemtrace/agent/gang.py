@@ -1,6 +1,6 @@
 """Gang turns: a group whose processes use several GPUs takes its turns on all of them at once.
 
-Each GPU has its own scheduler and policy (gemtrace/scheduler.py, gemtrace/policy.py). A job spread over
+Each GPU has its own scheduler and policy (gemtrace/agent/scheduler.py, gemtrace/agent/policy.py). A job spread over
 GPUs (a DistributedDataParallel run: one rank per GPU, an all-reduce at every step) makes progress only
 while all its ranks run: a rank released on one GPU reaches its collective and spins there, charged, until
 the rank held back on another GPU runs. Scheduled on independent clocks, such a job did under 1% of its

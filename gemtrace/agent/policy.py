@@ -2,7 +2,7 @@
 
 Pure logic: plain data in (the clock's `now`, which groups want the GPU, whether the group that holds
 it went idle, when a held group finished draining), decisions out (the group released, when to look
-again). It never touches the region, a clock or a thread; gemtrace/scheduler.py is the adapter that
+again). It never touches the region, a clock or a thread; gemtrace/agent/scheduler.py is the adapter that
 reads the gates' slots, turns them into an `Observation`, and writes the decision into the futex words.
 Tests drive it with a fake clock (tests/test_policy.py).
 
@@ -141,7 +141,7 @@ class PolicyParams:
     # holder ran unwatched meanwhile, and a MaxUtil bucket charged all of it would hold its group for
     # many times the stall (a group capped at 0.3 after 10 s: 23 s). Its bucket starts again from empty.
     stall_ns: int = 2000 * MS
-    # A group that spans GPUs (gemtrace/gang.py) runs in turns this long, and a capped one waits for
+    # A group that spans GPUs (gemtrace/agent/gang.py) runs in turns this long, and a capped one waits for
     # the credit of a whole turn: each turn costs it a clearing on every GPU of it and a restart of all
     # its ranks at once (a step's worth of work: the ranks line up again at their next collective), so
     # it runs in fewer, longer turns.
@@ -171,7 +171,7 @@ class Observation:
         Of a busy holder: when its open burst opened (it ran since then, before this look saw it).
     holder_burst_ns: the length of every burst the holder closed since the last look (the gates'
         busy_ns): where several ran between two looks, holder_burst_from tells only of the last one.
-    barred: groups that span several GPUs and whose turn is not open (gemtrace/gang.py): never
+    barred: groups that span several GPUs and whose turn is not open (gemtrace/agent/gang.py): never
         released here, and never a reason to hold the holder; the policy says in `Decision.ready` which
         of them it would release now.
     clearing: groups whose turn across GPUs opens: the holder is held (unless paid its MinUtil debt)
@@ -287,7 +287,7 @@ class TimeSharePolicy:
         # finish (group -> when they were held). Without this, a process that syncs rarely (hundreds
         # of ms of kernels queued) ran most of its work uncharged: MaxUtil 0.5 alone gave 0.9.
         self._overrun: dict[int, int] = {}
-        # Groups that span several GPUs (gemtrace/gang.py): barred while their turn is closed, due while
+        # Groups that span several GPUs (gemtrace/agent/gang.py): barred while their turn is closed, due while
         # it is open; ready: the barred ones this GPU chose at its last choice (Decision.ready).
         self._barred: frozenset[int] = frozenset()
         self._clearing: frozenset[int] = frozenset()

@@ -1,7 +1,7 @@
 """A poll's per-process view: what the accounting publishes, and the collectors and enforcement read.
 
-Plain frozen data, importing nothing of gemtrace: the accounting (gemtrace/accounting.py) makes a
-Snapshot from its sources every poll; gemtrace/enforcement.py audits it and the collectors export it.
+Plain frozen data, importing nothing of gemtrace: the accounting (gemtrace/agent/accounting.py) makes a
+Snapshot from its sources every poll; gemtrace/agent/enforcement.py audits it and the collectors export it.
 """
 
 from __future__ import annotations

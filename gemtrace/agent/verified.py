@@ -13,8 +13,8 @@ from collections.abc import Collection, Iterable, Mapping
 
 import structlog
 
-from gemtrace import merge
-from gemtrace.merge import Merged
+from gemtrace.agent import merge
+from gemtrace.agent.merge import Merged
 from gemtrace.region import Region
 from gemtrace.sources import Devices, Figures, Key, SourceReading
 

@@ -15,7 +15,7 @@ from typing import Protocol
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from gemtrace.enforcement import RESOURCES, TAMPERING_KINDS
+from gemtrace.agent.enforcement import RESOURCES, TAMPERING_KINDS
 from gemtrace.metrics import family, spec
 
 

@@ -4,7 +4,7 @@ Owns reading them from /proc and keeping them while the process lives, and the D
 the sources read through (the host's GPUs, a process's ordinals as GPU UUIDs). A kept record is
 dropped when a source sees the process exit, when the accounting finds it gone or its pid reused,
 and is read afresh under new rules (another resource file). Never decides a group itself (that is
-gemtrace.membership's one decision) and never reads a source.
+gemtrace.agent.membership's one decision) and never reads a source.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from gemtrace.agent.membership import group_of
 from gemtrace.groups_of import ENV_VISIBLE_DEVICES, ProcReader, visible_devices
-from gemtrace.membership import group_of
 from gemtrace.region import Region
 
 
@@ -69,7 +69,7 @@ class ProcessFacts:
         env = self.proc.environ(pid)
         if env is None:
             return None
-        # The agent's one decision (gemtrace/membership.py): a gated process's assignment, else the
+        # The agent's one decision (gemtrace/agent/membership.py): a gated process's assignment, else the
         # same admission for an ungated one.
         group, final = group_of(pid, env, self.proc, self.region, rules.groups if rules is not None else {})
         facts = Facts(

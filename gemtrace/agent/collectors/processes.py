@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
+from gemtrace.agent.snapshot import Snapshot
 from gemtrace.metrics import family, spec
-from gemtrace.snapshot import Snapshot
 
 
 class ProcessCollector(Collector):
