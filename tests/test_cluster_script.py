@@ -109,11 +109,11 @@ def test_the_host_s_gemtrace_directories_have_one_owning_test_run_at_a_time(tmp_
 
     monkeypatch.setattr(testkit, "HOST_DIRS_LOCK", tmp_path / "host-dirs.lock")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); import testkit, pathlib;"
-         "testkit.HOST_DIRS_LOCK = pathlib.Path(sys.argv[2]);"
+        [sys.executable, "-c", "import sys, time; import testkit, pathlib;"
+         "testkit.HOST_DIRS_LOCK = pathlib.Path(sys.argv[1]);"
          "cm = testkit.owning_host_dirs('the other run'); cm.__enter__(); print('held', flush=True); time.sleep(30)",
-         str(Path(__file__).parent), str(tmp_path / "host-dirs.lock")],
-        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+         str(tmp_path / "host-dirs.lock")],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": f"{REPO}:{Path(__file__).parent}"})
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "held\n"
         with pytest.raises(TimeoutError, match=r"waited 1 s .* which the other run \(pid \d+\) holds"):
