@@ -108,9 +108,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
             raise
         return _fail(str(found))
     try:
-        from gemtrace.agent.collectors import registry_for
-
-        exporter = Exporter(registry_for(agent), args.listen, web, socket_mode, socket_gid)
+        exporter = Exporter(agent.metrics_registry(), args.listen, web, socket_mode, socket_gid)
     except (ListenError, OSError) as e:
         agent.close()
         return _fail(f"cannot serve /metrics on {args.listen}: {e}")

@@ -21,11 +21,12 @@ the accounting and the memory enforcement that acts on it; /metrics.
     snapshot.py      a poll's per-process view (Snapshot): what the accounting publishes, the rest reads
     merge.py         the best figure of each process: docs/accounting.md's table, a function a row
     enforcement.py   memory enforcement: which process dies when a group is over its MemoryLimit
-    collectors/      the Prometheus collectors, one module each, registered in collectors/__init__.py:
+    collectors/      the Prometheus collectors, one module each, registered by Agent.metrics_registry:
       agent.py         the agent itself: version, reloads, refused requests, its GPUs (an AgentView)
       groups.py        groups' quotas and what the scheduler gave them, their memory (a GroupsView)
       processes.py     per-process series from the accounting's snapshot
       enforcement.py   OOM kills, quota breaches and slot tampering, per group
+      attach.py        the gates' socket: refused and failed attaches per user, who holds the slot chunks
     exporter.py      the /metrics HTTP endpoint over the collectors' registry
     web_config.py    who may read /metrics: TLS and basic auth from a node_exporter-style web config
 """

@@ -34,12 +34,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import structlog
+from prometheus_client import CollectorRegistry
 
 from gemtrace import contract, defaults, mps
 from gemtrace import region as rg
 from gemtrace.agent.accounting import Accounting, Snapshot, Sources
-from gemtrace.agent.collectors.agent import AgentView
-from gemtrace.agent.collectors.groups import GroupQuota, GroupsView
+from gemtrace.agent.collectors import Isolated
+from gemtrace.agent.collectors.agent import AgentCollector, AgentView
+from gemtrace.agent.collectors.attach import AttachCollector
+from gemtrace.agent.collectors.enforcement import EnforcementCollector
+from gemtrace.agent.collectors.groups import GroupCollector, GroupQuota, GroupsView
+from gemtrace.agent.collectors.processes import ProcessCollector
 from gemtrace.agent.enforcement import Enforcement, MemoryEnforcer
 from gemtrace.agent.gang import GangTurns
 from gemtrace.agent.membership import Membership
@@ -652,6 +657,22 @@ class Agent:
         return {key: usage.gpu_seconds for key, usage in self.group_usage().items()}
 
     # -- what /metrics reads (collect apart from expose: gemtrace/agent/collectors/) ------------------------
+
+    def metrics_registry(self) -> CollectorRegistry:
+        """What /metrics serves: each collector reads a view of what this agent keeps, and runs on its own
+        (collectors.Isolated). One line registers a collector."""
+        acc = self.accounting
+        collectors = {
+            "agent": AgentCollector(self.agent_view),
+            "groups": GroupCollector(self.groups_view),
+            "processes": ProcessCollector(lambda: self.snapshot, lambda: (acc.probes_attached, acc.libcuda_files),
+                                          self.pod_labels.process),
+            "enforcement": EnforcementCollector(self.enforcer, lambda: self.config.groups),
+            "attach": AttachCollector(self.region.attach_counts, self.region.chunk_holdings),
+        }
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(Isolated(collectors))
+        return registry
 
     def agent_view(self) -> AgentView:
         return AgentView(self.reloads["success"], self.reloads["failure"], self.last_reload_ok, tuple(self.gpus),

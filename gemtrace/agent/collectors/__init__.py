@@ -1,4 +1,5 @@
-"""The agent's Prometheus collectors, one module each; this file is the one place they are registered.
+"""The agent's Prometheus collectors, one module each (Agent.metrics_registry registers them), and the
+isolation every scrape runs them in.
 
 Each collector is a prometheus-client custom Collector that only reads a narrow, read-only view of
 what the agent keeps (a frozen view the agent builds at scrape time, the accounting snapshot, the
@@ -13,60 +14,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import structlog
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
 from gemtrace.metrics import family, spec
-
-if TYPE_CHECKING:
-    from gemtrace.agent.agent import Agent
-
-
-def _agent(agent: Agent) -> Collector:
-    from gemtrace.agent.collectors.agent import AgentCollector
-
-    return AgentCollector(agent.agent_view)
-
-
-def _groups(agent: Agent) -> Collector:
-    from gemtrace.agent.collectors.groups import GroupCollector
-
-    return GroupCollector(agent.groups_view)
-
-
-def _processes(agent: Agent) -> Collector:
-    from gemtrace.agent.collectors.processes import ProcessCollector
-
-    acc = agent.accounting
-    return ProcessCollector(lambda: agent.snapshot, lambda: (acc.probes_attached, acc.libcuda_files),
-                            agent.pod_labels.process)
-
-
-def _enforcement(agent: Agent) -> Collector:
-    from gemtrace.agent.collectors.enforcement import EnforcementCollector
-
-    return EnforcementCollector(agent.enforcer, lambda: agent.config.groups)
-
-
-def _attach(agent: Agent) -> Collector:
-    from gemtrace.agent.collectors.attach import AttachCollector
-
-    return AttachCollector(agent.region.attach_counts, agent.region.chunk_holdings)
-
-
-# name -> factory; one line registers a collector.
-COLLECTORS: dict[str, Callable[[Agent], Collector]] = {
-    "agent": _agent,
-    "groups": _groups,
-    "processes": _processes,
-    "enforcement": _enforcement,
-    "attach": _attach,
-}
-
 
 # A collector that keeps failing is logged when it starts to, then at most once this often (with how
 # many scrapes failed meanwhile), and once when it recovers: never a line per scrape.
@@ -127,9 +80,3 @@ class Isolated(Collector):
         failing = self._failing.pop(name, None)
         if failing is not None:
             self._log.info("collector_recovered", collector=name, failed_scrapes_since_last_line=failing.failures)
-
-
-def registry_for(agent: Agent) -> CollectorRegistry:
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Isolated({name: factory(agent) for name, factory in COLLECTORS.items()}))
-    return registry
