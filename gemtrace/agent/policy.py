@@ -736,49 +736,34 @@ class TimeSharePolicy:
         return (1.0 - self._accounts[group].quota.min_util) * self.params.max_owed_slice_ns
 
     def _choose(self, now: int) -> int | None:
-        """MinUtil debt first (most behind, relative to its MinUtil), whatever the priorities; then a
-        group whose turn across GPUs is open; then, among the groups of the highest priority, the least
-        decayed usage; on a tie the holder, then the one that waited longest (a holder whose turn is open
-        goes on by these rules, not by its turn)."""
-        candidates = self._candidates(now)
-        if not candidates:
-            return None
-        owed = [g for g in candidates if self._owed_first(g)]
-        if owed:
-            return max(owed, key=self._owed_key)
-        due = [g for g in candidates if g in self._due and g != self._holder]
-        if due:
-            return min(due, key=self._due_key)
-        top = max(self._priority(g) for g in candidates)
-        return min((g for g in candidates if self._priority(g) == top), key=self._order_key())
+        """The candidate first in `_rank`'s order (on a tie, the first of them)."""
+        return min(self._candidates(now), key=self._rank(), default=None)
 
     def _chosen_if_admitted(self, now: int, groups: list[int]) -> frozenset[int]:
         """The groups of `groups` (barred: none of them a candidate already) that `_choose` would pick
-        if each alone were counted as a candidate too (`_gang_readiness`). The same rules as `_choose`,
-        each group set against the candidates' best found once: a look at 63 barred groups cost 63
-        choices over 63 groups (where `_choose` keeps the first of equals, a group added last wins only
-        if strictly better)."""
-        candidates = self._candidates(now)
-        owed = [self._owed_key(g) for g in candidates if self._owed_first(g)]
-        due = [self._due_key(g) for g in candidates if g in self._due and g != self._holder]
-        top = max((self._priority(g) for g in candidates), default=None)
-        key = self._order_key()
-        best = min((key(g) for g in candidates if self._priority(g) == top), default=None)
-        chosen = []
-        for g in groups:
-            if self._owed_first(g):
-                if not owed or self._owed_key(g) > max(owed):
-                    chosen.append(g)
-            elif owed:
-                continue
-            elif g in self._due and g != self._holder:
-                if not due or self._due_key(g) < min(due):
-                    chosen.append(g)
-            elif due:
-                continue
-            elif top is None or best is None or self._priority(g) > top or self._priority(g) == top and key(g) < best:
-                chosen.append(g)
-        return frozenset(chosen)
+        if each alone were counted as a candidate too (`_gang_readiness`): each set against the
+        candidates' best, found once (a look at 63 barred groups cost 63 choices over 63 groups), and
+        only if strictly before it, as `_choose` keeps the first of equals."""
+        rank = self._rank()
+        best = min((rank(g) for g in self._candidates(now)), default=None)
+        return frozenset(g for g in groups if best is None or rank(g) < best)
+
+    def _rank(self) -> Callable[[int], tuple[float, ...]]:
+        """The order a choice goes by, first least: MinUtil debt first (most behind, relative to its
+        MinUtil; the holder on a tie), whatever the priorities; then a group whose turn across GPUs is
+        open, the least used first; then the highest priority, and within it `_order_key` (a holder
+        whose turn is open goes on by these rules, not by its turn)."""
+        order = self._order_key()
+
+        def rank(group: int) -> tuple[float, ...]:
+            if self._owed_first(group):
+                behind, holder = self._owed_key(group)
+                return (0, -behind, not holder)
+            if group in self._due and group != self._holder:
+                return (1, self._due_key(group))
+            return (2, -self._priority(group), *order(group))
+
+        return rank
 
     def _candidates(self, now: int) -> list[int]:
         """The groups `_choose` chooses among: the holder while it may go on, the eligible wanting
