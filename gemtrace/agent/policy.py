@@ -36,8 +36,8 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
 Cost: a step moves the accounts of the groups in play only (wanting the GPU, charged: the holder and
 overrunning groups); a group out of play only decays and refills, brought up to date in one go when
 next read; a running holder's early revoke looks for one eligible waiting group, not all of them.
-So a look costs per group that wants the GPU, not per group scheduled (fake clock, 63 groups half
-capped, development VM: 8 wanting, 32 -> 12 us a step; all 63 wanting, 53 -> 42 us).
+So a look costs per group that wants the GPU, not per group scheduled (bench/bench_wake_cost.py measures
+a look at the region's limit).
 """
 
 from __future__ import annotations
@@ -481,8 +481,8 @@ class TimeSharePolicy:
         """Is a group with a MinUtil present on this GPU but not wanting it now? Its debt accrues from
         the look that sees it want the GPU, and a training loop held at its slice's end often drains to
         its step's sync and only blocks on its word after the step's CPU work: that wait is to be seen
-        at once (it rings), not a holder's slice later (ResNet-50 at MinUtil 0.6 beside two hogs on
-        the H100 was charged 0.57, its debt short of the hogs' slices: bench/results/models_torch.md)."""
+        at once (it rings), not a holder's slice later, or the debt falls short by the hogs' slices
+        (bench/results/models_torch.md)."""
         return any(g in self._present and g not in self._demand for g in self._guaranteed)
 
     def _holder_alone(self) -> bool:
@@ -673,8 +673,8 @@ class TimeSharePolicy:
         """The MaxUtil credit a capped group waits for: a whole slice's, so that it runs in a few long
         slices, not many short ones; alone (nobody else wants the GPU), a full bucket: it then runs
         until the bucket is spent and rests until it is full, half as many holds as a slice's credit
-        gives (on the H100 a transformer step capped at 0.5 alone went from 0.457 to 0.509 of solo:
-        each hold and release costs it some ms of work; bench/results/models_torch.md, 17:38)."""
+        gives: each hold and release costs a real model some ms of work beyond its charge
+        (bench/results/models_torch.md)."""
         if self._demand <= {group} and not (group in self._barred or group in self._clearing):
             return self._cap_capacity() - 1.0  # (the bucket refills up to its capacity exactly)
         return self._turn_ns(group) * (1.0 - self._accounts[group].quota.max_util)
@@ -728,11 +728,10 @@ class TimeSharePolicy:
 
     def _long_slice_debt(self, group: int) -> float:
         """The debt that pays a longest owed slice (max_owed_slice_ns): a waiting group goes first for
-        its debt from there on, not for each slice's worth of it. Each release costs a training loop
-        some ms of work beyond its charge, and paid after every other group's slice, ResNet-50 at
-        MinUtil 0.6 beside two hogs on the H100 was released 5.8 times a second and did 0.91-0.95 of
-        its charge in work (bench/results/models_torch.md, 23:56). Till then fairness orders it, and
-        the least used goes first anyway."""
+        its debt from there on, not for each slice's worth of it: each release costs a training loop
+        some ms of work beyond its charge, and a debt paid after every other group's slice means many
+        releases (bench/results/models_torch.md). Till then fairness orders it, and the least used goes
+        first anyway."""
         return (1.0 - self._accounts[group].quota.min_util) * self.params.max_owed_slice_ns
 
     def _choose(self, now: int) -> int | None:
