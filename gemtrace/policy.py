@@ -909,8 +909,11 @@ class TimeSharePolicy:
             if group == self._holder:
                 continue
             account, quota = self._account(group), self._accounts[group].quota
-            missing = self._long_slice_debt(group) + quota.min_util * self.slice_ns() - account.owed
-            if missing > 0:  # (never out of reach: a debt grows up to max_owed_slice_ns)
+            due = self._long_slice_debt(group) + quota.min_util * self.slice_ns()
+            if due > self.params.max_owed_slice_ns:
+                continue  # (out of reach: a debt grows up to max_owed_slice_ns)
+            missing = due - account.owed
+            if missing > 0:
                 wake = min(wake, now + math.ceil(missing / quota.min_util))
             elif not self._eligible(group, now):
                 credit = self._credit_needed(group) - account.cap_credit

@@ -755,3 +755,20 @@ def test_opportunistic_groups_alone_share_the_gpu_as_any_groups() -> None:
     gpu, policy = simulate({0: Quota(opportunistic=True), 1: Quota(opportunistic=True, priority=1)},
                            {0: hog(), 1: hog()}, duration=2 * SECOND)
     assert gpu.share(1, 2 * SECOND) > 0.95 and gpu.share(0, 2 * SECOND) < 0.02
+
+
+def test_a_waiting_group_s_debt_coming_due_is_a_deadline_while_the_busy_holder_rings() -> None:
+    """A busy holder others wait for is looked at its quiet ring, not polled: what the poll also found
+    comes as a deadline. Here a group with MinUtil 0.9 waits beside a group in its turn across GPUs
+    (180 ms long, the net a second): its debt reaches what revokes the holder (`_deep_debt`: a long
+    slice's debt and a slice's accrual, 72 ms at 0.9) 80 ms after it began to wait, and the look comes
+    then, not at the turn's end."""
+    policy = TimeSharePolicy(PolicyParams(steady_poll_ns=1000 * MS), now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota(0.9, 1.0)})
+    both, turn = frozenset({0, 1}), frozenset({0})
+    assert policy.step(0, Observation(frozenset({0}), present=both, due=turn)).released == 0
+    decision = policy.step(1 * MS, Observation(both, present=both, due=turn))  # 1 waits from here
+    assert decision.released == 0 and decision.quiet_rings
+    assert decision.wake_at == 81 * MS
+    decision = policy.step(decision.wake_at, Observation(both, present=both, due=turn))
+    assert decision.draining == 0  # revoked for the debt, 100 ms before its turn's end
