@@ -109,14 +109,15 @@ class PolicyParams:
     # Looking for a holder that is quiet (or outranked) becoming busy, or for a waiting group's credit,
     # while others wait.
     poll_ns: int = 4 * MS
-    # A busy holder that others wait for is not polled for going quiet: its gates ring the doorbell
-    # when their sync leaves the group with nothing queued (Decision.quiet_rings), and the look comes
-    # with that ring. This is the net for a ring that never came (a process that exited busy, a gate
-    # that predates the ring): a quiet spell is seen this late at most. A hog outranked by an idle
-    # service is looked at this often too (the service's request rings). A slice: on a VM a look after
+    # A hog outranked by an idle service is looked at this often (the service's request rings). A busy
+    # holder that others wait for is not polled at all: its gates ring the doorbell when their sync
+    # leaves the group with nothing queued (Decision.quiet_rings), the look comes with that ring, and
+    # the slice's end is the net for a ring that never came (a process that exited busy, a gate that
+    # predates the ring): such a holder keeps the slice it could have used anyway. On a VM a look after
     # a sleep of 20 ms costs 18 times its CPU back to back (290 against 16 us: bench/results/agent_cpu.md,
     # 2026-11-23 19:54), so looks count more than their work; polled every poll_ns, the looks at a busy
-    # holder were most of them (bench/results/agent_cpu.md, 2026-11-27).
+    # holder were most of them, and a net of 60 ms still two looks of every gang turn
+    # (bench/results/agent_cpu.md, 2026-11-27).
     steady_poll_ns: int = 60 * MS
     # A drain of a holder that was quiet when held ends at once and may not ring: it is looked at once
     # more this soon (or an eighth of the measured drain, up to 1 ms).
@@ -232,8 +233,8 @@ class Decision:
     # The released group's gates are to ring the doorbell when their sync leaves the group with nothing
     # queued (control.ring_quiet): it is busy and another group waits, so its going quiet is news that
     # the policy acts on at once (it revokes the holder early). The scheduler sleeps on the bell for
-    # that ring alone (other rings bring a look only where wake_on_wait says so), with wake_at
-    # (steady_poll_ns at most) as the net, not a poll every poll_ns.
+    # that ring alone (other rings bring a look only where wake_on_wait says so), with wake_at (the
+    # slice's end at the latest) as the net, not a poll every poll_ns.
     quiet_rings: bool = False
 
 
@@ -890,20 +891,21 @@ class TimeSharePolicy:
         """Another group wants the GPU: look at the end of a quiet holder's pause, every poll where the
         holder is quiet (for a waiting group's credit) or outranked, and where it is busy when its
         gates ring that it went quiet (`_quiet_rings`), or when a waiting group's MinUtil debt comes to
-        send it before the holder's slice ends (`_deep_debt`), with steady_poll_ns as the net."""
+        send it before the holder's slice ends (`_deep_debt`), the slice's end being the net."""
         p = self.params
         if self._kept_pause(holder, now):
             assert self._holder_idle_since is not None
             return self._holder_idle_since + self._quiet_allowance(holder)
         if self._quiet_rings():
-            return min(now + p.steady_poll_ns, self._deep_debt_at(now))
+            return self._deep_debt_at(now)
         return now + p.poll_ns
 
     def _deep_debt_at(self, now: int) -> int:
         """When a waiting group's MinUtil debt next reaches what revokes the holder (`_deep_debt`), or
-        its MaxUtil credit comes where the debt is there already; `now + poll_ns` where that cannot be
-        told. Its debt grows at its MinUtil while it waits and its credit at its MaxUtil: a deadline, not
-        a poll, as every look that a busy holder's ring replaces must be."""
+        its MaxUtil credit comes where the debt is there already, before the holder's slice ends (else
+        the slice's end); `now + poll_ns` where that cannot be told. Its debt grows at its MinUtil while
+        it waits and its credit at its MaxUtil: a deadline, not a poll, as every look that a busy
+        holder's ring replaces must be."""
         wake = math.inf
         for group in self._demand & self._guaranteed:
             if group == self._holder:
@@ -921,7 +923,7 @@ class TimeSharePolicy:
                     wake = min(wake, now + self.params.poll_ns)
                 else:
                     wake = min(wake, now + max(1, math.ceil(credit / quota.max_util)))
-        return int(min(wake, now + self.params.steady_poll_ns))
+        return int(min(wake, self._slice_end))
 
     def _wake_idle(self, now: int) -> int:
         """Nobody released: a group's first launch rings (it blocks on its held word), so the look for

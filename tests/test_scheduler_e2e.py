@@ -190,11 +190,10 @@ def test_a_holder_that_goes_quiet_rings_and_the_scheduler_looks_only_then(simgpu
     """The real gate: a holder whose one kernel runs 1.5 s while another group waits is not polled
     (every 4 ms, that is hundreds of looks); its sync that ends the kernel rings the doorbell
     (control.ring_quiet), and the look that ring brings revokes it: the waiting group's first kernel
-    follows within a few looks. Slices and the net are 10 s here: without the ring, the switch would
+    follows within a few looks. Slices are 10 s here: without the ring, the switch would
     come then. Looks are counted, not time: the machine may be busy."""
     second = 1000 * MS
-    params = PolicyParams(slice_ns=10 * second, max_slice_ns=10 * second, steady_poll_ns=10 * second,
-                          drain_timeout_ns=10 * second)
+    params = PolicyParams(slice_ns=10 * second, max_slice_ns=10 * second, drain_timeout_ns=10 * second)
     with harness.rig(simgpu, tmp_path / "state", params=params) as the_rig:
         service, hog = harness.Load("service"), harness.Load("hog")
         the_rig.define([service, hog])
