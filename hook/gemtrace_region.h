@@ -102,13 +102,14 @@
  *      where a thread's wait matters at once (a group of a higher priority than the holder's asks for
  *      the GPU; a held group finished its drain while another waits), sleeps on that word rather than
  *      until its next look.
- * Released with ring_quiet = 1 (the agent sets it, before the release, on the group it releases while
- * another group waits, and clears it otherwise): a sync of the program that empties its queue on that
- * GPU while the word is not GT_RELEASED and no other process of its group has a burst open there rings
- * the doorbell, as a drain's end does, so that the scheduler learns that the holder went quiet (and
- * hands the GPU on) at its ring rather than by polling for it. One load more on a sync, none on a launch;
- * a ring only where the group as a whole goes quiet, not at every sync. 0 (as in regions of gates and
- * agents that predate it: the field was reserved) rings nothing, and the scheduler's net finds it.
+ * Released with ring_quiet = 1 (the agent sets it on the released group while another group waits:
+ * before the release where one waits already, and clears it otherwise): a sync of the program that
+ * empties its queue on that GPU while the word is not GT_RELEASED and no other process of its group
+ * has a burst open there rings the doorbell, as a drain's end does, so that the scheduler learns that
+ * the holder went quiet (and hands the GPU on) at its ring rather than by polling for it. One load more
+ * on a sync, none on a launch; a ring only where the group as a whole goes quiet, not at every sync.
+ * 0 (as in regions of gates and agents that predate it: the field was reserved) rings nothing, and the
+ * holder keeps its slice (the scheduler's net is the slice's end).
  * The agent stores a released value then FUTEX_WAKEs GT_WAKE_FANOUT waiters on the word, not all of
  * them: a wake tree. A thread that leaves step 2 seeing a released value wakes GT_WAKE_FANOUT more
  * on the same word before its launch proceeds (never when it leaves with the word still held: a

@@ -20,7 +20,9 @@
  * not time (each production kernel then waits for that few of ours at most); otherwise
  * GT_OUTRANKED_QUEUE_BOUND_NS of work. A few loads a launch: the list and the slots it names.
  * A thread that starts waiting on a held word rings its GPU's doorbell (the doorbells page): the
- * scheduler reacts at once where that wait matters.
+ * scheduler reacts at once where that wait matters. So does a sync that leaves the group with nothing
+ * queued on the GPU while it is held (a drain's end) or released with control.ring_quiet (the holder
+ * going quiet while another group waits): the sync path's one load more; never a launch.
  *
  * A burst is the time from the first launch after the process was idle to the sync that drains it;
  * its length is added to the slot's busy_ns (on a time-sliced GPU it includes other contexts' kernels
