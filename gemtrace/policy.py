@@ -112,12 +112,12 @@ class PolicyParams:
     # A hog outranked by an idle service is looked at this often (the service's request rings). A busy
     # holder that others wait for is not polled at all: its gates ring the doorbell when their sync
     # leaves the group with nothing queued (Decision.quiet_rings), the look comes with that ring, and
-    # the slice's end is the net for a ring that never came (a process that exited busy, a gate that
-    # predates the ring): such a holder keeps the slice it could have used anyway. On a VM a look after
-    # a sleep of 20 ms costs 18 times its CPU back to back (290 against 16 us: bench/results/agent_cpu.md,
-    # 2026-11-23 19:54), so looks count more than their work; polled every poll_ns, the looks at a busy
-    # holder were most of them, and a net of 60 ms still two looks of every gang turn
-    # (bench/results/agent_cpu.md, 2026-11-27).
+    # the slice's end is the net for a ring that never came (a gate that predates the ring; the agent's
+    # reaper rings for a process that exited busy): such a holder keeps the slice it could have used
+    # anyway. On a VM a look after a sleep of 20 ms costs 18 times its CPU back to back (290 against
+    # 16 us: bench/results/agent_cpu.md, 2026-11-23 19:54), so looks count more than their work;
+    # polled every poll_ns, the looks at a busy holder were most of them, and a net of 60 ms still two
+    # looks of every gang turn (bench/results/agent_cpu.md, 2026-11-27).
     steady_poll_ns: int = 60 * MS
     # A drain of a holder that was quiet when held ends at once and may not ring: it is looked at once
     # more this soon (or an eighth of the measured drain, up to 1 ms).
