@@ -23,7 +23,8 @@
  *   - the doorbells (struct gt_bells), one page: a memfd the agent seals the same way and sends with
  *     every reply, read-write to every user. A gate rings its GPU's bell when one of its threads starts
  *     waiting on a held word (see Launch gating), and when the program's own sync empties its queue
- *     while its group is held there (a drain's end); the scheduler sleeps on it where that is news.
+ *     while its group is held there (a drain's end) or released with control.ring_quiet set (the
+ *     holder going quiet while another group waits); the scheduler sleeps on it where that is news.
  *     A bell is a wake-up hint and nothing more: any user may ring or scribble on it, which costs the
  *     agent looks that it spaces (gemtrace/agent/scheduler.py, RING_GAP_NS), and nothing reads a decision
  *     from it. Named "gemtrace-bells-<region_id in hex>".
@@ -101,6 +102,14 @@
  *      where a thread's wait matters at once (a group of a higher priority than the holder's asks for
  *      the GPU; a held group finished its drain while another waits), sleeps on that word rather than
  *      until its next look.
+ * Released with ring_quiet = 1 (the agent sets it on the released group while another group waits:
+ * before the release where one waits already, and clears it otherwise): a sync of the program that
+ * empties its queue on that GPU while the word is not GT_RELEASED and no other process of its group
+ * has a burst open there rings the doorbell, as a drain's end does, so that the scheduler learns that
+ * the holder went quiet (and hands the GPU on) at its ring rather than by polling for it. One load more
+ * on a sync, none on a launch; a ring only where the group as a whole goes quiet, not at every sync.
+ * 0 (as in regions of gates and agents that predate it: the field was reserved) rings nothing, and the
+ * holder keeps its slice (the scheduler's net is the slice's end).
  * The agent stores a released value then FUTEX_WAKEs GT_WAKE_FANOUT waiters on the word, not all of
  * them: a wake tree. A thread that leaves step 2 seeing a released value wakes GT_WAKE_FANOUT more
  * on the same word before its launch proceeds (never when it leaves with the word still held: a
@@ -261,7 +270,8 @@ struct gt_group {                /* agent-owned; a name keeps its index while a 
 struct gt_control {              /* agent-owned, one cache line per GPU and group */
     uint32_t held;               /* futex word: enum gt_held */
     uint16_t beside_n;           /* GT_RELEASED_BESIDE: entries of beside_slots in use, or GT_BESIDE_MANY */
-    uint16_t reserved0;
+    uint16_t ring_quiet;         /* 1: released while another group waits: a sync that leaves the group
+                                    with nothing queued on that GPU rings its doorbell (Launch gating) */
     uint64_t grant_seq;          /* bumped on every release, for observers */
     uint16_t beside_slots[GT_BESIDE_SLOTS]; /* GT_RELEASED_BESIDE: the slots of the GPU's production processes */
 };
@@ -336,7 +346,8 @@ struct gt_region {
 };
 
 struct gt_bells {                /* the doorbells: written by anyone, a hint to the agent only */
-    uint32_t ring[GT_MAX_GPUS];  /* futex words: a gate adds 1 and wakes (a hold starts, a held drain ends) */
+    uint32_t ring[GT_MAX_GPUS];  /* futex words: a gate adds 1 and wakes (a hold starts, a held drain ends,
+                                    a released group watched by ring_quiet goes quiet) */
     uint32_t joined[GT_MAX_GPUS]; /* a gate adds 1 after it sets its slot's gpu_mask bit g: a new user of
                                      gpus[g], which the scheduler scans the slots for only when this moved */
     uint32_t reserved[GT_BELLS_BYTES / 4 - 2 * GT_MAX_GPUS];

@@ -20,7 +20,9 @@
  * not time (each production kernel then waits for that few of ours at most); otherwise
  * GT_OUTRANKED_QUEUE_BOUND_NS of work. A few loads a launch: the list and the slots it names.
  * A thread that starts waiting on a held word rings its GPU's doorbell (the doorbells page): the
- * scheduler reacts at once where that wait matters.
+ * scheduler reacts at once where that wait matters. So does a sync that leaves the group with nothing
+ * queued on the GPU while it is held (a drain's end) or released with control.ring_quiet (the holder
+ * going quiet while another group waits): the sync path's one load more; never a launch.
  *
  * A burst is the time from the first launch after the process was idle to the sync that drains it;
  * its length is added to the slot's busy_ns (on a time-sliced GPU it includes other contexts' kernels
@@ -185,11 +187,13 @@ static bool group_mates_busy(int gpu)
     return false;
 }
 
-/* Our drain on a held `gpu` ended: ring its scheduler, unless a process of our group is still
- * draining there (it rings as it finishes). The scheduler looks at the drain's end only: each ring
- * wakes its thread, and with two processes a group the first ring's wake-up found the drain
- * unfinished and slept on (a quarter of its wake-ups at 4 groups x 2, issue 13). A forged busy slot
- * of our group leaves the look to the scheduler's net (16 ms), a delay of our own group's switch. */
+/* Our queue on `gpu` emptied where the scheduler waits for our group's end (a held group's drain, or
+ * a released one going quiet while another group waits: control.ring_quiet): ring its scheduler,
+ * unless a process of our group still has work there (it rings as it finishes). The scheduler looks
+ * at the group's end only: each ring wakes its thread, and with two processes a group the first
+ * ring's wake-up found the drain unfinished and slept on (a quarter of its wake-ups at 4 groups x 2,
+ * issue 13). A forged busy slot of our group leaves the look to the scheduler's net, a delay of our
+ * own group's switch. */
 static void ring_drain_end(int gpu)
 {
     gt_refresh_slots();
@@ -564,10 +568,19 @@ static CUresult synced(CUresult r, CUstream stream, enum sync_scope scope)
         int gpu = gt_proc.single_gpu >= 0 ? gt_proc.single_gpu : gt_stream_gpu(stream);
         bool emptied = scope == SYNC_CONTEXT || (scope == SYNC_STREAM && sync_empties(gpu, stream));
         /* The program's own sync emptied its queue while its group is held: the end of a drain the
-         * scheduler may be waiting for, with no launch of ours to block and ring (hold). */
-        if (gpu >= 0 && gt_close_burst(gpu, emptied) && emptied &&
-            __atomic_load_n(&gt_proc.region->control[gpu][gt_group()].held, __ATOMIC_ACQUIRE) == GT_HELD)
-            ring_drain_end(gpu);
+         * scheduler may be waiting for, with no launch of ours to block and ring (hold). Or while it is
+         * released and another group waits (ring_quiet): the holder may have gone quiet, which the
+         * scheduler waits for to hand the GPU on, instead of polling for it. */
+        if (gpu >= 0 && gt_close_burst(gpu, emptied) && emptied) {
+            const struct gt_control *control = &gt_proc.region->control[gpu][gt_group()];
+            uint32_t held = __atomic_load_n(&control->held, __ATOMIC_ACQUIRE);
+            if (held != GT_HELD && held != GT_RELEASED)
+                /* After drained_ns, before the flag: of this sync and a look that sets the flag and then
+                 * reads our slot, one sees the other (an agent that sets it before the release: always). */
+                __atomic_thread_fence(__ATOMIC_SEQ_CST);
+            if (held == GT_HELD || (held != GT_RELEASED && __atomic_load_n(&control->ring_quiet, __ATOMIC_RELAXED)))
+                ring_drain_end(gpu);
+        }
     }
     return r;
 }

@@ -85,6 +85,8 @@ class FakeGpu:
     drain_ns: int = 1 * MS
     outranked_drain_ns: int | None = None
     outranked: bool = False  # the released group's word says GT_RELEASED_OUTRANKED
+    quiet_rings: bool = False  # the released group's gates ring when it runs out of work (ring_quiet)
+    rings_lost: bool = False  # no gate rings when it runs out (one that predates it, or a process gone)
     released: int | None = None
     draining: int | None = None
     hold_at: int = 0
@@ -119,21 +121,27 @@ class FakeGpu:
         return Observation(demand, idle_since, drained_at, present=frozenset(self.workloads),
                            holder_burst_from=burst_from, holder_burst_ns=burst_ns)
 
-    def rung(self, t0: int, t: int) -> bool:
-        """Did a thread start waiting on a held word in (t0, t] (the gate rings the doorbell then):
-        work arrived for a held group that had none, or the draining group finished its queue (a hog's
-        next launch then waits)?"""
+    def rung(self, t0: int, t: int, wake_on_wait: bool) -> bool:
+        """Did the released group run out of work in (t0, t] where the decision asked it to ring then
+        (its sync empties its queue: Decision.quiet_rings)? With `wake_on_wait`, or did a thread start
+        waiting on a held word (the gate rings the doorbell then): work arrived for a held group that
+        had none, or the draining group finished its queue (a hog's next launch then waits)?"""
+        if (self.quiet_rings and not self.rings_lost and self.released is not None
+                and t0 < self.workloads[self.released].ran_out_at <= t):
+            return True
+        if not wake_on_wait:
+            return False
         if self.draining is not None and t0 < self.drain_end <= t:
             return True
         return any(g not in (self.released, self.draining) and work.on_ns and work.pending == 0
                    and t0 < work.arrived_until <= t for g, work in self.workloads.items())
 
     def run(self, t0: int, t1: int, wake_on_wait: bool = False) -> int:
-        """GPU time between two looks, 0.1 ms at a time; with `wake_on_wait`, until a thread starts
-        waiting on a held word if that comes first. Returns when the next look is."""
+        """GPU time between two looks, 0.1 ms at a time, until a ring the look waits for (`rung`) if that
+        comes first. Returns when the next look is."""
         step = MS // 10
         for t in range(t0, t1, step):
-            if wake_on_wait and t > t0 and self.rung(t0, t):
+            if t > t0 and self.rung(t0, t, wake_on_wait):
                 return t
             dt = min(step, t1 - t)
             if self.released is not None and self.workloads[self.released].wants(t):
@@ -164,6 +172,7 @@ class FakeGpu:
             self.draining = None
         self.released = decision.released
         self.outranked = decision.outranked
+        self.quiet_rings = decision.quiet_rings
 
     def share(self, group: int, duration: int) -> float:
         return self.busy_ns.get(group, 0) / duration
@@ -278,7 +287,8 @@ def test_a_guaranteed_service_owed_a_slice_goes_before_the_holder_s_slice_ends()
 
 def test_a_new_holder_is_not_looked_at_for_the_last_holder_s_pause() -> None:
     """The owed holder's pause (owed_pause_ns) is its own: a group released after a holder that went
-    quiet is looked at a poll on, not at the end of the other's pause."""
+    quiet is looked at when it goes quiet itself (its gates ring) or at its slice's end, not at the end
+    of the other's pause."""
     policy = TimeSharePolicy(PolicyParams(), now=0)
     policy.set_quotas(0, {0: Quota(0.6, 1.0), 1: Quota()})
     assert policy.step(0, Observation(demand=frozenset({1}))).released == 1
@@ -287,8 +297,8 @@ def test_a_new_holder_is_not_looked_at_for_the_last_holder_s_pause() -> None:
     assert policy.step(100 * MS, quiet).draining == 1  # 1 went quiet: revoked early
     now = 100_200_000
     decision = policy.step(now, Observation(demand=frozenset({0, 1}), drained_at=100_100_000))
-    assert decision.released == 0
-    assert decision.wake_at == now + PolicyParams().poll_ns
+    assert decision.released == 0 and decision.quiet_rings
+    assert decision.wake_at >= now + PolicyParams().slice_ns  # (its slice pays its debt: longer)
 
 
 def test_min_util_alone_runs_at_full_speed_without_switches() -> None:
@@ -745,3 +755,20 @@ def test_opportunistic_groups_alone_share_the_gpu_as_any_groups() -> None:
     gpu, policy = simulate({0: Quota(opportunistic=True), 1: Quota(opportunistic=True, priority=1)},
                            {0: hog(), 1: hog()}, duration=2 * SECOND)
     assert gpu.share(1, 2 * SECOND) > 0.95 and gpu.share(0, 2 * SECOND) < 0.02
+
+
+def test_a_waiting_group_s_debt_coming_due_is_a_deadline_while_the_busy_holder_rings() -> None:
+    """A busy holder others wait for is looked at its quiet ring, not polled: what the poll also found
+    comes as a deadline. Here a group with MinUtil 0.9 waits beside a group in its turn across GPUs
+    (180 ms long): its debt reaches what revokes the holder (`_deep_debt`: a long
+    slice's debt and a slice's accrual, 72 ms at 0.9) 80 ms after it began to wait, and the look comes
+    then, not at the turn's end."""
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota(0.9, 1.0)})
+    both, turn = frozenset({0, 1}), frozenset({0})
+    assert policy.step(0, Observation(frozenset({0}), present=both, due=turn)).released == 0
+    decision = policy.step(1 * MS, Observation(both, present=both, due=turn))  # 1 waits from here
+    assert decision.released == 0 and decision.quiet_rings
+    assert decision.wake_at == 81 * MS
+    decision = policy.step(decision.wake_at, Observation(both, present=both, due=turn))
+    assert decision.draining == 0  # revoked for the debt, 100 ms before its turn's end

@@ -238,6 +238,38 @@ def test_a_pods_slot_seen_before_its_gate_filled_it_gets_the_host_pid(tmp_path: 
         region.close()
 
 
+def test_a_process_s_exit_rings_every_gpu_s_doorbell(tmp_path: Path) -> None:
+    """A process that exits with work queued rings nobody itself: the reaper rings the doorbells when
+    it sees a watched process exit, whether it frees the slot or the gate already did, so that a
+    scheduler waiting for that group's end (a drain, a holder going quiet) looks now, not at its net."""
+    region = rg.Region.create(tmp_path)
+    assert region.doorbells is not None
+    children = [sleeper(), sleeper()]
+    reaper = Reaper(region)
+    try:
+        for i, child in enumerate(children):
+            claim(region, i, child.pid, 0)
+        assert reaper.tick() == []
+        rung = [region.doorbells.rung(gpu) for gpu in range(rg.MAX_GPUS)]
+        assert reaper.tick() == [] and [region.doorbells.rung(gpu) for gpu in range(rg.MAX_GPUS)] == rung
+        children[0].kill()
+        children[0].wait()
+        wait_until("the reaper frees the slot", lambda: children[0].pid in reaper.tick())
+        assert all(region.doorbells.rung(gpu) > rung[gpu] for gpu in range(rg.MAX_GPUS))
+        rung = [region.doorbells.rung(gpu) for gpu in range(rg.MAX_GPUS)]
+        region.slots[1].pid = 0  # its gate freed its own slot at exit
+        children[1].kill()
+        children[1].wait()
+        wait_until("the exit seen", lambda: reaper.tick() == [] and region.doorbells is not None
+                   and region.doorbells.rung(0) > rung[0])
+    finally:
+        reaper.close()
+        for child in children:
+            child.kill()
+            child.wait()
+        region.close()
+
+
 # -- 5. the reaper out of file descriptors ----------------------------------------------------------
 
 

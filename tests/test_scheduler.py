@@ -186,16 +186,20 @@ def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
     other = b if first == a else a
     slots = {a: slot_a, b: slot_b}
     slots[first].waiting[GPU] = 0
-    # The released group launches through its 20 ms slice; the waiting one is polled (early revocation).
+    released_at = clock()
+    # The released group launches through its 20 ms slice; while the other waits its gates are to ring
+    # when it goes quiet (early revocation), and no look comes before the slice's end but for that ring.
     for _ in range(9):
         clock.advance(2 * MS)
         launch(slots[first], 100, clock())
-        assert scheduler.step() - clock() <= 4 * MS
+        assert scheduler.step() == released_at + 20 * MS
         assert not held(region, first) and held(region, other)
+        assert region.layout.control[GPU][first].ring_quiet == 1
     clock.advance(2 * MS)
     launch(slots[first], 100, clock())
     scheduler.step()
     assert held(region, first) and held(region, other)  # held, draining: nobody may launch
+    assert region.layout.control[GPU][first].ring_quiet == 0  # (its drain rings, as any held group's)
     clock.advance(1 * MS)
     scheduler.step()
     assert held(region, other)  # not drained yet (still launching)
@@ -506,6 +510,83 @@ def test_a_drain_is_looked_at_when_its_last_process_finishes_not_at_each_ring(re
         while held(region, b) and time.monotonic() - rung < 2:
             time.sleep(0.001)
         assert not held(region, b) and time.monotonic() - rung < 0.5
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def busy_holder_with_a_waiter(region: rg.Region, params: PolicyParams) -> tuple[GpuScheduler, rg.Slot, int]:
+    """Group a released and busy (a burst open) while group b waits: the scheduler, a's slot, b."""
+    scheduler = GpuScheduler(region, GPU, params=params, rescan_ns=0)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    holder, waiter = claim(region, 0, 1001, a), claim(region, 1, 1002, b)
+    holder.waiting[GPU] = 1
+    scheduler.step()  # a alone wants the GPU: released
+    holder.waiting[GPU] = 0
+    launch(holder, 10, time.monotonic_ns())
+    waiter.waiting[GPU] = 1
+    scheduler.step()
+    assert not held(region, a) and held(region, b)
+    assert region.layout.control[GPU][a].ring_quiet == 1  # its gates ring when it goes quiet
+    return scheduler, holder, b
+
+
+def test_a_busy_holder_others_wait_for_is_switched_at_its_quiet_ring_not_polled(region: rg.Region) -> None:
+    """A busy holder with another group waiting is not polled for going quiet (every 4 ms, most of the
+    looks at the region's limit): its gates ring when their sync leaves it with nothing queued, and
+    the look that revokes it comes with that ring. Slices and the net are seconds away here: any look
+    but the ring's would be a poll. A held group's thread that starts waiting meanwhile rings too, and
+    brings no look while the holder still has work."""
+    second = 1000 * MS
+    params = PolicyParams(slice_ns=5 * second, max_slice_ns=5 * second, drain_net_ns=second,
+                          drain_timeout_ns=5 * second)
+    scheduler, holder, b = busy_holder_with_a_waiter(region, params)
+    stop = threading.Event()
+    thread = threading.Thread(target=scheduler.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(0.05)  # the run's first look is done
+        looks = scheduler.looks
+        time.sleep(0.2)
+        assert scheduler.looks == looks  # polled every 4 ms, that is 50 looks
+        ring(region, GPU)  # another thread of the waiting group starts waiting
+        time.sleep(0.05)
+        assert scheduler.looks == looks and held(region, b)
+        holder.drained_ns[GPU] = time.monotonic_ns()  # its sync emptied its queue: the gate rings
+        rung = time.monotonic()
+        ring(region, GPU)
+        while held(region, b) and time.monotonic() - rung < 2:
+            time.sleep(0.001)
+        assert not held(region, b) and time.monotonic() - rung < 0.5
+        # The ring's look holds the quiet holder, the drain of a quiet holder ends at once (its look a
+        # drain poll later), and the next group goes: a few looks, not a poll's worth.
+        assert scheduler.looks - looks <= 4
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def test_a_quiet_holder_whose_ring_is_lost_is_switched_at_its_slice_s_end(region: rg.Region) -> None:
+    """A ring that never comes (the last busy process exited, a gate that predates the ring): the
+    look at the holder's slice's end hands the GPU on: the holder keeps the slice it could have used
+    anyway, and no look comes before it (a poll would)."""
+    params = PolicyParams(slice_ns=300 * MS, max_slice_ns=300 * MS)
+    scheduler, holder, b = busy_holder_with_a_waiter(region, params)
+    stop = threading.Event()
+    thread = threading.Thread(target=scheduler.run, args=(stop,))
+    thread.start()
+    try:
+        time.sleep(0.05)
+        looks = scheduler.looks
+        holder.drained_ns[GPU] = time.monotonic_ns()  # quiet, and no ring
+        quiet = time.monotonic()
+        while held(region, b) and time.monotonic() - quiet < 5:
+            time.sleep(0.001)
+        waited = time.monotonic() - quiet
+        assert not held(region, b), "never switched"
+        assert 0.1 < waited < 2.5, waited  # at the 300 ms slice's end, not before (no poll)
+        assert scheduler.looks - looks <= 4
     finally:
         stop.set()
         thread.join(5)

@@ -5,6 +5,8 @@ a loaded 2-core machine, where a held process wakes late."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,7 +15,8 @@ import pytest
 import scheduler_harness as harness
 from simgpu_env import SimGpu
 
-from gemtrace import contract
+from gemtrace import contract, defaults
+from gemtrace.agent.policy import MS, PolicyParams
 
 pytestmark = pytest.mark.e2e
 
@@ -181,3 +184,49 @@ def test_reserved_time_a_group_leaves_unused_goes_to_the_others(rig: harness.Rig
     assert shares[("hog", 0)] / solo >= 0.97
     assert rig.schedulers[0].switches == switches
     assert idle is not None and rig.schedulers[0].usage()[idle].gpu_seconds == 0
+
+
+def test_a_holder_that_goes_quiet_rings_and_the_scheduler_looks_only_then(simgpu: SimGpu, tmp_path: Path) -> None:
+    """The real gate: a holder whose one kernel runs 1.5 s while another group waits is not polled
+    (every 4 ms, that is hundreds of looks); its sync that ends the kernel rings the doorbell
+    (control.ring_quiet), and the look that ring brings revokes it: the waiting group's first kernel
+    follows within a few looks. Slices are 10 s here: without the ring, the switch would
+    come then. Looks are counted, not time: the machine may be busy."""
+    second = 1000 * MS
+    params = PolicyParams(slice_ns=10 * second, max_slice_ns=10 * second, drain_timeout_ns=10 * second)
+    with harness.rig(simgpu, tmp_path / "state", params=params) as the_rig:
+        service, hog = harness.Load("service"), harness.Load("hog")
+        the_rig.define([service, hog])
+        scheduler, region = the_rig.schedulers[0], the_rig.region
+        env = the_rig.sim.env(**{defaults.ENV_STATE_DIR: str(the_rig.state_dir), defaults.ENV_GROUP: "service",
+                                 "LD_PRELOAD": str(the_rig.gate)})
+        holder = subprocess.Popen([str(the_rig.client), "launch-per-line", "--kernel-ns", str(int(1.5 * second))],
+                                  env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        waiter = None
+        try:
+            assert holder.stdin is not None and holder.stdout is not None
+            assert json.loads(holder.stdout.readline())["ready"]
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            assert "returned_ns" in json.loads(holder.stdout.readline())  # released; its sync runs 1.5 s
+            waiter = the_rig.start(hog, 0, 1.0)
+            hog_group = region.group_index("hog")
+            assert hog_group is not None
+            deadline = time.monotonic() + 1.0
+            while not any(slot.pid == waiter.pid and slot.waiting[0] for _, slot in region.live_slots()):
+                assert time.monotonic() < deadline, "the waiting group's first launch never waited"
+                time.sleep(0.001)
+            looks = scheduler.looks
+            while region.is_held(0, hog_group):
+                assert time.monotonic() < deadline + 5, "never switched: the holder's quiet ring was not heard"
+                time.sleep(0.001)
+            # The waiter's ring (maybe after this count), the holder's quiet ring, the quiet drain's
+            # look, and a look more at most on a loaded machine.
+            assert scheduler.looks - looks <= 5, f"{scheduler.looks - looks} looks while the holder ran"
+            holder_slot = next(slot for _, slot in region.live_slots() if slot.pid == holder.pid)
+            assert holder_slot.drained_ns[0] > 0  # its own sync emptied its queue: that is what rang
+            waiter.finish(timeout=30)
+        finally:
+            holder.communicate("", timeout=30)
+            if waiter is not None and waiter.proc.poll() is None:
+                waiter.kill()

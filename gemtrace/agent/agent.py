@@ -194,6 +194,7 @@ class Reaper:
     def tick(self) -> list[int]:
         """Free dead processes' slots; returns their pids."""
         freed: list[int] = []
+        exited = False  # a watched process left (its gate may have freed its slot itself)
         pids = self.region.slot_pids()
         now = time.monotonic()
         # Every second a full look whatever changed: a slot claimed while a tick was freeing others
@@ -205,6 +206,7 @@ class Reaper:
             for index, (pid, _) in list(self._watched.items()):
                 if pids[index] != pid:
                     self._unwatch(index)  # the gate freed its own slot at exit
+                    exited = True
             for index, pid in enumerate(pids):
                 if not pid or index in self._watched:
                     continue
@@ -216,14 +218,21 @@ class Reaper:
                     self._retry = True
                 elif not state and self.region.free_slot(index, pid):
                     freed.append(pid)
+        exited = exited or bool(freed)
         for fd, _ in self._poll.poll(0) if self._watched else ():
             if fd not in self._index_of_fd:
                 continue  # one of `wait`'s own descriptors
             watched = self._index_of_fd[fd]
             pid = self._watched[watched][0]
             self._unwatch(watched)
+            exited = True
             if self.region.free_slot(watched, pid):
                 freed.append(pid)
+        if exited and self.region.doorbells is not None:
+            # A process that left with work queued rang nobody: where it was its group's last busy one
+            # on a GPU (a drain's end, or a holder going quiet while another group waits), that GPU's
+            # scheduler would see it only at a net or its slice's end. A ring costs a look at most.
+            self.region.doorbells.ring_all()
         for pid in freed:
             log.info("process_reaped", pid=pid)
         if freed:

@@ -106,15 +106,18 @@ class PolicyParams:
     # after it was held (a process that queued work and went off to CPU work reports no finish).
     max_overrun_ns: int = 1000 * MS
     window_ns: int = 1000 * MS  # time constant of the decayed usage (ordering, util_ratio)
-    poll_ns: int = 4 * MS  # looking for demand, or for the holder going idle while others wait
-    # Looking for a steady holder going idle while others wait: one that idled neither in its last
-    # holding nor so far in this one (a launch loop, a training step without data stalls) is looked at
-    # this often; a holder that idles gets poll_ns. Halves the agent's looks with capped groups
-    # waiting (bench/results/agent_cpu.md); an idle spell of a steady holder is seen this late at most.
-    # A slice: a steady holder is looked at only at its slice's end (a debt's longer slice every
-    # 60 ms). On a VM a look after a sleep of 20 ms costs 18 times its CPU back to back (290 against
-    # 16 us: bench/results/agent_cpu.md, 2026-11-23 19:54), so looks count more than their work; with
-    # capped groups taking turns, the looks at a steady holder were most of them.
+    # Looking for a holder that is quiet (or outranked) becoming busy, or for a waiting group's credit,
+    # while others wait.
+    poll_ns: int = 4 * MS
+    # A hog outranked by an idle service is looked at this often (the service's request rings). A busy
+    # holder that others wait for is not polled at all: its gates ring the doorbell when their sync
+    # leaves the group with nothing queued (Decision.quiet_rings), the look comes with that ring, and
+    # the slice's end is the net for a ring that never came (a gate that predates the ring; the agent's
+    # reaper rings for a process that exited busy): such a holder keeps the slice it could have used
+    # anyway. On a VM a look after a sleep of 20 ms costs 18 times its CPU back to back (290 against
+    # 16 us: bench/results/agent_cpu.md, 2026-11-23 19:54), so looks count more than their work;
+    # polled every poll_ns, the looks at a busy holder were most of them, and a net of 60 ms still two
+    # looks of every gang turn (bench/results/agent_cpu.md, 2026-11-27).
     steady_poll_ns: int = 60 * MS
     # A drain of a holder that was quiet when held ends at once and may not ring: it is looked at once
     # more this soon (or an eighth of the measured drain, up to 1 ms).
@@ -227,6 +230,12 @@ class Decision:
     # Opportunistic groups released beside the production groups present on this GPU (their queue
     # kept to a few kernels while production has work: GT_RELEASED_BESIDE); none of them holds a turn.
     beside: frozenset[int] = frozenset()
+    # The released group's gates are to ring the doorbell when their sync leaves the group with nothing
+    # queued (control.ring_quiet): it is busy and another group waits, so its going quiet is news that
+    # the policy acts on at once (it revokes the holder early). The scheduler sleeps on the bell for
+    # that ring alone (other rings bring a look only where wake_on_wait says so), with wake_at (the
+    # slice's end at the latest) as the net, not a poll every poll_ns.
+    quiet_rings: bool = False
 
 
 class Phase(Enum):
@@ -244,8 +253,6 @@ class _Account:
     cap_credit: float = 0.0  # MaxUtil bucket, ns of GPU time it may still use
     owed: float = 0.0  # MinUtil debt, ns of GPU time it is owed
     last_run: int = -1  # when it was last released, for round-robin among equals
-    idled: bool = False  # idled while holding the GPU, this holding (only the look cadence reads these)
-    steady: bool = False  # held the GPU before and did not idle in its last holding
     # The figures above are as of `at` (ns): a group that is neither charged nor the holder is brought
     # up to date only when it is next read (TimeSharePolicy._account); `era`: how many past bucket
     # capacities there were then; `wanting`: whether it wanted the GPU since `at` (its MinUtil debt
@@ -396,11 +403,12 @@ class TimeSharePolicy:
         self._looked = now  # (the gates' figures at the next look tell of the time since)
         released = self._holder if self._phase is Phase.RUNNING else None
         outranked = released is not None and self._outranked_present(released) and not self._is_owed(released)
+        quiet_rings = self._quiet_rings()
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
                         self._wake_on_wait(now, outranked), self._ready,
                         self._phase is Phase.IDLE or released is not None and released in self._clearing,
-                        beside)
+                        beside, quiet_rings)
 
     # -- production and opportunistic groups ----------------------------------------------------
 
@@ -485,6 +493,15 @@ class TimeSharePolicy:
         (bench/results/models_torch.md)."""
         return any(g in self._present and g not in self._demand for g in self._guaranteed)
 
+    def _quiet_rings(self) -> bool:
+        """Is the released group's going quiet news to wait for on the doorbell (Decision.quiet_rings)?
+        While it is busy (charged) and another group wants the GPU, with none of a higher priority
+        present (an outranked holder is polled: the request of the higher priority rings anyway, and
+        the holder is revoked then, quiet or not)."""
+        holder = self._holder
+        return (self._phase is Phase.RUNNING and holder is not None and self._charging
+                and any(g != holder for g in self._demand) and not self._outranked_present(holder))
+
     def _holder_alone(self) -> bool:
         """Is the released group the only one that wants the GPU, with none of a higher priority
         present? Then a thread that starts waiting on a held word is news: another group wants it."""
@@ -540,7 +557,6 @@ class TimeSharePolicy:
         since = max(self._looked, self._released_at)
         self._holder_idle_since = obs.holder_idle_since
         if obs.holder_idle_since is not None:
-            self._account(holder).idled = True
             if self._charging:
                 # It ran out of work at holder_idle_since: the time since was not GPU time; nor were
                 # the gaps between the bursts it closed before. Never before the last look that saw it
@@ -638,9 +654,7 @@ class TimeSharePolicy:
         self._phase, self._holder, self._charging = Phase.RUNNING, pick, True
         self._released_at = now
         self._holder_idle_since = None  # (the last holder's: this one's comes with its first look)
-        account = self._account(pick)
-        account.steady, account.idled = account.last_run >= 0 and not account.idled, False
-        account.last_run = now
+        self._account(pick).last_run = now
         self._slice_end = now + self._slice_for(pick, owed_first=owed)
 
     def _hold(self, now: int) -> None:
@@ -858,16 +872,42 @@ class TimeSharePolicy:
         return min(self._slice_end, now + p.max_slice_ns)  # (a debt's slice may be longer)
 
     def _wake_to_revoke(self, holder: int, now: int) -> int:
-        """Another group wants the GPU: look for the holder going idle (it is revoked early then), at
-        the end of an owed holder's pause, every poll where it idles or is outranked, and once a slice
-        where it is steady (it idled neither in its last holding nor so far in this one)."""
+        """Another group wants the GPU: look at the end of a quiet holder's pause, every poll where the
+        holder is quiet (for a waiting group's credit) or outranked, and where it is busy when its
+        gates ring that it went quiet (`_quiet_rings`), or when a waiting group's MinUtil debt comes to
+        send it before the holder's slice ends (`_deep_debt`), the slice's end being the net."""
         p = self.params
         if self._kept_pause(holder, now):
             assert self._holder_idle_since is not None
             return self._holder_idle_since + self._quiet_allowance(holder)
-        account = self._accounts[holder]
-        steady = account.steady and not account.idled and not self._outranked_present(holder)
-        return now + (p.steady_poll_ns if steady else p.poll_ns)
+        if self._quiet_rings():
+            return self._deep_debt_at(now)
+        return now + p.poll_ns
+
+    def _deep_debt_at(self, now: int) -> int:
+        """When a waiting group's MinUtil debt next reaches what revokes the holder (`_deep_debt`), or
+        its MaxUtil credit comes where the debt is there already, before the holder's slice ends (else
+        the slice's end); `now + poll_ns` where that cannot be told. Its debt grows at its MinUtil while
+        it waits and its credit at its MaxUtil: a deadline, not a poll, as every look that a busy
+        holder's ring replaces must be."""
+        wake = math.inf
+        for group in self._demand & self._guaranteed:
+            if group == self._holder:
+                continue
+            account, quota = self._account(group), self._accounts[group].quota
+            due = self._long_slice_debt(group) + quota.min_util * self.slice_ns()
+            if due > self.params.max_owed_slice_ns:
+                continue  # (out of reach: a debt grows up to max_owed_slice_ns)
+            missing = due - account.owed
+            if missing > 0:
+                wake = min(wake, now + math.ceil(missing / quota.min_util))
+            elif not self._eligible(group, now):
+                credit = self._credit_needed(group) - account.cap_credit
+                if group in self._barred or credit <= 0 or not 0.0 < quota.max_util < 1.0:
+                    wake = min(wake, now + self.params.poll_ns)
+                else:
+                    wake = min(wake, now + max(1, math.ceil(credit / quota.max_util)))
+        return int(min(wake, self._slice_end))
 
     def _wake_idle(self, now: int) -> int:
         """Nobody released: a group's first launch rings (it blocks on its held word), so the look for

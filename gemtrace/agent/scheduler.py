@@ -27,7 +27,10 @@ Where the policy says a thread's wait is news (`Decision.wake_on_wait`: a group 
 holder asks for the GPU, a held group drained while another waits, nobody holds the GPU, or another
 group's first wait beside a holder alone) it sleeps on
 the GPU's doorbell, which a gate rings when one of its threads starts waiting on a held word or a
-held process's own sync ends its drain: it looks at once, not a poll later. During a drain a ring
+held process's own sync ends its drain: it looks at once, not a poll later. Where a busy holder keeps
+another group waiting (`Decision.quiet_rings`), it asks the holder's gates to ring when their sync
+leaves the group with nothing queued (control.ring_quiet, set before the release) and sleeps on the
+bell for that ring alone: a ring while the holder still has work brings no look. During a drain a ring
 brings a look only once no process of the drained group has work left; a gate whose group is still
 draining elsewhere does not ring at all (hook/launch.c, ring_drain_end: the last to finish rings), so
 with two processes a group a switch costs the scheduler one wake-up fewer.
@@ -63,6 +66,7 @@ RESCAN_NET_NS = 1_000_000_000
 # The least time between the start of a look and a look that a doorbell ring brings (any gated user
 # can ring it: a forged ring loop costs at most this many looks a second, 4000, not a core).
 RING_GAP_NS = 250_000
+_FOREVER = 1 << 63  # (`_unfinished`: work queued that no sync covered at all)
 
 
 class SlotTable:
@@ -211,6 +215,11 @@ class GpuScheduler:
         self._short_queue = False
         self._outranked = False
         self._wake_on_wait = False
+        # The released group whose gates ring when it goes quiet (Decision.quiet_rings), if any. A
+        # restarted agent's region may still ask it of a group: nobody's until a decision says so.
+        self._ringing: int | None = None
+        for group in range(rg.MAX_GROUPS):
+            region.set_ring_quiet(gpu, group, False)
         # The turns of groups that span GPUs, shared with the other GPUs' schedulers (gemtrace/agent/gang.py);
         # while a group here spans GPUs, this scheduler sleeps on its doorbell, which a turn's change rings.
         self._gang = gang
@@ -288,8 +297,19 @@ class GpuScheduler:
                     stop.wait(0.1)
                     continue
                 delay = wake_at - self._clock()
-                if self._wake_on_wait or self._gang_here:
+                if self._wake_on_wait or self._gang_here or self._ringing is not None:
                     bells.wait(self.gpu, rung, delay)
+                    # Waiting for the holder's quiet ring alone: another ring (a held group's thread that
+                    # starts waiting) is no news here while the holder still has work. Sleep on.
+                    while (not self._wake_on_wait and not self._gang_here and self._ringing is not None
+                           and (now_rung := bells.rung(self.gpu)) != rung):
+                        with self._lock:
+                            if not self._unfinished(self._ringing, _FOREVER):
+                                break
+                        rung, left = now_rung, wake_at - self._clock()
+                        if left <= 0 or stop.is_set() or self._pending_quotas is not None:
+                            break
+                        bells.wait(self.gpu, rung, left)
                     # A ring during a drain while a process of the drained group still has work: the
                     # ring was another of its processes' (two finishing at once, an older gate) or
                     # another group's, which the look at the drain's end sees. Sleep on without a look.
@@ -335,9 +355,15 @@ class GpuScheduler:
                     break
                 turned = self._with_turns(observation)
                 decision = self._policy.step(now, turned)
+            ringing, released = self._ringing, self._released
             self._carry_out(now, decision)
             self._assert_words()
             self.looks += 1
+            if (self._ringing is not None and self._ringing != ringing and self._ringing == released
+                    and not self._unfinished(self._ringing, _FOREVER)):
+                # Asked to ring while it was already released: it may have gone quiet after this look
+                # read its slots and before the ask (no ring then). Look again at once.
+                return now
             return decision.wake_at
 
     def _with_turns(self, observation: Observation) -> Observation:
@@ -362,6 +388,8 @@ class GpuScheduler:
             self.region.release(self.gpu, group)
         if self._released in dropped:
             self._released = None
+        if self._ringing in dropped:
+            self._set_ringing(None)
         if self._drain is not None and self._drain.group in dropped:
             self._drain = None
         # Every scheduled group is held but the one the policy released (a new group starts held:
@@ -406,16 +434,18 @@ class GpuScheduler:
         """Does a process of the drained group still have work queued from before the hold (neither a
         thread waiting on its word nor a sync since the hold, nor nothing queued)? As `_observe`
         judges a drain's end, on the drained group's slots only."""
-        drain, slots = self._drain, self._slots
-        if drain is None:
-            return False
-        for index in self._slots_of_groups({drain.group}, slots.assignments()):
+        drain = self._drain
+        return drain is not None and self._unfinished(drain.group, drain.hold_at)
+
+    def _unfinished(self, group: int, since: int) -> bool:
+        """Does a process of `group` have work queued on this GPU that no sync since `since` covered?"""
+        slots = self._slots
+        for index in self._slots_of_groups({group}, slots.assignments()):
             pid = slots.pid[index]
-            if not pid or slots.assigned_pid[index] != pid or slots.group[index] != drain.group:
+            if not pid or slots.assigned_pid[index] != pid or slots.group[index] != group:
                 continue
             drained = slots.drained_ns[index]
-            if drained < drain.hold_at and not self._quiet(slots.waiting[index], drained,
-                                                           slots.burst_start_ns[index]):
+            if drained < since and not self._quiet(slots.waiting[index], drained, slots.burst_start_ns[index]):
                 return True
         return False
 
@@ -549,6 +579,8 @@ class GpuScheduler:
             if self._released is not None and self._released not in decision.beside:
                 self.region.hold(self.gpu, self._released)
             self._released = decision.released
+        # Before the release below: every sync of the group's slice sees that it is to ring.
+        self._set_ringing(decision.released if decision.quiet_rings else None)
         self._carry_out_beside(decision.beside)
         self._short_queue = decision.short_queue
         self._outranked = decision.outranked
@@ -558,6 +590,15 @@ class GpuScheduler:
                 self.region.set_beside(self.gpu, decision.released, ())  # (no production present)
             # Also when only the queue's bound changed (a no-op when the word already says it).
             self.region.release(self.gpu, decision.released, self._released_word())
+
+    def _set_ringing(self, group: int | None) -> None:
+        if group == self._ringing:
+            return
+        if self._ringing is not None:
+            self.region.set_ring_quiet(self.gpu, self._ringing, False)
+        if group is not None:
+            self.region.set_ring_quiet(self.gpu, group, True)
+        self._ringing = group
 
     def _carry_out_beside(self, beside: frozenset[int]) -> None:
         """Release the opportunistic groups beside production (RELEASED_BESIDE), naming the slots of
@@ -622,5 +663,6 @@ class GpuScheduler:
             self._released = None
             self._drain = None
             self._beside = frozenset()
+            self._set_ringing(None)
             # The next look starts from all held again (a restarted loop must not leave two released).
             self._pending_quotas = self._pending_quotas or self._policy.quotas()

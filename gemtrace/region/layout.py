@@ -75,7 +75,7 @@ class GroupRecord(ctypes.Structure):
 
 
 class Control(ctypes.Structure):
-    _fields_ = [("held", u32), ("beside_n", ctypes.c_uint16), ("reserved0", ctypes.c_uint16), ("grant_seq", u64),
+    _fields_ = [("held", u32), ("beside_n", ctypes.c_uint16), ("ring_quiet", ctypes.c_uint16), ("grant_seq", u64),
                 ("beside_slots", ctypes.c_uint16 * BESIDE_SLOTS)]
 
 

@@ -542,6 +542,14 @@ class Region:
             control.beside_slots[i] = index
         control.beside_n = len(production)
 
+    def set_ring_quiet(self, gpu: int, group: int, ring: bool) -> None:
+        """Ask the group's gates to ring GPU `gpu`'s doorbell when a sync of theirs leaves the group with
+        nothing queued there (hook/gemtrace_region.h, Launch gating): set before the group is released
+        while another group waits, so that no sync of its slice misses it."""
+        control = self.layout.control[gpu][group]
+        if control.ring_quiet != ring:
+            control.ring_quiet = int(ring)
+
     def release_all(self) -> None:
         for gpu in range(MAX_GPUS):
             for group in range(MAX_GROUPS):
