@@ -90,15 +90,15 @@ class PolicyParams:
     drains lengthen it only where slice_ns is set lower (tests do). min_slice_ns is the shortest slice
     that pays a MinUtil debt."""
 
-    # 60 ms, not 20: each hold and release costs the released group's work about 2 ms more than the
-    # time charged (its restart on a GPU gone idle; bench/results/models_torch.md, 2026-11-23 15:02):
-    # on the H100 MaxUtil 0.5 alone gave 0.44 of solo at 20 ms slices, 0.49 at 60.
+    # Long against what each hold and release costs the released group's work beyond the time charged
+    # (a few ms: its restart on a GPU gone idle), so that a share of time is that share of the work
+    # (bench/results/models_torch.md compares 20 and 60 ms slices).
     slice_ns: int = 60 * MS
     min_slice_ns: int = 15 * MS
     max_slice_ns: int = 60 * MS
     # The longest slice that pays a MinUtil debt, and the most debt a group carries: a guaranteed group
-    # beside hogs then runs in a few long slices (MinUtil 0.6 beside two hogs on the H100: 0.56 of solo
-    # with debts of at most 60 ms, 0.62 with 180).
+    # beside hogs then runs in a few long slices, each costing it one restart (bench/results/models_torch.md
+    # compares debts of at most 60 and 180 ms).
     max_owed_slice_ns: int = 180 * MS
     drain_slices: int = 4  # a slice lasts at least this many measured drains
     drain_timeout_ns: int = 50 * MS
@@ -114,10 +114,9 @@ class PolicyParams:
     # leaves the group with nothing queued (Decision.quiet_rings), the look comes with that ring, and
     # the slice's end is the net for a ring that never came (a gate that predates the ring; the agent's
     # reaper rings for a process that exited busy): such a holder keeps the slice it could have used
-    # anyway. On a VM a look after a sleep of 20 ms costs 18 times its CPU back to back (290 against
-    # 16 us: bench/results/agent_cpu.md, 2026-11-23 19:54), so looks count more than their work;
-    # polled every poll_ns, the looks at a busy holder were most of them, and a net of 60 ms still two
-    # looks of every gang turn (bench/results/agent_cpu.md, 2026-11-27).
+    # anyway. A look after a sleep costs many times its work back to back (cold caches, a VM's idle
+    # vCPU), so the looks that change nothing are what to remove: polled, the looks at a busy holder
+    # were most of them (bench/results/agent_cpu.md).
     steady_poll_ns: int = 60 * MS
     # A drain of a holder that was quiet when held ends at once and may not ring: it is looked at once
     # more this soon (or an eighth of the measured drain, up to 1 ms).
