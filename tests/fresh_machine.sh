@@ -5,6 +5,7 @@
 # (tests/prereqs.sh); prints the demo's first lines and the test totals.
 #
 #   sudo tests/fresh_machine.sh [bookworm|noble]      (default bookworm; needs debootstrap, network)
+#   sudo GEMTRACE_FRESH_ONLY=demo tests/fresh_machine.sh noble      (the first command only)
 #
 # The pristine root is made once and kept as a tarball outside the repository
 # ($GEMTRACE_FRESH_CACHE, default /var/cache/gemtrace-fresh/<suite>.tar; delete it to remake it);
@@ -155,6 +156,10 @@ else
 fi
 echo "... (whole log: $work/$suite/demo.log)"
 
+if [ "${GEMTRACE_FRESH_ONLY:-}" = demo ]; then
+    echo "(make test not run: GEMTRACE_FRESH_ONLY=demo; total $(($(date +%s) - t0)) s)"
+    exit "$rc"
+fi
 t=$(date +%s)
 trc=0
 inside 'make test' >"$work/$suite/test.log" 2>&1 || trc=$?
