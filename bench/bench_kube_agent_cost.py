@@ -16,7 +16,11 @@ its own clock (`date`, the host's), as bench/bench_kube_churn.py times it; it wa
 gate showed it its limit (2 GiB, or the group's 4 GiB; ungated it would see the GPU's 16) and the
 agent followed its process. Then, with no pod and with all of them holding: the agent's CPU (utime +
 stime from /proc/PID/stat over --window seconds, as % of one core) and its /metrics scrape time
-(median and worst of --scrapes) and size. Appends a dated table to bench/results/kube_admission.md.
+(median and worst of --scrapes) and size. Where a pod's admission went, from the kubelet's log (its
+times are the host's, as the container's clock is): to its arrival at the kubelet (the apiserver, the
+webhook, the scheduler), to its sandbox begun (volumes), to its sandbox started, to its container's
+first instruction (the plugin's Allocate and PreStartContainer, the container made); the median of
+each step. Appends a dated table to bench/results/kube_admission.md.
 
     sudo flock /tmp/gemtrace-k8s.lock .venv/bin/python -m bench.bench_kube_agent_cost [--pods 100] \
         [--gpus 8] [--shared 50] [--no-record]
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -34,6 +39,7 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,7 @@ from simgpu_env import SimGpu
 from test_kube_e2e import Node, import_image, on_the_node
 from testkit import GiB, owning_host_dirs
 
+from bench.bench_kube_churn import KLOG_TIME
 from bench.recording import RESULTS as RESULTS_DIR
 from bench.recording import add_record_flag, record
 from gemtrace.kube import shares
@@ -53,6 +60,10 @@ GROUP, GROUP_LIMIT_GIB = "pods", 4
 CONFIG = f"[{GROUP}]\nMemoryLimit = {GROUP_LIMIT_GIB}GiB\n"
 SCRIPT = "date +%s.%N && /simgpu/simgpu-rt meminfo && /simgpu/simgpu-rt alloc --hold 3600 16MiB"
 BENCH_LABEL = "gemtrace-bench=kube-agent-cost"
+# A pod's steps in the kubelet's log (klog, --v 2), in order: its first line of each.
+STEPS = {"arrived": 'SyncLoop (ADD, "api"): "{name}_', "sandbox begun": 'No sandbox for pod "{name}_',
+         "sandbox started": 'SyncLoop (PLEG): "{name}_'}
+POD_IN_LINE = re.compile(r'"(cost-[0-9]+)_')  # each step's line names its pod "NAME_NAMESPACE(UID)"
 WAIT_S = 420  # for every pod to hold; on two shared cores 100 took about 3 min
 
 
@@ -130,6 +141,36 @@ def followed(body: str) -> set[str]:
     """The bench's pods whose process the agent exports."""
     return {line.split('pod="', 1)[1].split('"', 1)[0] for line in body.splitlines()
             if line.startswith("gemtrace_process_memory_bytes{") and 'pod="cost-' in line}
+
+
+def kubelet_steps(log: str, year: int, names: set[str]) -> dict[str, dict[str, float]]:
+    """For each pod of `names`, the time of each of STEPS in the kubelet's log."""
+    found: dict[str, dict[str, float]] = {name: {} for name in names}
+    for line in log.splitlines():
+        if not (m := KLOG_TIME.match(line)) or not (pod := POD_IN_LINE.search(line)):
+            continue
+        name = pod[1]
+        if (steps := found.get(name)) is None:
+            continue
+        for step, text in STEPS.items():
+            if step not in steps and text.format(name=name) in line:
+                steps[step] = datetime.fromisoformat(f"{year}-{m[1]}-{m[2]}T{m[3]}+00:00").timestamp()
+    return found
+
+
+def steps_row(label: str, pods: list[Pod], steps: dict[str, dict[str, float]]) -> str:
+    """The median of each step's time over the pods that the kubelet's log has every step of."""
+    marks = ["created", *STEPS, "first instruction"]
+    spans: list[list[float]] = [[] for _ in marks[1:]]
+    for pod in pods:
+        mine = steps.get(pod.name, {})
+        if pod.started is None or any(s not in mine for s in STEPS):
+            continue
+        times = [pod.created, *(mine[s] for s in STEPS), pod.started]
+        for i, (a, b) in enumerate(zip(times, times[1:], strict=False)):
+            spans[i].append(b - a)
+    cells = " | ".join(f"{statistics.median(v):.2f}" if v else "-" for v in spans)
+    return f"| {label} | {len(spans[0])} | {cells} |\n"
 
 
 def cpu_seconds(pid: int) -> float:
@@ -212,6 +253,8 @@ def main() -> int:
             held_s = time.monotonic() - first
             busy = measure(agent.proc.pid, agent.url, args.window, args.scrapes)
             refused = agent.log.read_text().count('"event": "dropin_refused"')
+            steps = kubelet_steps((cluster.logs / "kubelet.log").read_text(), datetime.now(UTC).year,
+                                  {p.name for p in pods})
             load = os.getloadavg()[0]
         finally:
             subprocess.run([cluster.kubectl_bin, "--kubeconfig", cluster.kubeconfig, "delete", "pods", "-l",
@@ -235,7 +278,11 @@ def main() -> int:
         + admission_row(f"label {shares.LABEL_GROUP}={GROUP} ({GROUP_LIMIT_GIB} GiB group)", grouped, exported)
         + "\nEach pod's admission, in the order created (s; * asked for a share): "
         + ", ".join(f"{p.admission:.1f}{'*' if p.shared else ''}" if p.admission is not None else "-" for p in pods)
-        + f"\n\nThe agent, over {args.window:g} s and {args.scrapes} scrapes a second apart:\n\n"
+        + "\n\nWhere the admissions went, by the kubelet's log: the median of each step (s)\n\n"
+        "| pods | with every step logged | to arrival at the kubelet | to sandbox begun | to sandbox started "
+        "| to first instruction |\n| --- | --- | --- | --- | --- | --- |\n"
+        + steps_row("with a share", shared, steps) + steps_row(f"in `{GROUP}`", grouped, steps)
+        + f"\nThe agent, over {args.window:g} s and {args.scrapes} scrapes a second apart:\n\n"
         "| pods on the node | processes exported | agent CPU (one core) | scrape median | scrape worst "
         "| /metrics size |\n| --- | --- | --- | --- | --- | --- |\n" + rows)
     print(table)
