@@ -18,9 +18,11 @@ agent followed its process. Then, with no pod and with all of them holding: the 
 stime from /proc/PID/stat over --window seconds, as % of one core) and its /metrics scrape time
 (median and worst of --scrapes) and size. Where a pod's admission went, from the kubelet's log (its
 times are the host's, as the container's clock is): to its arrival at the kubelet (the apiserver, the
-webhook, the scheduler), to its sandbox begun (volumes), to its sandbox started, to its container's
-first instruction (the plugin's Allocate and PreStartContainer, the container made); the median of
-each step. Appends a dated table to bench/results/kube_admission.md.
+webhook, the scheduler), to its sandbox begun (volumes), to its sandbox started as the kubelet's PLEG
+saw it (it relists every second: the split between this step and the next is as coarse), to its
+container's first instruction (the plugin's Allocate and PreStartContainer, the container made); the
+median of each step. And the metric families with the most series, with no pod and with all.
+Appends a dated table to bench/results/kube_admission.md.
 
     sudo flock /tmp/gemtrace-k8s.lock .venv/bin/python -m bench.bench_kube_agent_cost [--pods 100] \
         [--gpus 8] [--shared 50] [--no-record]
@@ -178,8 +180,21 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def measure(pid: int, url: str, window: float, scrapes: int) -> dict[str, float]:
-    """The agent's CPU over `window` s (no scrape in it), then `scrapes` scrapes a second apart."""
+def largest_families(body: str, top: int = 5) -> str:
+    """The metric families with the most series in a scrape, with their counts."""
+    counts: dict[str, int] = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            family = line.split("{", 1)[0].split(" ", 1)[0]
+            counts[family] = counts.get(family, 0) + 1
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    return (f"{sum(counts.values())} series in {len(counts)} families, the most in "
+            + ", ".join(f"`{name}` {n}" for name, n in ranked[:top]))
+
+
+def measure(pid: int, url: str, window: float, scrapes: int) -> tuple[dict[str, float], str]:
+    """The agent's CPU over `window` s (no scrape in it), then `scrapes` scrapes a second apart; and
+    the last scrape's body."""
     c0, t0 = cpu_seconds(pid), time.monotonic()
     time.sleep(window)
     cpu = (cpu_seconds(pid) - c0) / (time.monotonic() - t0)
@@ -193,7 +208,7 @@ def measure(pid: int, url: str, window: float, scrapes: int) -> dict[str, float]
         processes = sum(1 for line in body.splitlines() if line.startswith("gemtrace_process_memory_bytes{"))
         time.sleep(1)
     return {"cpu": cpu, "median_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3,
-            "kib": size / 1024, "processes": processes}
+            "kib": size / 1024, "processes": processes}, body
 
 
 def summary(values: list[float]) -> str:
@@ -238,7 +253,7 @@ def main() -> int:
             node.install(str(GPU_GIB * args.gpus), str(100 * args.gpus))
             webhook_ready(node, args.gpus)
             agent = node.agent
-            idle = measure(agent.proc.pid, agent.url, args.window, args.scrapes)
+            idle, idle_body = measure(agent.proc.pid, agent.url, args.window, args.scrapes)
             first = time.monotonic()
             for pod in pods:
                 pod.created = time.time()
@@ -251,7 +266,7 @@ def main() -> int:
                     break
                 time.sleep(2)
             held_s = time.monotonic() - first
-            busy = measure(agent.proc.pid, agent.url, args.window, args.scrapes)
+            busy, busy_body = measure(agent.proc.pid, agent.url, args.window, args.scrapes)
             refused = agent.log.read_text().count('"event": "dropin_refused"')
             steps = kubelet_steps((cluster.logs / "kubelet.log").read_text(), datetime.now(UTC).year,
                                   {p.name for p in pods})
@@ -284,7 +299,8 @@ def main() -> int:
         + steps_row("with a share", shared, steps) + steps_row(f"in `{GROUP}`", grouped, steps)
         + f"\nThe agent, over {args.window:g} s and {args.scrapes} scrapes a second apart:\n\n"
         "| pods on the node | processes exported | agent CPU (one core) | scrape median | scrape worst "
-        "| /metrics size |\n| --- | --- | --- | --- | --- | --- |\n" + rows)
+        "| /metrics size |\n| --- | --- | --- | --- | --- | --- |\n" + rows
+        + f"\nWith no pod: {largest_families(idle_body)}.\nWith {args.pods}: {largest_families(busy_body)}.\n")
     print(table)
     if not args.no_record:
         record(RESULTS, "Pods admitted per second through the device plugin", table,
