@@ -38,7 +38,7 @@ from pathlib import Path
 from k8s_cluster import CLUSTER_SH, K8sCluster, cluster_env
 from simgpu_env import SimGpu
 from test_kube_e2e import Node, import_image, on_the_node
-from testkit import GiB
+from testkit import GiB, owning_host_dirs
 
 from bench.recording import RESULTS as RESULTS_DIR
 from bench.recording import add_record_flag, record
@@ -167,6 +167,11 @@ def main() -> int:
     ap.add_argument("--pods", type=int, default=50)
     add_record_flag(ap, RESULTS)
     args = ap.parse_args()
+    with owning_host_dirs("bench_kube_churn"):  # the cluster's node binds over the host's gemtrace dirs
+        return churn(args)
+
+
+def churn(args: argparse.Namespace) -> int:
     up = subprocess.run([str(CLUSTER_SH), "up"], capture_output=True, text=True)
     if up.returncode != 0:
         raise SystemExit(f"tests/k8s/cluster.sh up failed:\n{up.stderr}")
