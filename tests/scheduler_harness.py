@@ -281,8 +281,10 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
     own), else the device share of the case's first loop run beside it on the rig's last GPU, which the
     case must leave free. `split` is the group's part of what all the case's groups on that GPU did
     together, `together` that sum relative to `reference`, `alone` whether the group had the GPU to
-    itself. looks_per_s is how often that GPU's scheduler looked at the region (its wake-ups),
-    switches_per_s how often it held a group."""
+    itself, `charged` the part of the time it wanted that GPU which its scheduler charged it (its
+    GPU seconds over those and its throttled seconds: the scheduler's clock, since the rig began,
+    which must be fresh for the case). looks_per_s is how often that GPU's scheduler looked at the
+    region (its wake-ups), switches_per_s how often it held a group."""
     loads = list(case.loads)
     if solo is None:
         beside = reference(the_rig, case.loads[0])
@@ -303,9 +305,13 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
     rows = []
     for (group, device), (target, kind) in case.targets.items():
         share, together = shares[(group, device)], sum(on_device[device])
+        index = the_rig.region.group_index(group)
+        usage = the_rig.schedulers[device].usage().get(index) if index is not None else None
+        wanted = usage.gpu_seconds + usage.throttled_seconds if usage is not None else 0.0
         rows.append({"case": case.name, "group": group, "device": device, "target": target, "kind": kind,
                      "device_share": share, "reference": base, "measured": share / base,
                      "split": share / together, "together": together / base, "alone": len(on_device[device]) == 1,
+                     "charged": usage.gpu_seconds / wanted if usage is not None and wanted else float("nan"),
                      "looks_per_s": (the_rig.schedulers[device].looks - looks[device]) / elapsed,
                      "switches_per_s": (the_rig.schedulers[device].switches - switches[device]) / elapsed})
     return rows
