@@ -31,7 +31,7 @@ from simgpu_env import REPO, RT_CLIENT, Client, SimGpu
 
 from gemtrace import defaults
 from gemtrace.agent.membership import Membership
-from gemtrace.agent.policy import MS, PolicyParams
+from gemtrace.agent.policy import MS, GroupUsage, PolicyParams
 from gemtrace.agent.scheduler import GpuScheduler, Quota
 from gemtrace.region import Region
 
@@ -283,7 +283,9 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
     together, `together` that sum relative to `reference`, `alone` whether the group had the GPU to
     itself, `charged` the part of the time it wanted that GPU which its scheduler charged it (its
     GPU seconds over those and its throttled seconds: the scheduler's clock, since the rig began,
-    which must be fresh for the case). looks_per_s is how often that GPU's scheduler looked at the
+    which must be fresh for the case), `handed` the GPU seconds charged to all the case's groups on
+    that GPU over the longest time one of them wanted it (the part of the GPU's time that the
+    scheduler gave away). looks_per_s is how often that GPU's scheduler looked at the
     region (its wake-ups), switches_per_s how often it held a group."""
     loads = list(case.loads)
     if solo is None:
@@ -299,19 +301,27 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
     elapsed = time.monotonic() - start
     base = solo if solo is not None else shares[(REFERENCE, loads[-1].devices[0])]
     on_device: dict[int, list[float]] = {}
+    usages: dict[tuple[str, int], GroupUsage] = {}
     for (group, device), share in shares.items():
         if group != REFERENCE:
             on_device.setdefault(device, []).append(share)
+            index = the_rig.region.group_index(group)
+            usage = the_rig.schedulers[device].usage().get(index) if index is not None else None
+            usages[(group, device)] = usage or GroupUsage(0.0, 0.0, 0.0)
+    handed: dict[int, float] = {}
+    for device in on_device:
+        used = [u for (_, d), u in usages.items() if d == device]
+        longest = max(u.gpu_seconds + u.throttled_seconds for u in used)
+        handed[device] = sum(u.gpu_seconds for u in used) / longest if longest else float("nan")
     rows = []
     for (group, device), (target, kind) in case.targets.items():
         share, together = shares[(group, device)], sum(on_device[device])
-        index = the_rig.region.group_index(group)
-        usage = the_rig.schedulers[device].usage().get(index) if index is not None else None
-        wanted = usage.gpu_seconds + usage.throttled_seconds if usage is not None else 0.0
+        usage = usages[(group, device)]
+        wanted = usage.gpu_seconds + usage.throttled_seconds
         rows.append({"case": case.name, "group": group, "device": device, "target": target, "kind": kind,
                      "device_share": share, "reference": base, "measured": share / base,
                      "split": share / together, "together": together / base, "alone": len(on_device[device]) == 1,
-                     "charged": usage.gpu_seconds / wanted if usage is not None and wanted else float("nan"),
+                     "charged": usage.gpu_seconds / wanted if wanted else float("nan"), "handed": handed[device],
                      "looks_per_s": (the_rig.schedulers[device].looks - looks[device]) / elapsed,
                      "switches_per_s": (the_rig.schedulers[device].switches - switches[device]) / elapsed})
     return rows

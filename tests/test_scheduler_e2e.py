@@ -23,9 +23,9 @@ pytestmark = pytest.mark.e2e
 
 WARMUP, SECONDS = 1.0, 3.0
 POINTS = 5.0
-# Groups that share a GPU do together at least this much of what one loop does alone: each group
-# within POINTS of its target, as each was before shares were asserted as a split.
-TOGETHER_MIN = 1 - 2 * POINTS / 100
+# Groups that share a GPU are given together at least this part of its time by its scheduler: each
+# group within POINTS of its target, as each was before shares were asserted as a split.
+HANDED_MIN = 1 - 2 * POINTS / 100
 # Two launch-bound groups taking turns do together at least this much of one alone: a switch costs a
 # drain and a wake (0.99 at 24 holds a second in bench/results/scheduler_accuracy.md), and a loaded
 # CI machine takes some of the loops' CPU (0.89 seen); less is GPU time lost between one group's
@@ -44,18 +44,28 @@ def rig(simgpu_factory: Callable[..., SimGpu], tmp_path: Path) -> Iterator[harne
         yield the_rig
 
 
-def check(rows: list[dict[str, Any]], together: bool = True) -> None:
-    """A group alone on its GPU: its share of the reference within POINTS of its target. Groups that
-    share a GPU: each one's part of what they did there together (they took turns on the same
-    slices, on the same host, so a busy host moves neither part), and, with `together`, what they
-    did together at least TOGETHER_MIN of the reference: no GPU time lost between one group's hold
-    and the next one's release."""
-    table = "\n".join(f"{r['group']}@{r['device']}: {r['measured']:.3f} of the reference, {r['split']:.3f} of "
-                      f"the GPU's groups together ({r['together']:.3f} of the reference) for {r['kind']} {r['target']}"
-                      for r in rows)
+def check(rows: list[dict[str, Any]]) -> None:
+    """Each group against what the load on the host cannot move. Groups that share a GPU: each one's
+    part of what they did there together (they took turns on the same slices, on the same host), and
+    the scheduler's clock: it gave them together at least HANDED_MIN of the GPU's time, none lost
+    between one group's hold and the next one's release. A group alone that is never held (">="): its
+    share of the reference, which runs as it does. A capped group alone: the scheduler's clock (it was
+    charged its cap of the time it wanted the GPU) and the GPU's (it did no more than its cap of the
+    reference). What a capped group does with its time is partly the host's: each release wakes its
+    process, later on a busy host, where the reference, never held, has no such wake-up to wait for
+    (test_gate times the wake-up from the gate's side)."""
+    table = "\n".join(f"{r['group']}@{r['device']}: {r['measured']:.3f} of the reference, {r['split']:.3f} of the "
+                      f"GPU's groups together, charged {r['charged']:.3f}, the GPU's groups {r['handed']:.3f}, "
+                      f"for {r['kind']} {r['target']}" for r in rows)
     for row in rows:
-        assert harness.within({**row, "measured": row["measured" if row["alone"] else "split"]}, POINTS), table
-        assert row["alone"] or not together or row["together"] >= TOGETHER_MIN, table
+        if not row["alone"]:
+            assert harness.within({**row, "measured": row["split"]}, POINTS), table
+            assert row["handed"] >= HANDED_MIN, table
+        elif row["kind"] == ">=":
+            assert harness.within(row, POINTS), table
+        else:
+            assert harness.within({**row, "measured": row["charged"]}, POINTS), table
+            assert row["measured"] <= row["target"] + POINTS / 100, table
 
 
 @pytest.mark.parametrize("case", harness.CASES, ids=lambda c: c.name)
@@ -97,17 +107,9 @@ def test_share_of_launch_bound_loops_counts_their_gaps(rig: harness.Rig) -> None
 def test_share_of_loops_that_never_sync(rig: harness.Rig, case: harness.Case) -> None:
     """Each process keeps the driver's queue full (2 s of kernels) unless the gate keeps it short.
     Alone and ungated such a loop keeps the GPU busy all the time (its queue never empties): solo is
-    1. Gated, it is not: its gate keeps a short queue, which a host that wakes it late lets run dry
-    (test_gate reads what each wait leaves queued off the simulated GPU's timeline). So groups that
-    share the GPU are judged by their split only, and a group alone by its scheduler's clock (it was
-    charged its cap of the time it wanted the GPU) and by the cap holding on the GPU's: it did no
-    more than its cap of the GPU's time (a queue the gate let grow would run past it)."""
-    rows = harness.run_case(rig, case, WARMUP + 1.0, SECONDS, 1.0)
-    check([row for row in rows if not row["alone"]], together=False)
-    for row in (row for row in rows if row["alone"]):
-        figures = f"{row['group']}: {row['measured']:.3f} of the GPU, charged {row['charged']:.3f}"
-        assert abs(row["charged"] - row["target"]) <= POINTS / 100, figures
-        assert row["measured"] <= row["target"] + POINTS / 100, figures
+    1. A cap holds on the GPU's timeline only if the gate keeps the queue short: one it let grow
+    would run past the cap."""
+    check(harness.run_case(rig, case, WARMUP + 1.0, SECONDS, 1.0))
 
 
 def test_a_process_on_gpu_1_with_device_0_current_is_held_by_gpu_1(simgpu_factory: Callable[..., SimGpu],
@@ -121,7 +123,7 @@ def test_a_process_on_gpu_1_with_device_0_current_is_held_by_gpu_1(simgpu_factor
         assert sum(u.gpu_seconds for u in usage.values()) > 0
         assert not the_rig.schedulers[0].usage() or all(
             u.gpu_seconds == 0 for u in the_rig.schedulers[0].usage().values())
-    check(rows, together=False)  # as test_share_of_loops_that_never_sync
+    check(rows)
 
 
 def test_a_group_that_comes_later_waits_for_a_bounded_backlog_of_the_one_alone(rig: harness.Rig) -> None:
