@@ -283,9 +283,7 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
     together, `together` that sum relative to `reference`, `alone` whether the group had the GPU to
     itself, `charged` the part of the time it wanted that GPU which its scheduler charged it (its
     GPU seconds over those and its throttled seconds: the scheduler's clock, since the rig began,
-    which must be fresh for the case), `handed` the GPU seconds charged to all the case's groups on
-    that GPU over the longest time one of them wanted it (the part of the GPU's time that the
-    scheduler gave away). looks_per_s is how often that GPU's scheduler looked at the
+    which must be fresh for the case). looks_per_s is how often that GPU's scheduler looked at the
     region (its wake-ups), switches_per_s how often it held a group."""
     loads = list(case.loads)
     if solo is None:
@@ -308,11 +306,6 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
             index = the_rig.region.group_index(group)
             usage = the_rig.schedulers[device].usage().get(index) if index is not None else None
             usages[(group, device)] = usage or GroupUsage(0.0, 0.0, 0.0)
-    handed: dict[int, float] = {}
-    for device in on_device:
-        used = [u for (_, d), u in usages.items() if d == device]
-        longest = max(u.gpu_seconds + u.throttled_seconds for u in used)
-        handed[device] = sum(u.gpu_seconds for u in used) / longest if longest else float("nan")
     rows = []
     for (group, device), (target, kind) in case.targets.items():
         share, together = shares[(group, device)], sum(on_device[device])
@@ -321,7 +314,7 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
         rows.append({"case": case.name, "group": group, "device": device, "target": target, "kind": kind,
                      "device_share": share, "reference": base, "measured": share / base,
                      "split": share / together, "together": together / base, "alone": len(on_device[device]) == 1,
-                     "charged": usage.gpu_seconds / wanted if wanted else float("nan"), "handed": handed[device],
+                     "charged": usage.gpu_seconds / wanted if wanted else float("nan"),
                      "looks_per_s": (the_rig.schedulers[device].looks - looks[device]) / elapsed,
                      "switches_per_s": (the_rig.schedulers[device].switches - switches[device]) / elapsed})
     return rows

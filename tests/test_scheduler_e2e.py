@@ -2,9 +2,8 @@
 region, gated launch loops as the groups' processes (tests/scheduler_harness.py). A share is of what
 the same loop does ungated on a GPU of its own over the same window (the rig's last GPU, which the
 cases leave free), so that a host busier or quieter than at some earlier measurement moves neither
-(issue 27). Shares are asserted within 5 points, looser than the benchmark's 2
-(bench/bench_scheduler_accuracy.py): CI is a loaded 2-core machine, where a held process wakes late
-while the reference, never held, does not."""
+(issue 27); what else a busy host moves is left out of the claims (`check`). Shares are asserted
+within 5 points, looser than the benchmark's 2 (bench/bench_scheduler_accuracy.py)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,6 @@ pytestmark = pytest.mark.e2e
 
 WARMUP, SECONDS = 1.0, 3.0
 POINTS = 5.0
-# Groups that share a GPU are given together at least this part of its time by its scheduler: each
-# group within POINTS of its target, as each was before shares were asserted as a split.
-HANDED_MIN = 1 - 2 * POINTS / 100
 # Two launch-bound groups taking turns do together at least this much of one alone: a switch costs a
 # drain and a wake (0.99 at 24 holds a second in bench/results/scheduler_accuracy.md), and a loaded
 # CI machine takes some of the loops' CPU (0.89 seen); less is GPU time lost between one group's
@@ -45,27 +41,24 @@ def rig(simgpu_factory: Callable[..., SimGpu], tmp_path: Path) -> Iterator[harne
 
 
 def check(rows: list[dict[str, Any]]) -> None:
-    """Each group against what the load on the host cannot move. Groups that share a GPU: each one's
-    part of what they did there together (they took turns on the same slices, on the same host), and
-    the scheduler's clock: it gave them together at least HANDED_MIN of the GPU's time, none lost
-    between one group's hold and the next one's release. A group alone that is never held (">="): its
-    share of the reference, which runs as it does. A capped group alone: the scheduler's clock (it was
-    charged its cap of the time it wanted the GPU) and the GPU's (it did no more than its cap of the
-    reference). What a capped group does with its time is partly the host's: each release wakes its
-    process, later on a busy host, where the reference, never held, has no such wake-up to wait for
-    (test_gate times the wake-up from the gate's side)."""
-    table = "\n".join(f"{r['group']}@{r['device']}: {r['measured']:.3f} of the reference, {r['split']:.3f} of the "
-                      f"GPU's groups together, charged {r['charged']:.3f}, the GPU's groups {r['handed']:.3f}, "
+    """Each group against what the load on the host cannot move: the scheduler's clock, and the GPU's
+    timeline measured against it. The scheduler charged the group its target of the time it wanted
+    the GPU (at least its target for ">="), and the GPU ran no more of its kernels than that (a gate
+    that let it launch while held would run past it). A group alone that is never held (">=") is
+    also judged by its share of the reference, which runs as it does. What a held group does with
+    the time it is given is partly the host's: each release wakes its processes, late on a busy
+    host, and a group of three processes fills its slices where one process beside it, or the
+    reference, waits for its wake-ups; so is the gap between one group's hold and the next one's
+    release, which waits for the held processes to report their drain. test_policy holds both on
+    a fake clock (the caps within the GPU get their whole MaxUtil), test_gate times the wake-up."""
+    table = "\n".join(f"{r['group']}@{r['device']}: charged {r['charged']:.3f}, did {r['device_share']:.3f} of the "
+                      f"GPU, {r['measured']:.3f} of the reference, {r['split']:.3f} of the GPU's groups together, "
                       f"for {r['kind']} {r['target']}" for r in rows)
     for row in rows:
-        if not row["alone"]:
-            assert harness.within({**row, "measured": row["split"]}, POINTS), table
-            assert row["handed"] >= HANDED_MIN, table
-        elif row["kind"] == ">=":
+        assert harness.within({**row, "measured": row["charged"]}, POINTS), table
+        assert row["device_share"] <= row["charged"] + POINTS / 100, table
+        if row["alone"] and row["kind"] == ">=":
             assert harness.within(row, POINTS), table
-        else:
-            assert harness.within({**row, "measured": row["charged"]}, POINTS), table
-            assert row["measured"] <= row["target"] + POINTS / 100, table
 
 
 @pytest.mark.parametrize("case", harness.CASES, ids=lambda c: c.name)
