@@ -283,7 +283,8 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
     together, `together` that sum relative to `reference`, `alone` whether the group had the GPU to
     itself, `charged` the part of the time it wanted that GPU which its scheduler charged it (its
     GPU seconds over those and its throttled seconds: the scheduler's clock, since the rig began,
-    which must be fresh for the case). looks_per_s is how often that GPU's scheduler looked at the
+    which must be fresh for the case), `charged_split` its GPU seconds' part of those of all the
+    case's groups on that GPU. looks_per_s is how often that GPU's scheduler looked at the
     region (its wake-ups), switches_per_s how often it held a group."""
     loads = list(case.loads)
     if solo is None:
@@ -306,6 +307,7 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
             index = the_rig.region.group_index(group)
             usage = the_rig.schedulers[device].usage().get(index) if index is not None else None
             usages[(group, device)] = usage or GroupUsage(0.0, 0.0, 0.0)
+    charged_on = {device: sum(u.gpu_seconds for (_, d), u in usages.items() if d == device) for device in on_device}
     rows = []
     for (group, device), (target, kind) in case.targets.items():
         share, together = shares[(group, device)], sum(on_device[device])
@@ -315,6 +317,7 @@ def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: floa
                      "device_share": share, "reference": base, "measured": share / base,
                      "split": share / together, "together": together / base, "alone": len(on_device[device]) == 1,
                      "charged": usage.gpu_seconds / wanted if wanted else float("nan"),
+                     "charged_split": usage.gpu_seconds / charged_on[device] if charged_on[device] else float("nan"),
                      "looks_per_s": (the_rig.schedulers[device].looks - looks[device]) / elapsed,
                      "switches_per_s": (the_rig.schedulers[device].switches - switches[device]) / elapsed})
     return rows
