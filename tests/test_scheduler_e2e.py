@@ -1,9 +1,9 @@
 """The scheduler end to end on the simulated GPU: GpuScheduler threads in this process over a real
-region, gated launch loops as the groups' processes (tests/scheduler_harness.py). A share is of what
-the same loop does ungated on a GPU of its own over the same window (the rig's last GPU, which the
-cases leave free), so that a host busier or quieter than at some earlier measurement moves neither
-(issue 27); what else a busy host moves is left out of the claims (`check`). Shares are asserted
-within 5 points, looser than the benchmark's 2 (bench/bench_scheduler_accuracy.py)."""
+region, gated launch loops as the groups' processes (tests/scheduler_harness.py). Each claim is in
+figures that how busy the host is cannot move (`check`, issue 27): the scheduler's own account, the
+simulated GPU's timeline, and the same loop run ungated on a GPU of its own over the same window
+(the rig's last GPU, which the cases leave free), never a reference measured at another time.
+Shares are asserted within 5 points, looser than the benchmark's 2 (bench/bench_scheduler_accuracy.py)."""
 
 from __future__ import annotations
 
