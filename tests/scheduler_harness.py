@@ -8,8 +8,11 @@ to all), and gated launch loops (build/libgemgate.so preloaded, GEMTRACE_GROUP s
 A group's device share is the kernel time its processes completed over a window in the middle of
 the run (read from the clients' once-a-second progress lines) divided by the window's length; its
 share, as on the H100 (throughput shared / solo), is that divided by the device share the same work
-gets alone on the GPU without a gate (a launch loop cannot keep a GPU 100% busy: it waits for each
-sync to return).
+gets alone on a GPU without a gate (a launch loop cannot keep a GPU 100% busy: it waits for each
+sync to return). That reference runs side by side with the case, over the same window, on the rig's
+last GPU, which the case leaves free: a loop's speed is partly its CPU's (each sync's wake-up, each
+launch), so a reference measured at another time, under another load on the host, moves the ratio;
+one measured beside the case loses to the host what the case's loops lose.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from simgpu_env import REPO, RT_CLIENT, Client, SimGpu
 
 from gemtrace import defaults
 from gemtrace.agent.membership import Membership
-from gemtrace.agent.policy import MS, PolicyParams
+from gemtrace.agent.policy import MS, GroupUsage, PolicyParams
 from gemtrace.agent.scheduler import GpuScheduler, Quota
 from gemtrace.region import Region
 
@@ -250,6 +253,17 @@ def measure(the_rig: Rig, loads: Sequence[Load], warmup: float, seconds: float,
     return shares
 
 
+REFERENCE = "reference"
+
+
+def reference(the_rig: Rig, like: Load) -> Load:
+    """`like`'s loop, one process ungated on the rig's last GPU: what 100% of a GPU means for that
+    work, measured beside it (run it in the same `measure`; its share is at (REFERENCE, device))."""
+    device = the_rig.sim.devices - 1
+    return dataclasses.replace(like, group=REFERENCE, quota=Quota(), processes=1, devices=(device,), gated=False,
+                               current_device=None)
+
+
 def solo_share(the_rig: Rig, warmup: float, seconds: float, launches_per_iter: int = PER_ITER,
                syncs: bool = True, like: Load | None = None) -> float:
     """The device share of one launch loop alone on GPU 0 with no gate at all: `like`'s loop where
@@ -259,19 +273,51 @@ def solo_share(the_rig: Rig, warmup: float, seconds: float, launches_per_iter: i
     return measure(the_rig, [load], warmup, seconds)[("solo", 0)]
 
 
-def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: float) -> list[dict[str, Any]]:
-    """Rows (case, group, device, target, kind, device_share, measured, looks_per_s, switches_per_s)
-    for the table and the asserts; `measured` is the share relative to `solo`, looks_per_s how often
-    that GPU's scheduler looked at the region (its wake-ups), switches_per_s how often it held a group."""
+def run_case(the_rig: Rig, case: Case, warmup: float, seconds: float, solo: float | None = None,
+             ) -> list[dict[str, Any]]:
+    """Rows (case, group, device, target, kind, device_share, reference, measured, split, together,
+    alone, looks_per_s, switches_per_s) for the table and the asserts; `measured` is the share relative
+    to `reference`: `solo` where given (1.0 for loops that never sync, which keep any GPU busy on their
+    own), else the device share of the case's first loop run beside it on the rig's last GPU, which the
+    case must leave free. `split` is the group's part of what all the case's groups on that GPU did
+    together, `together` that sum relative to `reference`, `alone` whether the group had the GPU to
+    itself, `charged` the part of the time it wanted that GPU which its scheduler charged it (its
+    GPU seconds over those and its throttled seconds: the scheduler's clock, since the rig began,
+    which must be fresh for the case), `charged_split` its GPU seconds' part of those of all the
+    case's groups on that GPU. looks_per_s is how often that GPU's scheduler looked at the
+    region (its wake-ups), switches_per_s how often it held a group."""
+    loads = list(case.loads)
+    if solo is None:
+        beside = reference(the_rig, case.loads[0])
+        if any(beside.devices[0] in load.devices for load in case.loads):
+            raise ValueError(f"{case.name} runs on GPU {beside.devices[0]}, the reference's: "
+                             "make the SimGpu with one more device")
+        loads.append(beside)
     looks = [s.looks for s in the_rig.schedulers]
     switches = [s.switches for s in the_rig.schedulers]
     start = time.monotonic()
-    shares = measure(the_rig, case.loads, warmup, seconds)
+    shares = measure(the_rig, loads, warmup, seconds)
     elapsed = time.monotonic() - start
+    base = solo if solo is not None else shares[(REFERENCE, loads[-1].devices[0])]
+    on_device: dict[int, list[float]] = {}
+    usages: dict[tuple[str, int], GroupUsage] = {}
+    for (group, device), share in shares.items():
+        if group != REFERENCE:
+            on_device.setdefault(device, []).append(share)
+            index = the_rig.region.group_index(group)
+            usage = the_rig.schedulers[device].usage().get(index) if index is not None else None
+            usages[(group, device)] = usage or GroupUsage(0.0, 0.0, 0.0)
+    charged_on = {device: sum(u.gpu_seconds for (_, d), u in usages.items() if d == device) for device in on_device}
     rows = []
     for (group, device), (target, kind) in case.targets.items():
+        share, together = shares[(group, device)], sum(on_device[device])
+        usage = usages[(group, device)]
+        wanted = usage.gpu_seconds + usage.throttled_seconds
         rows.append({"case": case.name, "group": group, "device": device, "target": target, "kind": kind,
-                     "device_share": shares[(group, device)], "measured": shares[(group, device)] / solo,
+                     "device_share": share, "reference": base, "measured": share / base,
+                     "split": share / together, "together": together / base, "alone": len(on_device[device]) == 1,
+                     "charged": usage.gpu_seconds / wanted if wanted else float("nan"),
+                     "charged_split": usage.gpu_seconds / charged_on[device] if charged_on[device] else float("nan"),
                      "looks_per_s": (the_rig.schedulers[device].looks - looks[device]) / elapsed,
                      "switches_per_s": (the_rig.schedulers[device].switches - switches[device]) / elapsed})
     return rows

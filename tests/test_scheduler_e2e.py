@@ -1,7 +1,9 @@
 """The scheduler end to end on the simulated GPU: GpuScheduler threads in this process over a real
-region, gated launch loops as the groups' processes (tests/scheduler_harness.py). Shares are
-asserted within 5 points, looser than the benchmark's 2 (bench/bench_scheduler_accuracy.py): CI is
-a loaded 2-core machine, where a held process wakes late."""
+region, gated launch loops as the groups' processes (tests/scheduler_harness.py). Each claim is in
+figures that how busy the host is cannot move (`check`, issue 27): the scheduler's own account, the
+simulated GPU's timeline, and the same loop run ungated on a GPU of its own over the same window
+(the rig's last GPU, which the cases leave free), never a reference measured at another time.
+Shares are asserted within 5 points, looser than the benchmark's 2 (bench/bench_scheduler_accuracy.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import scheduler_harness as harness
@@ -34,63 +37,66 @@ LAUNCH_BOUND_HOLDS_MAX = 40
 
 
 @pytest.fixture
-def rig(simgpu: SimGpu, tmp_path: Path) -> Iterator[harness.Rig]:
-    with harness.rig(simgpu, tmp_path / "state") as the_rig:
+def rig(simgpu_factory: Callable[..., SimGpu], tmp_path: Path) -> Iterator[harness.Rig]:
+    """GPU 0 for the case, GPU 1 for the reference beside it."""
+    with harness.rig(simgpu_factory(devices=2), tmp_path / "state") as the_rig:
         yield the_rig
 
 
-@pytest.fixture(scope="module")
-def solo(tmp_path_factory: pytest.TempPathFactory) -> float:
-    """One launch loop alone, ungated: what 100% of the GPU means for this work."""
-    tmp = tmp_path_factory.mktemp("solo")
-    sim = SimGpu(tmp / "simgpu")
-    with harness.rig(sim, tmp / "state") as the_rig:
-        share = harness.solo_share(the_rig, WARMUP, SECONDS)
-    assert 0.8 < share <= 1.0
-    return share
-
-
-def check(rows: list[dict[str, object]]) -> None:
-    table = "\n".join(f"{r['group']}@{r['device']}: {r['measured']:.3f} for {r['kind']} {r['target']}"
-                      for r in rows)
-    assert all(harness.within(row, POINTS) for row in rows), table
+def check(rows: list[dict[str, Any]]) -> None:
+    """Each group against what the load on the host cannot move: the scheduler's own account, and
+    the GPU's timeline measured against it. A group alone: the scheduler charged it its target of the
+    time it wanted the GPU (at least its target for ">="). Groups that share a GPU: each one's part of
+    the GPU seconds charged to them all. Either way, for a target of "=", the GPU ran no more of its
+    kernels than that target of its time (a gate that let it launch while held would run past it; a
+    busy host only slows the loops). A group alone that is never held (">=") is also judged by its
+    share of the reference, which runs as it does. What a held group does with the time it is given
+    is partly the host's: each release wakes its processes, late on a busy host, and a group of three
+    processes fills its slices where one process beside it, or the reference, waits for its wake-ups;
+    so is the gap between one group's hold and the next one's release, which waits for the held
+    processes to report their drain, and which a busy host leaves charged to nobody. test_policy
+    holds both on a fake clock (the caps within the GPU get their whole MaxUtil), test_gate times the
+    wake-up."""
+    table = "\n".join(f"{r['group']}@{r['device']}: charged {r['charged']:.3f} of the time it wanted the GPU, "
+                      f"{r['charged_split']:.3f} of its groups' GPU seconds; did {r['device_share']:.3f} of the GPU, "
+                      f"{r['measured']:.3f} of the reference, {r['split']:.3f} of what its groups did; "
+                      f"for {r['kind']} {r['target']}" for r in rows)
+    for row in rows:
+        assert harness.within({**row, "measured": row["charged" if row["alone"] else "charged_split"]}, POINTS), table
+        assert row["kind"] != "=" or row["device_share"] <= row["target"] + POINTS / 100, table
+        if row["alone"] and row["kind"] == ">=":
+            assert harness.within(row, POINTS), table
 
 
 @pytest.mark.parametrize("case", harness.CASES, ids=lambda c: c.name)
-def test_share(rig: harness.Rig, solo: float, case: harness.Case) -> None:
-    rows = harness.run_case(rig, case, WARMUP, SECONDS, solo)
+def test_share(rig: harness.Rig, case: harness.Case) -> None:
+    rows = harness.run_case(rig, case, WARMUP, SECONDS)
+    # The reference is a plain launch loop: it keeps its GPU busy but for each sync's wake-up, which a
+    # busy host makes later; only a wake-up as long as the loop's 8 ms of kernels would halve it.
+    assert 0.5 < rows[0]["reference"] <= 1.0
     check(rows)
     if len(case.loads) == 1 and case.loads[0].quota.max_util == 1.0:
         # Alone and uncapped: one look per 20 ms slice, no polling (about 50 a second).
         assert rows[0]["looks_per_s"] < 80
 
 
-@pytest.fixture(scope="module")
-def launch_bound_solo(tmp_path_factory: pytest.TempPathFactory) -> float:
-    """A launch-bound loop alone, ungated: its kernels keep the GPU busy only between its CPU's gaps."""
-    tmp = tmp_path_factory.mktemp("launch-bound-solo")
-    with harness.rig(SimGpu(tmp / "simgpu"), tmp / "state") as the_rig:
-        share = harness.solo_share(the_rig, WARMUP, SECONDS, like=harness.LAUNCH_BOUND_CAPS.loads[0])
-    # Launch-bound: 20 us kernels after 30 us of CPU each leave the GPU idle much of each burst.
-    assert 0.2 < share < 0.8
-    return share
-
-
-def test_share_of_launch_bound_loops_counts_their_gaps(rig: harness.Rig, launch_bound_solo: float) -> None:
+def test_share_of_launch_bound_loops_counts_their_gaps(rig: harness.Rig) -> None:
     """Caps of 0.3 and 0.7 split launch-bound loops' throughput 0.3 / 0.7, together they do what one
     does alone, and the holder is held once a slice: the GPU is the holder's while it has a burst
     open, the gaps between its kernels included (docs/scheduler.md, "What a share means"). Charging
     the holder only its kernels would give the group of 0.3 more of the split; revoking it at its
     gaps would hold it more often and, where a resume costs, lose throughput. The split is asserted,
-    not each group's share of solo: these loops' speed is the CPU's, and on a loaded CI machine a
-    window of 3 s loses up to a tenth of it to other work (a share of solo then misses by more than
-    the tolerance for reasons of the machine's, not the scheduler's)."""
-    rows = harness.run_case(rig, harness.LAUNCH_BOUND_CAPS, WARMUP, SECONDS, launch_bound_solo)
+    not each group's share of the reference: these loops' speed is the CPU's, which a loaded machine
+    gives unevenly from one slice to the next, so a group's slices and the reference's whole window
+    need not see the same CPU; the two groups share the same slices, and their split does not depend
+    on it."""
+    rows = harness.run_case(rig, harness.LAUNCH_BOUND_CAPS, WARMUP, SECONDS)
+    # Launch-bound: 20 us kernels after 30 us of CPU each leave the GPU idle much of each burst.
+    assert rows[0]["reference"] < 0.8
     measured = {row["group"]: row["measured"] for row in rows}
-    together = measured["capped30"] + measured["capped70"]
-    split = measured["capped30"] / together
+    together, split = rows[0]["together"], rows[0]["split"]
     holds = rows[0]["switches_per_s"]
-    summary = (f"capped30 {measured['capped30']:.3f}, capped70 {measured['capped70']:.3f} of solo: split "
+    summary = (f"capped30 {measured['capped30']:.3f}, capped70 {measured['capped70']:.3f} of the reference: split "
                f"{split:.3f}, {holds:.0f} holds/s")
     assert abs(split - 0.3) <= POINTS / 100, summary
     assert together >= LAUNCH_BOUND_TOGETHER_MIN, summary
@@ -100,7 +106,9 @@ def test_share_of_launch_bound_loops_counts_their_gaps(rig: harness.Rig, launch_
 @pytest.mark.parametrize("case", harness.NEVER_SYNC, ids=lambda c: c.name)
 def test_share_of_loops_that_never_sync(rig: harness.Rig, case: harness.Case) -> None:
     """Each process keeps the driver's queue full (2 s of kernels) unless the gate keeps it short.
-    Alone such a loop keeps the GPU busy all the time (its queue never empties): solo is 1."""
+    Alone and ungated such a loop keeps the GPU busy all the time (its queue never empties): solo is
+    1. A cap holds on the GPU's timeline only if the gate keeps the queue short: one it let grow
+    would run past the cap."""
     check(harness.run_case(rig, case, WARMUP + 1.0, SECONDS, 1.0))
 
 
@@ -145,29 +153,28 @@ def test_a_group_that_comes_later_waits_for_a_bounded_backlog_of_the_one_alone(r
         hog_client.kill()
 
 
-def test_two_gpus_are_scheduled_independently(simgpu_factory: Callable[..., SimGpu], tmp_path: Path,
-                                              solo: float) -> None:
-    with harness.rig(simgpu_factory(devices=2), tmp_path / "state") as the_rig:
-        assert len(the_rig.schedulers) == 2
-        rows = harness.run_case(the_rig, harness.TWO_GPUS, WARMUP, SECONDS, solo)
+def test_two_gpus_are_scheduled_independently(simgpu_factory: Callable[..., SimGpu], tmp_path: Path) -> None:
+    # GPUs 0 and 1 for the case, 2 for the reference.
+    with harness.rig(simgpu_factory(devices=3), tmp_path / "state") as the_rig:
+        rows = harness.run_case(the_rig, harness.TWO_GPUS, WARMUP, SECONDS)
         # Each GPU's scheduler charged only that GPU's work: the group on both is capped on each.
         both = the_rig.region.group_index("both40")
         assert both is not None
-        for scheduler in the_rig.schedulers:
+        for scheduler in the_rig.schedulers[:2]:
             assert scheduler.usage()[both].gpu_seconds == pytest.approx(0.4 * (WARMUP + SECONDS + 1), abs=0.4)
     check(rows)
 
 
-def test_all_processes_of_a_group_share_its_quota(rig: harness.Rig, solo: float) -> None:
+def test_all_processes_of_a_group_share_its_quota(rig: harness.Rig) -> None:
     case = harness.Case(
         "three processes in a capped group",
         (harness.Load("many", harness.Quota(0, 0.3), processes=3), harness.Load("one")),
         {("many", 0): (0.3, "="), ("one", 0): (0.7, "=")},
     )
-    check(harness.run_case(rig, case, WARMUP, SECONDS, solo))
+    check(harness.run_case(rig, case, WARMUP, SECONDS))
 
 
-def test_reserved_time_a_group_leaves_unused_goes_to_the_others(rig: harness.Rig, solo: float) -> None:
+def test_reserved_time_a_group_leaves_unused_goes_to_the_others(rig: harness.Rig) -> None:
     # "idle" reserves half the GPU and has a live gated process that launches nothing (it allocated
     # and sleeps): that is no demand, so the hog gets the whole GPU, with no switch at all.
     loads = [harness.Load("idle", harness.Quota(0.5, 1.0)), harness.Load("hog")]
@@ -180,8 +187,10 @@ def test_reserved_time_a_group_leaves_unused_goes_to_the_others(rig: harness.Rig
     assert any(slot.pid == sleeper.pid and rig.region.assigned_group(i, slot.pid) == idle
                for i, slot in rig.region.live_slots())
     switches = rig.schedulers[0].switches
-    shares = harness.measure(rig, loads[1:], WARMUP, SECONDS, scheduled=loads[:1])
-    assert shares[("hog", 0)] / solo >= 0.97
+    beside = harness.reference(rig, loads[1])
+    shares = harness.measure(rig, [loads[1], beside], WARMUP, SECONDS, scheduled=loads[:1])
+    reference = shares[(harness.REFERENCE, 1)]
+    assert shares[("hog", 0)] / reference >= 0.97, f"hog {shares[('hog', 0)]:.3f}, reference {reference:.3f}"
     assert rig.schedulers[0].switches == switches
     assert idle is not None and rig.schedulers[0].usage()[idle].gpu_seconds == 0
 

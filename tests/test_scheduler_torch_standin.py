@@ -75,9 +75,13 @@ def test_two_gpu_case_schedules_each_gpu(tmp_path: Path) -> None:
     assert set(rows) == {("gpu0-capped30", 0), ("gpu0-capped70", 0), ("gpu1-capped40", 1),
                          ("gpu1-uncapped", 1)}, output
     assert "solo matmul on GPU 1" in output and "gated uncapped alone" in output, output
-    # Loose bounds: orchestration, not accuracy (tests/test_scheduler_e2e.py holds that), on a loaded VM.
+    # Loose bounds: orchestration, not accuracy (tests/test_scheduler_e2e.py holds that). The bench's
+    # share is of a solo run earlier, under whatever load the host had then: on each GPU, whose
+    # targets add up to 1, each group's part of what the two did together is asserted instead (they
+    # took turns on the same slices of the same host: a busier host moves neither part).
+    together = {gpu: sum(r["share"] for r in rows.values() if r["gpu"] == gpu) for gpu in (0, 1)}
     for row in rows.values():
-        assert abs(row["share"] - row["target"]) <= 0.1, output
+        assert abs(row["share"] / together[row["gpu"]] - row["target"]) <= 0.1, output
         # The scheduler's own account of GPU time agrees with the throughput on the simulated GPU.
         assert abs(row["charged"] - row["target"]) <= 0.1, output
     assert rc in (0, 1), output
