@@ -294,7 +294,10 @@ def test_a_held_drain_rings_once_its_group_has_finished_not_at_each_process(agen
         while not any(s.waiting[0] for s in agent.slots_of(loop.pid)):
             assert time.monotonic() < deadline, "the launch was never held"
             time.sleep(0.01)
-        time.sleep(0.05)
+        if mate_busy:
+            time.sleep(0.05)  # (a ring would come just after the count of waiting threads)
+        else:  # it rings just after it counts itself waiting: a busy host may run this look in between
+            wait_until("the held thread's ring", lambda: bells.rung(0) > rung, timeout=5)
         assert bells.rung(0) == rung + (not mate_busy)
     finally:
         holder.kill()
@@ -316,7 +319,9 @@ def test_held_launches_wait_without_spinning_and_resume_at_release(agent: Agent)
         while not any(s.waiting[0] for s in agent.slots_of(loop.pid)):
             assert time.monotonic() < deadline, "the launch was never held"
             time.sleep(0.01)
-        # The waiting thread rang GPU 0's doorbell (a scheduler may sleep on it), once.
+        # The waiting thread rang GPU 0's doorbell (a scheduler may sleep on it), once: it rings just
+        # after it counts itself waiting, and a busy host may run this look in between.
+        wait_until("the held thread's ring", lambda: bells.rung(0) > rung, timeout=5)
         assert bells.rung(0) == rung + 1
         cpu_before = psutil.Process(loop.pid).cpu_times()
         time.sleep(1.0)
