@@ -543,9 +543,12 @@ class TimeSharePolicy:
         revoked at each pause, and waiting out each other group's slice, it paid one step of its debt
         per slice while the rest ran into the bound (5 ms of CPU a step, MinUtil 0.6 beside two hogs
         on the fake GPU: 0.33 of the GPU)."""
-        return any(g != self._holder and self._eligible(g, now) and self._account(g).owed >= (
-            self._long_slice_debt(g) + self._accounts[g].quota.min_util * self.slice_ns())
+        return any(g != self._holder and self._eligible(g, now) and self._account(g).owed >= self._deep_debt_owed(g)
                    for g in self._demand & self._guaranteed)
+
+    def _deep_debt_owed(self, group: int) -> float:
+        """The debt that sends a waiting group before the holder's slice ends (`_deep_debt`)."""
+        return self._long_slice_debt(group) + self._accounts[group].quota.min_util * self.slice_ns()
 
     def _step_running(self, now: int, obs: Observation) -> None:
         holder = self._holder
@@ -894,7 +897,7 @@ class TimeSharePolicy:
             if group == self._holder:
                 continue
             account, quota = self._account(group), self._accounts[group].quota
-            due = self._long_slice_debt(group) + quota.min_util * self.slice_ns()
+            due = self._deep_debt_owed(group)
             if due > self.params.max_owed_slice_ns:
                 continue  # (out of reach: a debt grows up to max_owed_slice_ns)
             missing = due - account.owed
