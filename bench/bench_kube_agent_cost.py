@@ -50,7 +50,7 @@ from simgpu_env import SimGpu
 from test_kube_e2e import Node, import_image, on_the_node
 from testkit import GiB, owning_host_dirs
 
-from bench.bench_kube_churn import KLOG_TIME
+from bench.bench_kube_churn import klog_time, summary
 from bench.recording import RESULTS as RESULTS_DIR
 from bench.recording import add_record_flag, record
 from gemtrace.kube import shares
@@ -149,14 +149,13 @@ def kubelet_steps(log: str, year: int, names: set[str]) -> dict[str, dict[str, f
     """For each pod of `names`, the time of each of STEPS in the kubelet's log."""
     found: dict[str, dict[str, float]] = {name: {} for name in names}
     for line in log.splitlines():
-        if not (m := KLOG_TIME.match(line)) or not (pod := POD_IN_LINE.search(line)):
+        if not (pod := POD_IN_LINE.search(line)) or (steps := found.get(pod[1])) is None:
             continue
-        name = pod[1]
-        if (steps := found.get(name)) is None:
+        if (t := klog_time(line, year)) is None:
             continue
         for step, text in STEPS.items():
-            if step not in steps and text.format(name=name) in line:
-                steps[step] = datetime.fromisoformat(f"{year}-{m[1]}-{m[2]}T{m[3]}+00:00").timestamp()
+            if step not in steps and text.format(name=pod[1]) in line:
+                steps[step] = t
     return found
 
 
@@ -209,14 +208,6 @@ def measure(pid: int, url: str, window: float, scrapes: int) -> tuple[dict[str, 
         time.sleep(1)
     return {"cpu": cpu, "median_ms": statistics.median(times) * 1e3, "max_ms": max(times) * 1e3,
             "kib": size / 1024, "processes": processes}, body
-
-
-def summary(values: list[float]) -> str:
-    ordered = sorted(values)
-    if not ordered:
-        return "none started"
-    p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
-    return f"{statistics.median(ordered):.2f} / {p90:.2f} / {ordered[-1]:.2f} s"
 
 
 def admission_row(label: str, pods: list[Pod], exported: set[str]) -> str:

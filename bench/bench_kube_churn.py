@@ -103,27 +103,28 @@ def plugin_waits(log: str) -> list[tuple[float, float]]:
     return found
 
 
+def klog_time(line: str, year: int) -> float | None:
+    """When a line of the kubelet's log was written (klog gives no year), or None for no klog line."""
+    m = KLOG_TIME.match(line)
+    return datetime.fromisoformat(f"{year}-{m[1]}-{m[2]}T{m[3]}+00:00").timestamp() if m else None
+
+
 def secret_retries(log: str, year: int) -> list[float]:
     """The times of the kubelet's token volume retries."""
-    found = []
-    for line in log.splitlines():
-        m = KLOG_TIME.match(line)
-        if m and SECRET_RETRY in line:
-            found.append(datetime.fromisoformat(f"{year}-{m[1]}-{m[2]}T{m[3]}+00:00").timestamp())
-    return found
+    return [t for line in log.splitlines() if SECRET_RETRY in line and (t := klog_time(line, year)) is not None]
 
 
 def kubelet_steps(log: str, year: int, name: str) -> dict[str, float]:
     """The time of each of STEPS for pod `name` in the kubelet's log."""
     found: dict[str, float] = {}
     for line in log.splitlines():
-        m = KLOG_TIME.match(line)
-        if not m:
+        t = klog_time(line, year)
+        if t is None:
             continue
         for step, text in STEPS.items():
             mine = f'pod "{name}"' in line if step == "token" else True
             if step not in found and mine and text.format(name=name) in line:
-                found[step] = datetime.fromisoformat(f"{year}-{m[1]}-{m[2]}T{m[3]}+00:00").timestamp()
+                found[step] = t
     return found
 
 
@@ -143,7 +144,10 @@ def slow_pods(cycles: list[Cycle], waits: list[tuple[float, float]], log: str, y
 
 
 def summary(values: list[float]) -> str:
+    """Median / p90 / max of admission times."""
     ordered = sorted(values)
+    if not ordered:
+        return "none started"
     p90 = ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
     return f"{statistics.median(ordered):.2f} / {p90:.2f} / {ordered[-1]:.2f} s"
 
