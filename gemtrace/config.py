@@ -16,7 +16,8 @@
     Isolation = mps      # time: launches take turns (default); mps: side by side under the GPU's MPS daemon
                          # (docs/mps.md)
     Opportunistic = yes  # takes only what the other groups leave, beside them, with a queue of a few
-                         # kernels (no MinUtil, no MaxUtil; docs/scheduler.md); default no
+                         # kernels (no MinUtil; MaxUtil only with Isolation = mps, where it caps
+                         # the SMs; docs/scheduler.md); default no
 
 Drop-ins: `*.conf` files in the directory beside it named after it (resource.d for resource.conf)
 add groups, read after the main file. Each drop-in is taken or refused alone: one that is bad in
@@ -521,10 +522,13 @@ def _group_config(g: _Draft) -> GroupConfig:
         raise _RuleError(g.min_util_line, f"MinUtil {g.min_util:g} of [{name}] cannot hold: the group is opportunistic "
                                           f"(line {g.opportunistic_line}) and gets only what the others leave; "
                                           "remove MinUtil or Opportunistic")
-    if g.opportunistic and g.max_util < 1.0:
+    # Under MPS a MaxUtil is a share of the SMs, which holds beside production as well as in turns: an
+    # opportunistic training held to a few SMs costs the production one little (docs/scheduler.md).
+    if g.opportunistic and g.max_util < 1.0 and g.isolation != ISOLATION_MPS:
         raise _RuleError(g.max_util_line, f"MaxUtil {g.max_util:g} of [{name}] cannot hold: the group is opportunistic "
                                           f"(line {g.opportunistic_line}) and runs beside the others, not in turns; "
-                                          "remove MaxUtil or Opportunistic")
+                                          "remove MaxUtil or Opportunistic, or make it Isolation = mps, where "
+                                          "MaxUtil is a share of the SMs")
     if name == defaults.DEFAULT_GROUP and g.admission_line:
         raise _RuleError(g.admission_line, f"[{name}] cannot restrict who joins it: a process admitted to no other "
                                            "group runs there; remove Users/UnixGroups from it")

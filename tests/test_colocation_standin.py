@@ -26,14 +26,14 @@ def test_every_setting_runs_through_the_agent_and_reaches_the_table(tmp_path: Pa
     out = tmp_path / "out"
     env = simgpu_env(tmp_path / "sim", OUT=str(out))
     done = subprocess.run([sys.executable, "-m", "bench.gpu.colocation", "--stand-in", "--seconds", "2",
-                           "--settle", "0.5", "--cases", "cnn-gate,cnn-mps,decoder-gate0,pair-gate,cnn-off"],
+                           "--settle", "0.5", "--cases", "cnn-gate,cnn-mps,decoder-gate0,pair-gate,pair-mps-sm5,cnn-off"],
                           cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode in (0, 1), output  # 1: a target missed; the simulated GPU runs kernels one at a time
     result = json.loads((out / "colocation.json").read_text())
     table = (out / "colocation.md").read_text()
     rows = {r["case"]: r for r in result["rows"]}
-    assert set(rows) == {"cnn-gate", "cnn-mps", "decoder-gate0", "pair-gate", "cnn-off"}, output
+    assert set(rows) == {"cnn-gate", "cnn-mps", "decoder-gate0", "pair-gate", "pair-mps-sm5", "cnn-off"}, output
     assert result["skipped"] == [], output
     for name in ("cnn-gate", "cnn-mps", "decoder-gate0", "cnn-off"):
         r = rows[name]
@@ -42,6 +42,8 @@ def test_every_setting_runs_through_the_agent_and_reaches_the_table(tmp_path: Pa
     # The opportunistic group is not charged time; with Priority (off) both groups take turns.
     assert rows["cnn-gate"]["train_charged"] == 0.0 and rows["cnn-off"]["train_charged"] > 0.1, output
     assert rows["pair-gate"]["prod_rate"] > 0 and rows["pair-gate"]["result"] in ("met", "missed"), output
+    # An opportunistic mps group with a MaxUtil (its share of the SMs): the agent takes the resource file.
+    assert rows["pair-mps-sm5"]["prod_rate"] > 0 and rows["pair-mps-sm5"]["train_rate"] > 0, output
     # The services' busy fraction, from NVML over the solo window: the stand-in CNN's 12 kernels of
     # 50 us every 20 ms or so keep the simulated GPU busy a few percent of the time.
     busy = result["solo"]["cnn-infer"]["busy"]

@@ -123,7 +123,8 @@ def test_minutils_add_up_per_gpu_when_groups_name_their_gpus() -> None:
          "others leave; remove MinUtil or Opportunistic"),
         ("[a]\nMaxUtil = 0.5\n\nOpportunistic = on\n",
          "r.conf:2: MaxUtil 0.5 of [a] cannot hold: the group is opportunistic (line 4) and runs beside the "
-         "others, not in turns; remove MaxUtil or Opportunistic"),
+         "others, not in turns; remove MaxUtil or Opportunistic, or make it Isolation = mps, where MaxUtil is a "
+         "share of the SMs"),
         ("[a]\nOpportunistic = yes\nOpportunistic = no\n", "r.conf:3: Opportunistic is set twice in [a]"),
     ],
 )

@@ -87,6 +87,18 @@ def test_an_opportunistic_mps_group_s_clients_start_at_mps_s_low_priority() -> N
 
 
 @pytest.mark.unit
+def test_an_opportunistic_mps_group_s_max_util_caps_its_sms() -> None:
+    """The resource file takes MaxUtil beside Opportunistic for an mps group (a share of the SMs, not
+    of turns), and its clients start with that share and the low priority."""
+    config = parse_text("[serve]\nIsolation = mps\n[spare]\nIsolation = mps\nOpportunistic = yes\n"
+                        "MaxUtil = 0.05\n", "r.conf")
+    assert mps.client_variables(config.groups.values(), "GPU-0") == {
+        "spare": {mps.ENV_THREADS: "5", mps.ENV_PRIORITY: "1"}, "serve": {}}
+    with pytest.raises(ConfigError, match="r.conf:4: MaxUtil 0.05 of \\[spare\\] cannot hold"):
+        parse_text("[serve]\n[spare]\nOpportunistic = yes\nMaxUtil = 0.05\n", "r.conf")
+
+
+@pytest.mark.unit
 def test_client_variables_per_gpu_follow_gpus_and_memory_limit() -> None:
     groups = [group("a", max_util=0.3, memory_limit=8 * GiB + 5), group("b", min_util=0.7, gpus=("GPU-1",)),
               GroupConfig("t", min_util=0.5)]

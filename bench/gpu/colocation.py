@@ -16,7 +16,8 @@ Each service beside the training loop, in four settings (the case is SERVICE-SET
             queued (it fills only the time between the service's bursts)
   mps       both groups Isolation = mps, the training one Opportunistic = yes: its clients start at
             MPS's low client priority (CUDA_MPS_CLIENT_PRIORITY=1), the service's at normal
-and two training loops, one production and one opportunistic (pair-gate, pair-gate0, pair-mps). Solo
+and two training loops, one production and one opportunistic (pair-gate, pair-gate0, pair-mps, and
+pair-mps-smN: under MPS with the opportunistic group at MaxUtil N%, a share of the SMs). Solo
 runs of each workload (gated, no quota) before and after; ratios are over their mean. The cases run
 most telling first (the settings of issue 30, then gate0, then off), so that a budget cut drops the
 baseline the issue measured already.
@@ -84,10 +85,12 @@ class Case:
     name: str
     service: str | None  # the service workload; None: the training pair
     setting: str
+    spare_sm: int | None = None  # mps: the opportunistic group's MaxUtil in percent, a share of the SMs
 
     def groups(self, pause_ms: float) -> tuple[GroupSpec, ...]:
         iso = "mps" if self.setting == "mps" else "time"
         spare = GroupSpec("spare", workload=TRAIN, isolation=iso, opportunistic=self.setting != "off",
+                          max_util=1.0 if self.spare_sm is None else self.spare_sm / 100,
                           env=(("GEMTRACE_BESIDE_KERNELS", "0"),) if self.setting == "gate0" else ())
         if self.service is None:
             return GroupSpec("prod", workload=TRAIN, isolation=iso), spare
@@ -96,9 +99,12 @@ class Case:
         return service, spare
 
 
+# The pair under MPS with the opportunistic training held to a few SMs: what it costs the production one.
+PAIR_SPARE_SM = (5, 10, 20)
 CASES = tuple(sorted([Case(f"{short}-{s}", w, s) for short, w in SERVICES.items() for s in SETTINGS] +
-                     [Case(f"pair-{s}", None, s) for s in SETTINGS if s != "off"],
-                     key=lambda c: max(0, SETTINGS.index(c.setting) - 1)))
+                     [Case(f"pair-{s}", None, s) for s in SETTINGS if s != "off"] +
+                     [Case(f"pair-mps-sm{n}", None, "mps", n) for n in PAIR_SPARE_SM],
+                     key=lambda c: max(0, SETTINGS.index(c.setting) - 1) + (c.spare_sm is not None)))
 CASE = {c.name: c for c in CASES}
 FAMILIES = {**{short: [c.name for c in CASES if c.service == w] for short, w in SERVICES.items()},
             "pair": [c.name for c in CASES if c.service is None]}
@@ -154,7 +160,7 @@ def mps_ready() -> str:
 def service_row(case: Case, result: dict[str, Any]) -> dict[str, Any]:
     serve, spare = result["groups"]["serve"], result["groups"]["spare"]
     latency = serve["results"][0]
-    return {"case": case.name, "service": case.service, "setting": case.setting,
+    return {"case": case.name, "service": case.service, "setting": case.setting, "spare_sm": case.spare_sm,
             "requests": latency.get("requests", 0), "p50_ms": latency.get("p50_ms", float("nan")),
             "p99_ms": latency.get("p99_ms", float("nan")), "serve_charged": serve["charged"],
             "train_rate": spare["rate"], "train_charged": spare["charged"], "agent_cpu": result["agent_cpu"]}
@@ -198,12 +204,16 @@ def render(header: str, solo: dict[str, dict[str, Any]], rows: list[dict[str, An
     titles = {"off": f"Priority {HIGH} / 0, time slicing", "gate": "Opportunistic (the gate: 2 kernels queued)",
               "gate0": "Opportunistic, GEMTRACE_BESIDE_KERNELS=0 (none queued)",
               "mps": "Opportunistic, Isolation=mps (MPS client priority)"}
+
+    def title(row: dict[str, Any]) -> str:
+        sm = row.get("spare_sm")
+        return titles[row["setting"]] + ("" if sm is None else f", the opportunistic one at MaxUtil {sm / 100:g} (SMs)")
     lines += ["", f"Targets: service p99 ≤ {P99_TARGET:g} × solo; training ≥ {TRAIN_TARGET:g} of solo where the "
               f"service keeps the GPU busy < {BUSY_BOUND:g} of the time.", "",
               "| service | setting | requests | p50 ms (× solo) | p99 ms (× solo) | service charged | training "
               "steps/s (of solo) | training charged | agent CPU | result |", "|" + " --- |" * 10]
     for r in (r for r in rows if r["service"] is not None):
-        lines.append(f"| {r['service']} | {titles[r['setting']]} | {r['requests']} | {r['p50_ms']:.2f} "
+        lines.append(f"| {r['service']} | {title(r)} | {r['requests']} | {r['p50_ms']:.2f} "
                      f"({r['p50_ratio']:.2f}) | {r['p99_ms']:.2f} ({r['p99_ratio']:.2f}) | {r['serve_charged']:.3f} | "
                      f"{r['train_rate']:.2f} ({r['train_ratio']:.3f}) | {r['train_charged']:.3f} | "
                      f"{r['agent_cpu']:.1f}% | {r['result']} |")
@@ -214,7 +224,7 @@ def render(header: str, solo: dict[str, dict[str, Any]], rows: list[dict[str, An
                   "| setting | production steps/s (of solo) | opportunistic steps/s (of solo) | together | "
                   "charged (production / opportunistic) | result |", "|" + " --- |" * 6]
         for r in pairs:
-            lines.append(f"| {titles[r['setting']]} | {r['prod_rate']:.2f} ({r['prod_ratio']:.3f}) | "
+            lines.append(f"| {title(r)} | {r['prod_rate']:.2f} ({r['prod_ratio']:.3f}) | "
                          f"{r['train_rate']:.2f} ({r['train_ratio']:.3f}) | {r['prod_ratio'] + r['train_ratio']:.3f} "
                          f"| {r['prod_charged']:.3f} / {r['train_charged']:.3f} | {r['result']} |")
     if skipped:
@@ -319,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"steps/s; charged {r['serve_charged']:.3f} / {r['train_charged']:.3f}", flush=True)
         else:
             prod, spare = result["groups"]["prod"], result["groups"]["spare"]
-            rows.append({"case": case.name, "service": None, "setting": case.setting, "prod_rate": prod["rate"],
+            rows.append({"case": case.name, "service": None, "setting": case.setting, "spare_sm": case.spare_sm,
+                         "prod_rate": prod["rate"],
                          "prod_charged": prod["charged"], "train_rate": spare["rate"],
                          "train_charged": spare["charged"], "agent_cpu": result["agent_cpu"]})
             print(f"{case.name}: production {prod['rate']:.2f} steps/s, opportunistic {spare['rate']:.2f} steps/s",

@@ -1,7 +1,7 @@
-"""A data-parallel job across two GPUs under gemtrace's quotas, through the product only (issue 29).
+"""A data-parallel job across GPUs under gemtrace's quotas, through the product only (issue 29).
 
 Each case starts `gemtrace agent --no-ebpf` (its own state dir and resource file), then the job as a user
-would: `gemtrace run --group ddp -- torchrun --standalone --nproc_per_node 2 bench/gpu/ddp_worker.py
+would: `gemtrace run --group ddp -- torchrun --standalone --nproc_per_node N bench/gpu/ddp_worker.py
 --ddp` (ResNet-50, bf16, batch 64 a rank, NCCL), and beside it single-GPU ResNet-50 training jobs, each
 `gemtrace run --group hogN` with CUDA_VISIBLE_DEVICES naming its GPU. Every process counts the steps it
 ends within one shared window (ddp_worker.py). Per group it prints steps/s against its solo rate, and
@@ -18,10 +18,10 @@ Cases (issue 29's targets on two H100s):
   raw-equal     `equal` without gemtrace
   raw-solo      the job alone without gemtrace, and a single-GPU job alone (the hogs' solo)
 
-    python3 -m bench.gpu.gang_ddp [--cases solo,cap30,...] [--seconds 10] [--warmup 25]
+    python3 -m bench.gpu.gang_ddp [--cases solo,cap30,...] [--gpus 2] [--seconds 10] [--warmup 25]
 
-Prints a markdown table; with $OUT set writes gang_ddp.md and gang_ddp.json there. Needs two GPUs,
-torch with CUDA and torchvision, build/libgemgate.so, and the agent's Python dependencies on PYTHONPATH.
+Prints a markdown table; with $OUT set writes gang_ddp.md and gang_ddp.json there. Needs --gpus GPUs (2 by
+default), torch with CUDA and torchvision, build/libgemgate.so, and the agent's Python dependencies on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 @dataclass(frozen=True)
 class Job:
     group: str
-    ddp: bool  # across both GPUs (torchrun), or one process on `gpu`
+    ddp: bool  # across all the run's GPUs (torchrun), or one process on `gpu`
     gpu: int = 0
 
 
@@ -62,31 +62,36 @@ class Case:
 
 
 DDP = Job("ddp", True)
-HOGS = (Job("hog0", False, 0), Job("hog1", False, 1))
-UNCAPPED = (GroupSpec("hog0"), GroupSpec("hog1"))
-CASES = {c.name: c for c in (
-    Case("solo", "the job alone, no quota", (GroupSpec("ddp"),), (DDP,)),
-    Case("cap30", "MaxUtil 0.3, a single-GPU job on each GPU", (GroupSpec("ddp", max_util=0.3), *UNCAPPED),
-         (DDP, *HOGS), target={"ddp": 0.28}),
-    Case("min60", "MinUtil 0.6, a single-GPU job on each GPU", (GroupSpec("ddp", min_util=0.6), *UNCAPPED),
-         (DDP, *HOGS), target={"ddp": 0.57}),
-    Case("equal", "no quota, a single-GPU job on each GPU", (GroupSpec("ddp"), *UNCAPPED), (DDP, *HOGS),
-         target={"ddp": 0.45}),
-    Case("one-busy", "no quota, a single-GPU job on GPU 0 only", (GroupSpec("ddp"), GroupSpec("hog0")),
-         (DDP, HOGS[0])),
-    Case("two-jobs", "two jobs in two groups, no quota", (GroupSpec("ddp"), GroupSpec("ddp2")),
-         (DDP, Job("ddp2", True))),
-    Case("raw-equal", "without gemtrace: a single-GPU job on each GPU", (), (DDP, *HOGS), gated=False),
-    Case("raw-solo", "without gemtrace: the job alone, then a single-GPU job alone", (), (DDP,), gated=False),
-)}
+
+
+def plan_cases(gpus: int) -> dict[str, Case]:
+    """The cases on a host of `gpus` GPUs: the job spans all of them, a single-GPU job sits on each."""
+    hogs = tuple(Job(f"hog{i}", False, i) for i in range(gpus))
+    uncapped = tuple(GroupSpec(h.group) for h in hogs)
+    return {c.name: c for c in (
+        Case("solo", "the job alone, no quota", (GroupSpec("ddp"),), (DDP,)),
+        Case("cap30", "MaxUtil 0.3, a single-GPU job on each GPU", (GroupSpec("ddp", max_util=0.3), *uncapped),
+             (DDP, *hogs), target={"ddp": 0.28}),
+        Case("min60", "MinUtil 0.6, a single-GPU job on each GPU", (GroupSpec("ddp", min_util=0.6), *uncapped),
+             (DDP, *hogs), target={"ddp": 0.57}),
+        Case("equal", "no quota, a single-GPU job on each GPU", (GroupSpec("ddp"), *uncapped), (DDP, *hogs),
+             target={"ddp": 0.45}),
+        Case("one-busy", "no quota, a single-GPU job on GPU 0 only", (GroupSpec("ddp"), GroupSpec("hog0")),
+             (DDP, hogs[0])),
+        Case("two-jobs", "two jobs in two groups, no quota", (GroupSpec("ddp"), GroupSpec("ddp2")),
+             (DDP, Job("ddp2", True))),
+        Case("raw-equal", "without gemtrace: a single-GPU job on each GPU", (), (DDP, *hogs), gated=False),
+        Case("raw-solo", "without gemtrace: the job alone, then a single-GPU job alone", (), (DDP,), gated=False),
+    )}
+
 PLAN = ("raw-solo", "solo", "cap30", "min60", "equal", "raw-equal", "one-busy", "two-jobs", "solo")
 
 
-def start_job(job: Job, window: tuple[float, float], env: dict[str, str], state: Path | None,
+def start_job(job: Job, gpus: int, window: tuple[float, float], env: dict[str, str], state: Path | None,
               log: Path) -> subprocess.Popen[str]:
     worker = [sys.executable, str(WORKER)]
     if job.ddp:
-        worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
                   str(WORKER), "--ddp"]
     env = {**env, **NCCL_ENV, "BENCH_WINDOW": f"{window[0]:.3f},{window[1]:.3f}"}
     if not job.ddp:
@@ -105,18 +110,18 @@ def result_of(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
     raise RuntimeError(f"a job gave no result (exit {proc.returncode}); its stderr ends:\n{tail}")
 
 
-def run_case(case: Case, seconds: float, warmup: float) -> dict[str, Any]:
+def run_case(case: Case, gpus: int, seconds: float, warmup: float) -> dict[str, Any]:
     env = product_env()
     with tempfile.TemporaryDirectory(prefix="gemtrace-ddp-") as tmp:
         work = Path(tmp)
         agent = Agent(work, case.groups, env, ebpf=False) if case.gated else None
         procs = []
         try:
-            uuids = [agent.gpu_uuid(i) for i in (0, 1)] if agent else []
+            uuids = [agent.gpu_uuid(i) for i in range(gpus)] if agent else []
             window = (time.monotonic() + warmup, time.monotonic() + warmup + seconds)
             for n, job in enumerate(case.jobs):
                 log = work / f"{job.group}-{n}.log"
-                procs.append((job, start_job(job, window, env, agent.state if agent else None, log), log))
+                procs.append((job, start_job(job, gpus, window, env, agent.state if agent else None, log), log))
             time.sleep(max(0.0, window[0] - time.monotonic()))
             charged0 = [agent.charged(u) for u in uuids] if agent else []
             time.sleep(max(0.0, window[1] - time.monotonic()))
@@ -128,7 +133,7 @@ def run_case(case: Case, seconds: float, warmup: float) -> dict[str, Any]:
                     proc.kill()
             if agent:
                 agent.stop()
-    charged = {}
+    charged: dict[str, list[float]] = {}
     for (t0, c0), (t1, c1) in zip(charged0, charged1, strict=True):
         for group in c1:
             charged.setdefault(group, []).append((c1[group] - c0.get(group, 0.0)) / (t1 - t0))
@@ -140,29 +145,36 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(PLAN))
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=25.0)
+    parser.add_argument("--gpus", type=int, default=2, help="GPUs the job spans, a single-GPU job on each")
     args = parser.parse_args()
+    if args.gpus < 2:
+        print(f"--gpus {args.gpus}: a job that spans GPUs needs at least 2", file=sys.stderr)
+        return 2
+    cases = plan_cases(args.gpus)
     names = args.cases.split(",")
-    unknown = [n for n in names if n not in CASES]
+    unknown = [n for n in names if n not in cases]
     if unknown:
-        print(f"unknown case {unknown[0]!r}: choose among {', '.join(CASES)}", file=sys.stderr)
+        print(f"unknown case {unknown[0]!r}: choose among {', '.join(cases)}", file=sys.stderr)
         return 2
     began = time.monotonic()
     runs: list[tuple[str, dict[str, Any]]] = []
     hog_solo = None
     for name in names:
         print(f"# {name}", file=sys.stderr, flush=True)
-        runs.append((name, run_case(CASES[name], args.seconds, args.warmup)))
+        runs.append((name, run_case(cases[name], args.gpus, args.seconds, args.warmup)))
         if name == "raw-solo":
-            hog_solo = run_case(Case("hog-solo", "", (), (HOGS[0],), gated=False), args.seconds, args.warmup)
+            hog_solo = run_case(Case("hog-solo", "", (), (Job("hog0", False, 0),), gated=False), args.gpus,
+                                args.seconds, args.warmup)
     solos = [r["results"]["ddp"]["rate"] for n, r in runs if n == "solo"]
     solo = sum(solos) / len(solos) if solos else None
     raw_solo = next((r["results"]["ddp"]["rate"] for n, r in runs if n == "raw-solo"), None)
     hog_rate = hog_solo["results"]["hog0"]["rate"] if hog_solo else None
-    rows = ["| case | group | steps/s | of solo | target | charged GPU 0 / GPU 1 |",
+    per_gpu = " / ".join(f"GPU {i}" for i in range(args.gpus))
+    rows = [f"| case | group | steps/s | of solo | target | charged {per_gpu} |",
             "| --- | --- | --- | --- | --- | --- |"]
     missed = 0
     for name, run in runs:
-        case = CASES[name]
+        case = cases[name]
         for group, result in run["results"].items():
             base = (solo if case.gated else raw_solo) if group.startswith("ddp") else hog_rate
             ratio = result["rate"] / base if base else float("nan")
@@ -176,7 +188,7 @@ def main() -> int:
     header = report_header(about, argparse.Namespace(ebpf=False, stand_in=False),
                            f"solo through gemtrace {', '.join(f'{s:.2f}' for s in solos)} steps/s, without "
                            f"{raw_solo and f'{raw_solo:.2f}'}; a single-GPU job alone {hog_rate and f'{hog_rate:.2f}'}"
-                           f" steps/s; windows of {args.seconds:g} s after {args.warmup:g} s", began)
+                           f" steps/s; {args.gpus} GPUs; windows of {args.seconds:g} s after {args.warmup:g} s", began)
     publish(header + "\n\n" + "\n".join(rows) + "\n", "gang_ddp", {"runs": runs, "hog_solo": hog_solo})
     return 1 if missed else 0
 
