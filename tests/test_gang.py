@@ -35,6 +35,7 @@ class Job:
     restart_ns: int = 0
     steps: int = 0
     pause_left: int = 0
+    resumed_at: int = 0  # when its last pause ended: its open burst opened there
     done: int = 0  # segments done this step
     left: dict[int, int] = field(default_factory=dict)  # each rank's compute left this segment
     collective_left: int = 0
@@ -96,6 +97,7 @@ class Gpu:
     switches: int = 0
     quiet_since: dict[int, int] = field(default_factory=dict)  # the pausing jobs' groups: since when
     wake_on_wait: bool = False  # the last decision's: a group that starts waiting rings (the gates do)
+    quiet_rings: bool = False  # the last decision's: the released group going quiet rings (the gates do)
     demand: frozenset[int] = frozenset()  # at the last look
 
     def observe(self, t: int, jobs: dict[int, Job]) -> Observation:
@@ -106,8 +108,12 @@ class Gpu:
             self.quiet_since.setdefault(group, t)
         for group in self.groups - quiet:
             self.quiet_since.pop(group, None)
-        idle_since = self.quiet_since.get(self.released) if self.released is not None else None
-        return Observation(frozenset(self.groups - quiet), idle_since, drained, present=frozenset(self.groups))
+        released = self.released
+        idle_since = self.quiet_since.get(released) if released is not None else None
+        # A busy job's gates tell when its open burst opened: charged from there, not from this look.
+        burst_from = jobs[released].resumed_at if released in jobs and idle_since is None else None
+        return Observation(frozenset(self.groups - quiet), idle_since, drained, present=frozenset(self.groups),
+                           holder_burst_from=burst_from)
 
     def apply(self, t: int, decision: Decision) -> None:
         if decision.draining is not None and self.draining is None:
@@ -118,9 +124,14 @@ class Gpu:
         self.released = decision.released
         self.next_look = max(t + TICK, decision.wake_at)
         self.wake_on_wait = decision.wake_on_wait
+        self.quiet_rings = decision.quiet_rings
 
     def rings(self, jobs: dict[int, Job]) -> bool:
-        """Does a group start waiting on its held word where the last decision asked to hear of it?"""
+        """Does a group start waiting on its held word, or the released group go quiet, where the last
+        decision asked to hear of it?"""
+        released = self.released
+        if self.quiet_rings and released in self.demand and released in jobs and jobs[released].quiet:
+            return True  # (seen busy at the last look: it just went quiet)
         if not self.wake_on_wait:
             return False
         waiting = {g for g in self.groups if g != self.released and not (g in jobs and jobs[g].quiet)}
@@ -139,8 +150,8 @@ class Gpu:
 def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds: float = 10,
              gang: bool = True, params: PolicyParams | None = None) -> tuple[list[Gpu], GangTurns]:
     """`layout`: GPU -> {group: quota}; `jobs`: group -> Job for the groups that are jobs (the rest are
-    hogs). Looks come at each policy's wake_at, and at once where a turn changes or a group starts
-    waiting while the last decision asked to hear of it (the doorbell). Each
+    hogs). Looks come at each policy's wake_at, and at once where a turn changes, or a group starts
+    waiting or the released one goes quiet while the last decision asked to hear of it (the doorbell). Each
     GPU's first look is half a slice after the last one's, and their drains differ (1, 1.7, 2.4 ms...):
     their clocks are apart, as real ones are."""
     params = params or PolicyParams()
@@ -182,7 +193,10 @@ def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds:
                 if group in jobs:
                     running_jobs.setdefault(group, set()).add(gpu.index)
         for group, job in jobs.items():
+            quiet = job.quiet
             job.run(running_jobs.get(group, set()), TICK)
+            if quiet and not job.quiet:
+                job.resumed_at = t + TICK
     return gpus, turns
 
 
@@ -224,6 +238,7 @@ def test_a_capped_job_that_pauses_between_steps_keeps_its_turns_whole() -> None:
     solo = SECOND / (job.compute_ns + job.collective_ns + job.pause_ns)
     assert job.steps / 10 / solo >= 0.27
     for gpu in gpus:
+        assert share(gpu, 0) == pytest.approx(0.3, abs=0.02)  # its quiet pauses are not charged, its steps are
         assert gpu.switches < 40  # about one turn per 180 ms turn's credit (gang_slice_ns) and its end
 
 
