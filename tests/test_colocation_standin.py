@@ -25,8 +25,9 @@ def test_every_setting_runs_through_the_agent_and_reaches_the_table(tmp_path: Pa
     require_build()
     out = tmp_path / "out"
     env = simgpu_env(tmp_path / "sim", OUT=str(out))
+    cases = "cnn-gate,cnn-mps,decoder-gate0,pair-gate,pair-mps-sm5,cnn-off"
     done = subprocess.run([sys.executable, "-m", "bench.gpu.colocation", "--stand-in", "--seconds", "2",
-                           "--settle", "0.5", "--cases", "cnn-gate,cnn-mps,decoder-gate0,pair-gate,pair-mps-sm5,cnn-off"],
+                           "--settle", "0.5", "--cases", cases],
                           cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode in (0, 1), output  # 1: a target missed; the simulated GPU runs kernels one at a time
