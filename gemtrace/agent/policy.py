@@ -149,8 +149,7 @@ class PolicyParams:
     # it runs in fewer, longer turns.
     gang_slice_ns: int = 180 * MS
     # A group in its turn across GPUs that goes quiet keeps the GPU this long (its ranks' CPU work
-    # between steps) before it is revoked early as any quiet holder is; and a holder quiet this long at
-    # most still counts against a gang's turn (`TimeSharePolicy._paused_holder`).
+    # between steps) before it is revoked early as any quiet holder is.
     gang_pause_ns: int = 5 * MS
 
 
