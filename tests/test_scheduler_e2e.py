@@ -25,11 +25,13 @@ pytestmark = pytest.mark.e2e
 
 WARMUP, SECONDS = 1.0, 3.0
 POINTS = 5.0
-# Two launch-bound groups taking turns do together at least this much of one alone: a switch costs a
-# drain and a wake (0.99 at 24 holds a second in bench/results/scheduler_accuracy.md), and a loaded
-# CI machine takes some of the loops' CPU (0.89 seen); less is GPU time lost between one group's
-# hold and the next one's release.
-LAUNCH_BOUND_TOGETHER_MIN = 0.8
+# Two launch-bound groups taking turns do together at least this much of one alone. Each switch costs
+# a drain and a wake-up of the loop released (0.99 at 24 holds a second on a quiet machine:
+# bench/results/scheduler_accuracy.md, where the figure itself is judged), and a machine loaded
+# beyond its CPUs makes every wake-up late, which the reference loop, never held, does not pay
+# (0.70 beside stress-ng on both CPUs and other work). What this bound catches is a scheduler that
+# loses whole slices between one group's hold and the next one's release: about half.
+LAUNCH_BOUND_TOGETHER_MIN = 0.6
 # Holds a second for those two groups: one per slice (23-25 in the bench and in loaded runs); a
 # scheduler that took the GPU's idle spells between the holder's kernels for the holder going idle
 # revoked it there (43-61 holds a second, with the split and the pair's throughput unchanged).
