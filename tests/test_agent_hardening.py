@@ -147,8 +147,9 @@ def test_a_renamed_groups_process_moves_to_default_and_is_scheduled(host: Host) 
         r = host.region()
         infer, default = r.group_index("infer"), r.group_index("default")
         assert infer is not None and default is not None
-        slot = wait_until("the worker's slot", lambda: next(
-            (i for i, g in r.slot_groups().items() if r.slots[i].pid == worker.pid), None))
+        # (A one-tuple: slot 0 is a slot, and wait_until waits for a true value.)
+        (slot,) = wait_until("the worker's slot", lambda: next(
+            ((i,) for i, g in r.slot_groups().items() if r.slots[i].pid == worker.pid), None))
         assert r.assigned_group(slot, worker.pid) == infer
         host.config.write_text(CONFIG.replace("[infer]", "[serve]"))
         wait_until("the move to default", lambda: r.assigned_group(slot, worker.pid) == default, timeout=5)
