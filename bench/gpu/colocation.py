@@ -19,8 +19,8 @@ Each service beside the training loop, in four settings (the case is SERVICE-SET
 and two training loops, one production and one opportunistic (pair-gate, pair-gate0, pair-mps, and
 pair-mps-smN: under MPS with the opportunistic group at MaxUtil N%, a share of the SMs). Solo
 runs of each workload (gated, no quota) before and after; ratios are over their mean. The cases run
-most telling first (the settings of issue 30, then gate0, then off), so that a budget cut drops the
-baseline the issue measured already.
+most telling first (the settings of issue 30, then gate0 and the pair's SM caps, then off), so that a
+budget cut drops the baseline the issue measured already.
 
 Per case: the service's p50 / p99 per request against solo, the training's steps/s against solo, the
 time the agent charged each group, the agent's CPU. The fraction of time the service's kernels keep the
@@ -32,7 +32,7 @@ busy < 40% of the time; pair: production >= 0.95 of solo, both together >= 1.0.
         [--settle 2] [--pause-ms 20] [--budget-s 450] [--gpu 0] [--ebpf] [--no-record] [--stand-in]
 
 Prints a markdown table and appends it, dated, to bench/results/colocation.md (not with --no-record,
-nor with --stand-in); with $OUT set, also writes colocation.md and colocation.json there. 17 runs of
+nor with --stand-in); with $OUT set, also writes colocation.md and colocation.json there. 20 runs of
 about 25 s on an H100 with the defaults; --budget-s (440 s) skips the cases that would not fit, solo
 after included, so that the whole stays within 8 minutes. Exit
 status 0 when every target was met, 1 when one was missed, 2 on bad usage or a failed run. Needs, from
