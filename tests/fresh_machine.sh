@@ -149,8 +149,8 @@ t=$(date +%s)
 inside 'make demo' >"$work/$suite/demo.log" 2>&1 || rc=$?
 echo "=== make demo: exit $rc, $(($(date +%s) - t)) s; what prereqs.sh said, and the demo's first lines:"
 grep '^prereqs.sh' "$work/$suite/demo.log" || true
-if grep -q '^agent up' "$work/$suite/demo.log"; then
-    awk '/^agent up/ { on = 1 } on && n++ < 14' "$work/$suite/demo.log"
+if grep -q '^gemtrace demo: the agent is up' "$work/$suite/demo.log"; then
+    awk '/^gemtrace demo: the agent is up/ { on = 1 } on && n++ < 14' "$work/$suite/demo.log"
 else
     tail -n 25 "$work/$suite/demo.log"
 fi
