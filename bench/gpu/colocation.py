@@ -157,11 +157,15 @@ def mps_ready() -> str:
     return "" if shutil.which("nvidia-cuda-mps-control") else "nvidia-cuda-mps-control is not in PATH"
 
 
+def case_fields(case: Case) -> dict[str, Any]:
+    """What a row says of its case (the table's setting column reads them)."""
+    return {"case": case.name, "service": case.service, "setting": case.setting, "spare_sm": case.spare_sm}
+
+
 def service_row(case: Case, result: dict[str, Any]) -> dict[str, Any]:
     serve, spare = result["groups"]["serve"], result["groups"]["spare"]
     latency = serve["results"][0]
-    return {"case": case.name, "service": case.service, "setting": case.setting, "spare_sm": case.spare_sm,
-            "requests": latency.get("requests", 0), "p50_ms": latency.get("p50_ms", float("nan")),
+    return {**case_fields(case), "requests": latency.get("requests", 0), "p50_ms": latency.get("p50_ms", float("nan")),
             "p99_ms": latency.get("p99_ms", float("nan")), "serve_charged": serve["charged"],
             "train_rate": spare["rate"], "train_charged": spare["charged"], "agent_cpu": result["agent_cpu"]}
 
@@ -329,8 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"steps/s; charged {r['serve_charged']:.3f} / {r['train_charged']:.3f}", flush=True)
         else:
             prod, spare = result["groups"]["prod"], result["groups"]["spare"]
-            rows.append({"case": case.name, "service": None, "setting": case.setting, "spare_sm": case.spare_sm,
-                         "prod_rate": prod["rate"],
+            rows.append({**case_fields(case), "prod_rate": prod["rate"],
                          "prod_charged": prod["charged"], "train_rate": spare["rate"],
                          "train_charged": spare["charged"], "agent_cpu": result["agent_cpu"]})
             print(f"{case.name}: production {prod['rate']:.2f} steps/s, opportunistic {spare['rate']:.2f} steps/s",
