@@ -21,14 +21,17 @@ Cases (CASES) and their targets (issue 13):
   minutil  MinUtil 0.6 beside two uncapped hogs        the guaranteed group >= 0.58 (hogs: cnn-train)
   maxutil  MaxUtil 0.5 alone                           0.5 +- 0.02
   4x2      4 groups capped 0.1/0.2/0.3/0.4, 2 processes each   each within 2 points; agent CPU <= 2% of a core
+  fair     no quotas: a loop sleeping 4 ms between steps (a data loader's CPU work) beside one that never
+           pauses                                      the pausing loop >= 0.42 (an even split is 0.5, less
+           the slice of usage the policy lets one group lead by, and its switches)
 The training workloads run every case, the inference ones the caps case. The agent's CPU (psutil, over
 the window, % of one core) is printed for every run.
 
 Default plan: every case above, in PLAN's order (ResNet-50 training first, then the inference caps,
 then the transformer training), within --budget-s (480 s): before each case the bench estimates the time
 left from the runs so far (--seconds plus each run's measured start and stop) and skips, with a printed
-line, a case that would not leave room for the solo runs after. With 10 s windows the whole plan is 18
-runs, about 7 minutes on an H100 at ~12 s of start-up per run.
+line, a case that would not leave room for the solo runs after. With 10 s windows the whole plan is 19
+runs, about 7.5 minutes on an H100 at ~12 s of start-up per run.
 
     python3 -m bench.gpu.models_torch [--cases caps,minutil,maxutil,4x2] [--workloads cnn-train,...]
         [--seconds 10] [--settle 2] [--budget-s 480] [--ebpf] [--gpu 0] [--stand-in]
@@ -137,6 +140,9 @@ class Case:
                     GroupSpec("hog1", workload=HOG_WORKLOAD), GroupSpec("hog2", workload=HOG_WORKLOAD))
         if self.name == "maxutil":
             return (GroupSpec("capped50", max_util=0.5, target=share(0.5, pts)),)
+        if self.name == "fair":
+            return (GroupSpec("pausing", worker_args=("--pause-ms", "4"), target=Target(0.42, math.inf, "≥ 0.42")),
+                    GroupSpec("steady"))
         if self.name == "4x2":
             return tuple(GroupSpec(f"capped{cap}", max_util=cap / 100, processes=2, target=share(cap / 100, pts))
                          for cap in (10, 20, 30, 40))
@@ -149,11 +155,12 @@ CASES = (
     Case("minutil", "MinUtil 0.6 beside two uncapped hogs", TRAINING, BOTH),
     Case("maxutil", "MaxUtil 0.5 alone", TRAINING, BOTH),
     Case("4x2", "4 groups capped 0.1/0.2/0.3/0.4, 2 processes each", TRAINING, BOTH),
+    Case("fair", "no quotas, a loop pausing 4 ms between steps beside one that never pauses", TRAINING, BOTH),
 )
 CASE = {c.name: c for c in CASES}
 # The order the default plan runs in, most telling first: what a budget cut drops comes last.
 PLAN = (("caps", "cnn-train"), ("minutil", "cnn-train"), ("maxutil", "cnn-train"), ("4x2", "cnn-train"),
-        ("caps", "cnn-infer"), ("caps", "transformer-infer"), ("caps", "transformer-train"),
+        ("fair", "cnn-train"), ("caps", "cnn-infer"), ("caps", "transformer-infer"), ("caps", "transformer-train"),
         ("minutil", "transformer-train"), ("maxutil", "transformer-train"), ("4x2", "transformer-train"))
 SOLO = GroupSpec("solo")
 AGENT_CPU_TARGET = 2.0  # % of one core, with 8 processes in 4 capped groups (issue 13)

@@ -536,6 +536,40 @@ class TimeSharePolicy:
             return False
         return any(self._priority(g) > mine and self._eligible(g, now) for g in self._demand)
 
+    def _overtaken(self, holder: int, now: int) -> bool:
+        """Has a group of the holder's priority that waits fallen a slice behind it in usage, the holder
+        having run min_slice_ns? Then the holder's slice ends now. Why: a loop that pauses between its
+        steps is revoked at each pause (the GPU goes to whoever wants it), and waiting out the other's
+        whole slice each time, it got 0.29 of the GPU beside a hog that never pauses, whatever its
+        pause (2-12 ms, 25 ms steps, on the fake GPU). Ordering alone cannot mend it: the loop is chosen
+        at every slice's end already. Not a turn across GPUs (its end is every GPU's), nor a holder
+        paid its MinUtil debt, nor among groups whose caps fit the GPU (their buckets order them)."""
+        return self._overtaken_at(holder, now) <= now
+
+    def _overtaken_at(self, holder: int, now: int) -> float:
+        """When `_overtaken` comes true if the holder keeps running (charged all along) and nothing
+        else changes; math.inf where it cannot. The holder's usage grows towards window_ns and the
+        waiting group's decays, both by the window's exponential, as `_advance` moves them."""
+        p = self.params
+        if (holder in self._due or self._is_owed(holder) or self._caps_within_gpu()
+                or not any(g != holder for g in self._demand)):
+            return math.inf
+        mine = self._priority(holder)
+        behind = [self._account(g).usage for g in self._demand
+                  if g != holder and self._priority(g) == mine and self._eligible(g, now)]
+        if not behind:
+            return math.inf
+        lead = self._account(holder).usage - min(behind)  # as of now (the holder is in play: moved to now)
+        window, gap = float(p.window_ns), float(self.slice_ns())
+        if lead > gap:
+            at = float(now)
+        elif not self._charging or gap >= window:
+            return math.inf
+        else:
+            # lead(t) = window - (window - lead) * exp(-t / window), charged all along
+            at = now + math.ceil(window * math.log((window - lead) / (window - gap)))
+        return max(at, float(self._released_at + p.min_slice_ns))
+
     def _deep_debt(self, now: int) -> bool:
         """Is a waiting group owed a slice's accrual more than the debt that sends it first
         (`_long_slice_debt`)? Then it goes before the holder's slice ends: it would have gone first
@@ -596,6 +630,8 @@ class TimeSharePolicy:
             self._hold(now)  # revoke early: it does not use its slice, someone else wants the GPU
         elif self._preempted(holder, now):
             self._hold(now)  # revoke at once: a group of a higher priority wants the GPU
+        elif self._overtaken(holder, now):
+            self._hold(now)  # a waiting group fell a slice behind the holder: its turn now, not at the slice's end
         elif now >= self._slice_end:
             pick = self._choose(now)
             if (pick is None or pick == holder) and not (holder in self._due and self._ready):
@@ -856,7 +892,9 @@ class TimeSharePolicy:
         holder = self._holder
         assert holder is not None
         if any(g != holder for g in self._demand):
-            return min(self._slice_end, self._wake_to_revoke(holder, now))
+            overtaken = self._overtaken_at(holder, now)
+            wake = min(self._slice_end, self._wake_to_revoke(holder, now))
+            return wake if overtaken >= wake else int(overtaken)
         if self._outranked_present(holder):
             # A request of the higher priority blocks on its held word and rings (Decision.wake_on_wait):
             # the look comes with it, the poll is only a net. An owed holder is not revoked and sleeps
