@@ -23,7 +23,8 @@ class Job:
     """A data-parallel job: each step, on each of its GPUs, a rank runs `segments` times
     `compute_ns / segments` of kernels, each followed by a collective (the gradients' buckets) that
     needs `collective_ns / segments` with every rank running at once; a rank that reached it first
-    spins (busy, charged, no progress) until the others run too."""
+    spins (busy, charged, no progress) until the others run too. On one GPU with no collective, it is
+    a single-GPU training loop (`loop`)."""
 
     gpus: tuple[int, ...]
     compute_ns: int = 20 * MS
@@ -209,6 +210,12 @@ def share(gpu: Gpu, group: int, seconds: float = 10) -> float:
     return gpu.busy_ns.get(group, 0) / (seconds * SECOND)
 
 
+def loop(gpu: int, pause_ns: int) -> Job:
+    """A single-GPU training loop: 25 ms of kernels a step, then `pause_ns` quiet (its sync, then the CPU
+    work that launches the next step)."""
+    return Job((gpu,), compute_ns=25 * MS, collective_ns=0, segments=1, pause_ns=pause_ns)
+
+
 def ddp_beside_hogs(job_quota: Quota, seconds: float = 10, gang: bool = True) -> tuple[Job, list[Gpu]]:
     """The job (group 0) on GPUs 0 and 1, an uncapped single-GPU hog on each (groups 1 and 2)."""
     job = Job((0, 1))
@@ -256,6 +263,28 @@ def test_an_unlimited_job_shares_each_gpu_evenly_with_the_single_gpu_jobs() -> N
     assert job.steps / 10 / job.solo_steps_per_second() >= 0.45
     for gpu, hog in zip(gpus, (1, 2), strict=True):
         assert share(gpu, hog) == pytest.approx(0.5, abs=0.03)
+
+
+@pytest.mark.parametrize("pause_ms", [1, 3, 5])
+def test_an_unlimited_job_shares_each_gpu_evenly_with_single_gpu_loops_that_pause_between_steps(
+        pause_ms: int) -> None:
+    """Each loop goes quiet at every step's end, and its gates ring then. Counted out of the choice at
+    that look, a loop let the job's turn open at its first pause: the job took 0.87 of each GPU and the
+    loops 0.12, whatever the pause from 1 to 8 ms. Weighed as if busy through a pause of up to
+    gang_pause_ns (5 ms), the job gets 0.49 / 0.48 / 0.47 of each GPU and the loops 0.49 / 0.47 / 0.45
+    for pauses of 1 / 3 / 5 ms (the rest is the loops' own pauses, GPU time nobody uses); 0.49 / 0.50
+    with no pause. A loop that pauses longer (8 ms) is idle to the choice: 0.73 / 0.20."""
+    job = Job((0, 1))
+    loops = {1: loop(0, pause_ms * MS), 2: loop(1, pause_ms * MS)}
+    gpus, _ = simulate({0: {0: Quota(), 1: Quota()}, 1: {0: Quota(), 2: Quota()}}, {0: job, **loops})
+    for gpu, single in zip(gpus, (1, 2), strict=True):
+        assert share(gpu, 0) == pytest.approx(0.5, abs=0.05)
+        assert share(gpu, single) == pytest.approx(0.5, abs=0.06)
+        assert abs(share(gpu, 0) - share(gpu, single)) < 0.03  # the same charge, whoever pauses
+    assert job.steps / 10 / job.solo_steps_per_second() >= 0.45
+    for single in loops.values():
+        solo = SECOND / (single.compute_ns + single.pause_ns)
+        assert single.steps / 10 / solo >= 0.45
 
 
 def test_a_job_whose_turns_cost_it_a_restart_runs_in_turns_long_enough_to_pay_for_them() -> None:
@@ -396,6 +425,25 @@ def test_a_gpu_consents_to_the_barred_groups_it_would_choose_over_its_holder() -
     assert early.released == 1 and early.ready == frozenset()
     later = policy.step(half_turn_more + 10 * MS, Observation(wanting, present=wanting, barred=barred))
     assert later.released == 1 and later.ready == {2}
+
+
+def test_a_holder_quiet_between_two_steps_is_weighed_against_a_gang_as_if_busy() -> None:
+    # Holder 1 ran 30 ms, less than barred 2 would have halfway through its turn: busy, it goes on.
+    # Quiet for less than gang_pause_ns it still does (a loop's CPU work between steps); quiet longer,
+    # it has nothing to go on with, and the GPU consents to 2's turn.
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {1: Quota(), 2: Quota()})
+    both, barred = frozenset({1, 2}), frozenset({2})
+    assert policy.step(0, Observation(both, present=both, barred=barred)).released == 1
+    busy = policy.step(20 * MS, Observation(both, present=both, barred=barred))
+    assert busy.released == 1 and busy.ready == frozenset()
+    quiet_at = 30 * MS
+    paused = policy.step(quiet_at + params.gang_pause_ns - MS,
+                         Observation(barred, quiet_at, present=both, barred=barred))
+    assert paused.released == 1 and paused.ready == frozenset()
+    idle = policy.step(quiet_at + params.gang_pause_ns + MS, Observation(barred, quiet_at, present=both, barred=barred))
+    assert idle.ready == barred
 
 
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:

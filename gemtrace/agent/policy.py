@@ -392,7 +392,8 @@ class TimeSharePolicy:
             if now - hold_at >= self.params.max_overrun_ns:
                 del self._overrun[group]
                 self._refund(group, now - (hold_at + self.params.max_overrun_ns))
-        self._ready = self._gang_readiness(now) if self._barred or self._clearing else frozenset()
+        self._ready = (self._gang_readiness(now, obs.holder_idle_since) if self._barred or self._clearing
+                       else frozenset())
         if self._phase is Phase.RUNNING:
             self._step_running(now, obs)
         if self._phase is Phase.DRAINING:
@@ -440,7 +441,7 @@ class TimeSharePolicy:
 
     # -- groups that span several GPUs -----------------------------------------------------------
 
-    def _gang_readiness(self, now: int) -> frozenset[int]:
+    def _gang_readiness(self, now: int, holder_idle_since: int | None) -> frozenset[int]:
         """The barred groups this GPU would release now if their turn were open: each wanting barred
         group that `_choose` picks beside the holder and every group it may release (MinUtil debts,
         priorities, MaxUtil credit and fairness decide, as for any group). A holder keeps the GPU for
@@ -461,7 +462,7 @@ class TimeSharePolicy:
         if (self._phase is Phase.RUNNING and self._holder not in self._barred
                 and now - self._released_at < self.params.min_slice_ns):
             return idle | self._ready.intersection(wanting)
-        return idle | self._chosen_if_admitted(now, wanting)
+        return idle | self._chosen_if_admitted(now, wanting, self._paused_holder(now, holder_idle_since))
 
     def _due_waits(self, holder: int, now: int) -> bool:
         """Does a group whose turn across GPUs is open want this GPU, held by another group that is
@@ -790,14 +791,27 @@ class TimeSharePolicy:
         """The candidate first in `_rank`'s order (on a tie, the first of them)."""
         return min(self._candidates(now), key=self._rank(), default=None)
 
-    def _chosen_if_admitted(self, now: int, groups: list[int]) -> frozenset[int]:
+    def _chosen_if_admitted(self, now: int, groups: list[int], paused: list[int]) -> frozenset[int]:
         """The groups of `groups` (barred: none of them a candidate already) that `_choose` would pick
         if each alone were counted as a candidate too (`_gang_readiness`): each set against the
         candidates' best, found once (a look at 63 barred groups cost 63 choices over 63 groups), and
         only if strictly before it, as `_choose` keeps the first of equals."""
         rank = self._rank()
-        best = min((rank(g) for g in self._candidates(now)), default=None)
+        best = min((rank(g) for g in self._candidates(now) + paused), default=None)
         return frozenset(g for g in groups if best is None or rank(g) < best)
+
+    def _paused_holder(self, now: int, idle_since: int | None) -> list[int]:
+        """The holder, where it is quiet for less than gang_pause_ns and may go on: a gang's turn is
+        weighed against it as if it still had work. Why: a training loop goes quiet at every step's end
+        (its sync, then the CPU work that launches the next step); counted out there, it consented to the
+        gang's turn at its first pause past min_slice_ns, and did about one step a turn while the gang
+        took whole turns. The gang keeps the same pause in its own turn (`_quiet_allowance`)."""
+        holder = self._holder
+        if (self._phase is Phase.RUNNING and holder is not None and idle_since is not None
+                and now - idle_since < self.params.gang_pause_ns and holder not in self._barred
+                and self._may_continue(holder)):
+            return [holder]
+        return []
 
     def _rank(self) -> Callable[[int], tuple[float, ...]]:
         """The order a choice goes by, first least: MinUtil debt first (most behind, relative to its
