@@ -64,6 +64,7 @@ class K8sCluster:
         self.ca_cert = Path(env["GEMTRACE_K8S_CA_CERT"])
         self.ca_key = Path(env["GEMTRACE_K8S_CA_KEY"])
         self.containerd = env["GEMTRACE_K8S_CONTAINERD_SOCK"]
+        self.ctr = env.get("GEMTRACE_K8S_CTR", "ctr")  # (bookworm's where the host's containerd is 2: cluster.sh)
         # What the node's kubelet and containers see as /etc/gemtrace, /run/gemtrace... (NODE_DIRS), and
         # the simulated GPU that its containers asking NVIDIA_VISIBLE_DEVICES get (KEY=VALUE lines).
         self.node_root = Path(env["GEMTRACE_K8S_NODE_ROOT"])
@@ -84,7 +85,7 @@ class K8sCluster:
 
     def import_image(self, archive: Path) -> None:
         """An image archive (`docker save` or OCI) into the node's containerd, where the kubelet finds it."""
-        done = subprocess.run(["ctr", "-a", self.containerd, "-n", "k8s.io", "images", "import", str(archive)],
+        done = subprocess.run([self.ctr, "-a", self.containerd, "-n", "k8s.io", "images", "import", str(archive)],
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, f"ctr images import {archive} failed: {done.stderr.strip()}"
 

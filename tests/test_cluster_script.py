@@ -76,6 +76,28 @@ def test_the_deb_src_lines_name_the_keyring_and_bookworm(tmp_path: Path) -> None
     ]
 
 
+@pytest.mark.parametrize(("says", "where"), [
+    ("containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+deb12u3", "/usr/bin"),  # Debian 12
+    ("containerd github.com/containerd/containerd/v2 2.2.1 ", "cache"),  # Ubuntu 24.04's updates
+    ("containerd containerd.io v2.0.0 abc", "cache"),
+    (None, "cache"),  # none installed: the cache's, which `build` fetches
+])
+def test_the_cluster_runs_a_containerd_that_serves_kubernetes_1_20_s_cri(tmp_path: Path, says: str | None,
+                                                                          where: str) -> None:
+    """Kubernetes 1.20's kubelet speaks the CRI's v1alpha2, which containerd 2 dropped: where the host's is 2
+    or newer, the cluster's containerd, ctr and shim come from the cache (bookworm's, fetched by `build`)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if says is not None:
+        fake = bin_dir / "containerd"
+        fake.write_text(f"#!/bin/sh\necho '{says}'\n")
+        fake.chmod(0o755)
+    (bin_dir / "awk").symlink_to(shutil.which("awk") or "/usr/bin/awk")  # (nothing else of the host's)
+    out = sourced(f'PATH="{bin_dir}"; containerd_dir', tmp_path)
+    expected = "/usr/bin" if where == "/usr/bin" else f"{tmp_path}/containerd-bookworm/usr/bin"
+    assert (out.returncode, out.stdout.strip()) == (0, expected), out
+
+
 @pytest.mark.skipif(not shutil.which("apt-get"), reason="Debian and Ubuntu only")
 def test_the_source_package_comes_from_an_apt_of_its_own_and_the_hosts_apt_is_untouched(tmp_path: Path) -> None:
     cache = tmp_path / "cache"

@@ -157,6 +157,55 @@ bin_dir() {
     echo "$CACHE/kubernetes_${kver}+reflect2_${rver}+$(go env GOVERSION)/bin"
 }
 
+# Kubernetes 1.20's kubelet speaks the CRI's v1alpha2, which containerd 2 no longer serves (Ubuntu 24.04's
+# updates carry containerd 2.2: the kubelet exits with "unknown service runtime.v1alpha2.RuntimeService").
+# Where the host's containerd is 2 or newer, the cluster runs bookworm's (1.6), unpacked into the cache from
+# Debian's archive by an apt of its own, as the kubernetes source is fetched; the host's containerd, its
+# apt and its files are not touched. Elsewhere the host's own, as before.
+CONTAINERD_CACHE=$CACHE/containerd-bookworm
+host_containerd_serves_v1alpha2() {
+    local version
+    version=$(containerd --version 2>/dev/null | awk '{print $3}')
+    version=${version#v}
+    [ -n "$version" ] && [ "${version%%.*}" -lt 2 ] 2>/dev/null
+}
+
+# The directory of the containerd, ctr and runc shim the cluster runs (pure: fetches nothing).
+containerd_dir() {
+    if host_containerd_serves_v1alpha2; then echo /usr/bin; else echo "$CONTAINERD_CACHE/usr/bin"; fi
+}
+
+# The cluster's ctr (a ctr of containerd 2 cannot import into containerd 1.6: no transfer service).
+ctr_() { "$(containerd_dir)/ctr" "$@"; }
+
+ensure_containerd() {
+    host_containerd_serves_v1alpha2 && return 0
+    [ -x "$CONTAINERD_CACHE/usr/bin/containerd" ] && return 0
+    [ -r "$DEBIAN_KEYRING" ] || die "$DEBIAN_KEYRING is missing, needed to fetch Debian's containerd: apt-get install debian-archive-keyring"
+    local apt_dir=$CACHE/apt-bin work=$CACHE/containerd.tmp mirror
+    mirror=$(debian_mirror)
+    log "this host's containerd serves no CRI v1alpha2 (Kubernetes 1.20's): fetching bookworm's into $CONTAINERD_CACHE"
+    rm -rf "$work"
+    mkdir -p "$apt_dir/sources.list.d" "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$work"
+    chown _apt "$apt_dir/lists/partial" 2>/dev/null || true
+    printf 'deb [signed-by=%s] %s %s main\n' "$DEBIAN_KEYRING" "$mirror" bookworm "$DEBIAN_KEYRING" "$mirror" bookworm-updates \
+        >"$apt_dir/sources.list"
+    local opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o "Dir::Etc::SourceParts=$apt_dir/sources.list.d"
+                -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache"
+                -o "Dir::Cache::pkgcache=" -o "Dir::Cache::srcpkgcache=" -o "APT::Architecture=amd64")
+    apt-get "${opts[@]}" update -qq || die "apt-get update of $apt_dir/sources.list failed (above); the host's apt is untouched"
+    (cd "$work" && apt-get "${opts[@]}" download -qq containerd) 2>&1 | { grep -v '^W: Download is performed unsandboxed' || true; } >&2
+    local deb
+    deb=$(find "$work" -maxdepth 1 -name 'containerd_*.deb' | head -n 1)
+    [ -n "$deb" ] || die "apt-get download containerd gave no package in $work"
+    dpkg-deb -x "$deb" "$work/root"
+    [ -x "$work/root/usr/bin/containerd" ] || die "$deb has no usr/bin/containerd"
+    rm -rf "$CONTAINERD_CACHE"
+    mv "$work/root" "$CONTAINERD_CACHE"
+    rm -rf "$work"
+    log "containerd $("$CONTAINERD_CACHE/usr/bin/containerd" --version | awk '{print $3}') in $CONTAINERD_CACHE"
+}
+
 built() {
     local bin=$1 c
     for c in "${K8S_COMPONENTS[@]}" pause; do [ -x "$bin/$c" ] || return 1; done
@@ -166,6 +215,7 @@ cmd_build() {
     need_root
     command -v go >/dev/null || die "go is missing: apt-get install -y golang-go"
     ensure_deb_src
+    ensure_containerd
     local bin
     bin=$(bin_dir)
     if built "$bin"; then
@@ -570,7 +620,10 @@ cmd_up() {
     write_containerd_config
     make_node
     # shellcheck disable=SC2046  # in_node's words
-    start containerd env GEMTRACE_K8S_GPU_DRIVER="$GPU_DRIVER" $(in_node) containerd --config "$RUN/containerd/config.toml"
+    local containerd_bin
+    containerd_bin=$(containerd_dir)
+    start containerd env PATH="$containerd_bin:$PATH" GEMTRACE_K8S_GPU_DRIVER="$GPU_DRIVER" $(in_node) \
+        "$containerd_bin/containerd" --config "$RUN/containerd/config.toml"
     wait_for "etcd health" 30 etcd curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 
     # --enable-aggregator-routing: the apiserver calls a webhook's Service at its endpoints (the pod's
@@ -591,12 +644,12 @@ cmd_up() {
         --enable-admission-plugins NodeRestriction,MutatingAdmissionWebhook,ValidatingAdmissionWebhook \
         --enable-aggregator-routing=true \
         --allow-privileged=true
-    wait_for "containerd socket" 30 containerd ctr -a "$CONTAINERD_SOCK" version
+    wait_for "containerd socket" 30 containerd ctr_ -a "$CONTAINERD_SOCK" version
     local images=$RUN/images
     mkdir -p "$images"
     build_images "$bin" "$images"
-    ctr -a "$CONTAINERD_SOCK" -n k8s.io images import "$images/test-image.tar" >/dev/null
-    ctr -a "$CONTAINERD_SOCK" -n k8s.io images import "$images/pause-image.tar" >/dev/null
+    ctr_ -a "$CONTAINERD_SOCK" -n k8s.io images import "$images/test-image.tar" >/dev/null
+    ctr_ -a "$CONTAINERD_SOCK" -n k8s.io images import "$images/pause-image.tar" >/dev/null
 
     write_kubelet_config
     mkdir -p "$KUBELET_ROOT/device-plugins"
@@ -657,7 +710,7 @@ our_shims() {
     local p
     for p in /proc/[0-9]*; do
         if { tr '\0' ' ' <"$p/cmdline"; } 2>/dev/null \
-                | grep -q "^/usr/bin/containerd-shim-runc-v2 .*-address $CONTAINERD_SOCK "; then
+                | grep -q "^[^ ]*/containerd-shim-runc-v2 .*-address $CONTAINERD_SOCK "; then
             basename "$p"
         fi
     done
@@ -677,11 +730,11 @@ teardown() {
     stop kubelet
     if alive containerd; then
         # Containers first, while containerd can still stop them cleanly.
-        for task in $(ctr -a "$CONTAINERD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
-            ctr -a "$CONTAINERD_SOCK" -n k8s.io tasks kill -s SIGKILL "$task" >/dev/null 2>&1 || true
+        for task in $(ctr_ -a "$CONTAINERD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+            ctr_ -a "$CONTAINERD_SOCK" -n k8s.io tasks kill -s SIGKILL "$task" >/dev/null 2>&1 || true
         done
-        for task in $(ctr -a "$CONTAINERD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
-            ctr -a "$CONTAINERD_SOCK" -n k8s.io tasks delete -f "$task" >/dev/null 2>&1 || true
+        for task in $(ctr_ -a "$CONTAINERD_SOCK" -n k8s.io tasks ls -q 2>/dev/null); do
+            ctr_ -a "$CONTAINERD_SOCK" -n k8s.io tasks delete -f "$task" >/dev/null 2>&1 || true
         done
     fi
     stop kube-scheduler kube-controller-manager kube-apiserver containerd
@@ -715,6 +768,7 @@ GEMTRACE_K8S_LOGS=$LOGS
 GEMTRACE_K8S_NODE=$NODE
 GEMTRACE_K8S_TEST_IMAGE=$TEST_IMAGE
 GEMTRACE_K8S_CONTAINERD_SOCK=$CONTAINERD_SOCK
+GEMTRACE_K8S_CTR=$(containerd_dir)/ctr
 GEMTRACE_K8S_DEVICE_PLUGINS=$KUBELET_ROOT/device-plugins
 GEMTRACE_K8S_CA_CERT=$PKI/ca.crt
 GEMTRACE_K8S_CA_KEY=$PKI/ca.key
