@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A one-node Kubernetes cluster on 127.0.0.1 for gemtrace's Kubernetes tests (device plugin,
 # mutating webhook, per-pod metrics): a real kube-apiserver, controller-manager, scheduler and kubelet
-# over a private etcd and containerd. Everything comes from Debian (bookworm): Kubernetes 1.20 is
-# built from Debian's source package, etcd/containerd/runc are Debian's binaries, and the test image
-# is made from the host's own Debian packages; nothing is pulled from an image registry.
+# over a private etcd and containerd. Kubernetes 1.20 is built from Debian's (bookworm) source package;
+# etcd, containerd and runc are the host's packages, but for a containerd of 2 or newer (Ubuntu 24.04's),
+# which no longer serves the kubelet's CRI: then bookworm's, unpacked into the cache. The test image is
+# made from the host's own packages; nothing is pulled from an image registry.
 #
 #   tests/k8s/cluster.sh build     build the binaries once into the cache (idempotent)
 #   tests/k8s/cluster.sh up        start the cluster (builds first when needed), import the images
