@@ -195,7 +195,11 @@ ensure_containerd() {
                 -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache"
                 -o "Dir::Cache::pkgcache=" -o "Dir::Cache::srcpkgcache=" -o "APT::Architecture=amd64")
     apt-get "${opts[@]}" update -qq || die "apt-get update of $apt_dir/sources.list failed (above); the host's apt is untouched"
-    (cd "$work" && apt-get "${opts[@]}" download -qq containerd) 2>&1 | { grep -v '^W: Download is performed unsandboxed' || true; } >&2
+    # By its version: the candidate would be the host's newer one, which this apt has no source for.
+    local version
+    version=$(apt-cache "${opts[@]}" madison containerd | awk -F' *[|] *' '{print $2; exit}')
+    [ -n "$version" ] || die "no containerd in bookworm per $apt_dir/sources.list"
+    (cd "$work" && apt-get "${opts[@]}" download -qq "containerd=$version") 2>&1 | { grep -v '^W: Download is performed unsandboxed' || true; } >&2
     local deb
     deb=$(find "$work" -maxdepth 1 -name 'containerd_*.deb' | head -n 1)
     [ -n "$deb" ] || die "apt-get download containerd gave no package in $work"
