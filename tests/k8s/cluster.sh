@@ -105,11 +105,18 @@ DEBIAN_KEYRING=/usr/share/keyrings/debian-archive-keyring.gpg
 # apt files read or written. A failed fetch thus leaves the host's `apt-get update` as it was.
 APT_DIR=$CACHE/apt
 APT_OPTS=()
-private_apt_opts() {
-    APT_OPTS=(-o "Dir::Etc::SourceList=$APT_DIR/sources.list" -o "Dir::Etc::SourceParts=$APT_DIR/sources.list.d"
-              -o "Dir::State::Lists=$APT_DIR/lists" -o "Dir::Cache=$APT_DIR/cache"
-              -o "Dir::Cache::pkgcache=" -o "Dir::Cache::srcpkgcache=")
+# The options of an apt of this script's own in DIR (one a line): its source list, package lists and
+# caches there; and its directories (apt downloads as _apt where it can write: else it warns, and
+# downloads as root). The kubernetes source comes by one in $APT_DIR, bookworm's containerd by another.
+apt_dir_opts() {
+    printf '%s\n' -o "Dir::Etc::SourceList=$1/sources.list" -o "Dir::Etc::SourceParts=$1/sources.list.d" \
+        -o "Dir::State::Lists=$1/lists" -o "Dir::Cache=$1/cache" -o "Dir::Cache::pkgcache=" -o "Dir::Cache::srcpkgcache="
 }
+make_apt_dir() {
+    mkdir -p "$1/sources.list.d" "$1/lists/partial" "$1/cache/archives/partial"
+    chown _apt "$1/lists/partial" 2>/dev/null || true
+}
+private_apt_opts() { mapfile -t APT_OPTS < <(apt_dir_opts "$APT_DIR"); }
 
 showsrc_version() {
     apt-cache "${APT_OPTS[@]}" showsrc --only-source kubernetes 2>/dev/null | sed -n 's/^Version: //p' | sort -V | tail -n 1
@@ -129,10 +136,13 @@ k8s_source_version() {
     showsrc_version
 }
 
-# The deb-src lines for bookworm's kubernetes: keyring, mirror (pure).
-deb_src_lines() {
-    printf 'deb-src [signed-by=%s] %s %s main\n' "$1" "$2" bookworm "$1" "$2" bookworm-updates
+# Bookworm's lines of TYPE (deb, deb-src): type, keyring, mirror (pure).
+bookworm_lines() {
+    printf '%s [signed-by=%s] %s %s main\n' "$1" "$2" "$3" bookworm "$1" "$2" "$3" bookworm-updates
 }
+
+# The deb-src lines for bookworm's kubernetes: keyring, mirror (pure).
+deb_src_lines() { bookworm_lines deb-src "$@"; }
 
 ensure_deb_src() {
     # A file of this name is what this script wrote into the host's apt before it kept an apt of its
@@ -141,9 +151,7 @@ ensure_deb_src() {
     choose_apt && return
     [ -r "$DEBIAN_KEYRING" ] || die "$DEBIAN_KEYRING is missing, needed to fetch Debian's kubernetes source: apt-get install debian-archive-keyring"
     log "no source list of this host offers the kubernetes source package: fetching bookworm's with an apt of its own in $APT_DIR"
-    mkdir -p "$APT_DIR/sources.list.d" "$APT_DIR/lists/partial" "$APT_DIR/cache/archives/partial"
-    # apt downloads as _apt where it can write: else it warns, and downloads as root.
-    chown _apt "$APT_DIR/lists/partial" 2>/dev/null || true
+    make_apt_dir "$APT_DIR"
     deb_src_lines "$DEBIAN_KEYRING" "$(debian_mirror)" >"$APT_DIR/sources.list"
     apt-get "${APT_OPTS[@]}" update -qq || die "apt-get update of $APT_DIR/sources.list failed (above); the host's apt is untouched"
     [ -n "$(showsrc_version)" ] || die "apt-get source kubernetes is not possible: no deb-src for bookworm in $APT_DIR/sources.list"
@@ -177,23 +185,20 @@ containerd_dir() {
 }
 
 # The cluster's ctr (a ctr of containerd 2 cannot import into containerd 1.6: no transfer service).
-ctr_() { "$(containerd_dir)/ctr" "$@"; }
+CONTAINERD_BIN=
+ctr_() { "${CONTAINERD_BIN:=$(containerd_dir)}/ctr" "$@"; }
 
 ensure_containerd() {
     host_containerd_serves_v1alpha2 && return 0
     [ -x "$CONTAINERD_CACHE/usr/bin/containerd" ] && return 0
     [ -r "$DEBIAN_KEYRING" ] || die "$DEBIAN_KEYRING is missing, needed to fetch Debian's containerd: apt-get install debian-archive-keyring"
-    local apt_dir=$CACHE/apt-bin work=$CACHE/containerd.tmp mirror
-    mirror=$(debian_mirror)
+    local apt_dir=$CACHE/apt-bin work=$CACHE/containerd.tmp opts
     log "this host's containerd serves no CRI v1alpha2 (Kubernetes 1.20's): fetching bookworm's into $CONTAINERD_CACHE"
     rm -rf "$work"
-    mkdir -p "$apt_dir/sources.list.d" "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial" "$work"
-    chown _apt "$apt_dir/lists/partial" 2>/dev/null || true
-    printf 'deb [signed-by=%s] %s %s main\n' "$DEBIAN_KEYRING" "$mirror" bookworm "$DEBIAN_KEYRING" "$mirror" bookworm-updates \
-        >"$apt_dir/sources.list"
-    local opts=(-o "Dir::Etc::SourceList=$apt_dir/sources.list" -o "Dir::Etc::SourceParts=$apt_dir/sources.list.d"
-                -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache"
-                -o "Dir::Cache::pkgcache=" -o "Dir::Cache::srcpkgcache=" -o "APT::Architecture=amd64")
+    mkdir -p "$work"
+    make_apt_dir "$apt_dir"
+    bookworm_lines deb "$DEBIAN_KEYRING" "$(debian_mirror)" >"$apt_dir/sources.list"
+    mapfile -t opts < <(apt_dir_opts "$apt_dir")
     apt-get "${opts[@]}" update -qq || die "apt-get update of $apt_dir/sources.list failed (above); the host's apt is untouched"
     # By its version: the candidate would be the host's newer one, which this apt has no source for.
     local version
@@ -625,10 +630,9 @@ cmd_up() {
     write_containerd_config
     make_node
     # shellcheck disable=SC2046  # in_node's words
-    local containerd_bin
-    containerd_bin=$(containerd_dir)
-    start containerd env PATH="$containerd_bin:$PATH" GEMTRACE_K8S_GPU_DRIVER="$GPU_DRIVER" $(in_node) \
-        "$containerd_bin/containerd" --config "$RUN/containerd/config.toml"
+    CONTAINERD_BIN=$(containerd_dir)
+    start containerd env PATH="$CONTAINERD_BIN:$PATH" GEMTRACE_K8S_GPU_DRIVER="$GPU_DRIVER" $(in_node) \
+        "$CONTAINERD_BIN/containerd" --config "$RUN/containerd/config.toml"
     wait_for "etcd health" 30 etcd curl -fsS "http://127.0.0.1:$ETCD_PORT/health"
 
     # --enable-aggregator-routing: the apiserver calls a webhook's Service at its endpoints (the pod's
