@@ -702,12 +702,18 @@ def test_the_operator_may_refuse_or_let_through_a_program_without_a_slot(
     finally:
         assert stop(running) == 0
 # Issue 25: a member of a shared group writes a huge figure into the slot of one of its own gated
-# processes (its own user's chunk, which it may write). Prints the slot it wrote.
+# processes (its own user's chunk, which it may write). Prints the slot it wrote and, read in the
+# instant after the write (the region is world-readable), whether the agent trusts its chunk then:
+# read by the test after this process's exit instead, a busy machine let the agent's two looks
+# (AUDIT_AGAIN_SECONDS apart) land in between.
 OVER_REPORTER = r"""
 import ctypes, mmap, sys
 from pathlib import Path
 from gemtrace import contract, region
 from gemtrace.region import server
+from gemtrace.region.layout import RegionLayout
+with open(Path(sys.argv[1]) / contract.REGION_FILE, "rb") as f:
+    header = mmap.mmap(f.fileno(), ctypes.sizeof(RegionLayout), mmap.MAP_SHARED, mmap.PROT_READ)
 reply, fds = server.ask(Path(sys.argv[1]), contract.ATTACH_JOIN)
 target, figure = int(sys.argv[2]), int(sys.argv[3])
 for k, fd in enumerate(fds[:reply.n_entries]):
@@ -719,7 +725,9 @@ for k, fd in enumerate(fds[:reply.n_entries]):
         if slot.pid == target:
             slot.memory[0] = figure
             slot.managed[0] = figure
-            print(reply.entries[k].chunk * contract.CHUNK_SLOTS + i)
+            chunk_no = reply.entries[k].chunk
+            word = ctypes.c_uint32.from_buffer_copy(header, RegionLayout.chunk_trusted.offset + 4 * chunk_no).value
+            print(chunk_no * contract.CHUNK_SLOTS + i, word)
             sys.exit(0)
 sys.exit("no slot of that pid in my chunks")
 """
@@ -761,8 +769,9 @@ def test_a_member_writing_a_huge_figure_into_its_slot_denies_the_others_nothing(
         out = as_user(adversary, host, sys.executable, "-c", OVER_REPORTER, str(host.state_dir), str(held.pid),
                       str(1 << 40), PYTHONPATH=str(REPO))
         assert out.returncode == 0, out.stderr
-        chunk = int(out.stdout) // contract.CHUNK_SLOTS
-        assert r.layout.chunk_trusted[chunk] == 1  # not caught yet: an honest user's figures count as they stand
+        slot, trusted_then = map(int, out.stdout.split())
+        chunk = slot // contract.CHUNK_SLOTS
+        assert trusted_then == 1  # not caught yet: an honest user's figures count as they stand
         env = host.env(GEMTRACE_STATE_DIR=str(host.state_dir), GEMTRACE_GROUP="team", LD_PRELOAD=str(GATE))
         started = time.monotonic()
         assert roots_allocations(env, TEAM_LIMIT - 64 * MiB, 1) == ["CUDA_SUCCESS", "CUDA_ERROR_OUT_OF_MEMORY"]
