@@ -13,7 +13,12 @@ checks:
      20 interleaved rounds (bench/recording.py's `interleave`), with one GPU visible and (on a host
      of several) all of them: the overhead in percent as the median of the paired differences, its
      interquartile range and a 95% bootstrap interval (`paired`; target: median <= 2%). The loop times
-     itself, so `gemtrace run`'s own start is not in the figure.
+     itself, so `gemtrace run`'s own start is not in the figure;
+  4. the same launches inside one process (gate_probe's `paired`): the cuLaunchKernel the runtime hands
+     out (the gate's) against libcuda's own, alternated in blocks, 40 rounds; and the same program with
+     no gate, where both paths are libcuda's: the method's own floor. Between processes one
+     configuration's runs spread by +-12% on an H100, which hides a 2% cost; in one process they share
+     the layout, the context and the CPU's state.
 Prints a table; with $OUT set, writes gate_gpu.md there.
 """
 
@@ -37,6 +42,8 @@ from tests.testkit import GiB
 GROUPS = (GroupSpec("bench", memory_limit="4GiB"), GroupSpec("free"))
 LOOP_ROUNDS = MIN_ROUNDS
 LOOP_LAUNCHES = 500_000
+PAIRED_ROUNDS = 40
+PAIRED_BLOCK = 100_000  # launches a block: about 0.4 s on an H100
 
 TORCH_CHECK = r"""
 import json, sys, torch
@@ -129,6 +136,29 @@ def main() -> int:
                              f"paired differences (IQR {overhead.q1:+.2f}% to {overhead.q3:+.2f}%, 95% interval "
                              f"{overhead.low:+.2f}% to {overhead.high:+.2f}%), {LOOP_ROUNDS} interleaved rounds of "
                              f"{LOOP_LAUNCHES} launches, pinned to one CPU"))
+            # Inside one process: the gate's entry point against libcuda's, and the floor without a gate.
+            def in_process(argv: list[str], env: dict[str, str]) -> tuple[bool, list[float], list[float]]:
+                run = subprocess.run(argv, env=env, capture_output=True, text=True, check=True, preexec_fn=pinned)
+                lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+                return (bool(lines[0]["gated"]), [line["real_ns"] for line in lines[1:]],
+                        [line["handed_ns"] for line in lines[1:]])
+
+            paired_argv = [str(probe), "paired", str(PAIRED_BLOCK), str(PAIRED_ROUNDS)]
+            one_gpu = dict(env, CUDA_VISIBLE_DEVICES="0")
+            for case, argv, gate_expected in (("the gate's entry point", gated("free", *paired_argv), True),
+                                              ("no gate (both libcuda's: the floor)", paired_argv, False)):
+                was_gated, real, handed = in_process(argv, one_gpu)
+                cost = paired(real, handed, relative=True)
+                print(f"in one process, {case}: libcuda's {real}\n  handed out {handed}\n  {cost}")
+                ok = was_gated == gate_expected and (not gate_expected or cost.median <= 2.0)
+                failures += not ok
+                rows.append((f"empty-kernel launches in one process, {case}",
+                             "<= 2% added (paired median)" if gate_expected else "about 0 (the method's floor)",
+                             f"{statistics.median(real):.0f} ns -> {statistics.median(handed):.0f} ns per launch "
+                             f"(medians; handed out by the runtime {'is' if was_gated else 'is not'} the gate's); "
+                             f"{cost.median:+.2f}% median of the paired differences (IQR {cost.q1:+.2f}% to "
+                             f"{cost.q3:+.2f}%, 95% interval {cost.low:+.2f}% to {cost.high:+.2f}%), "
+                             f"{PAIRED_ROUNDS} alternated blocks of {PAIRED_BLOCK} launches, pinned to one CPU"))
         finally:
             agent.stop()
 
