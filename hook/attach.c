@@ -101,7 +101,9 @@ static uint64_t read_start_time(void)
         if (p)
             p++;
     }
-    return p ? strtoull(p, NULL, 10) : 0;
+    const char *end;
+    uint64_t start = 0;
+    return p && gt_parse_decimal(p, &end, &start) ? start : 0;
 }
 
 /* Open the region and check its header before mapping it: a file of another layout, or one shorter
@@ -118,8 +120,8 @@ static const struct gt_region *map_region(const char *dir)
         return NULL;
     }
     struct gt_header header;
-    struct stat st;
-    if (fstat(fd, &st) != 0 || pread(fd, &header, sizeof header, 0) != (ssize_t)sizeof header) {
+    int64_t size = gt_fd_size(fd);
+    if (size < 0 || pread(fd, &header, sizeof header, 0) != (ssize_t)sizeof header) {
         close(fd);
         return NULL;
     }
@@ -129,7 +131,7 @@ static const struct gt_region *map_region(const char *dir)
         return NULL;
     }
     if (header.version != GT_REGION_VERSION || header.size != sizeof(struct gt_region) ||
-        (size_t)st.st_size < sizeof(struct gt_region)) {
+        (uint64_t)size < sizeof(struct gt_region)) {
         say_once(SAID_VERSION,
                  "%s has layout version %u, this gate speaks version %u; running ungated "
                  "(restart the program under the agent's gate of the same version).",
@@ -210,9 +212,8 @@ static int ask_agent(const char *dir, uint32_t kind, struct gt_attach_reply *rep
 /* A memfd of `size` bytes that nobody can shrink or grow: no mapping of it can fault. */
 static bool sealed_of_size(int fd, off_t size)
 {
-    struct stat st;
     int seals = fcntl(fd, F_GET_SEALS);
-    return fstat(fd, &st) == 0 && st.st_size == size && seals >= 0 &&
+    return gt_fd_size(fd) == (int64_t)size && seals >= 0 &&
            (seals & (F_SEAL_SHRINK | F_SEAL_GROW)) == (F_SEAL_SHRINK | F_SEAL_GROW);
 }
 

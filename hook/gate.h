@@ -14,6 +14,7 @@
 #include "gated_symbols.h"
 #include "gemtrace_contract.h"
 #include "gemtrace_region.h"
+#include "libc_compat.h"
 
 #define GT_EXPORT __attribute__((visibility("default")))
 #define GT_LIKELY(x) __builtin_expect(!!(x), 1)

@@ -255,10 +255,9 @@ static void read_beside_kernels(void)
     const char *text = getenv(GT_ENV_BESIDE_KERNELS);
     if (!text || !*text)
         return;
-    char *end;
-    errno = 0;
-    unsigned long v = strtoul(text, &end, 10);
-    if (*end || errno || v > GT_BESIDE_KERNELS_MAX || *text == '-') {
+    const char *end;
+    uint64_t v;
+    if (!gt_parse_decimal(text, &end, &v) || *end || v > GT_BESIDE_KERNELS_MAX) {
         fprintf(stderr, "gemtrace gate: %s=%s is not a whole number from 0 to %u; keeping %u kernels queued beside "
                 "busy production.\n", GT_ENV_BESIDE_KERNELS, text, GT_BESIDE_KERNELS_MAX, GT_BESIDE_KERNELS);
         return;

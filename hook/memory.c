@@ -455,10 +455,9 @@ static uint64_t prefetched_seq[GT_MAX_GPUS]; /* the control word's grant_seq thi
 /* "4GiB", "512M", "1073741824": bytes (powers of 1024); false when the text is no size. */
 static bool parse_bytes(const char *text, uint64_t *bytes)
 {
-    char *end;
-    errno = 0;
-    unsigned long long v = strtoull(text, &end, 10);
-    if (end == text || errno)
+    const char *end;
+    uint64_t v;
+    if (!gt_parse_decimal(text, &end, &v))
         return false;
     int shift = 0;
     switch (*end) {

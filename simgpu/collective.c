@@ -26,7 +26,7 @@
  * on futexes in the shared mapping, woken at each start and each spin's end, and look again every
  * POLL_NS for dead processes. This file is the libcuda's only; the launch fast path never calls it.
  */
-#define _GNU_SOURCE
+#define _DEFAULT_SOURCE
 #include "simgpu.h"
 
 #include <limits.h>

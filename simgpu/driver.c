@@ -25,7 +25,7 @@
  * gate's overhead can be measured against it. Functions use the real prototypes of cuda.h by the
  * names libcuda exports, as the gate's hook/cuda_driver_api.h declares them (checked against cuda.h).
  */
-#define _GNU_SOURCE
+#define _DEFAULT_SOURCE
 #include "cuda_driver_api.h"
 #include "simgpu.h"
 

@@ -8,7 +8,7 @@
  * There is no nvml.h in the CUDA toolkit, so the few types used are declared here with the layouts
  * of NVML's header (pynvml's ctypes mirrors give the same layouts).
  */
-#define _GNU_SOURCE
+#define _DEFAULT_SOURCE
 #include "simgpu.h"
 
 #include <stdio.h>

@@ -4,7 +4,7 @@
  * It never takes a lock another process could hold (see simgpu.h) and never dereferences a device
  * pointer (there is no device memory behind them).
  */
-#define _GNU_SOURCE
+#define _DEFAULT_SOURCE
 #include "simgpu.h"
 
 #include <ctype.h>

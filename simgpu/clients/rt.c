@@ -4,7 +4,7 @@
  * (with --ptsz, asking for the per-thread default stream forms, as code built with
  * --default-stream per-thread does). Usage: simgpu-rt [--ptsz] <subcommand> ... (see workload.c).
  */
-#define _GNU_SOURCE
+#define _DEFAULT_SOURCE
 #include "workload.h"
 
 #include <dlfcn.h>

@@ -57,7 +57,7 @@
  * A failing driver call prints {"error":<call>,"result":<CUresult>,"name":...} and exits 1.
  * Sizes read as SIMGPU_MEMORY does ("1GiB", "512M", bytes).
  */
-#define _GNU_SOURCE
+#define _DEFAULT_SOURCE
 #include "workload.h"
 #include "simgpu.h"
 
