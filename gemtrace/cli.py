@@ -218,7 +218,7 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
                           device_plugins=args.device_plugins, pod_resources=args.pod_resources,
                           gpus_present=lambda: {g.uuid for g in discover()}, pods=pods, names_file=args.pod_names,
                           tell=tell, names={g.uuid: g.name for g in found},
-                          packing=PACKINGS[args.placement]())
+                          packing=PACKINGS[args.placement](), config=args.config)
     # The plugin runs in a thread; the main thread only takes the signals (gemtrace.signals says why).
     signals = SignalInbox((signal.SIGTERM, signal.SIGINT))
     worker = threading.Thread(target=plugin.run, name="gemtrace-plugin", daemon=True)

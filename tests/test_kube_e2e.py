@@ -28,6 +28,7 @@ from k8s_cluster import K8sCluster, pod_manifest
 from simgpu_env import REPO, SIMGPU_DIR, SimGpu
 from testkit import GiB, wait_until
 
+from gemtrace.config import load
 from gemtrace.kube import shares
 
 pytestmark = [pytest.mark.e2e, pytest.mark.k8s]
@@ -152,9 +153,11 @@ class Node:
         except AssertionError as e:
             raise AssertionError(f"{e}\n{self.deployment.describe()}\n{self.plugin_log()}") from None
 
-    def install(self, memory: str = "16", util: str = "100") -> None:
+    def install(self, memory: str = "16", util: str | None = None) -> None:
         """deploy/ applied, until this plugin has registered and the node advertises `memory` GiB and
-        `util`% (the GPUs' shares)."""
+        `util`% (the GPUs' shares; default: what the resource file's own MinUtils leave of them)."""
+        if util is None:
+            util = self.util_left()
         self.deployment.apply()
         # The node's figures may be the previous test's plugin's: wait for this one's registration, or a
         # pod placed meanwhile fails the kubelet's admission (its devices unknown for a moment).
@@ -166,6 +169,22 @@ class Node:
             return capacity.get(shares.GPU_MEMORY) == memory and capacity.get(shares.GPU_UTIL) == util
 
         wait_until(f"the node advertising {memory} GiB and {util}%", advertised, timeout=60, step=0.5)
+
+    def util_left(self) -> str:
+        """The node's util devices as the plugin advertises them: 100 a GPU less the resource file's own
+        MinUtils there (gemtrace.kube.shares.util_left)."""
+        region = self.host.region()
+        try:
+            uuids = region.gpu_uuids()
+        finally:
+            region.close()
+        return str(sum(shares.util_left(load(self.host.config).groups.values(), uuids).values()))
+
+    def wait_advertising_util(self) -> None:
+        """Until the node advertises what the resource file leaves, after a change of the file."""
+        util = self.util_left()
+        wait_until(f"the node advertising {util}%", lambda: self.cluster.get("node", self.cluster.node)[
+            "status"]["allocatable"].get(shares.GPU_UTIL) == util, timeout=60, step=0.5)
 
     def restart_plugin(self) -> None:
         """The plugin's pod deleted: its DaemonSet makes another, which must register anew."""
@@ -222,11 +241,12 @@ class Node:
         return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
 
 
-def running_node(cluster: K8sCluster, host: Host, memory: str = "16", util: str = "100") -> Iterator[Node]:
-    """deploy/ applied for the agent on `host`, once the node advertises `memory` GiB and `util`%."""
+def running_node(cluster: K8sCluster, host: Host, memory: str = "16") -> Iterator[Node]:
+    """deploy/ applied for the agent on `host`, once the node advertises `memory` GiB and the util the
+    resource file leaves."""
     n = Node(cluster, host)
     try:
-        n.install(memory, util)
+        n.install(memory)
         yield n
     finally:
         print(n.plugin_log())
@@ -242,9 +262,9 @@ def node(k8s_cluster: K8sCluster, gemtrace_image: str, simgpu: SimGpu, tmp_path:
 def two_gpu_node(k8s_cluster: K8sCluster, gemtrace_image: str, simgpu_factory: Callable[..., SimGpu],
                  tmp_path: Path) -> Iterator[Node]:
     """The node with 2 simulated GPUs of 8 GiB, binpacked as deploy/ places by default. CONFIG's
-    [train] reserves MinUtil 0.2 of every GPU: 0.5 more fits on each."""
+    [train] reserves MinUtil 0.2 of every GPU: 80 util devices on each, and 0.5 fits on either."""
     host = on_the_node(k8s_cluster, simgpu_factory(devices=2, memory="8GiB"), tmp_path)
-    yield from running_node(k8s_cluster, host, "16", "200")
+    yield from running_node(k8s_cluster, host, "16")
 
 
 def test_a_pod_asking_for_2_gib_and_30_percent_is_gated_with_nothing_set(node: Node) -> None:
@@ -339,9 +359,10 @@ def test_two_pods_asking_for_30_and_70_percent_get_their_shares_within_2_points(
     def gpu_seconds() -> dict[str, float]:
         return _pod_gpu_seconds(node, targets)
 
-    # The main file's [train] reserves 0.2 of every GPU: with 30 + 70 the MinUtils would pass 1 and the
-    # agent would refuse the pods' drop-ins (docs/kubernetes.md, "Not done").
+    # The main file's [train] reserves 0.2 of every GPU, which leaves 80 util devices: 30 + 70 need all
+    # 100, which the plugin advertises once [train] reserves nothing.
     node.host.config.write_text(CONFIG.replace("MinUtil = 0.2\n", ""))
+    node.wait_advertising_util()
 
     def quotas() -> dict[str, int] | None:
         found = {}
@@ -422,24 +443,33 @@ def test_pods_created_and_deleted_one_after_another_each_get_their_limit(node: N
     assert max(latencies) < max(plain) + 3, (plain, latencies)
 
 
-def test_a_grant_that_does_not_fit_is_refused_alone_with_an_event_on_its_pod(node: Node) -> None:
-    """The kubelet hands out all 100 util devices; the main file's [train] reserves 0.2 beside them.
-    The pod whose 30% takes the GPU past 1 is told so on its pod; the 70% pod keeps its limit."""
+def test_a_share_the_resource_file_leaves_no_room_for_stays_pending_and_one_that_stops_fitting_is_refused_alone(
+        node: Node) -> None:
+    """The main file's [train] reserves 0.2: the node advertises 80 util devices, so a pod asking 30%
+    beside a 70% one stays Pending with the scheduler's reason (before, the kubelet handed out all
+    100 and the agent refused the second grant, which then ran in no group of its own). When the
+    operator raises [train]'s MinUtil to 0.4, the 70% grant no longer fits: it is refused alone, with an
+    event on its pod, and the 30% pod still waits."""
     cluster = node.cluster
-    names = {"fits-70": "70", "over-30": "30"}
     try:
-        for name, util in names.items():
-            node.create(node.pod(name, "/simgpu/simgpu-rt meminfo && sleep 60",
-                                 limits={shares.GPU_MEMORY: "2", shares.GPU_UTIL: util}))
-            wait_until(f"{name}'s meminfo", partial(_json_lines, cluster, name), timeout=60, step=0.2)
-        (event,) = cluster.wait_events("over-30", "GemtraceGrantRefused")
-        assert event["type"] == "Warning" and event["involvedObject"]["uid"] == cluster.get("pod", "over-30")[
-            "metadata"]["uid"]
-        assert "the MinUtils add up to 1.2" in event["message"] and "train 0.2" in event["message"], event
-        assert not cluster.events("fits-70", "GemtraceGrantRefused")
+        node.create(node.pod("fits-70", "/simgpu/simgpu-rt meminfo && sleep 120",
+                             limits={shares.GPU_MEMORY: "2", shares.GPU_UTIL: "70"}))
+        wait_until("fits-70's meminfo", partial(_json_lines, cluster, "fits-70"), timeout=60, step=0.2)
+        cluster.create(node.pod("over-30", "true", limits={shares.GPU_MEMORY: "2", shares.GPU_UTIL: "30"}))
+        events = cluster.wait_events("over-30", "FailedScheduling")
+        assert any(f"Insufficient {shares.GPU_UTIL}" in e["message"] for e in events), events
+        assert cluster.get("pod", "over-30")["status"]["phase"] == "Pending"
         assert _json_lines(cluster, "fits-70")[0]["total"] == 2 * GiB
+
+        node.host.config.write_text(CONFIG.replace("MinUtil = 0.2\n", "MinUtil = 0.4\n"))
+        (event,) = cluster.wait_events("fits-70", "GemtraceGrantRefused")
+        assert event["type"] == "Warning" and event["involvedObject"]["uid"] == cluster.get("pod", "fits-70")[
+            "metadata"]["uid"]
+        assert "the MinUtils add up to 1.1" in event["message"] and "train 0.4" in event["message"], event
+        node.wait_advertising_util()  # 60: still no room for the 30% pod beside the 70% one's devices
+        assert cluster.get("pod", "over-30")["status"]["phase"] == "Pending"
     finally:
-        for name in names:
+        for name in ("fits-70", "over-30"):
             cluster.delete_pod(name)
 
 

@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import uuid as uuidlib
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import replace
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import structlog.testing
 from agent_host import CONFIG, Host, Running, stop
 from simgpu_env import REPO, RT_CLIENT, Client, SimGpu, run_nvml
 from testkit import GiB, MiB, scratch_cgroup, wait_until
@@ -93,6 +95,15 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
             got[r.resource_name] = r
         return got
 
+    @staticmethod
+    def advertised(stub: dp_grpc.DevicePluginStub) -> list[str]:
+        """The healthy devices the plugin advertises now (ListAndWatch's first answer)."""
+        stream = stub.ListAndWatch(dp.Empty(), timeout=30)
+        try:
+            return [d.ID for d in next(stream).devices if d.health == "Healthy"]
+        finally:
+            stream.cancel()
+
     def plugin(self, resource: str) -> dp_grpc.DevicePluginStub:
         return dp_grpc.DevicePluginStub(kubelet.channel(self.dir / socket_name(resource)))
 
@@ -113,8 +124,8 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
                 size = limits[resource]
                 taken = {d for p in self.pods for c in p.containers for cd in c.devices
                          if cd.resource_name == resource for d in cd.device_ids}
-                available = [d for d, _ in shares.device_ids(resource, self.gpus) if d not in taken]
                 stub = self.plugin(resource)
+                available = [d for d in self.advertised(stub) if d not in taken]
                 (answer,) = stub.GetPreferredAllocation(dp.PreferredAllocationRequest(container_requests=[
                     dp.ContainerPreferredAllocationRequest(available_deviceIDs=available, allocation_size=size)]),
                     timeout=30).container_responses
@@ -194,7 +205,7 @@ class Stack:
         self.plugin = DevicePlugin(self.gpus, self.host.state_dir, self.grants, self.injection,
                                    device_plugins=self.directory, pod_resources=self.directory / "pod-resources.sock",
                                    pods=self.api.pods, names_file=self.host.tmp / "pods.json", tell=self.api.tell,
-                                   names=self.names, packing=PACKINGS[self.placement]())
+                                   names=self.names, packing=PACKINGS[self.placement](), config=self.host.config)
         self.thread = threading.Thread(target=self.plugin.run if self.loop else lambda: None, daemon=True)
         self.thread.start()
 
@@ -251,7 +262,51 @@ def test_registers_both_resources_and_lists_one_device_per_gib_and_per_percent(s
     assert len(memory_devices) == memory // GiB == 16
     assert {d.health for d in memory_devices} == {"Healthy"}
     _, util_devices = first_devices(stack.kubelet.plugin(shares.GPU_UTIL))
-    assert [d.ID for d in util_devices] == [f"{uuid}-u{i}" for i in range(100)]
+    # 1% each, less the 20 that the resource file's [train] reserves on every GPU (MinUtil 0.2)
+    assert [d.ID for d in util_devices] == [f"{uuid}-u{i}" for i in range(80)]
+
+
+def per_gpu(devices: Sequence[dp.Device]) -> dict[str, int]:
+    return dict(Counter(shares.gpu_of(d.ID) for d in devices))
+
+
+def test_the_util_devices_leave_out_what_the_resource_files_own_groups_reserve(two_gpu_stack: Stack) -> None:
+    """A GPU's util devices are the time the operator's groups leave: the kubelet can then never give
+    pods a share that would take a GPU's MinUtils past 1, which the agent refuses. They follow the
+    file, the operator's drop-ins too; a file the agent would refuse changes nothing."""
+    stack = two_gpu_stack
+    stack.kubelet.registered()
+    (gpu0, _), (gpu1, _) = stack.gpus
+    stream, devices = first_devices(stack.kubelet.plugin(shares.GPU_UTIL))
+    assert per_gpu(devices) == {gpu0: 80, gpu1: 80}  # [train]'s MinUtil 0.2, on every GPU
+
+    def next_counts() -> dict[str, int]:
+        return per_gpu(next(stream).devices)
+
+    # The operator reserves 0.345 of GPU 1 for a group of its own (rounded up to whole devices).
+    ops = dropin_dir(stack.host.config) / "ops.conf"
+    ops.parent.mkdir(exist_ok=True)
+    ops.write_text(f"[ops]\nMinUtil = 0.345\nGpus = {gpu1}\n")
+    assert next_counts() == {gpu0: 80, gpu1: 45}
+    # The kubelet gives what is advertised: a pod asking 50% of GPU 1 takes GPU 0's devices, not GPU 1's.
+    stack.kubelet.admit("half", {shares.GPU_MEMORY: 1, shares.GPU_UTIL: 50}, {shares.ANNOTATION_GPUS: "1"})
+    (half,) = stack.kubelet.pods
+    util = [d for cd in half.containers[0].devices if cd.resource_name == shares.GPU_UTIL for d in cd.device_ids]
+    assert len(util) == 50 and {shares.gpu_of(d) for d in util} == {gpu0}
+
+    # A main file the agent would refuse: the agent keeps its settings, the plugin its devices.
+    good = stack.host.config.read_text()
+    with structlog.testing.capture_logs() as logs:
+        stack.host.config.write_text(good + "[broken\n")
+        wait_until("the plugin read the broken file",
+                   lambda: any(e["event"] == "resource_file_unusable" for e in logs), timeout=10)
+    _, devices = first_devices(stack.kubelet.plugin(shares.GPU_UTIL))
+    assert per_gpu(devices) == {gpu0: 80, gpu1: 45}
+
+    # [train] reserves nothing any more: 100 on GPU 0, 65 on GPU 1.
+    stack.host.config.write_text(good.replace("MinUtil = 0.2\n", ""))
+    wait_until("the devices of a file without [train]'s MinUtil",
+               lambda: per_gpu(first_devices(stack.kubelet.plugin(shares.GPU_UTIL))[1]) == {gpu0: 100, gpu1: 65})
 
 
 def test_allocate_gates_the_container_and_the_agent_defines_its_group(stack: Stack) -> None:

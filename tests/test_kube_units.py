@@ -37,6 +37,18 @@ def test_devices_are_one_per_gib_and_per_percent_of_each_gpu() -> None:
     assert shares.gpu_of("GPU-4f53b7f6-3179-49a9-8abd-91f3eeca7a00-u42") == "GPU-4f53b7f6-3179-49a9-8abd-91f3eeca7a00"
 
 
+def test_the_util_devices_leave_out_what_the_resource_files_own_groups_reserve() -> None:
+    groups = parse_text("[train]\nMinUtil = 0.2\n\n[ops]\nMinUtil = 0.345\nGpus = GPU-b\n\n"
+                        "[k8s-0123456789abcdef]\nMinUtil = 0.5\nGpus = GPU-a\n\n[idle]\nMaxUtil = 0.5\n").groups
+    # [train] on every GPU, [ops] on GPU-b only (rounded up: 35 units), a pod's own grant not at all
+    assert shares.util_left(groups.values(), ["GPU-a", "GPU-b"]) == {"GPU-a": 80, "GPU-b": 45}
+    full = parse_text("[a]\nMinUtil = 0.6\n\n[b]\nMinUtil = 0.4\n").groups
+    assert shares.util_left(full.values(), ["GPU-a"]) == {"GPU-a": 0}
+    gpus = [("GPU-a", 8 * GiB), ("GPU-b", 8 * GiB)]
+    util = shares.device_ids(shares.GPU_UTIL, gpus, {"GPU-b": 45})
+    assert (len(util), util[-1]) == (145, ("GPU-b-u44", "GPU-b"))
+
+
 def test_a_grant_names_its_group_by_its_devices_whatever_their_order() -> None:
     a = shares.Grant(memory=("GPU-a-m1", "GPU-a-m0"))
     b = shares.Grant(memory=("GPU-a-m0", "GPU-a-m1"), util=("GPU-a-u0",), pod="p")

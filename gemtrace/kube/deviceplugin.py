@@ -45,6 +45,7 @@ import structlog
 
 from gemtrace import contract
 from gemtrace import region as rg
+from gemtrace.config import ConfigError, dropins, load
 from gemtrace.kube import kubelet, shares
 from gemtrace.kube.grants import Grants, Pods
 from gemtrace.kube.injection import Injection
@@ -130,8 +131,23 @@ class Inventory:
     def __init__(self, gpus: Sequence[tuple[str, int]]) -> None:
         self.gpus = list(gpus)
         self.healthy: set[str] = set()
+        self.util_units: dict[str, int] = {}  # a GPU's util devices where fewer than shares.UTIL_UNITS
         self.version = 0
         self.changed = threading.Condition()
+
+    def set_util_units(self, units: dict[str, int]) -> bool:
+        with self.changed:
+            if units == self.util_units:
+                return False
+            self.util_units = units
+            self.version += 1
+            self.changed.notify_all()
+            return True
+
+    def device_ids(self, resource: str) -> list[tuple[str, str]]:
+        """(device ID, GPU UUID) of each device advertised for `resource` now."""
+        with self.changed:
+            return shares.device_ids(resource, self.gpus, self.util_units)
 
     def set_healthy(self, healthy: set[str]) -> bool:
         with self.changed:
@@ -144,7 +160,7 @@ class Inventory:
 
     def devices(self, resource: str) -> list[dp.Device]:
         return [dp.Device(ID=device, health=HEALTHY if gpu in self.healthy else UNHEALTHY)
-                for device, gpu in shares.device_ids(resource, self.gpus)]
+                for device, gpu in self.device_ids(resource)]
 
     def wake(self) -> None:
         with self.changed:
@@ -254,14 +270,18 @@ class DevicePlugin:
                  gpus_present: Callable[[], set[str]] | None = None,
                  pods: Callable[[], Pods] | None = None, names_file: Path | None = None,
                  tell: Callable[[str, str, str, str], None] | None = None,
-                 names: dict[str, str] | None = None, packing: Packing | None = None) -> None:
+                 names: dict[str, str] | None = None, packing: Packing | None = None,
+                 config: Path | None = None) -> None:
         """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for placement, the
         grants' Cgroup rule and MaxUtil annotation, and which pods are gone; None: without them.
         `names_file`: where to write the pods' names for the agent's metrics labels
         (gemtrace.kube.pods.NAMES_FILE); the agent's refusals are read beside it. `tell(namespace,
         pod, uid, message)`: a Warning event on a pod whose grant the agent refused. `names`: each
-        GPU's NVML name (uuid -> name), for gemtrace.io/gpu-model; `packing`: binpack by default."""
+        GPU's NVML name (uuid -> name), for gemtrace.io/gpu-model; `packing`: binpack by default.
+        `config`: the agent's resource file, whose own groups' MinUtil the util devices leave out."""
         self.inventory = Inventory(gpus)
+        self.config = config
+        self._config_seen: tuple[object, ...] | None = None  # the files' stat when last read
         self.state_dir = state_dir
         self.grants = grants
         self.injection = injection
@@ -285,7 +305,8 @@ class DevicePlugin:
         # The agent's config_generation before the last write of a drop-in: it has applied the write
         # once its generation passes this (None: nothing written since it last did).
         self._unapplied: int | None = None
-        self.placer = Placer(gpus, names or {}, packing or PACKINGS[DEFAULT_PACKING](), pods, self._listed)
+        self.placer = Placer(gpus, names or {}, packing or PACKINGS[DEFAULT_PACKING](), pods, self._listed,
+                             advertised=self.inventory.device_ids)
 
     def _listed(self) -> list[kubelet.ContainerDevices]:
         return kubelet.list_pod_resources(self.pod_resources) if self.pod_resources is not None else []
@@ -301,6 +322,35 @@ class DevicePlugin:
         if self.inventory.set_healthy(healthy):
             log.info("health_changed", agent_alive=alive, healthy=sorted(healthy),
                      unhealthy=sorted({u for u, _ in self.inventory.gpus} - healthy))
+
+    def check_reserved(self) -> None:
+        """Advertise, on each GPU, the util devices that the resource file's own groups leave
+        (shares.util_left); read again when the file or its drop-in directory changed. A file the
+        agent would refuse leaves the devices as they were, as the agent keeps its settings."""
+        if self.config is None:
+            return
+        seen: list[object] = []
+        # The pods' own files (shares.GROUP_PREFIX) are left out: their shares are the devices given.
+        for path in (self.config, *(p for p in dropins(self.config) if not p.name.startswith(shares.GROUP_PREFIX))):
+            try:
+                st = path.stat()
+                seen.append((path.name, st.st_ino, st.st_mtime_ns, st.st_size))
+            except OSError:
+                seen.append((path.name, None))
+        if tuple(seen) == self._config_seen:
+            return
+        self._config_seen = tuple(seen)
+        try:
+            groups = load(self.config).groups.values()
+        except (ConfigError, OSError) as e:
+            log.warning("resource_file_unusable", config=str(self.config), error=str(e),
+                        consequence="the util devices stay as they were")
+            return
+        units = {uuid: n for uuid, n in shares.util_left(groups, [u for u, _ in self.inventory.gpus]).items()
+                 if n < shares.UTIL_UNITS}
+        if self.inventory.set_util_units(units):
+            log.info("util_devices_changed",
+                     util_devices={u: units.get(u, shares.UTIL_UNITS) for u, _ in self.inventory.gpus})
 
     def serve_and_register(self) -> None:
         """(Re)start the servers on fresh sockets and register each resource with the kubelet."""
@@ -418,8 +468,10 @@ class DevicePlugin:
                 time.sleep(0.02)
 
     def step(self) -> None:
-        """One pass of the loop: health, registration after a kubelet (re)start, reconciliation."""
+        """One pass of the loop: health, the util devices, registration after a kubelet (re)start,
+        reconciliation."""
         self.check_health()
+        self.check_reserved()
         sockets_gone = self._servers and not all(
             (self.device_plugins / socket_name(r)).exists() for r in shares.RESOURCES)
         if self.kubelet_socket.changed() or sockets_gone:

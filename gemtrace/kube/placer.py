@@ -72,11 +72,13 @@ def pending_containers(pods: Pods, listed: Sequence[ContainerDevices], resource:
 class Placer:
     def __init__(self, gpus: Sequence[tuple[str, int]], names: dict[str, str], packing: Packing,
                  pods: Callable[[], Pods] | None, listed: Callable[[], list[ContainerDevices]],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 advertised: Callable[[str], list[tuple[str, str]]] | None = None) -> None:
         """`gpus`: (uuid, memory bytes) as advertised; `names`: uuid -> NVML name; `pods`: the
-        apiserver's pods of this node (None: unknown); `listed`: the kubelet's PodResources."""
+        apiserver's pods of this node (None: unknown); `listed`: the kubelet's PodResources;
+        `advertised`: a resource's devices advertised now (default: every unit of the GPUs)."""
         self.gpus = [uuid for uuid, _ in gpus]
-        self.all = {r: shares.device_ids(r, gpus) for r in shares.RESOURCES}
+        self.advertised = advertised or (lambda resource: shares.device_ids(resource, gpus))
         self.names = names
         self.packing = packing
         self.pods = pods
@@ -172,7 +174,7 @@ class Placer:
         out: dict[str, dict[str, list[str]]] = {}
         for r in shares.RESOURCES:
             pool = ([d for d in available if d not in decided] if r == resource
-                    else [d for d, _ in self.all[r] if d not in taken])
+                    else [d for d, _ in self.advertised(r) if d not in taken])
             per: dict[str, list[str]] = {}
             for d in sorted(pool, key=shares.unit_index):
                 per.setdefault(shares.gpu_of(d), []).append(d)

@@ -29,11 +29,12 @@ whole, and `gemtrace.io/gpu-model` names the GPU models it accepts. The device p
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from gemtrace.config import check_value, parse_size
+from gemtrace.config import GroupConfig, check_value, parse_size
 
 GPU_MEMORY = "gemtrace.io/gpu-memory"
 GPU_UTIL = "gemtrace.io/gpu-util"
@@ -55,13 +56,28 @@ _KIND = {GPU_MEMORY: "m", GPU_UTIL: "u"}
 RESOURCES = tuple(_KIND)
 
 
-def device_ids(resource: str, gpus: Sequence[tuple[str, int]]) -> list[tuple[str, str]]:
-    """(device ID, GPU UUID) of every unit of `resource` on the GPUs given as (uuid, memory bytes)."""
+def device_ids(resource: str, gpus: Sequence[tuple[str, int]],
+               util_units: Mapping[str, int] | None = None) -> list[tuple[str, str]]:
+    """(device ID, GPU UUID) of every unit of `resource` on the GPUs given as (uuid, memory bytes);
+    `util_units`: a GPU's util devices where fewer than UTIL_UNITS (`util_left`)."""
     kind = _KIND[resource]
     out: list[tuple[str, str]] = []
     for uuid, memory in gpus:
-        units = memory // GiB if resource == GPU_MEMORY else UTIL_UNITS
+        units = memory // GiB if resource == GPU_MEMORY else (util_units or {}).get(uuid, UTIL_UNITS)
         out.extend((f"{uuid}-{kind}{i}", uuid) for i in range(units))
+    return out
+
+
+def util_left(groups: Iterable[GroupConfig], uuids: Iterable[str]) -> dict[str, int]:
+    """Each GPU's util devices: UTIL_UNITS less the MinUtil that the resource file's own groups (not
+    the pods' grants) reserve there, one without Gpus on every GPU, rounded up to a whole unit. The
+    kubelet then never hands out a share that would take a GPU's MinUtils past 1, which the agent
+    refuses (the pod would run in no group of its own)."""
+    own = [g for g in groups if not g.name.startswith(GROUP_PREFIX) and g.min_util > 0]
+    out = {}
+    for uuid in uuids:
+        reserved = math.fsum(g.min_util for g in own if not g.gpus or uuid in g.gpus)
+        out[uuid] = max(0, UTIL_UNITS - math.ceil(reserved * UTIL_UNITS - 1e-9))
     return out
 
 
