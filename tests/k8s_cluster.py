@@ -154,7 +154,7 @@ class K8sCluster:
         self.check_node()
         self.kubectl("create", "-f", "-", stdin=json.dumps(manifest))
 
-    def delete_pod(self, name: str) -> None:
+    def delete_pod(self, name: str, namespace: str = "default") -> None:
         """Delete the pod and wait until it is gone: until then the kubelet counts its devices as taken,
         and the next test's pod, which the scheduler may already place, fails admission with
         UnexpectedAdmissionError ("requested number of devices unavailable").
@@ -163,12 +163,13 @@ class K8sCluster:
         (it killed the container but never reported the pod gone: seen in CI): after a while the pod
         is removed by force, which the kubelet then acts on."""
         try:
-            self.kubectl("delete", "pod", name, "--ignore-not-found", "--grace-period=1", "--wait=true",
-                         "--timeout=30s")
+            self.kubectl("delete", "pod", name, "-n", namespace, "--ignore-not-found", "--grace-period=1",
+                         "--wait=true", "--timeout=30s")
         except AssertionError as err:
             if "timed out waiting" not in str(err):
                 raise
-            self.kubectl("delete", "pod", name, "--ignore-not-found", "--grace-period=0", "--force", "--wait=true")
+            self.kubectl("delete", "pod", name, "-n", namespace, "--ignore-not-found", "--grace-period=0", "--force",
+                         "--wait=true")
             time.sleep(2)  # the kubelet's next sync releases the pod's devices
 
     def events(self, name: str, reason: str) -> list[Manifest]:
