@@ -281,7 +281,7 @@ void gt_refresh_slots(void)
     uint64_t generation = __atomic_load_n(&r->header.chunk_generation, __ATOMIC_ACQUIRE);
     if (GT_LIKELY(generation == __atomic_load_n(&gt_proc.view_generation, __ATOMIC_ACQUIRE)))
         return;
-    if (pthread_mutex_trylock(&view_lock) != 0)
+    if (gt_mutex_trylock(&view_lock) != 0)
         return; /* another thread maps it now; this sum uses the table as it is */
     struct gt_attach_reply reply;
     int fds[GT_MAX_CHUNKS], bells;
@@ -519,7 +519,7 @@ bool gt_attach_slow(bool wait)
      * overshoot the limit); launches do not wait, they run ungated this once. */
     if (wait)
         pthread_mutex_lock(&attach_lock);
-    else if (pthread_mutex_trylock(&attach_lock) != 0)
+    else if (gt_mutex_trylock(&attach_lock) != 0)
         return false;
     bool ok = gt_attached();
     /* At most a try a second, except for an allocation while a live agent gives no slot and the

@@ -37,6 +37,8 @@ static dlsym_fn real_dlsym(void)
     dlsym_fn fn = __atomic_load_n(&real_dlsym_fn, __ATOMIC_ACQUIRE);
     if (GT_LIKELY(fn != NULL) || finding_dlsym)
         return fn;
+    if (!dlvsym)
+        return NULL; /* a glibc before 2.34 without libdl loaded (hook/libc_compat.h): no dlsym to find */
     finding_dlsym = 1;
     fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
     if (!fn)
@@ -63,9 +65,11 @@ enum { N_GATED = sizeof symbol_names / sizeof symbol_names[0] };
 static void *lookup_real(const char *name)
 {
     dlsym_fn lookup = real_dlsym();
+    if (!lookup)
+        return NULL;
     void *handle = __atomic_load_n(&libcuda_handle, __ATOMIC_ACQUIRE);
     void *fn = handle ? lookup(handle, name) : NULL;
-    if (!fn) {
+    if (!fn && dlopen) {
         void *loaded = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
         if (loaded) {
             fn = lookup(loaded, name);

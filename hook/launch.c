@@ -383,7 +383,7 @@ static __attribute__((noinline)) bool keep_queue_short(int gpu, CUstream stream,
         __atomic_store_n(&gt_proc.queue_check_at[gpu], launches + bound / 2 / per_launch + 1, __ATOMIC_RELAXED);
         return false;
     }
-    if (pthread_mutex_trylock(&marker_lock) != 0)
+    if (gt_mutex_trylock(&marker_lock) != 0)
         return false; /* another thread is at it; this launch passes */
     uint64_t queued = (launches - __atomic_load_n(&gt_proc.queue_base[gpu], __ATOMIC_RELAXED)) * per_launch;
     bool waited = false;
