@@ -50,12 +50,17 @@ from simgpu_env import RT_CLIENT, SimGpu, require_build
 from testkit import free_port, wait_until
 
 from bench.recording import REPO, add_record_flag, add_tree_flag, record, trees
+from gemtrace.agent.scheduler_loop import PER_GPU_THREAD_PREFIX
+from gemtrace.agent.scheduler_loop import THREAD_NAME as SCHEDULER_THREAD
 from gemtrace.run.launcher import child_environment, find_gate
 
 RESULTS = REPO / "bench" / "results" / "agent_cpu.md"
 SAMPLER = REPO / "bench" / "agent_sampler.py"
 TICKS = os.sysconf("SC_CLK_TCK")
 DEFAULT_CASES = ("0x4x1", "8x4x1", "256x16x1", "1024x63x8")
+# The scheduling threads, counted as one: the agent's one for all GPUs, or one per GPU (where the kernel
+# has no futex_waitv, and in agents before it, a --tree beside this one).
+SCHEDULERS = f"{SCHEDULER_THREAD}|{PER_GPU_THREAD_PREFIX}*"
 
 
 @dataclass(frozen=True)
@@ -231,9 +236,9 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
     alive = sum(c.poll() is None for c in clients)
     nvml = nvml_call_times(env)  # (the simulated driver's, with the case's processes running)
     names = json.loads((tmp / "agent.threads.json").read_text())
-    def kind(tid: int) -> str:  # the thread's name, every GPU's scheduler under one
+    def kind(tid: int) -> str:  # the thread's name, the scheduling threads under one
         name: str = names.get(str(tid), "other")
-        return "gemtrace-gpu*" if name.startswith("gemtrace-gpu") else name
+        return SCHEDULERS if name == SCHEDULER_THREAD or name.startswith(PER_GPU_THREAD_PREFIX) else name
 
     by_name: dict[str, float] = {}
     wakes: dict[str, float] = {}
@@ -324,7 +329,7 @@ def main() -> int:
 
     for (case, code), rs in runs.items():
         cpu = [r["cpu_pct"] for r in rs]
-        main_, keeper, sched = of(rs, "MainThread"), of(rs, "gemtrace-keeper"), of(rs, "gemtrace-gpu*")
+        main_, keeper, sched = of(rs, "MainThread"), of(rs, "gemtrace-keeper"), of(rs, SCHEDULERS)
         other = [max(0.0, r["cpu_pct"] - m - k - g) for r, m, k, g in zip(rs, main_, keeper, sched, strict=True)]
         goal = target.get((case.processes, case.groups, case.gpus))
         verdict = "" if goal is None else f"<= {goal:g}%: {'met' if statistics.median(cpu) <= goal else 'NOT met'}"
@@ -332,7 +337,7 @@ def main() -> int:
         nvml_cell = f"{statistics.median(nvml):.0f}" if nvml else "-"
         table.append(f"| {case.name} | {code} | {median(cpu)} | {median(sched)} | {median(main_)} | "
                      f"{median(keeper)} | {median(other)} | {verdict} | {median([r['load'] for r in rs])} | "
-                     f"{statistics.median(r['wakes'].get('gemtrace-gpu*', 0.0) for r in rs):.0f} | "
+                     f"{statistics.median(r['wakes'].get(SCHEDULERS, 0.0) for r in rs):.0f} | "
                      f"{statistics.median(sum(r['wakes'].values()) for r in rs):.0f} | "
                      f"{'/'.join(sorted({str(r['slack']) for r in rs}))} | "
                      f"{nvml_cell} |")

@@ -10,6 +10,7 @@ the accounting and the memory enforcement that acts on it; /metrics.
     state_dir.py     the agent's state dir, checked to be its own before anything is written there
     membership.py    each gated process's group, decided once by the agent (admission, Cgroup rules)
     policy.py        the time-share policy of one GPU: pure, driven by a clock it is given
+    scheduler_loop.py  when each GPU looks: one thread for all, asleep on their doorbells (futex_waitv)
     scheduler.py     one GPU's adapter between the region's slots and the policy (futex words)
     gang.py          the turns of groups that span GPUs, shared by every GPU's scheduler
     accounting.py    the merge of the sources it is given (agent.py opens them), kept across polls: GPU time

@@ -49,6 +49,7 @@ from gemtrace.agent.enforcement import Enforcement, MemoryEnforcer
 from gemtrace.agent.gang import GangTurns
 from gemtrace.agent.membership import Membership
 from gemtrace.agent.scheduler import GpuScheduler, GroupUsage, Quota
+from gemtrace.agent.scheduler_loop import scheduler_threads
 from gemtrace.agent.state_dir import StateDirError, open_lock_file, open_state_dir, storage_error
 from gemtrace.config import (
     ISOLATION_MPS,
@@ -705,9 +706,9 @@ class Agent:
                         "host or in a pod with hostPID: true")
         self._keeper = threading.Thread(target=self._keep_region, name="gemtrace-keeper", daemon=True)
         self._keeper.start()
-        for scheduler in self.schedulers:
-            thread = threading.Thread(target=scheduler.run, args=(self._stop,), name=f"gemtrace-gpu{scheduler.gpu}",
-                                      daemon=True)
+        assert self.region.doorbells is not None  # (the agent's region: GpuScheduler refuses one without)
+        for name, loop in scheduler_threads(self.schedulers, self.region.doorbells):
+            thread = threading.Thread(target=loop.run, args=(self._stop,), name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
         watcher = threading.Thread(target=self.watcher.run, args=(self._stop,), name="gemtrace-config", daemon=True)

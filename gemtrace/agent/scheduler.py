@@ -3,9 +3,10 @@
 This module owns the adapter between the region (hook/gemtrace_region.h) and the pure time-share
 policy (gemtrace/agent/policy.py): it turns the slots of one GPU into an `Observation` (which groups want the
 GPU, whether the released group went idle, whether a held group finished draining) and carries out
-the `Decision` by holding and releasing control[gpu][group] words. The agent runs one `GpuScheduler`
-per GPU, each in its own thread (`run(stop)`). It never decides anything itself, never writes a slot,
-and never blocks a gate: on any way out of `run` (stop, or an error) it releases every word it held.
+the `Decision` by holding and releasing control[gpu][group] words. The agent has one `GpuScheduler`
+per GPU, all of them looked at from one thread (gemtrace/agent/scheduler_loop.py, which says when each
+looks; `run(stop)` is that loop for one GPU). It never decides anything itself, never writes a slot,
+and never blocks a gate: on any way out of its loop (stop, or an error) it releases every word it held.
 Every look re-asserts all of its GPU's words (held, released, released with a short queue, and
 released for every group it does not schedule), comparing first and storing only what differs: any
 user can write the region, and a forged release must last one look at most, not until the next
@@ -25,15 +26,16 @@ while others wait, every few ms while a holder that idles keeps others waiting, 
 filling, a drain's timeout; every other look is a net for a ring that never came.
 Where the policy says a thread's wait is news (`Decision.wake_on_wait`: a group that outranks the
 holder asks for the GPU, a held group drained while another waits, nobody holds the GPU, or another
-group's first wait beside a holder alone) it sleeps on
-the GPU's doorbell, which a gate rings when one of its threads starts waiting on a held word or a
-held process's own sync ends its drain: it looks at once, not a poll later. Where a busy holder keeps
-another group waiting (`Decision.quiet_rings`), it asks the holder's gates to ring when their sync
-leaves the group with nothing queued (control.ring_quiet, set before the release) and sleeps on the
-bell for that ring alone: a ring while the holder still has work brings no look. During a drain a ring
-brings a look only once no process of the drained group has work left; a gate whose group is still
-draining elsewhere does not ring at all (hook/launch.c, ring_drain_end: the last to finish rings), so
-with two processes a group a switch costs the scheduler one wake-up fewer.
+group's first wait beside a holder alone), and while a group here spans GPUs, it listens for the GPU's
+doorbell (`listens_for_rings`), which a gate rings when one of its threads starts waiting on a held
+word or a held process's own sync ends its drain, and a gang turn's change rings: it looks at once,
+not a poll later. Where a busy holder keeps another group waiting (`Decision.quiet_rings`), it asks
+the holder's gates to ring when their sync leaves the group with nothing queued (control.ring_quiet,
+set before the release) and listens for that ring alone: a ring while the holder still has work
+brings no look (`ring_is_news`). During a drain a ring brings a look only once no process of the
+drained group has work left; a gate whose group is still draining elsewhere does not ring at all
+(hook/launch.c, ring_drain_end: the last to finish rings), so with two processes a group a switch
+costs the scheduler one wake-up fewer.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import structlog
 from gemtrace import region as rg
 from gemtrace.agent.gang import GangTurns, GpuReport
 from gemtrace.agent.policy import Decision, GroupUsage, Observation, PolicyParams, Quota, TimeSharePolicy
+from gemtrace.agent.scheduler_loop import SchedulerLoop
 
 __all__ = ["GpuScheduler", "GroupUsage", "Quota", "SlotTable"]
 
@@ -63,9 +66,6 @@ log = structlog.get_logger("gemtrace.scheduler")
 # its own first launch waits). A scan of 1024 live slots costs ~100 us of Python warm, several times
 # that after a sleep (bench/results/agent_cpu.md): between scans a look reads only the users it knows.
 RESCAN_NET_NS = 1_000_000_000
-# The least time between the start of a look and a look that a doorbell ring brings (any gated user
-# can ring it: a forged ring loop costs at most this many looks a second, 4000, not a core).
-RING_GAP_NS = 250_000
 _FOREVER = 1 << 63  # (`_unfinished`: work queued that no sync covered at all)
 
 
@@ -280,59 +280,49 @@ class GpuScheduler:
             return usage
 
     def run(self, stop: threading.Event) -> None:
-        """Schedule until `stop` is set; every word it held is released on the way out."""
-        log.info("scheduler_started", gpu=self.gpu)
-        bells = self._bells
-        try:
-            while not stop.is_set():
-                try:
-                    # Read before the look: a gate that rings during it makes the wait below return at once.
-                    rung = bells.rung(self.gpu)
-                    looked = self._clock()
-                    wake_at = self.step()
-                except Exception:
-                    # Never leave a gate waiting on a scheduler that cannot decide: release, retry.
-                    log.exception("scheduler_step_failed", gpu=self.gpu)
-                    self._release_all()
-                    stop.wait(0.1)
-                    continue
-                delay = wake_at - self._clock()
-                if self._wake_on_wait or self._gang_here or self._ringing is not None:
-                    bells.wait(self.gpu, rung, delay)
-                    # Waiting for the holder's quiet ring alone: another ring (a held group's thread that
-                    # starts waiting) is no news here while the holder still has work. Sleep on.
-                    while (not self._wake_on_wait and not self._gang_here and self._ringing is not None
-                           and (now_rung := bells.rung(self.gpu)) != rung):
-                        with self._lock:
-                            if not self._unfinished(self._ringing, _FOREVER):
-                                break
-                        rung, left = now_rung, wake_at - self._clock()
-                        if left <= 0 or stop.is_set() or self._pending_quotas is not None:
-                            break
-                        bells.wait(self.gpu, rung, left)
-                    # A ring during a drain while a process of the drained group still has work: the
-                    # ring was another of its processes' (two finishing at once, an older gate) or
-                    # another group's, which the look at the drain's end sees. Sleep on without a look.
-                    while self._drain is not None and (now_rung := bells.rung(self.gpu)) != rung:
-                        with self._lock:
-                            if not self._drain_unfinished():
-                                break
-                        rung, left = now_rung, wake_at - self._clock()
-                        if left <= 0 or stop.is_set():
-                            break
-                        bells.wait(self.gpu, rung, left)
-                    gap = looked + RING_GAP_NS - self._clock()
-                    if gap > 0:
-                        time.sleep(gap / 1e9)
-                elif delay > 0:
-                    # A plain sleep costs about half the CPU of an Event.wait wake-up; `stop` is
-                    # still seen within one look (at most the policy's longest sleep, 60 ms).
-                    time.sleep(delay / 1e9)
-        finally:
-            if self._gang is not None:
-                self._gang.forget(self.gpu)
-            self._release_all()
-            log.info("scheduler_stopped", gpu=self.gpu)
+        """Schedule this GPU alone in this thread until `stop` is set (the agent runs all its GPUs in
+        one: gemtrace/agent/scheduler_loop.py); every word it held is released on the way out."""
+        SchedulerLoop([self], self._bells, self._clock).run(stop)
+
+    # -- the loop's side (gemtrace/agent/scheduler_loop.py) ----------------------------------------------
+
+    def listens_for_rings(self) -> bool:
+        """Since the last look, may a ring of this GPU's bell bring a look before its deadline? Where the
+        policy says a thread's wait is news, while a group here spans GPUs (a turn's change rings), and
+        while the holder's gates are to ring when it goes quiet."""
+        return self._wake_on_wait or self._gang_here or self._ringing is not None
+
+    def ring_is_news(self) -> bool:
+        """Does a ring since the last look bring a look (where `listens_for_rings`)? Not while waiting
+        for the busy holder's quiet ring alone and the holder still has work (the ring was a held
+        group's thread that starts waiting), unless quotas changed; not during a drain while a process
+        of the drained group still has work (another of its processes finished, an older gate, or
+        another group rang, which the look at the drain's end sees)."""
+        with self._lock:
+            if (not self._wake_on_wait and not self._gang_here and self._ringing is not None
+                    and self._unfinished(self._ringing, _FOREVER)):
+                return self._pending_quotas is not None
+            return not self._drain_unfinished()
+
+    def release_all(self) -> None:
+        """Release every word this scheduler held (a look failed: no gate waits on a scheduler that
+        cannot decide); the next look starts from all held again."""
+        with self._lock:
+            # Groups set but not yet applied are held too (set_quotas holds new groups at once).
+            for group in self._scheduled | (self._pending_quotas or {}).keys():
+                self.region.release(self.gpu, group)
+            self._released = None
+            self._drain = None
+            self._beside = frozenset()
+            self._set_ringing(None)
+            # The next look starts from all held again (a restarted loop must not leave two released).
+            self._pending_quotas = self._pending_quotas or self._policy.quotas()
+
+    def stopped(self) -> None:
+        """Its loop stopped: its GPU counts in no gang, and every word it held is released."""
+        if self._gang is not None:
+            self._gang.forget(self.gpu)
+        self.release_all()
 
     # -- one look ----------------------------------------------------------------------------------
 
@@ -654,15 +644,3 @@ class GpuScheduler:
                     self.region.release(self.gpu, group, rg.RELEASED_BESIDE)
             elif word != rg.HELD:
                 self.region.hold(self.gpu, group)
-
-    def _release_all(self) -> None:
-        with self._lock:
-            # Groups set but not yet applied are held too (set_quotas holds new groups at once).
-            for group in self._scheduled | (self._pending_quotas or {}).keys():
-                self.region.release(self.gpu, group)
-            self._released = None
-            self._drain = None
-            self._beside = frozenset()
-            self._set_ringing(None)
-            # The next look starts from all held again (a restarted loop must not leave two released).
-            self._pending_quotas = self._pending_quotas or self._policy.quotas()

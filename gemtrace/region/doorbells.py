@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+from collections.abc import Mapping
 
 from gemtrace.contract import BELLS_BYTES, BELLS_MEMFD, MAX_GPUS
 from gemtrace.region import futex
@@ -48,10 +49,17 @@ class Doorbells:
         scheduler looks for new users among the slots only when this moved (or at its net)."""
         return int(self.layout.joined[gpu])
 
-    def wait(self, gpu: int, seen: int, timeout_ns: int) -> None:
-        """Sleep until the bell rings after it read `seen` (at once if it did since), or `timeout_ns`
-        passed; may return early."""
-        futex.wait(self._address(gpu), seen, timeout_ns)
+    def wait(self, seen: Mapping[int, int], timeout_ns: int) -> None:
+        """Sleep until the bell of any GPU of `seen` (GPU -> its bell as read) rings after it was read,
+        or `timeout_ns` passed; may return early. Several bells need futex_waitv (Linux 5.16 or later:
+        futex.waitv_unsupported says where not); one is a plain futex wait."""
+        if timeout_ns <= 0:
+            return
+        if len(seen) == 1:
+            [(gpu, rung)] = seen.items()
+            futex.wait(self._address(gpu), rung, timeout_ns)
+        else:
+            futex.waitv([(self._address(gpu), rung) for gpu, rung in seen.items()], timeout_ns)
 
     def ring(self, gpu: int) -> None:
         """Ring GPU `gpu`'s bell as a gate does: its scheduler looks now, not at its next deadline."""

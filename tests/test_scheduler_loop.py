@@ -1,0 +1,271 @@
+"""The loop that runs every GPU's looks in one thread (gemtrace/agent/scheduler_loop.py), on real
+doorbells: which GPUs a ring brings to look, in one pass; a failed look; the stop; and the agent's
+fallback to a thread per GPU where futex_waitv cannot be used. What a look decides is
+tests/test_scheduler.py's."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from structlog.testing import capture_logs
+from testkit import wait_until
+
+from gemtrace import region as rg
+from gemtrace.agent.agent import Agent
+from gemtrace.agent.policy import MS, PolicyParams
+from gemtrace.agent.scheduler import GpuScheduler, Quota
+from gemtrace.agent.scheduler_loop import RETRY_NS, SchedulerLoop, scheduler_threads
+from gemtrace.gpus import Gpu
+from gemtrace.region import futex
+from gemtrace.region.doorbells import Doorbells
+
+pytestmark = pytest.mark.unit
+
+SECOND = 1000 * MS
+
+
+class RecordedBells:
+    """Real doorbells whose every sleep of the loop is written in `events`."""
+
+    def __init__(self, bells: Doorbells, events: list[str]) -> None:
+        self.bells, self.events = bells, events
+
+    def rung(self, gpu: int) -> int:
+        return self.bells.rung(gpu)
+
+    def wait(self, seen: dict[int, int], timeout_ns: int) -> None:
+        self.events.append("sleep")
+        self.bells.wait(seen, timeout_ns)
+
+
+class OneGpu:
+    """A GPU's scheduler as the loop sees it (scheduler_loop.Scheduling): each look is written in
+    `events`; a look may ring other GPUs' bells, as a gang report that changes their turns does."""
+
+    def __init__(self, gpu: int, bells: Doorbells, events: list[str], news: bool = True) -> None:
+        self.gpu, self.bells, self.events, self.news = gpu, bells, events, news
+        self.rings: list[int] = []  # the bells its looks ring
+        self.failures = 0  # its next looks that fail
+        self.asked = 0  # how often the loop asked whether a ring was news
+        self.looked_at: list[int] = []
+
+    def step(self) -> int:
+        self.events.append(f"look{self.gpu}")
+        self.looked_at.append(time.monotonic_ns())
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("a look that fails")
+        for other in self.rings:
+            self.bells.ring(other)
+        return time.monotonic_ns() + 30 * SECOND
+
+    def listens_for_rings(self) -> bool:
+        return True
+
+    def ring_is_news(self) -> bool:
+        self.asked += 1
+        return self.news
+
+    def release_all(self) -> None:
+        self.events.append(f"release{self.gpu}")
+
+    def stopped(self) -> None:
+        self.events.append(f"stopped{self.gpu}")
+
+
+@pytest.fixture
+def bells() -> Iterator[Doorbells]:
+    made = Doorbells(0x100B)
+    yield made
+    made.close()
+
+
+class Running:
+    def __init__(self, gpus: list[OneGpu], bells: Doorbells, events: list[str]) -> None:
+        self.bells = bells
+        self.stop = threading.Event()
+        loop = SchedulerLoop(gpus, RecordedBells(bells, events))  # type: ignore[arg-type]
+        self.thread = threading.Thread(target=loop.run, args=(self.stop,))
+        self.events = events
+
+    def asleep(self, since: int = 0) -> int:
+        """Once the loop sleeps again after event `since`: where the events go on from."""
+        wait_until("the loop to sleep", lambda: len(self.events) > since and self.events[-1] == "sleep", timeout=10)
+        return len(self.events)
+
+    def close(self) -> None:
+        """As the agent stops: the stop set, then every bell rung (Region.stop)."""
+        self.stop.set()
+        self.bells.ring_all()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def run_loop(gpus: list[OneGpu], bells: Doorbells, events: list[str]) -> Running:
+    running = Running(gpus, bells, events)
+    running.thread.start()
+    return running
+
+
+def test_a_ring_brings_the_look_of_its_gpu_alone(bells: Doorbells) -> None:
+    events: list[str] = []
+    gpus = [OneGpu(gpu, bells, events) for gpu in range(3)]
+    running = run_loop(gpus, bells, events)
+    try:
+        start = running.asleep()
+        assert events[:start] == ["look0", "look1", "look2", "sleep"]  # the first pass: every GPU
+        bells.ring(1)
+        since = running.asleep(start)
+        assert events[start:since] == ["look1", "sleep"]
+    finally:
+        running.close()
+    assert events[-3:] == ["stopped0", "stopped1", "stopped2"]
+
+
+def test_a_look_that_rings_another_gpu_brings_its_look_in_the_same_pass(bells: Doorbells) -> None:
+    """A gang turn's change rings the other GPUs of the gang (gang.py): they look after the look that
+    changed it, with no sleep in between."""
+    events: list[str] = []
+    gpus = [OneGpu(gpu, bells, events) for gpu in range(4)]
+    running = run_loop(gpus, bells, events)
+    try:
+        start = running.asleep()
+        gpus[1].rings = [2, 3]
+        bells.ring(1)
+        since = running.asleep(start)
+        assert events[start:since] == ["look1", "look2", "look3", "sleep"]
+    finally:
+        running.close()
+
+
+def test_a_ring_that_is_no_news_brings_no_look_and_is_heard_once(bells: Doorbells) -> None:
+    events: list[str] = []
+    gpus = [OneGpu(0, bells, events, news=False), OneGpu(1, bells, events)]
+    running = run_loop(gpus, bells, events)
+    try:
+        start = running.asleep()
+        bells.ring(0)
+        wait_until("the ring to be weighed", lambda: gpus[0].asked == 1, timeout=10)
+        time.sleep(0.05)
+        assert events[start:] == ["sleep"]  # asleep again, and not woken by the same ring again
+        assert gpus[0].asked == 1
+    finally:
+        running.close()
+
+
+def test_a_failed_look_releases_its_gpu_and_is_tried_again_while_the_others_are_scheduled(
+        bells: Doorbells) -> None:
+    events: list[str] = []
+    gpus = [OneGpu(0, bells, events), OneGpu(1, bells, events)]
+    gpus[0].failures = 1
+    running = run_loop(gpus, bells, events)
+    try:
+        start = running.asleep()
+        assert events[:start] == ["look0", "release0", "look1", "sleep"]
+        bells.ring(1)  # GPU 0's words stay released meanwhile: its bell is not listened to
+        bells.ring(0)
+        wait_until("GPU 0's second try", lambda: len(gpus[0].looked_at) == 2, timeout=10)
+        assert events[start:start + 2] == ["look1", "sleep"]
+        retried = (gpus[0].looked_at[1] - gpus[0].looked_at[0]) / 1e9
+        assert RETRY_NS / 1e9 * 0.9 < retried < 2, retried
+    finally:
+        running.close()
+
+
+@pytest.fixture
+def region(tmp_path: Path) -> Iterator[rg.Region]:
+    region = rg.Region.create(tmp_path)
+    region.set_gpus([(f"GPU-{i}", 1 << 30) for i in range(2)])
+    yield region
+    region.close()
+
+
+def test_two_real_schedulers_the_rung_gpu_looks_the_other_sleeps_on(region: rg.Region) -> None:
+    """Both GPUs idle (nobody released: a first wait is news), their deadlines seconds away: a ring on
+    GPU 1's bell brings GPU 1's look within a fraction of that, and none on GPU 0."""
+    params = PolicyParams(slice_ns=SECOND, max_slice_ns=SECOND, poll_ns=SECOND, steady_poll_ns=SECOND)
+    schedulers = [GpuScheduler(region, gpu, params=params) for gpu in range(2)]
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    for scheduler in schedulers:
+        scheduler.set_quotas({a: Quota(), b: Quota()})
+    assert region.doorbells is not None
+    stop = threading.Event()
+    thread = threading.Thread(target=SchedulerLoop(schedulers, region.doorbells).run, args=(stop,))
+    thread.start()
+    try:
+        wait_until("both GPUs' first looks", lambda: all(s.looks for s in schedulers), timeout=10)
+        time.sleep(0.05)
+        assert all(s.listens_for_rings() for s in schedulers)
+        looks = [s.looks for s in schedulers]
+        rung = time.monotonic()
+        region.doorbells.ring(1)
+        wait_until("GPU 1's look", lambda: schedulers[1].looks > looks[1], timeout=10)
+        assert time.monotonic() - rung < 0.5
+        time.sleep(0.05)
+        assert schedulers[0].looks == looks[0]
+        assert all(region.is_held(gpu, group) for gpu in range(2) for group in (a, b))
+    finally:
+        stop.set()
+        thread.join(5)
+    assert not thread.is_alive()
+    assert not any(region.is_held(gpu, group) for gpu in range(2) for group in (a, b))
+
+
+# -- where futex_waitv cannot be used -------------------------------------------------------------------
+
+
+def no_waitv(words: object, timeout_ns: int) -> int | None:
+    """futex_waitv as a kernel before 5.16 answers it."""
+    raise OSError(errno.ENOSYS, "Function not implemented")
+
+
+def test_without_futex_waitv_each_gpu_gets_a_thread_and_the_log_says_why_once(
+        bells: Doorbells, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    gpus = [OneGpu(gpu, bells, events) for gpu in range(3)]
+    assert [name for name, _ in scheduler_threads(gpus, bells)] == ["gemtrace-schedulers"]
+    assert scheduler_threads([], bells) == []  # (a host with no GPU)
+    monkeypatch.setattr(futex, "waitv", no_waitv)
+    with capture_logs() as logs:
+        threads = scheduler_threads(gpus, bells)
+    assert [name for name, _ in threads] == ["gemtrace-gpu0", "gemtrace-gpu1", "gemtrace-gpu2"]
+    said = [e for e in logs if e["event"] == "scheduler_threads_per_gpu"]
+    assert len(said) == 1 and "5.16" in said[0]["reason"]
+
+
+def test_the_agent_without_futex_waitv_schedules_each_gpu_from_a_thread_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole agent, in-process on two made-up GPUs: a thread per GPU, each GPU's ring still brings
+    its look alone, and every word is released at the stop."""
+    config = tmp_path / "resource.conf"
+    config.write_text("[train]\nMaxUtil = 0.5\n\n[infer]\nMaxUtil = 0.5\n")
+    monkeypatch.setattr(futex, "waitv", no_waitv)
+    agent = Agent(config, tmp_path / "state", use_ebpf=False,
+                  gpus=[Gpu(i, f"GPU-test{i}", "simulated", 16 << 30) for i in range(2)])
+    names = {t.name for t in threading.enumerate()}
+    agent.start()
+    try:
+        started = {t.name for t in threading.enumerate()} - names
+        assert {"gemtrace-gpu0", "gemtrace-gpu1"} <= started and "gemtrace-schedulers" not in started
+        schedulers, region = agent.schedulers, agent.region
+        train = region.group_index("train")
+        wait_until("both GPUs' first looks", lambda: all(s.looks for s in schedulers), timeout=10)
+        wait_until("train held on both GPUs", lambda: all(region.is_held(g, train) for g in range(2)), timeout=10)
+        time.sleep(0.3)  # (idle: their next looks are the 250 ms net's)
+        looks = [s.looks for s in schedulers]
+        assert region.doorbells is not None
+        region.doorbells.ring(0)
+        wait_until("GPU 0's look", lambda: schedulers[0].looks > looks[0], timeout=10)
+        assert schedulers[1].looks == looks[1]
+        after = rg.Region.open(tmp_path / "state")
+    finally:
+        agent.close()
+    try:
+        assert not any(after.is_held(g, train) for g in range(2))
+    finally:
+        after.close()
