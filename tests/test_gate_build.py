@@ -29,9 +29,14 @@ def gate_floor() -> tuple[int, ...]:
     return _version(found[1])
 
 
+def symbol_table(path: Path) -> str:
+    """`path`'s dynamic symbols as objdump -T lists them."""
+    return subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True).stdout
+
+
 def glibc_needs(path: Path) -> dict[str, tuple[int, ...]]:
     """Each undefined dynamic symbol of `path` bound to a GLIBC_x.y version, and that version."""
-    table = subprocess.run(["objdump", "-T", str(path)], capture_output=True, text=True, check=True).stdout
+    table = symbol_table(path)
     return {m[2]: _version(m[1]) for m in re.finditer(r"\*UND\*\s+\S+\s+\(GLIBC_([0-9.]+)\)\s+(\S+)", table)}
 
 
@@ -52,8 +57,7 @@ def test_the_gate_needs_no_library_but_libc_and_binds_what_moved_in_2_34_weakly(
     # which a minimal image may lack (the e2e tier's test image has neither: naming them stopped every
     # pod's program with exit 127). Weak, they are found where the process has them.
     assert needed(GATE) == ["libc.so.6"]
-    table = subprocess.run(["objdump", "-T", str(GATE)], capture_output=True, text=True, check=True).stdout
-    weak = set(re.findall(r"\s+w\s+DF\s+\*UND\*\s+\S+\s+\(GLIBC_[0-9.]+\)\s+(\S+)", table))
+    weak = set(re.findall(r"\s+w\s+DF\s+\*UND\*\s+\S+\s+\(GLIBC_[0-9.]+\)\s+(\S+)", symbol_table(GATE)))
     assert {"dlopen", "dlclose", "dlvsym", "pthread_mutex_trylock"} <= weak
 
 

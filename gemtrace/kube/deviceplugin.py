@@ -140,8 +140,7 @@ class Inventory:
             if units == self.util_units:
                 return False
             self.util_units = units
-            self.version += 1
-            self.changed.notify_all()
+            self.wake()  # (the condition's lock is reentrant)
             return True
 
     def device_ids(self, resource: str) -> list[tuple[str, str]]:
@@ -154,8 +153,7 @@ class Inventory:
             if healthy == self.healthy:
                 return False
             self.healthy = healthy
-            self.version += 1
-            self.changed.notify_all()
+            self.wake()
             return True
 
     def devices(self, resource: str) -> list[dp.Device]:
