@@ -446,6 +446,35 @@ def test_a_holder_quiet_between_two_steps_is_weighed_against_a_gang_as_if_busy()
     assert idle.ready == barred
 
 
+def test_a_rank_held_while_its_turn_was_closed_does_not_hold_that_turn_up() -> None:
+    # Group 7 is released alone on this GPU; its turn closes on its other GPU, so this GPU holds it, and
+    # its queued work (a collective waiting for its peer there) keeps running. That drain is its own
+    # work: the GPU is clear for its next turn, and when the turn goes, 7 goes on at once. Waited out,
+    # the drain would end only after the turn began, and the turn began only once it ended.
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, {7: Quota()})
+    group = frozenset({7})
+    assert policy.step(0, Observation(group, present=group)).released == 7
+    held = policy.step(1 * MS, Observation(group, present=group, barred=group))
+    assert held.released is None and held.draining == 7
+    clearing = policy.step(2 * MS, Observation(group, present=group, clearing=group))
+    assert clearing.clear and clearing.ready == group
+    going = policy.step(3 * MS, Observation(group, present=group, due=group))
+    assert going.released == 7
+
+
+def test_a_gpu_that_ends_a_groups_turn_drains_it_before_releasing_anyone() -> None:
+    # Held in its turn (its slice ended, another group waits): its drain is waited out as any holder's,
+    # though the turn is still due in this GPU's view until the next report closes it.
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {7: Quota(), 8: Quota()})
+    both, gang = frozenset({7, 8}), frozenset({7})
+    assert policy.step(0, Observation(both, present=both, due=gang)).released == 7
+    ended = policy.step(params.gang_slice_ns + MS, Observation(both, present=both, due=gang))
+    assert ended.released is None and ended.draining == 7
+
+
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
     # A rank blocked on the CPU (a barrier waiting for the held rank) wants nothing on its GPU.
     both = frozenset({7})

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ class Job:
     group: str
     ddp: bool  # across all the run's GPUs (torchrun), or one process on `gpu`
     gpu: int = 0
+    serve: bool = False  # with ddp: ddp_worker.py's tensor-parallel service (bench/gpu/gang_serve.py)
 
 
 @dataclass(frozen=True)
@@ -88,11 +90,11 @@ PLAN = ("raw-solo", "solo", "cap30", "min60", "equal", "raw-equal", "one-busy", 
 
 
 def start_job(job: Job, gpus: int, window: tuple[float, float], env: dict[str, str], state: Path | None,
-              log: Path) -> subprocess.Popen[str]:
+              log: Path, serve_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     worker = [sys.executable, str(WORKER)]
     if job.ddp:
         worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
-                  str(WORKER), "--ddp"]
+                  str(WORKER), *(("--serve", *serve_args) if job.serve else ("--ddp",))]
     env = {**env, **NCCL_ENV, "BENCH_WINDOW": f"{window[0]:.3f},{window[1]:.3f}"}
     if not job.ddp:
         env["CUDA_VISIBLE_DEVICES"] = str(job.gpu)
@@ -110,7 +112,8 @@ def result_of(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
     raise RuntimeError(f"a job gave no result (exit {proc.returncode}); its stderr ends:\n{tail}")
 
 
-def run_case(case: Case, gpus: int, seconds: float, warmup: float) -> dict[str, Any]:
+def run_case(case: Case, gpus: int, seconds: float, warmup: float,
+             serve_args: tuple[str, ...] = ()) -> dict[str, Any]:
     env = product_env()
     with tempfile.TemporaryDirectory(prefix="gemtrace-ddp-") as tmp:
         work = Path(tmp)
@@ -121,7 +124,8 @@ def run_case(case: Case, gpus: int, seconds: float, warmup: float) -> dict[str, 
             window = (time.monotonic() + warmup, time.monotonic() + warmup + seconds)
             for n, job in enumerate(case.jobs):
                 log = work / f"{job.group}-{n}.log"
-                procs.append((job, start_job(job, gpus, window, env, agent.state if agent else None, log), log))
+                procs.append((job, start_job(job, gpus, window, env, agent.state if agent else None, log, serve_args),
+                              log))
             time.sleep(max(0.0, window[0] - time.monotonic()))
             charged0 = [agent.charged(u) for u in uuids] if agent else []
             time.sleep(max(0.0, window[1] - time.monotonic()))
@@ -140,31 +144,45 @@ def run_case(case: Case, gpus: int, seconds: float, warmup: float) -> dict[str, 
     return {"results": results, "charged": charged}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(PLAN))
+def cases_to_run(parser: argparse.ArgumentParser, plan: tuple[str, ...], what: str,
+                 planner: Callable[[int], dict[str, Case]]) -> tuple[argparse.Namespace, list[tuple[str, Case]]]:
+    """Parses --cases/--seconds/--gpus (and whatever `parser` has already) and returns the cases named,
+    in order; exits 2 on a bad one. `what`: the thing that spans the GPUs, for the error."""
+    parser.add_argument("--cases", default=",".join(plan))
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--warmup", type=float, default=25.0)
-    parser.add_argument("--gpus", type=int, default=2, help="GPUs the job spans, a single-GPU job on each")
+    parser.add_argument("--gpus", type=int, default=2, help=f"GPUs {what} spans, a single-GPU job on each")
     args = parser.parse_args()
     if args.gpus < 2:
-        print(f"--gpus {args.gpus}: a job that spans GPUs needs at least 2", file=sys.stderr)
-        return 2
-    cases = plan_cases(args.gpus)
-    names = args.cases.split(",")
-    unknown = [n for n in names if n not in cases]
+        parser.exit(2, f"--gpus {args.gpus}: {what} that spans GPUs needs at least 2\n")
+    cases = planner(args.gpus)
+    unknown = [n for n in args.cases.split(",") if n not in cases]
     if unknown:
-        print(f"unknown case {unknown[0]!r}: choose among {', '.join(cases)}", file=sys.stderr)
-        return 2
-    began = time.monotonic()
+        parser.exit(2, f"unknown case {unknown[0]!r}: choose among {', '.join(cases)}\n")
+    return args, [(n, cases[n]) for n in args.cases.split(",")]
+
+
+def run_cases(named: list[tuple[str, Case]], args: argparse.Namespace, serve_args: tuple[str, ...] = ()
+              ) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any] | None]:
+    """Each case's run, in order; and after raw-solo, a single-GPU job alone without gemtrace (the
+    single-GPU jobs' solo), or None."""
     runs: list[tuple[str, dict[str, Any]]] = []
     hog_solo = None
-    for name in names:
+    for name, case in named:
         print(f"# {name}", file=sys.stderr, flush=True)
-        runs.append((name, run_case(cases[name], args.gpus, args.seconds, args.warmup)))
+        runs.append((name, run_case(case, args.gpus, args.seconds, args.warmup, serve_args)))
         if name == "raw-solo":
             hog_solo = run_case(Case("hog-solo", "", (), (Job("hog0", False, 0),), gated=False), args.gpus,
                                 args.seconds, args.warmup)
+    return runs, hog_solo
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--warmup", type=float, default=25.0)
+    args, named = cases_to_run(parser, PLAN, "a job", plan_cases)
+    cases = dict(named)
+    began = time.monotonic()
+    runs, hog_solo = run_cases(named, args)
     solos = [r["results"]["ddp"]["rate"] for n, r in runs if n == "solo"]
     solo = sum(solos) / len(solos) if solos else None
     raw_solo = next((r["results"]["ddp"]["rate"] for n, r in runs if n == "raw-solo"), None)

@@ -224,7 +224,8 @@ class Decision:
     # The barred groups (Observation.barred) this GPU would release now if their turn were open: each
     # would be this GPU's choice beside the holder and every group it may release.
     ready: frozenset[int] = frozenset()
-    # Nobody is released or draining here: a turn that is clearing (Observation.clearing) may start.
+    # Nobody is released or draining here but the clearing group itself: a turn that is clearing
+    # (Observation.clearing) may start.
     clear: bool = False
     # Opportunistic groups released beside the production groups present on this GPU (their queue
     # kept to a few kernels while production has work: GT_RELEASED_BESIDE); none of them holds a turn.
@@ -276,6 +277,7 @@ class TimeSharePolicy:
         self._released_at = 0
         self._slice_end = 0
         self._hold_at = 0
+        self._held_in_turn = False  # the group draining was held in its turn across GPUs (this GPU ended it)
         self._charging = False  # the holder is charged for the time passing
         self._holder_idle_since: int | None = None  # the running holder quiet since (at the last look)
         self._busy_look = 0  # the last look that saw the running holder busy
@@ -407,8 +409,14 @@ class TimeSharePolicy:
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
                         self._wake_on_wait(now, outranked), self._ready,
-                        self._phase is Phase.IDLE or released is not None and released in self._clearing,
-                        beside, quiet_rings)
+                        self._clear(released), beside, quiet_rings)
+
+    def _clear(self, released: int | None) -> bool:
+        """Decision.clear: nobody's work runs here but the clearing group's own (released, or draining
+        after a hold while its turn was closed), so a turn across GPUs may start."""
+        if self._phase is Phase.IDLE:
+            return True
+        return (released if released is not None else self._holder) in self._clearing
 
     # -- production and opportunistic groups ----------------------------------------------------
 
@@ -662,6 +670,15 @@ class TimeSharePolicy:
     def _step_draining(self, now: int, obs: Observation) -> None:
         holder = self._holder
         assert holder is not None
+        if holder in self._due and not self._held_in_turn:
+            # Held while its turn across GPUs was closed, and that turn now goes: what it has queued
+            # here is its own work of the turn (a rank that ran ahead into a collective waiting for its
+            # peer, which only this turn releases), not a drain to wait out. Waited out, that drain
+            # ends only when the turn has begun, and the turn begins only when the drain has ended: a
+            # service spread over two GPUs beside a job on one of them waited a second a request.
+            # _step_idle releases it at once (a due group goes first), charged throughout.
+            self._phase, self._holder, self._charging = Phase.IDLE, None, False
+            return
         # The timeout only matters to a group waiting for the GPU: with nobody to hand it to, the
         # drain is waited out (and charged), up to max_overrun_ns (a process that queued work and went
         # off to CPU work reports no end until it next launches or syncs).
@@ -699,6 +716,7 @@ class TimeSharePolicy:
     def _hold(self, now: int) -> None:
         self._phase = Phase.DRAINING
         self._hold_at = now
+        self._held_in_turn = self._holder in self._due
 
 
     # -- choosing ------------------------------------------------------------------------------

@@ -36,11 +36,14 @@
  *       on stdin one launch on the default stream, {"returned_ns"} (CLOCK_MONOTONIC when the launch
  *       returned: a held one, when the gate let it go), then a synchronisation; exits at end of input
  *   ddp-loop --rank R --world W --comm ID [--device D] --kernel-ns N [--launches-per-iter K]
- *            --collective-ns C [--seconds S | --iters I] [--progress]
+ *            --collective-ns C [--seconds S | --iters I] [--progress] [--pause-ns P]
  *       one rank of a data-parallel training job, one process per rank as torchrun starts them: a
  *       collective of C ns first (DDP's constructor broadcasts the model), then each step launches K
  *       kernels of N ns, one collective of C ns (the driver's "simgpu_collective" kernel:
  *       simgpu/README.md) in communicator ID as rank R of W, and synchronises the stream.
+ *       --pause-ns P: every rank sleeps P ns after each step, as a service spread over GPUs waits for
+ *       its next request; the last line then also gives each step's time (launches to synchronisation)
+ *       as "p50_ms", "p99_ms" and "max_ms".
  *       --seconds S: until S s of the device's clock have passed since the first step's collective
  *       ended, which every rank reads alike (its k-th collective ends at the same time on every
  *       rank), so that all ranks run the same number of steps; --iters I: I steps.
@@ -249,6 +252,41 @@ static void spin_ns(uint64_t ns)
         ;
 }
 
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Times of a loop's iterations (--pause-ns: launches to synchronisation), for their quantiles. */
+struct latencies {
+    double *s;
+    long n, cap;
+};
+
+static void latencies_add(struct latencies *l, double seconds)
+{
+    if (l->n == l->cap) {
+        l->cap = l->cap ? 2 * l->cap : 1024;
+        l->s = realloc(l->s, (size_t)l->cap * sizeof *l->s);
+        if (!l->s) {
+            emit("{\"error\":\"realloc\"}");
+            exit(1);
+        }
+    }
+    l->s[l->n++] = seconds;
+}
+
+/* The q-quantile (0..1) of the times added, sorting them in place; 0 when there are none. */
+static double latencies_at(struct latencies *l, double q)
+{
+    if (l->n == 0)
+        return 0;
+    qsort(l->s, (size_t)l->n, sizeof *l->s, cmp_double);
+    long i = (long)(q * (double)l->n);
+    return l->s[i < l->n ? i : l->n - 1];
+}
+
 struct loop {
     const struct opts *o;
     const char *api;
@@ -257,8 +295,7 @@ struct loop {
     int index;
     long iters, launches;
     double launch_s, event_s, burst_s;
-    double *iter_s; /* --pause-ns: each iteration's time, launches to synchronisation */
-    long n_iter_s, cap_iter_s;
+    struct latencies iter_s; /* --pause-ns: each iteration's time, launches to synchronisation */
 };
 
 static _Atomic long g_launches_total;
@@ -334,15 +371,7 @@ static void *run_loop(void *arg)
         t = now_s();
         l->burst_s += t - iter_start;
         if (o->pause_ns) {
-            if (l->n_iter_s == l->cap_iter_s) {
-                l->cap_iter_s = l->cap_iter_s ? 2 * l->cap_iter_s : 1024;
-                l->iter_s = realloc(l->iter_s, (size_t)l->cap_iter_s * sizeof *l->iter_s);
-                if (!l->iter_s) {
-                    emit("{\"error\":\"realloc\"}");
-                    exit(1);
-                }
-            }
-            l->iter_s[l->n_iter_s++] = t - iter_start;
+            latencies_add(&l->iter_s, t - iter_start);
             struct timespec pause = {(time_t)(o->pause_ns / 1000000000u), (long)(o->pause_ns % 1000000000u)};
             nanosleep(&pause, NULL);
             t = now_s();
@@ -377,11 +406,6 @@ static void hold(double seconds);
 static void report_allocation(uint64_t size, CUdeviceptr ptr);
 static void report_failure(uint64_t size, CUresult r);
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static int launch_loop(const struct opts *o)
 {
@@ -442,19 +466,16 @@ static int launch_loop(const struct opts *o)
     CHECK(D->f_cuCtxSynchronize(NULL));
     double elapsed = now_s() - start;
     char latency[160] = "";
-    long n = loops[0].n_iter_s;
-    if (n > 0) {
-        double *v = loops[0].iter_s;
-        qsort(v, (size_t)n, sizeof *v, cmp_double);
-        snprintf(latency, sizeof latency, ",\"iter_p50_s\":%.6f,\"iter_p99_s\":%.6f,\"iter_max_s\":%.6f", v[n / 2],
-                 v[(n * 99) / 100 < n ? (n * 99) / 100 : n - 1], v[n - 1]);
-    }
+    struct latencies *iter_s = &loops[0].iter_s;
+    if (iter_s->n > 0)
+        snprintf(latency, sizeof latency, ",\"iter_p50_s\":%.6f,\"iter_p99_s\":%.6f,\"iter_max_s\":%.6f",
+                 latencies_at(iter_s, 0.5), latencies_at(iter_s, 0.99), latencies_at(iter_s, 1.0));
     emit("{\"iters\":%ld,\"launches\":%ld,\"elapsed_s\":%.6f,\"kernel_s\":%.6f,\"launch_s\":%.6f,"
          "\"event_s\":%.6f,\"burst_s\":%.6f,\"threads\":%ld%s}",
          iters, launches, elapsed, (double)launches * (double)o->kernel_ns / 1e9, launch_s, event_s, burst_s, o->threads,
          latency);
     for (long i = 0; i < o->threads; i++)
-        free(loops[i].iter_s);
+        free(loops[i].iter_s.s);
     hold(o->hold); /* --hold: stay alive (and registered) after the report */
     return 0;
 }
@@ -517,10 +538,12 @@ static int ddp_loop(const struct opts *o)
     }
     double start = now_s(), next_progress = start + 1.0, t = start;
     float since_first_ms = 0;
+    struct latencies step_s = {0};
     /* --seconds is read on the device's clock from the first step's collective's end: every rank's
      * k-th collective ends at the same time (the latest start + C), so all ranks stop after the same
      * step, as a training job's ranks do; a wall-clock bound would leave the last rank waiting. */
     while (steps_wanted < 0 ? since_first_ms < o->seconds * 1e3 : steps < steps_wanted) {
+        double step_start = now_s();
         for (long k = 0; k < o->per_iter; k++)
             CHECK(D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params, NULL));
         r = D->f_cuLaunchKernel(all_reduce, 1, 1, 1, 32, 1, 1, 0, NULL, collective, NULL);
@@ -536,6 +559,11 @@ static int ddp_loop(const struct opts *o)
         else
             CHECK(D->f_cuEventElapsedTime(&since_first_ms, ev_first, ev_step));
         t = now_s();
+        if (o->pause_ns) {
+            latencies_add(&step_s, t - step_start);
+            struct timespec pause = {(time_t)(o->pause_ns / 1000000000u), (long)(o->pause_ns % 1000000000u)};
+            nanosleep(&pause, NULL);
+        }
         if (o->progress && t >= next_progress) {
             emit("{\"progress\":true,\"t\":%.6f,\"steps\":%ld}", t - start, steps);
             next_progress += 1.0;
@@ -547,8 +575,14 @@ static int ddp_loop(const struct opts *o)
     CHECK(D->f_cuEventElapsedTime(&event_ms, ev_start, ev_end));
     double gpu_s = ((double)steps * ((double)o->per_iter * (double)o->kernel_ns + (double)o->collective_ns) +
                     (double)o->collective_ns) / 1e9;
-    emit("{\"steps\":%ld,\"elapsed_s\":%.6f,\"event_s\":%.6f,\"gpu_s\":%.6f,\"rank\":%ld}", steps,
-         now_s() - start, (double)event_ms / 1e3, gpu_s, o->rank);
+    if (o->pause_ns)
+        emit("{\"steps\":%ld,\"elapsed_s\":%.6f,\"event_s\":%.6f,\"gpu_s\":%.6f,\"rank\":%ld,\"p50_ms\":%.3f,"
+             "\"p99_ms\":%.3f,\"max_ms\":%.3f}", steps, now_s() - start, (double)event_ms / 1e3, gpu_s, o->rank,
+             1e3 * latencies_at(&step_s, 0.5), 1e3 * latencies_at(&step_s, 0.99), 1e3 * latencies_at(&step_s, 1.0));
+    else
+        emit("{\"steps\":%ld,\"elapsed_s\":%.6f,\"event_s\":%.6f,\"gpu_s\":%.6f,\"rank\":%ld}", steps,
+             now_s() - start, (double)event_ms / 1e3, gpu_s, o->rank);
+    free(step_s.s);
     return 0;
 }
 
