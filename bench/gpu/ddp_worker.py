@@ -3,7 +3,7 @@ batch 64 a GPU, SGD, random weights), either data-parallel over the GPUs torchru
 rank a GPU, NCCL, gradients all-reduced every step) or alone on the first visible GPU. Or, with --serve
 (under torchrun), a tensor-parallel service: see serve() below.
 
-    BENCH_WINDOW=T0,T1 python3 bench/gpu/ddp_worker.py [--ddp | --serve [--pause-ms MS]]
+    BENCH_WINDOW=T0,T1 python3 bench/gpu/ddp_worker.py [--ddp | --serve] [--pause-ms MS]
 
 (The window comes in the environment: torchrun would take --start for its own --start-method.) It
 steps until T1 (CLOCK_MONOTONIC, which every process of the host shares), counts the steps that end
@@ -25,11 +25,15 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ddp", action="store_true")
     parser.add_argument("--serve", action="store_true")
-    parser.add_argument("--pause-ms", type=float, default=30.0, help="--serve: between an answer and the next request")
+    parser.add_argument("--pause-ms", type=float, default=None,
+                        help="between an answer and the next request (--serve: 30 by default), or the CPU work "
+                             "after each training step (a data loader it waits for: 0 by default)")
     args = parser.parse_args()
     args.start, args.end = (float(t) for t in os.environ["BENCH_WINDOW"].split(","))
     if args.serve:
+        args.pause_ms = 30.0 if args.pause_ms is None else args.pause_ms
         return serve(args)
+    pause = (args.pause_ms or 0.0) / 1000
 
     import torch
     import torch.nn.functional as F
@@ -65,6 +69,8 @@ def main() -> int:
     over = torch.zeros(1, device=device)
     while True:
         step()
+        if pause:
+            time.sleep(pause)
         now = time.monotonic()
         ends.append(now)
         if args.start <= now < args.end:

@@ -19,6 +19,7 @@ Cases (issue 29's targets on two H100s):
   raw-solo      the job alone without gemtrace, and a single-GPU job alone (the hogs' solo)
 
     python3 -m bench.gpu.gang_ddp [--cases solo,cap30,...] [--gpus 2] [--seconds 10] [--warmup 25]
+        [--pause-ms 0]
 
 Prints a markdown table; with $OUT set writes gang_ddp.md and gang_ddp.json there. Needs --gpus GPUs (2 by
 default), torch with CUDA and torchvision, build/libgemgate.so, and the agent's Python dependencies on PYTHONPATH.
@@ -90,11 +91,11 @@ PLAN = ("raw-solo", "solo", "cap30", "min60", "equal", "raw-equal", "one-busy", 
 
 
 def start_job(job: Job, gpus: int, window: tuple[float, float], env: dict[str, str], state: Path | None,
-              log: Path, serve_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+              log: Path, job_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
     worker = [sys.executable, str(WORKER)]
     if job.ddp:
         worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
-                  str(WORKER), *(("--serve", *serve_args) if job.serve else ("--ddp",))]
+                  str(WORKER), "--serve" if job.serve else "--ddp", *job_args]
     env = {**env, **NCCL_ENV, "BENCH_WINDOW": f"{window[0]:.3f},{window[1]:.3f}"}
     if not job.ddp:
         env["CUDA_VISIBLE_DEVICES"] = str(job.gpu)
@@ -113,7 +114,7 @@ def result_of(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
 
 
 def run_case(case: Case, gpus: int, seconds: float, warmup: float,
-             serve_args: tuple[str, ...] = ()) -> dict[str, Any]:
+             job_args: tuple[str, ...] = ()) -> dict[str, Any]:
     env = product_env()
     with tempfile.TemporaryDirectory(prefix="gemtrace-ddp-") as tmp:
         work = Path(tmp)
@@ -124,7 +125,7 @@ def run_case(case: Case, gpus: int, seconds: float, warmup: float,
             window = (time.monotonic() + warmup, time.monotonic() + warmup + seconds)
             for n, job in enumerate(case.jobs):
                 log = work / f"{job.group}-{n}.log"
-                procs.append((job, start_job(job, gpus, window, env, agent.state if agent else None, log, serve_args),
+                procs.append((job, start_job(job, gpus, window, env, agent.state if agent else None, log, job_args),
                               log))
             time.sleep(max(0.0, window[0] - time.monotonic()))
             charged0 = [agent.charged(u) for u in uuids] if agent else []
@@ -161,15 +162,15 @@ def cases_to_run(parser: argparse.ArgumentParser, plan: tuple[str, ...], what: s
     return args, [(n, cases[n]) for n in args.cases.split(",")]
 
 
-def run_cases(named: list[tuple[str, Case]], args: argparse.Namespace, serve_args: tuple[str, ...] = ()
+def run_cases(named: list[tuple[str, Case]], args: argparse.Namespace, job_args: tuple[str, ...] = ()
               ) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any] | None]:
-    """Each case's run, in order; and after raw-solo, a single-GPU job alone without gemtrace (the
-    single-GPU jobs' solo), or None."""
+    """Each case's run, in order (`job_args`: more arguments of the job that spans the GPUs); and after
+    raw-solo, a single-GPU job alone without gemtrace (the single-GPU jobs' solo), or None."""
     runs: list[tuple[str, dict[str, Any]]] = []
     hog_solo = None
     for name, case in named:
         print(f"# {name}", file=sys.stderr, flush=True)
-        runs.append((name, run_case(case, args.gpus, args.seconds, args.warmup, serve_args)))
+        runs.append((name, run_case(case, args.gpus, args.seconds, args.warmup, job_args)))
         if name == "raw-solo":
             hog_solo = run_case(Case("hog-solo", "", (), (Job("hog0", False, 0),), gated=False), args.gpus,
                                 args.seconds, args.warmup)
@@ -179,15 +180,18 @@ def run_cases(named: list[tuple[str, Case]], args: argparse.Namespace, serve_arg
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=float, default=25.0)
+    parser.add_argument("--pause-ms", type=float, default=0.0,
+                        help="CPU work of the job after each step: its ranks sleep so long (a data loader)")
     args, named = cases_to_run(parser, PLAN, "a job", plan_cases)
     cases = dict(named)
     began = time.monotonic()
-    runs, hog_solo = run_cases(named, args)
+    runs, hog_solo = run_cases(named, args, ("--pause-ms", f"{args.pause_ms:g}") if args.pause_ms else ())
     solos = [r["results"]["ddp"]["rate"] for n, r in runs if n == "solo"]
     solo = sum(solos) / len(solos) if solos else None
     raw_solo = next((r["results"]["ddp"]["rate"] for n, r in runs if n == "raw-solo"), None)
     hog_rate = hog_solo["results"]["hog0"]["rate"] if hog_solo else None
     per_gpu = " / ".join(f"GPU {i}" for i in range(args.gpus))
+    paused = f"the job sleeping {args.pause_ms:g} ms after each step; " if args.pause_ms else ""
     rows = [f"| case | group | steps/s | of solo | target | charged {per_gpu} |",
             "| --- | --- | --- | --- | --- | --- |"]
     missed = 0
@@ -206,7 +210,8 @@ def main() -> int:
     header = report_header(about, argparse.Namespace(ebpf=False, stand_in=False),
                            f"solo through gemtrace {', '.join(f'{s:.2f}' for s in solos)} steps/s, without "
                            f"{raw_solo and f'{raw_solo:.2f}'}; a single-GPU job alone {hog_rate and f'{hog_rate:.2f}'}"
-                           f" steps/s; {args.gpus} GPUs; windows of {args.seconds:g} s after {args.warmup:g} s", began)
+                           f" steps/s; {args.gpus} GPUs; {paused}"
+                           f"windows of {args.seconds:g} s after {args.warmup:g} s", began)
     publish(header + "\n\n" + "\n".join(rows) + "\n", "gang_ddp", {"runs": runs, "hog_solo": hog_solo})
     return 1 if missed else 0
 
