@@ -475,6 +475,38 @@ def test_a_gpu_that_ends_a_groups_turn_drains_it_before_releasing_anyone() -> No
     assert ended.released is None and ended.draining == 7
 
 
+def test_a_group_in_its_turn_ends_it_where_another_spanning_group_waits_and_it_went_quiet_or_is_outranked() -> None:
+    # 7 holds its turn here; 8, which spans GPUs too, waits (barred: no quiet revocation nor preemption
+    # counted it, and 7's turn ran its whole 180 ms). Quiet past its pause, 7 goes at once, its first
+    # 15 ms or not; busy, it goes once 8 of a higher priority waits and its first 15 ms have passed.
+    params = PolicyParams()
+    for quiet, priority in ((True, 0), (False, 10)):
+        policy = TimeSharePolicy(params, now=0)
+        policy.set_quotas(0, {7: Quota(), 8: Quota(0, 1.0, priority)})
+        both, mine, other = frozenset({7, 8}), frozenset({7}), frozenset({8})
+        assert policy.step(0, Observation(both, present=both, due=mine, barred=other)).released == 7
+        quiet_at = 2 * MS
+        t = quiet_at + params.gang_pause_ns + MS if quiet else params.min_slice_ns + MS
+        seen = Observation(other if quiet else both, quiet_at if quiet else None, present=both, due=mine,
+                           barred=other)
+        ended = policy.step(t, seen)
+        assert ended.released is None and ended.ready == other, (quiet, priority)
+
+
+def test_a_stranded_drain_ends_at_the_drain_timeout_though_nobody_else_wants_the_gpu() -> None:
+    # 7 held while its turn closed, its work left here a collective waiting for peers held elsewhere:
+    # charged until max_overrun_ns, a capped group's credit sank a second deep on a GPU nobody else wanted.
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, {7: Quota(0, 0.3)})
+    group = frozenset({7})
+    assert policy.step(0, Observation(group, present=group)).released == 7
+    held = policy.step(MS, Observation(group, present=group, barred=group, stranded=group))
+    assert held.draining == 7
+    timeout = MS + policy.drain_timeout_ns()
+    assert policy.step(timeout - MS, Observation(group, present=group, barred=group, stranded=group)).draining == 7
+    assert policy.step(timeout + MS, Observation(group, present=group, barred=group, stranded=group)).draining is None
+
+
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
     # A rank blocked on the CPU (a barrier waiting for the held rank) wants nothing on its GPU.
     both = frozenset({7})

@@ -65,6 +65,8 @@ class Case:
 
 
 DDP = Job("ddp", True)
+# More arguments of ddp_worker.py for the jobs that span the GPUs: (the training jobs', the services').
+JobArgs = tuple[tuple[str, ...], tuple[str, ...]]
 
 
 def plan_cases(gpus: int) -> dict[str, Case]:
@@ -91,11 +93,11 @@ PLAN = ("raw-solo", "solo", "cap30", "min60", "equal", "raw-equal", "one-busy", 
 
 
 def start_job(job: Job, gpus: int, window: tuple[float, float], env: dict[str, str], state: Path | None,
-              log: Path, job_args: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+              log: Path, job_args: JobArgs = ((), ())) -> subprocess.Popen[str]:
     worker = [sys.executable, str(WORKER)]
     if job.ddp:
         worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
-                  str(WORKER), "--serve" if job.serve else "--ddp", *job_args]
+                  str(WORKER), *(("--serve", *job_args[1]) if job.serve else ("--ddp", *job_args[0]))]
     env = {**env, **NCCL_ENV, "BENCH_WINDOW": f"{window[0]:.3f},{window[1]:.3f}"}
     if not job.ddp:
         env["CUDA_VISIBLE_DEVICES"] = str(job.gpu)
@@ -114,7 +116,7 @@ def result_of(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
 
 
 def run_case(case: Case, gpus: int, seconds: float, warmup: float,
-             job_args: tuple[str, ...] = ()) -> dict[str, Any]:
+             job_args: JobArgs = ((), ())) -> dict[str, Any]:
     env = product_env()
     with tempfile.TemporaryDirectory(prefix="gemtrace-ddp-") as tmp:
         work = Path(tmp)
@@ -162,9 +164,9 @@ def cases_to_run(parser: argparse.ArgumentParser, plan: tuple[str, ...], what: s
     return args, [(n, cases[n]) for n in args.cases.split(",")]
 
 
-def run_cases(named: list[tuple[str, Case]], args: argparse.Namespace, job_args: tuple[str, ...] = ()
+def run_cases(named: list[tuple[str, Case]], args: argparse.Namespace, job_args: JobArgs = ((), ())
               ) -> tuple[list[tuple[str, dict[str, Any]]], dict[str, Any] | None]:
-    """Each case's run, in order (`job_args`: more arguments of the job that spans the GPUs); and after
+    """Each case's run, in order (`job_args`: more arguments of the jobs that span the GPUs); and after
     raw-solo, a single-GPU job alone without gemtrace (the single-GPU jobs' solo), or None."""
     runs: list[tuple[str, dict[str, Any]]] = []
     hog_solo = None
@@ -185,7 +187,7 @@ def main() -> int:
     args, named = cases_to_run(parser, PLAN, "a job", plan_cases)
     cases = dict(named)
     began = time.monotonic()
-    runs, hog_solo = run_cases(named, args, ("--pause-ms", f"{args.pause_ms:g}") if args.pause_ms else ())
+    runs, hog_solo = run_cases(named, args, (("--pause-ms", f"{args.pause_ms:g}") if args.pause_ms else (), ()))
     solos = [r["results"]["ddp"]["rate"] for n, r in runs if n == "solo"]
     solo = sum(solos) / len(solos) if solos else None
     raw_solo = next((r["results"]["ddp"]["rate"] for n, r in runs if n == "raw-solo"), None)

@@ -14,6 +14,9 @@ Cases:
   priority    the service at Priority 10, the same training job: p99 <= 1.5 x solo (priority_latency's target)
   busy        the service at Priority 10, a training job on every GPU: p99 <= 1.5 x solo
   opportunistic  the training job on GPU 0 `Opportunistic = yes`: p99 <= 1.5 x solo
+  two         a second service in its own group over the same GPUs: each p99 <= 1.5 x solo
+  beside-ddp  the service at Priority 10 beside a data-parallel ResNet-50 job over the same GPUs
+              (bench/gpu/gang_ddp.py's): p99 <= 1.5 x solo, and the job's steps/s
   raw-solo    the service alone without gemtrace; and a single-GPU job alone (the training jobs' solo)
   raw-equal   `equal` without gemtrace: the driver's own time slicing
 
@@ -34,7 +37,7 @@ from bench.gpu.models_torch import GroupSpec, report_header
 from bench.recording import publish
 
 TARGET = 1.5  # p99 over solo p99 where the service outranks or is served first (bench/gpu/priority_latency.py)
-PLAN = ("raw-solo", "solo", "equal", "priority", "busy", "opportunistic", "raw-equal", "solo")
+PLAN = ("raw-solo", "solo", "equal", "priority", "busy", "opportunistic", "two", "beside-ddp", "raw-equal", "solo")
 
 
 def plan_cases(gpus: int) -> dict[str, Case]:
@@ -52,6 +55,10 @@ def plan_cases(gpus: int) -> dict[str, Case]:
         Case("opportunistic", "the training job on GPU 0 opportunistic",
              (GroupSpec("serve"), GroupSpec("hog0", opportunistic=True)), (service, hogs[0]),
              target={"serve": TARGET}),
+        Case("two", "a second service like it, in its own group", (GroupSpec("serve"), GroupSpec("serve2")),
+             (service, Job("serve2", True, serve=True)), target={"serve": TARGET, "serve2": TARGET}),
+        Case("beside-ddp", "Priority 10, a data-parallel training job over the same GPUs",
+             (high, GroupSpec("ddp")), (service, Job("ddp", True)), target={"serve": TARGET}),
         Case("raw-solo", "without gemtrace: the service alone", (), (service,), gated=False),
         Case("raw-equal", "without gemtrace: a training job on GPU 0", (), (service, hogs[0]), gated=False),
     )}
@@ -64,7 +71,7 @@ def main() -> int:
     args, named = cases_to_run(parser, PLAN, "a service", plan_cases)
     cases = dict(named)
     began = time.monotonic()
-    runs, hog_solo = run_cases(named, args, ("--pause-ms", f"{args.pause_ms:g}"))
+    runs, hog_solo = run_cases(named, args, ((), ("--pause-ms", f"{args.pause_ms:g}")))
     solos = [r["results"]["serve"] for n, r in runs if n == "solo"]
     solo_p50 = sum(s["p50_ms"] for s in solos) / len(solos) if solos else None
     solo_p99 = sum(s["p99_ms"] for s in solos) / len(solos) if solos else None
@@ -79,18 +86,18 @@ def main() -> int:
         case = cases[name]
         for group, result in run["results"].items():
             charged = " / ".join(f"{c:.3f}" for c in run["charged"].get(group, [])) or "-"
-            if group == "serve":
+            if group.startswith("serve"):
                 base = (solo_p50, solo_p99) if case.gated else (raw and raw["p50_ms"], raw and raw["p99_ms"])
                 x50 = result["p50_ms"] / base[0] if base[0] else float("nan")
                 x99 = result["p99_ms"] / base[1] if base[1] else float("nan")
                 most = case.target.get(group)
                 verdict = "" if most is None else (f"p99 ≤ {most:g} x " + ("met" if x99 <= most else "**missed**"))
                 missed += most is not None and not x99 <= most
-                rows.append(f"| {name}: {case.title} | serve | {result['p50_ms']:.1f} ({x50:.2f}) | "
+                rows.append(f"| {name}: {case.title} | {group} | {result['p50_ms']:.1f} ({x50:.2f}) | "
                             f"{result['p99_ms']:.1f} ({x99:.2f}) | {result['max_ms']:.1f} | {result['rate']:.1f} | "
                             f"{verdict} | {charged} |")
-            else:
-                ratio = result["rate"] / hog_rate if hog_rate else float("nan")
+            else:  # (a training job: a single-GPU one against a single-GPU job alone; the DDP job's is not run)
+                ratio = result["rate"] / hog_rate if hog_rate and group.startswith("hog") else float("nan")
                 rows.append(f"| {name}: {case.title} | {group} | - | - | - | {result['rate']:.2f} ({ratio:.3f}) | "
                             f" | {charged} |")
     about = next(iter(runs[0][1]["results"].values())) if runs else {}
