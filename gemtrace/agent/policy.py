@@ -470,9 +470,11 @@ class TimeSharePolicy:
         holder = self._holder
         if (self._phase is Phase.RUNNING and holder is not None and holder not in self._barred
                 and now - self._released_at < self.params.min_slice_ns
-                and (holder_idle_since is None or now - holder_idle_since < self._quiet_allowance(holder))):
-            # (Not a holder quiet past the pause it keeps: it has nothing to run in the rest of its
-            # first 15 ms, and a service's turn across GPUs kept them 7 ms idle at each request.)
+                and (holder_idle_since is None
+                     or now - holder_idle_since < max(self._quiet_allowance(holder), self.params.gang_pause_ns))):
+            # (Not a holder quiet past the pause it keeps, and past the pause that weighs it as busy
+            # (`_paused_holder`): it has nothing to run in the rest of its first 15 ms, and a service's
+            # turn across GPUs kept them 7 ms idle at each request.)
             return idle | self._ready.intersection(wanting)
         return idle | self._chosen_if_admitted(now, wanting, self._paused_holder(now, holder_idle_since))
 
