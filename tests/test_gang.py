@@ -493,6 +493,22 @@ def test_a_group_in_its_turn_ends_it_where_another_spanning_group_waits_and_it_w
         assert ended.released is None and ended.ready == other, (quiet, priority)
 
 
+def test_a_busy_group_in_its_turn_ends_it_for_a_spanning_group_a_whole_turn_behind_it() -> None:
+    # 7 ran a second alone in its turn; 8, which spans GPUs too and of the same priority, starts to want
+    # this GPU (barred, its turn waiting for 7's): 7 is held at once, a whole turn ahead of 8 in usage,
+    # not at its slice's end (a service beside a data-parallel job waited 172 ms at p50).
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {7: Quota(), 8: Quota()})
+    mine, other, both = frozenset({7}), frozenset({8}), frozenset({7, 8})
+    t = 0
+    while t < SECOND + params.gang_slice_ns // 2:
+        assert policy.step(t, Observation(mine, present=both, due=mine)).released == 7
+        t += 10 * MS
+    ended = policy.step(t, Observation(both, present=both, due=mine, barred=other))
+    assert ended.released is None and ended.ready == other
+
+
 def test_a_stranded_drain_ends_at_the_drain_timeout_though_nobody_else_wants_the_gpu() -> None:
     # 7 held while its turn closed, its work left here a collective waiting for peers held elsewhere:
     # charged until max_overrun_ns, a capped group's credit sank a second deep on a GPU nobody else wanted.
