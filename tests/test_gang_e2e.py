@@ -22,6 +22,9 @@ pytestmark = pytest.mark.e2e
 SECONDS = 4
 # A ResNet-50-like step in miniature: 4 kernels of 2 ms, then a 2 ms all-reduce of the gradients.
 DDP = ("--kernel-ns", "2000000", "--launches-per-iter", "4", "--collective-ns", "2000000")
+# A service spread over both GPUs (tensor-parallel: the ranks meet at a collective each request) that
+# waits 20 ms for its next request after each answer: 4 kernels of 0.5 ms and a 0.5 ms collective a request.
+SERVICE = ("--kernel-ns", "500000", "--launches-per-iter", "4", "--collective-ns", "500000", "--pause-ns", "20000000")
 HOG = ("launch-loop", "--kernel-ns", "2000000", "--launches-per-iter", "4")
 
 
@@ -30,10 +33,12 @@ def two_gpus(simgpu_factory: Callable[..., SimGpu], tmp_path: Path) -> Iterator[
     yield Host(simgpu_factory(devices=2), tmp_path / "resource.conf", tmp_path / "state", tmp_path)
 
 
-def job(host: Host, group: str, comm: int) -> list[subprocess.Popen[bytes]]:
-    """The two ranks of one job, one process a GPU, each `gemtrace run` in `group`."""
+def job(host: Host, group: str, comm: int, shape: tuple[str, ...] = DDP,
+        seconds: float = SECONDS) -> list[subprocess.Popen[bytes]]:
+    """The two ranks of one job (`shape`: ddp-loop's options, DDP's by default), one process a GPU, each
+    `gemtrace run` in `group`."""
     return [host.run(group, "ddp-loop", "--rank", str(rank), "--world", "2", "--comm", str(comm),
-                     "--device", str(rank), *DDP, "--seconds", str(SECONDS)) for rank in (0, 1)]
+                     "--device", str(rank), *shape, "--seconds", str(seconds)) for rank in (0, 1)]
 
 
 def steps_per_second(ranks: list[subprocess.Popen[bytes]]) -> float:
@@ -79,22 +84,15 @@ def test_two_jobs_on_the_same_two_gpus_share_them_evenly(two_gpus: Host) -> None
     assert first / solo >= 0.25 and second / solo >= 0.25 and (first + second) / solo >= 0.6, figures
 
 
-# A service spread over both GPUs (tensor-parallel: the ranks meet at a collective each request) that
-# waits 20 ms for its next request after each answer: 4 kernels of 0.5 ms and a 0.5 ms collective a request.
-SERVICE = ("--kernel-ns", "500000", "--launches-per-iter", "4", "--collective-ns", "500000", "--pause-ns", "20000000")
-
-
 def serve_case(host: Host, config: str, hogs: tuple[int, ...]) -> tuple[dict[str, float], list[float]]:
     """The service's last line (rank 0: its requests' p50/p99/max) beside a hog in each of `hogs`, and
-    the hogs' launches a second."""
+    the hogs' iterations (4 kernels of 2 ms each)."""
     host.config.write_text(config + "".join(f"[hog{gpu}]\n" for gpu in hogs))
     agent = host.start_agent()
     try:
         started = [host.run(f"hog{gpu}", *HOG, "--device", str(gpu), "--seconds", str(SECONDS + 2))
                    for gpu in hogs]
-        ranks = [host.run("serve", "ddp-loop", "--rank", str(rank), "--world", "2", "--comm", "300",
-                          "--device", str(rank), *SERVICE, "--seconds", str(SECONDS)) for rank in (0, 1)]
-        lasts = [last_line(proc, 120) for proc in ranks]
+        lasts = [last_line(proc, 120) for proc in job(host, "serve", 300, SERVICE)]
         hog_rates = [float(last_line(proc, 60)["iters"]) for proc in started]
     finally:
         stop(agent)
@@ -105,6 +103,7 @@ def test_a_service_across_two_gpus_waits_for_a_slice_not_a_second_beside_a_job_o
     solo, _ = serve_case(two_gpus, "[serve]\n", ())
     beside, hogs = serve_case(two_gpus, "[serve]\n", (0,))
     outranks, _ = serve_case(two_gpus, "[serve]\nPriority = 10\n", (0,))
+
     def ms(line: dict[str, float]) -> str:
         return f"{line['p50_ms']:.1f}/{line['p99_ms']:.1f}/{line['max_ms']:.1f}"
 
@@ -128,9 +127,7 @@ def test_a_service_across_two_gpus_waits_for_another_job_across_them_a_request_n
     host.config.write_text("[serve]\n[serve2]\n")
     agent = host.start_agent()
     try:
-        ranks = [host.run(group, "ddp-loop", "--rank", str(rank), "--world", "2", "--comm", str(comm),
-                          "--device", str(rank), *SERVICE, "--seconds", str(SECONDS))
-                 for group, comm in (("serve", 301), ("serve2", 302)) for rank in (0, 1)]
+        ranks = job(host, "serve", 301, SERVICE) + job(host, "serve2", 302, SERVICE)
         pair = [last_line(proc, 120) for proc in ranks]
     finally:
         stop(agent)
@@ -141,8 +138,7 @@ def test_a_service_across_two_gpus_waits_for_another_job_across_them_a_request_n
         # and its first collective spins there until the other starts (a start, not what is tested).
         ddp = job(host, "ddp", 304)
         time.sleep(1.0)
-        service = [host.run("serve", "ddp-loop", "--rank", str(rank), "--world", "2", "--comm", "303",
-                            "--device", str(rank), *SERVICE, "--seconds", str(SECONDS - 1.5)) for rank in (0, 1)]
+        service = job(host, "serve", 303, SERVICE, SECONDS - 1.5)
         outranks, steps = last_line(service[0], 120), steps_per_second(ddp)
         last_line(service[1], 60)
     finally:

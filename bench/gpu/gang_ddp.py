@@ -179,6 +179,20 @@ def run_cases(named: list[tuple[str, Case]], args: argparse.Namespace, job_args:
     return runs, hog_solo
 
 
+def charged_cell(run: dict[str, Any], group: str) -> str:
+    """The time charged to `group` on each GPU over a case's window, for a table's cell."""
+    return " / ".join(f"{c:.3f}" for c in run["charged"].get(group, [])) or "-"
+
+
+def publish_table(name: str, runs: list[tuple[str, dict[str, Any]]], hog_solo: dict[str, Any] | None,
+                  rows: list[str], what_ran: str, began: float) -> None:
+    """The dated heading (the machine and software of the first run's first job) and the table, as
+    `name`.md and `name`.json in $OUT (bench/recording.py's publish)."""
+    about = next(iter(runs[0][1]["results"].values())) if runs else {}
+    header = report_header(about, argparse.Namespace(ebpf=False, stand_in=False), what_ran, began)
+    publish(header + "\n\n" + "\n".join(rows) + "\n", name, {"runs": runs, "hog_solo": hog_solo})
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--warmup", type=float, default=25.0)
@@ -205,16 +219,13 @@ def main() -> int:
             least = case.target.get(group)
             verdict = "" if least is None else (f"≥ {least:.2f} " + ("met" if ratio >= least else "**missed**"))
             missed += least is not None and ratio < least
-            charged = " / ".join(f"{c:.3f}" for c in run["charged"].get(group, [])) or "-"
             rows.append(f"| {name}: {case.title} | {group} | {result['rate']:.2f} | {ratio:.3f} | {verdict} "
-                        f"| {charged} |")
-    about = next(iter(runs[0][1]["results"].values())) if runs else {}
-    header = report_header(about, argparse.Namespace(ebpf=False, stand_in=False),
-                           f"solo through gemtrace {', '.join(f'{s:.2f}' for s in solos)} steps/s, without "
-                           f"{raw_solo and f'{raw_solo:.2f}'}; a single-GPU job alone {hog_rate and f'{hog_rate:.2f}'}"
-                           f" steps/s; {args.gpus} GPUs; {paused}"
-                           f"windows of {args.seconds:g} s after {args.warmup:g} s", began)
-    publish(header + "\n\n" + "\n".join(rows) + "\n", "gang_ddp", {"runs": runs, "hog_solo": hog_solo})
+                        f"| {charged_cell(run, group)} |")
+    publish_table("gang_ddp", runs, hog_solo, rows,
+                  f"solo through gemtrace {', '.join(f'{s:.2f}' for s in solos)} steps/s, without "
+                  f"{raw_solo and f'{raw_solo:.2f}'}; a single-GPU job alone {hog_rate and f'{hog_rate:.2f}'}"
+                  f" steps/s; {args.gpus} GPUs; {paused}windows of {args.seconds:g} s after {args.warmup:g} s",
+                  began)
     return 1 if missed else 0
 
 

@@ -32,9 +32,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.gpu.gang_ddp import Case, Job, cases_to_run, run_cases
-from bench.gpu.models_torch import GroupSpec, report_header
-from bench.recording import publish
+from bench.gpu.gang_ddp import Case, Job, cases_to_run, charged_cell, publish_table, run_cases
+from bench.gpu.models_torch import GroupSpec
 
 TARGET = 1.5  # p99 over solo p99 where the service outranks or is served first (bench/gpu/priority_latency.py)
 PLAN = ("raw-solo", "solo", "equal", "priority", "busy", "opportunistic", "two", "beside-ddp", "raw-equal", "solo")
@@ -85,7 +84,7 @@ def main() -> int:
     for name, run in runs:
         case = cases[name]
         for group, result in run["results"].items():
-            charged = " / ".join(f"{c:.3f}" for c in run["charged"].get(group, [])) or "-"
+            charged = charged_cell(run, group)
             if group.startswith("serve"):
                 base = (solo_p50, solo_p99) if case.gated else (raw and raw["p50_ms"], raw and raw["p99_ms"])
                 x50 = result["p50_ms"] / base[0] if base[0] else float("nan")
@@ -100,15 +99,11 @@ def main() -> int:
                 ratio = result["rate"] / hog_rate if hog_rate and group.startswith("hog") else float("nan")
                 rows.append(f"| {name}: {case.title} | {group} | - | - | - | {result['rate']:.2f} ({ratio:.3f}) | "
                             f" | {charged} |")
-    about = next(iter(runs[0][1]["results"].values())) if runs else {}
-    header = report_header(about, argparse.Namespace(ebpf=False, stand_in=False),
-                           f"the service's solo through gemtrace p50 {solo_p50 and f'{solo_p50:.1f}'} / p99 "
-                           f"{solo_p99 and f'{solo_p99:.1f}'} ms, without gemtrace "
-                           f"{raw_text} ms; a single-GPU job alone "
-                           f"{hog_rate and f'{hog_rate:.2f}'} steps/s; {args.gpus} GPUs; a pause of "
-                           f"{args.pause_ms:g} ms after each answer; windows of {args.seconds:g} s after "
-                           f"{args.warmup:g} s", began)
-    publish(header + "\n\n" + "\n".join(rows) + "\n", "gang_serve", {"runs": runs, "hog_solo": hog_solo})
+    publish_table("gang_serve", runs, hog_solo, rows,
+                  f"the service's solo through gemtrace p50 {solo_p50 and f'{solo_p50:.1f}'} / p99 "
+                  f"{solo_p99 and f'{solo_p99:.1f}'} ms, without gemtrace {raw_text} ms; a single-GPU job alone "
+                  f"{hog_rate and f'{hog_rate:.2f}'} steps/s; {args.gpus} GPUs; a pause of {args.pause_ms:g} ms "
+                  f"after each answer; windows of {args.seconds:g} s after {args.warmup:g} s", began)
     return 1 if missed else 0
 
 
