@@ -8,7 +8,7 @@
  * SIM_SPINNING | pid, so that every launch on that device, of any process, waits until the spin is
  * placed (no other kernel runs beside a spinning one), and the launching thread blocks until the last
  * peer has started (sim_collective). Only then is the end known: the spin and the duration go onto
- * the timeline and into the busy time together. While it spins, NVML counts it busy (sim_busy_done)
+ * the timeline and into the busy time together, and the ranks' values reduced (the largest). While it spins, NVML counts it busy (sim_busy_done)
  * and the process's queue is not empty (its launch has not returned).
  *
  * One exception keeps two communicators on the same devices from waiting for each other for ever
@@ -245,7 +245,7 @@ static bool rank_blocked(struct sim_state *s, struct sim_rank *q, uint64_t word)
 }
 
 enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, uint64_t not_before, uint64_t ns,
-                                   uint64_t *pstart, uint64_t *pend)
+                                   uint64_t *value, uint64_t *pstart, uint64_t *pend)
 {
     struct sim_state *s = sim_state();
     struct sim_comm *c = &s->comm[m->comm];
@@ -254,7 +254,8 @@ enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, 
     uint64_t start = spin_begin(d, not_before), held_from = start;
     bool held = true;
     struct sim_rank *mine = &c->rank[m->rank];
-    atomic_store(&mine->start[k & 1], start); /* before the count that publishes it */
+    atomic_store(&mine->start[k & 1], start); /* both before the count that publishes them */
+    atomic_store(&mine->value[k & 1], *value);
     atomic_store(&mine->word, (uint64_t)(uint32_t)m->pid << 32 | seq);
     ring(&c->bell);
     *pstart = start;
@@ -262,7 +263,7 @@ enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, 
     uint64_t bound = (uint64_t)(limit * 1e9), since = sim_now();
     for (;;) {
         uint32_t bell = atomic_load(&c->bell);
-        uint64_t late = start;
+        uint64_t late = start, largest = *value;
         int missing = -1;
         bool blocked = false;
         for (unsigned p = 0; p < world; p++) {
@@ -271,8 +272,9 @@ enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, 
             /* A peer at most one round ahead (it cannot end round k+1 without us): start[k & 1]
              * is still its k-th. A peer that started and then exited counts as started. */
             if (w && (uint32_t)((w & SEQ_MASK) - seq) < 2) {
-                uint64_t t = atomic_load(&q->start[k & 1]);
+                uint64_t t = atomic_load(&q->start[k & 1]), v = atomic_load(&q->value[k & 1]);
                 late = t > late ? t : late;
+                largest = v > largest ? v : largest;
             } else {
                 missing = missing < 0 ? (int)p : missing;
                 blocked = blocked || (held && rank_blocked(s, q, w));
@@ -283,6 +285,7 @@ enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, 
             if (!held) /* it gave its device up: it finishes once it has it again */
                 held_from = spin_begin(d, now);
             *pend = (late > held_from ? late : held_from) + ns;
+            *value = largest;
             spin_end(d, held_from, *pend);
             return SIM_COMM_OK;
         }

@@ -60,9 +60,14 @@
 
 /* A kernel whose function's name starts so is a collective (collective.c): its parameters are four
  * uint64_t, kernelParams[0..3] (or a CU_LAUNCH_PARAM_BUFFER_POINTER buffer of 32 bytes): its duration
- * in ns, the communicator's id (1..2^48-1), the number of ranks (1..16) and this launch's rank. */
+ * in ns, the communicator's id (1..2^48-1), the number of ranks (1..16) and this launch's rank. One
+ * named COLLECTIVE_MAX_PREFIX... takes a fifth: the address of a uint64_t in host memory (as mapped
+ * pinned memory), this rank's value when launched and the largest rank's when the launch returns, as
+ * a job's ranks all-reduce a flag to agree when to stop. */
 #define COLLECTIVE_PREFIX "simgpu_collective"
+#define COLLECTIVE_MAX_PREFIX "simgpu_collective_max"
 #define COLLECTIVE_ARGS 4
+#define COLLECTIVE_MAX_ARGS 5
 
 #define LIKELY(x) __builtin_expect(!!(x), 1)
 #define UNLIKELY(x) __builtin_expect(!!(x), 0)
@@ -98,7 +103,7 @@ struct CUevent_st {
 
 struct CUfunc_st {
     uint32_t magic;
-    bool collective; /* named COLLECTIVE_PREFIX...: launches go through launch_collective */
+    uint8_t collective_args; /* 0, or a collective's parameter count: launches go through launch_collective */
     struct CUfunc_st *next;
     char name[64];
 };
@@ -1046,11 +1051,11 @@ static inline CUresult kernel_ns(void **params, void **extra, uint64_t *ns)
     return CUDA_SUCCESS;
 }
 
-/* A collective's four parameters (COLLECTIVE_PREFIX): from kernelParams, or packed in the extra buffer. */
-static CUresult collective_args(void **params, void **extra, uint64_t a[COLLECTIVE_ARGS])
+/* A collective's n parameters (COLLECTIVE_PREFIX): from kernelParams, or packed in the extra buffer. */
+static CUresult collective_args(void **params, void **extra, int n, uint64_t a[COLLECTIVE_MAX_ARGS])
 {
     if (params && !extra) {
-        for (int i = 0; i < COLLECTIVE_ARGS; i++) {
+        for (int i = 0; i < n; i++) {
             if (!params[i])
                 return CUDA_ERROR_INVALID_VALUE;
             memcpy(&a[i], params[i], sizeof a[i]);
@@ -1061,9 +1066,9 @@ static CUresult collective_args(void **params, void **extra, uint64_t a[COLLECTI
         return CUDA_ERROR_INVALID_VALUE;
     void *buffer;
     size_t size = 0;
-    if (extra_buffer(extra, &buffer, &size) != CUDA_SUCCESS || !buffer || size < COLLECTIVE_ARGS * sizeof a[0])
+    if (extra_buffer(extra, &buffer, &size) != CUDA_SUCCESS || !buffer || size < n * sizeof a[0])
         return CUDA_ERROR_INVALID_VALUE;
-    memcpy(a, buffer, COLLECTIVE_ARGS * sizeof a[0]);
+    memcpy(a, buffer, n * sizeof a[0]);
     return CUDA_SUCCESS;
 }
 
@@ -1123,12 +1128,15 @@ out:
 
 /* A collective (collective.c): holds the stream's device from its start, blocks until every rank has
  * started its collective of this round, then places spin and duration on the timeline. */
-static CUresult launch_collective(struct CUstream_st *s, void **params, void **extra)
+static CUresult launch_collective(struct CUstream_st *s, int n, void **params, void **extra)
 {
-    uint64_t a[COLLECTIVE_ARGS];
-    CUresult err = collective_args(params, extra, a);
+    uint64_t a[COLLECTIVE_MAX_ARGS] = {0};
+    CUresult err = collective_args(params, extra, n, a);
     if (err)
         return err;
+    uint64_t none = 0, *value = n == COLLECTIVE_MAX_ARGS ? (uint64_t *)(uintptr_t)a[4] : &none;
+    if (!value)
+        return CUDA_ERROR_INVALID_VALUE;
     struct sim_member *m;
     if ((err = member_of(a[1], a[2], a[3], &m)))
         return err;
@@ -1139,7 +1147,7 @@ static CUresult launch_collective(struct CUstream_st *s, void **params, void **e
     uint64_t now = sim_now();
     _Atomic uint64_t *slot = queue_slot(s, &now);
     uint64_t after = atomic_load(&s->last_end), start, end;
-    enum sim_comm_result r = sim_collective(m, d, after > now ? after : now, a[0], &start, &end);
+    enum sim_comm_result r = sim_collective(m, d, after > now ? after : now, a[0], value, &start, &end);
     atomic_store(slot, end);
     atomic_max_u64(&s->last_end, end);
     atomic_max_u64(&c->last_end, end);
@@ -1155,9 +1163,9 @@ static inline CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned g
     if (UNLIKELY(!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024))
         return CUDA_ERROR_INVALID_VALUE;
     CUresult err = CUDA_SUCCESS;
-    if (UNLIKELY(f->collective)) {
+    if (UNLIKELY(f->collective_args)) {
         struct CUstream_st *s = resolve_stream(h, per_thread, &err);
-        return s ? launch_collective(s, params, extra) : err;
+        return s ? launch_collective(s, f->collective_args, params, extra) : err;
     }
     uint64_t ns;
     err = kernel_ns(params, extra, &ns);
@@ -1360,7 +1368,9 @@ SIM_API CUresult cuModuleGetFunction(CUfunction *pf, CUmodule mod, const char *n
             break;
     if (!f && (f = calloc(1, sizeof *f))) {
         f->magic = FUNC_MAGIC;
-        f->collective = strncmp(name, COLLECTIVE_PREFIX, strlen(COLLECTIVE_PREFIX)) == 0;
+        f->collective_args = strncmp(name, COLLECTIVE_MAX_PREFIX, strlen(COLLECTIVE_MAX_PREFIX)) == 0 ? COLLECTIVE_MAX_ARGS
+                             : strncmp(name, COLLECTIVE_PREFIX, strlen(COLLECTIVE_PREFIX)) == 0 ? COLLECTIVE_ARGS
+                                                                                                : 0;
         snprintf(f->name, sizeof f->name, "%s", name);
         f->next = mod->functions;
         mod->functions = f;

@@ -21,7 +21,7 @@
 #include <sys/types.h>
 
 #define SIM_MAGIC 0x3155504753494d53ULL /* "SMISGPU1" little-endian */
-#define SIM_VERSION 4u
+#define SIM_VERSION 5u
 #define SIM_MAX_DEVICES 16
 #define SIM_MAX_PROCS 1024
 #define SIM_UUID_LEN 48
@@ -88,11 +88,13 @@ struct sim_proc {
 
 /* A rank of a communicator (collective.c). `word` is its process's pid << 32 | the number of
  * collectives it has started, so that one store publishes both; start[k & 1] is when its k-th
- * collective started, stored before the word: a peer is never more than one round ahead. */
+ * collective started and value[k & 1] what it brought to be reduced, both stored before the word: a
+ * peer is never more than one round ahead. */
 struct sim_rank {
     _Atomic uint64_t word;             /* 0 free */
     _Atomic uint64_t owner_start_time; /* /proc start time of the word's pid */
     _Atomic uint64_t start[2];
+    _Atomic uint64_t value[2];
     _Atomic int32_t owner_slot;        /* the word's pid's sim_proc slot, or -1 */
     uint32_t pad;
 };
@@ -188,12 +190,13 @@ enum sim_comm_result {
 /* Join communicator `id` as `rank` of `world`: peers' entries left by dead processes are cleared. */
 enum sim_comm_result sim_comm_join(uint64_t id, unsigned world, unsigned rank, struct sim_member *m);
 /* Run m's next collective on device d: it starts when d is free and not before `not_before`, holds d
- * (spins) until every rank's has started, then runs `ns`. The spin gives d up while the peer it
+ * (spins) until every rank's has started, then runs `ns`; *value goes in as this rank's and comes
+ * back as the largest of every rank's (an all-reduce with MAX). The spin gives d up while the peer it
  * waits for is itself blocked behind a spin (two communicators each spinning on the device the other
  * needs: the real driver time-slices them), and takes it again to finish. Gives the start and the
  * end (on failure, when it gave up). Waits at most SIMGPU_COLLECTIVE_TIMEOUT seconds (10) for a peer;
  * then prints why on stderr and returns SIM_COMM_PEER_LATE. */
 enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, uint64_t not_before, uint64_t ns,
-                                   uint64_t *start, uint64_t *end);
+                                   uint64_t *value, uint64_t *start, uint64_t *end);
 
 #endif

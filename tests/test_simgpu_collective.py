@@ -9,6 +9,9 @@ simulated device's clock (events), so that a loaded machine cannot fail them.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
@@ -29,6 +32,28 @@ UTILISATION = (
     "[pynvml.nvmlDeviceGetUtilizationRates(h) for h in hs]\n"
     "time.sleep(1.0)\n"
     "emit({'gpu': [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in hs]})\n"
+)
+
+# One rank of communicator 5 through the driver's entry points: collectives of simgpu_collective_max,
+# each with its value from argv, printing what each launch left in its value.
+MAX_RANK = (
+    "import ctypes, json, sys\n"
+    "cuda = ctypes.CDLL('libcuda.so.1')\n"
+    "u64 = ctypes.c_uint64\n"
+    "world, r, values = int(sys.argv[1]), int(sys.argv[2]), [int(v) for v in sys.argv[3:]]\n"
+    "ctx, module, func = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()\n"
+    "assert cuda.cuInit(0) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), r) == 0\n"
+    "assert cuda.cuCtxSetCurrent(ctx) == 0 and cuda.cuModuleLoadData(ctypes.byref(module), b'x') == 0\n"
+    "assert cuda.cuModuleGetFunction(ctypes.byref(func), module, b'simgpu_collective_max_flag') == 0\n"
+    "got = []\n"
+    "for v in values:\n"
+    "    value = u64(v)\n"
+    "    args = [u64(1000), u64(5), u64(world), u64(r), u64(ctypes.addressof(value))]\n"
+    "    params = (ctypes.c_void_p * 5)(*[ctypes.addressof(a) for a in args])\n"
+    "    assert cuda.cuLaunchKernel(func, 1, 1, 1, 32, 1, 1, 0, None, params, None) == 0\n"
+    "    assert cuda.cuCtxSynchronize() == 0\n"
+    "    got.append(value.value)\n"
+    "print(json.dumps({'rank': r, 'got': got}), flush=True)\n"
 )
 
 
@@ -159,3 +184,15 @@ def test_two_jobs_on_the_same_devices_share_them(simgpu_factory: Callable[..., S
     assert sum(steps) * STEP_S <= 1.1 * event_s
     assert sum(steps) >= 0.5 * 2.0 / STEP_S
     assert min(steps) >= 0.3 * sum(steps)
+
+
+def test_a_max_collective_gives_every_rank_the_largest_value(simgpu_factory: Callable[..., SimGpu]) -> None:
+    # How a job's ranks agree on when to stop (ddp-loop --seconds): each round's values apart.
+    sim = simgpu_factory(devices=3)
+    values = [[5, 0, 1], [9, 0, 0], [2, 0, 7]]
+    procs = [subprocess.Popen([sys.executable, "-c", MAX_RANK, "3", str(r), *map(str, values[r])],
+                              env=sim.env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(3)]
+    outputs = [p.communicate(timeout=30) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err for _, err in outputs]
+    assert [json.loads(out)["got"] for out, _ in outputs] == [[9, 0, 7]] * 3

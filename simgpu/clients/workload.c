@@ -45,8 +45,8 @@
  *       its next request; the last line then also gives each step's time (launches to synchronisation)
  *       as "p50_ms", "p99_ms" and "max_ms".
  *       --seconds S: until S s of the device's clock have passed since the first step's collective
- *       ended, which every rank reads alike (its k-th collective ends at the same time on every
- *       rank), so that all ranks run the same number of steps; --iters I: I steps.
+ *       ended on some rank (each step's collective also takes the largest of the ranks' "past S"
+ *       flags), so that all ranks run the same number of steps; --iters I: I steps.
  *       {"ready","pid","rank","t_ns"} once set up (t_ns: CLOCK_MONOTONIC), {"first_step","t_ns"} when
  *       the first step's synchronisation returned, {"progress","t","steps"} each second with
  *       --progress, and last {"steps","elapsed_s","event_s","gpu_s","rank"}: event_s is what events
@@ -517,10 +517,11 @@ static int ddp_loop(const struct opts *o)
     CUmodule mod;
     static const char image[] = "simgpu: any image loads";
     CHECK(D->f_cuModuleLoadData(&mod, image));
-    CHECK(D->f_cuModuleGetFunction(&all_reduce, mod, "simgpu_collective_all_reduce"));
-    uint64_t ns = o->kernel_ns;
-    uint64_t args[4] = {o->collective_ns, o->comm, (uint64_t)o->world, (uint64_t)o->rank};
-    void *params[] = {&ns}, *collective[] = {&args[0], &args[1], &args[2], &args[3]};
+    /* Its fifth parameter: where this rank's stop flag goes in and every rank's largest comes back. */
+    CHECK(D->f_cuModuleGetFunction(&all_reduce, mod, "simgpu_collective_max_all_reduce"));
+    uint64_t ns = o->kernel_ns, stop = 0;
+    uint64_t args[5] = {o->collective_ns, o->comm, (uint64_t)o->world, (uint64_t)o->rank, (uintptr_t)&stop};
+    void *params[] = {&ns}, *collective[] = {&args[0], &args[1], &args[2], &args[3], &args[4]};
     CUevent ev_start, ev_end, ev_first, ev_step;
     CHECK(D->f_cuEventCreate(&ev_start, CU_EVENT_DEFAULT));
     CHECK(D->f_cuEventCreate(&ev_end, CU_EVENT_DEFAULT));
@@ -539,10 +540,12 @@ static int ddp_loop(const struct opts *o)
     double start = now_s(), next_progress = start + 1.0, t = start;
     float since_first_ms = 0;
     struct latencies step_s = {0};
-    /* --seconds is read on the device's clock from the first step's collective's end: every rank's
-     * k-th collective ends at the same time (the latest start + C), so all ranks stop after the same
-     * step, as a training job's ranks do; a wall-clock bound would leave the last rank waiting. */
-    while (steps_wanted < 0 ? since_first_ms < o->seconds * 1e3 : steps < steps_wanted) {
+    /* --seconds: each rank reads its own device's clock, from the first step's collective's end; its
+     * k-th collective ends later on a device it gave up meanwhile (collective.c), so the ranks may read
+     * different times. Each step's collective takes the largest of their flags, "past S", and all
+     * ranks stop after the same step, as a training job's ranks agree on a time budget. */
+    while (steps_wanted < 0 ? !stop : steps < steps_wanted) {
+        stop = steps_wanted < 0 && since_first_ms >= o->seconds * 1e3;
         double step_start = now_s();
         for (long k = 0; k < o->per_iter; k++)
             CHECK(D->f_cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, NULL, params, NULL));
