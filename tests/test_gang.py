@@ -523,6 +523,23 @@ def test_a_stranded_drain_ends_at_the_drain_timeout_though_nobody_else_wants_the
     assert policy.step(timeout + MS, Observation(group, present=group, barred=group, stranded=group)).draining is None
 
 
+def test_a_barred_group_draining_on_one_gpu_alone_and_held_on_the_others_is_stranded_there() -> None:
+    seven, five = frozenset({7}), frozenset({5, 7})
+    turns = GangTurns()
+    turns.report(0, GpuReport(five, five, draining=7))
+    turns.report(1, GpuReport(five, five, released=5))
+    turns.report(2, GpuReport(five, five))
+    assert [turns.view(gpu).stranded for gpu in (0, 1, 2)] == [seven, frozenset(), frozenset()]
+    turns.report(2, GpuReport(five, five, draining=7))  # draining on two GPUs: it has work there too
+    assert not any(turns.view(gpu).stranded for gpu in (0, 1, 2))
+    turns.report(2, GpuReport(five, five, released=7))  # released elsewhere: its peer runs
+    assert not any(turns.view(gpu).stranded for gpu in (0, 1, 2))
+    turns.report(2, GpuReport(five, five))
+    assert turns.view(0).stranded == seven
+    turns.report(0, GpuReport(five, five))  # its drain ended
+    assert not turns.view(0).stranded
+
+
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
     # A rank blocked on the CPU (a barrier waiting for the held rank) wants nothing on its GPU.
     both = frozenset({7})

@@ -64,6 +64,9 @@ class Turns:
 
 
 NO_TURNS = Turns()
+# One GPU's part of the turns: its barred, clearing, due and pending groups (Turns' first four).
+_TurnView = tuple[frozenset[int], frozenset[int], frozenset[int], frozenset[int]]
+_NO_TURN_VIEW: _TurnView = (frozenset(), frozenset(), frozenset(), frozenset())
 _GONE = GpuReport()  # a GPU whose scheduler stopped
 
 
@@ -90,10 +93,12 @@ class GangTurns:
         # every GPU's every look would otherwise queue on behind another GPU's report.
         self._views: dict[int, Turns] = {}
         self._gangs: frozenset[int] = frozenset()  # the groups that spanned GPUs at the last report
-        # `_members` and `_compute_views` walk every group on every GPU (63 x 8 at the region's limit):
-        # their results are kept while what they read is unchanged.
+        # `_members` and `_turn_views` walk every group on every GPU (63 x 8 at the region's limit):
+        # their results are kept while what they read is unchanged (the GPUs' reports change at nearly
+        # every look; the gangs and the open turns only as turns go by).
         self._members_cache: dict[int, frozenset[int]] | None = None
-        self._views_of: tuple[object, ...] | None = None
+        self._turn_views_of: tuple[object, ...] | None = None
+        self._turn_views: dict[int, _TurnView] = {}
         self.turns = 0  # turns opened so far, for tests and benches
 
     def view(self, gpu: int) -> Turns:
@@ -133,12 +138,8 @@ class GangTurns:
                     changed |= turn.gpus
             changed |= self._open_turns(members)
             self._gangs = frozenset(members)
-            views_of = (members, tuple((group, turn.gpus, turn.clearing_on, turn.go, frozenset(turn.released_on))
-                                       for group, turn in self._open.items()),
-                        tuple((g, r.draining, r.released) for g, r in self._reports.items()))
-            if views_of != self._views_of:
-                self._views, self._views_of = self._compute_views(members), views_of
-                changed |= {g for g in self._views.keys() | before.keys() if self._views.get(g) != before.get(g)}
+            self._views = self._compute_views(members)
+            changed |= {g for g in self._views.keys() | before.keys() if self._views.get(g) != before.get(g)}
         for other in changed - {gpu}:
             self._wake(other)
         return gpu in changed
@@ -147,7 +148,7 @@ class GangTurns:
         """A scheduler stopped: its GPU no longer counts in any gang."""
         with self._lock:
             self._reports.pop(gpu, None)
-            self._members_cache, self._views_of = None, None
+            self._members_cache, self._turn_views_of = None, None
             self._views = {g: turns for g, turns in self._views.items() if g != gpu}
 
     def open_turns(self) -> dict[int, frozenset[int]]:
@@ -223,8 +224,36 @@ class GangTurns:
         return changed
 
     def _compute_views(self, members: dict[int, frozenset[int]]) -> dict[int, Turns]:
-        """Per GPU: a gang with no open turn is barred; one whose turn clears, clearing on the GPUs that
-        clear (and barred, not yet released, on its others); one whose turn goes, due."""
+        """Per GPU: its turns (`_turn_views`) and the groups stranded on it (`_stranded`); the views of
+        GPUs whose parts are unchanged are kept, so that comparing them with the last costs little."""
+        turn_views = self._turn_views_for(members)
+        stranded = self._stranded(members)
+        views: dict[int, Turns] = {}
+        for gpu in turn_views.keys() | stranded.keys():
+            barred, clearing, due, pending = turn_views.get(gpu, _NO_TURN_VIEW)
+            here = stranded.get(gpu, frozenset())
+            if not (barred or clearing or due):
+                continue
+            old = self._views.get(gpu)
+            if (old is not None and old.barred is barred and old.clearing is clearing and old.due is due
+                    and old.pending is pending and old.stranded == here):
+                views[gpu] = old
+            else:
+                views[gpu] = Turns(barred, clearing, due, pending, here)
+        return views
+
+    def _turn_views_for(self, members: dict[int, frozenset[int]]) -> dict[int, _TurnView]:
+        """`_turn_views`, computed again only where the gangs or the open turns changed."""
+        key = (members, tuple((group, turn.gpus, turn.clearing_on, turn.go, frozenset(turn.released_on))
+                              for group, turn in self._open.items()))
+        if key != self._turn_views_of:
+            self._turn_views, self._turn_views_of = self._turn_views_now(members), key
+        return self._turn_views
+
+    def _turn_views_now(self, members: dict[int, frozenset[int]]) -> dict[int, _TurnView]:
+        """Per GPU (barred, clearing, due, pending): a gang with no open turn is barred; one whose turn
+        clears, clearing on the GPUs that clear (and barred, not yet released, on its others); one whose
+        turn goes, due (and pending where not yet released in this turn)."""
         barred: dict[int, set[int]] = {}
         clearing: dict[int, set[int]] = {}
         due: dict[int, set[int]] = {}
@@ -238,17 +267,25 @@ class GangTurns:
                     (due if turn.go else clearing).setdefault(gpu, set()).add(group)
                     if turn.go and gpu not in turn.released_on:
                         pending.setdefault(gpu, set()).add(group)
-        # A barred group still draining here whose processes on its other GPUs are held and done: the work
-        # left here may be a collective that waits for them (a rank that began its next step before the
-        # turn ended), which only its next turn ends.
-        stranded: dict[int, set[int]] = {}
-        for group, gpus in members.items():
-            if group in self._open:
-                continue
-            draining = [gpu for gpu in gpus if self._reports[gpu].draining == group]
-            if len(draining) == 1 and not any(self._reports[gpu].released == group for gpu in gpus):
-                stranded.setdefault(draining[0], set()).add(group)
-        return {gpu: Turns(frozenset(barred.get(gpu, ())), frozenset(clearing.get(gpu, ())),
-                           frozenset(due.get(gpu, ())), frozenset(pending.get(gpu, ())),
-                           frozenset(stranded.get(gpu, ())))
+        return {gpu: (frozenset(barred.get(gpu, ())), frozenset(clearing.get(gpu, ())),
+                      frozenset(due.get(gpu, ())), frozenset(pending.get(gpu, ())))
                 for gpu in barred.keys() | clearing.keys() | due.keys()}
+
+    def _stranded(self, members: dict[int, frozenset[int]]) -> dict[int, frozenset[int]]:
+        """Per GPU, the barred groups still draining there whose processes on their other GPUs are held
+        and done: the work left there may be a collective that waits for them (a rank that began its
+        next step before the turn ended), which only their next turn ends. Walks the GPUs' reports,
+        not the gangs: a GPU drains one group at a time."""
+        draining_on: dict[int, list[int]] = {}
+        for gpu, report in self._reports.items():
+            if report.draining is not None:
+                draining_on.setdefault(report.draining, []).append(gpu)
+        stranded: dict[int, set[int]] = {}
+        for group, on in draining_on.items():
+            gpus = members.get(group)
+            if gpus is None or group in self._open:
+                continue
+            here = [gpu for gpu in on if gpu in gpus]
+            if len(here) == 1 and not any(self._reports[gpu].released == group for gpu in gpus):
+                stranded.setdefault(here[0], set()).add(group)
+        return {gpu: frozenset(groups) for gpu, groups in stranded.items()}
