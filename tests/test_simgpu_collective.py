@@ -68,7 +68,7 @@ def test_two_ranks_step_together_at_the_kernels_rate(simgpu_factory: Callable[..
     sim = simgpu_factory(devices=2)
     ranks = [rank(sim, r, "--seconds", "2") for r in (0, 1)]
     results = [c.finish()[-1] for c in ranks]
-    # --seconds is read on the device clock from the first collective's end, so both stop together.
+    # --seconds: each step's collective also agrees on whether the time is up, so both stop after the same step.
     assert results[0]["steps"] == results[1]["steps"]
     for result in results:
         assert result["gpu_s"] == pytest.approx(result["steps"] * STEP_S + COLLECTIVE_NS / 1e9)
