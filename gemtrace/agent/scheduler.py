@@ -89,6 +89,16 @@ class SlotTable:
         self.assignments = columns.assignments
 
 
+def _only_released_left_pending(before: Observation, after: Observation, released: int | None) -> bool:
+    """Did the turns change at a look only in that the group this GPU released left `pending`? Then
+    deciding again decides the same: pending only counts a due group that asks for nothing as wanting
+    the GPU, so that it is released; released, it is the charged holder, in play whatever it asks. At
+    the region's limit 6 in 10 of the looks that decided twice did so for this alone, each time the same."""
+    return (released is not None and after.pending < before.pending and before.pending - after.pending == {released}
+            and after.barred == before.barred and after.clearing == before.clearing and after.due == before.due
+            and after.stranded == before.stranded)
+
+
 def _gatherer(indices: Sequence[int]) -> Callable[[Sequence[int]], tuple[int, ...]]:
     """A function that reads elements `indices` of a column into a tuple, at C speed."""
     if not indices:
@@ -343,7 +353,9 @@ class GpuScheduler:
                         observation.present, observation.demand, decision.ready, decision.released, decision.clear,
                         decision.draining, turned.clearing)):
                     break
-                turned = self._with_turns(observation)
+                before, turned = turned, self._with_turns(observation)
+                if _only_released_left_pending(before, turned, decision.released):
+                    break
                 decision = self._policy.step(now, turned)
             ringing, released = self._ringing, self._released
             self._carry_out(now, decision)
