@@ -200,9 +200,13 @@ class GangTurns:
         on GPUs in no other open turn: the one whose last turn is oldest first. Returns the GPUs whose
         view changed."""
         busy = set().union(*(turn.gpus for turn in self._open.values())) if self._open else set()
+        # Only a group some GPU is ready for (each of its GPUs must be) or has released can open: the
+        # others are passed over without reading each of their GPUs' reports (63 x 8 at the region's limit).
+        may_open = set().union(*(r.ready for r in self._reports.values()))
+        may_open.update(r.released for r in self._reports.values() if r.released is not None)
         candidates = []
         for group, gpus in members.items():
-            if group in self._open or gpus & busy:
+            if group not in may_open or group in self._open or gpus & busy:
                 continue
             reports = [self._reports[gpu] for gpu in gpus]
             # (Released somewhere as it becomes a gang, as a job's second process starts: its turn opens
