@@ -12,7 +12,7 @@ launchers would take minutes of this host's CPU. After a warm-up, the agent's CP
 core; the threads' shares come from /proc/PID/task/*/stat, and their wake-ups a second (voluntary
 context switches, /proc/PID/task/*/status) from the same window: on a VM a wake-up costs more than
 the Python it runs (bench/bench_wake_cost.py). The targets: <= 2% with 8 processes in 4
-capped groups on one GPU, <= 10% at the region's limit (1024 processes, 63 groups, 8 GPUs).
+capped groups on one GPU, <= 5% at the region's limit (1024 processes, 63 groups, 8 GPUs), issue 30's.
 
 What makes the figure differ between hosts is printed with it: the agent's wake-ups a second (each
 costs a cold cache, and on a VM an idle vCPU's wake-up), its threads' timer slack (the kernel may
