@@ -66,7 +66,6 @@ class Turns:
 NO_TURNS = Turns()
 # One GPU's part of the turns: its barred, clearing, due and pending groups (Turns' first four).
 _TurnView = tuple[frozenset[int], frozenset[int], frozenset[int], frozenset[int]]
-_NO_TURN_VIEW: _TurnView = (frozenset(), frozenset(), frozenset(), frozenset())
 _GONE = GpuReport()  # a GPU whose scheduler stopped
 
 
@@ -233,11 +232,8 @@ class GangTurns:
         turn_views = self._turn_views_for(members)
         stranded = self._stranded(members)
         views: dict[int, Turns] = {}
-        for gpu in turn_views.keys() | stranded.keys():
-            barred, clearing, due, pending = turn_views.get(gpu, _NO_TURN_VIEW)
+        for gpu, (barred, clearing, due, pending) in turn_views.items():  # (a stranded group is barred there)
             here = stranded.get(gpu, frozenset())
-            if not (barred or clearing or due):
-                continue
             old = self._views.get(gpu)
             if (old is not None and old.barred is barred and old.clearing is clearing and old.due is due
                     and old.pending is pending and old.stranded == here):
