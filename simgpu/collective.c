@@ -8,8 +8,9 @@
  * SIM_SPINNING | pid, so that every launch on that device, of any process, waits until the spin is
  * placed (no other kernel runs beside a spinning one), and the launching thread blocks until the last
  * peer has started (sim_collective). Only then is the end known: the spin and the duration go onto
- * the timeline and into the busy time together, and the ranks' values reduced (the largest). While it spins, NVML counts it busy (sim_busy_done)
- * and the process's queue is not empty (its launch has not returned).
+ * the timeline and into the busy time together, and the ranks' values are reduced (the largest). While
+ * it spins, NVML counts it busy (sim_busy_done) and the process's queue is not empty (its launch has not
+ * returned).
  *
  * One exception keeps two communicators on the same devices from waiting for each other for ever
  * (A's rank 0 spinning on GPU 0 for A's rank 1, whose launch waits behind B's rank 1 spinning on

@@ -547,10 +547,10 @@ class TimeSharePolicy:
         if self._deep_debt(now):
             return True
         mine = self._priority(holder)
-        if any(self._priority(g) > mine for g in self._turn_wanted(holder)):
-            return True
         if mine >= self._top_priority:
             return False
+        if any(self._priority(g) > mine for g in self._turn_wanted(holder)):
+            return True
         return any(self._priority(g) > mine and self._eligible(g, now) for g in self._demand)
 
     def _turn_overtaken(self, holder: int, now: int) -> bool:

@@ -94,7 +94,7 @@ def _only_released_left_pending(before: Observation, after: Observation, release
     deciding again decides the same: pending only counts a due group that asks for nothing as wanting
     the GPU, so that it is released; released, it is the charged holder, in play whatever it asks. At
     the region's limit 6 in 10 of the looks that decided twice did so for this alone, each time the same."""
-    return (released is not None and after.pending < before.pending and before.pending - after.pending == {released}
+    return (released in before.pending and after.pending == before.pending - {released}
             and after.barred == before.barred and after.clearing == before.clearing and after.due == before.due
             and after.stranded == before.stranded)
 
