@@ -568,3 +568,29 @@ def test_a_stall_of_the_agent_leaves_no_group_held_for_long() -> None:
             break
         t = max(t + TICK, decision.wake_at)
     assert released_again is not None and released_again - resumed < 1 * SECOND
+
+
+def test_a_stall_that_began_while_the_holder_was_quiet_leaves_it_held_no_longer() -> None:
+    # The same stall, the capped holder quiet at the last look before it (not being charged) and busy
+    # through it: the look after the stall charges its burst after the fact, which sank its bucket the
+    # stall deep (CI: a group capped at 0.3 made no progress in the 4 s after a 10 s stop).
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, {0: Quota(0, 0.3), 1: Quota()})
+    busy = frozenset({0, 1})
+    t = 0
+    while policy.holder != 0:
+        t = policy.step(t, Observation(busy, present=busy)).wake_at
+    quiet_at = t + MS
+    # (Nobody else wanting the GPU then: a quiet holder keeps it.)
+    assert policy.step(quiet_at + MS, Observation(frozenset(), quiet_at, present=busy)).released == 0
+    resumed = quiet_at + 10 * SECOND
+    decision = policy.step(resumed, Observation(busy, present=busy, holder_burst_from=quiet_at + 2 * MS))
+    t, held, released_again = resumed, decision.released != 0, None
+    while t < resumed + 5 * SECOND:
+        t = max(t + TICK, decision.wake_at)
+        decision = policy.step(t, Observation(busy, present=busy, drained_at=t))
+        held = held or decision.released != 0
+        if held and decision.released == 0:
+            released_again = t
+            break
+    assert released_again is not None and released_again - resumed < 1 * SECOND

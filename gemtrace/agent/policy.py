@@ -303,6 +303,8 @@ class TimeSharePolicy:
         self._due: frozenset[int] = frozenset()
         self._ready: frozenset[int] = frozenset()
         self._top_priority = 0  # the highest priority scheduled: a holder of it is never outranked
+        # This look follows a stall (stall_ns): what it charges a bucket leaves it empty at worst.
+        self._after_stall = False
         self._guaranteed: frozenset[int] = frozenset()  # the groups with a MinUtil
         self._opportunistic: frozenset[int] = frozenset()  # the groups with Opportunistic = yes
         # The MaxUtil buckets' capacity (_cap_capacity) at each change since every account was last
@@ -1080,7 +1082,7 @@ class TimeSharePolicy:
             self._capacities.append((self._last, self._capacity))
             self._capacity = capacity
         last, self._last = self._last, now
-        stalled = dt > self.params.stall_ns
+        stalled = self._after_stall = dt > self.params.stall_ns
         decay = math.exp(-dt / self.params.window_ns)
         gain = self.params.window_ns * (1.0 - decay)  # decayed weight of dt of continuous time
         self._window_weight = self._window_weight * decay + gain
@@ -1159,9 +1161,15 @@ class TimeSharePolicy:
             return
         account = self._account(group)
         account.gpu_ns += ns
-        account.usage += ns
+        # A burst that ran through a stall, the holder quiet at the look before it (so not charged as it
+        # ran), counts as `_advance` counts a stall: its usage by the window's decayed weight, its bucket
+        # empty at worst. Charged whole, a group capped at 0.3 was held for 30 s after a stop of 10 s.
+        window = self.params.window_ns
+        account.usage += window * (1.0 - math.exp(-ns / window)) if self._after_stall else ns
         if account.quota.max_util < 1.0:
             account.cap_credit -= ns
+            if self._after_stall:
+                account.cap_credit = max(0.0, account.cap_credit)
         if account.quota.min_util > 0.0:
             account.owed = max(0.0, account.owed - ns)
 
