@@ -17,6 +17,9 @@ Cases:
   two         a second service in its own group over the same GPUs: each p99 <= 1.5 x solo
   beside-ddp  the service at Priority 10 beside a data-parallel ResNet-50 job over the same GPUs
               (bench/gpu/gang_ddp.py's): p99 <= 1.5 x solo, and the job's steps/s
+  ddp-equal   the same at equal priority
+  ddp-solo    the data-parallel job alone, no quota (the job's steps/s divide by its mean)
+  raw-ddp     `beside-ddp` without gemtrace
   raw-solo    the service alone without gemtrace; and a single-GPU job alone (the training jobs' solo)
   raw-equal   `equal` without gemtrace: the driver's own time slicing
 
@@ -58,6 +61,11 @@ def plan_cases(gpus: int) -> dict[str, Case]:
              (service, Job("serve2", True, serve=True)), target={"serve": TARGET, "serve2": TARGET}),
         Case("beside-ddp", "Priority 10, a data-parallel training job over the same GPUs",
              (high, GroupSpec("ddp")), (service, Job("ddp", True)), target={"serve": TARGET}),
+        Case("ddp-equal", "no quota, a data-parallel training job over the same GPUs",
+             (GroupSpec("serve"), GroupSpec("ddp")), (service, Job("ddp", True))),
+        Case("ddp-solo", "the data-parallel job alone, no quota", (GroupSpec("ddp"),), (Job("ddp", True),)),
+        Case("raw-ddp", "without gemtrace: a data-parallel training job over the same GPUs", (),
+             (service, Job("ddp", True)), gated=False),
         Case("raw-solo", "without gemtrace: the service alone", (), (service,), gated=False),
         Case("raw-equal", "without gemtrace: a training job on GPU 0", (), (service, hogs[0]), gated=False),
     )}
@@ -76,6 +84,8 @@ def main() -> int:
     solo_p99 = sum(s["p99_ms"] for s in solos) / len(solos) if solos else None
     raw = next((r["results"]["serve"] for n, r in runs if n == "raw-solo"), None)
     hog_rate = hog_solo["results"]["hog0"]["rate"] if hog_solo else None
+    ddp_solos = [r["results"]["ddp"]["rate"] for n, r in runs if n == "ddp-solo"]
+    ddp_rate = sum(ddp_solos) / len(ddp_solos) if ddp_solos else None
     raw_text = f"{raw['p50_ms']:.1f} / {raw['p99_ms']:.1f}" if raw else "-"
     per_gpu = " / ".join(f"GPU {i}" for i in range(args.gpus))
     rows = [f"| case | group | p50 ms (x solo) | p99 ms (x solo) | max ms | requests/s or steps/s (of solo) | target "
@@ -95,15 +105,17 @@ def main() -> int:
                 rows.append(f"| {name}: {case.title} | {group} | {result['p50_ms']:.1f} ({x50:.2f}) | "
                             f"{result['p99_ms']:.1f} ({x99:.2f}) | {result['max_ms']:.1f} | {result['rate']:.1f} | "
                             f"{verdict} | {charged} |")
-            else:  # (a training job: a single-GPU one against a single-GPU job alone; the DDP job's is not run)
-                ratio = result["rate"] / hog_rate if hog_rate and group.startswith("hog") else float("nan")
+            else:  # (a training job: a single-GPU one against a single-GPU job alone, the DDP job against ddp-solo)
+                base = hog_rate if group.startswith("hog") else ddp_rate
+                ratio = result["rate"] / base if base else float("nan")
                 rows.append(f"| {name}: {case.title} | {group} | - | - | - | {result['rate']:.2f} ({ratio:.3f}) | "
                             f" | {charged} |")
     publish_table("gang_serve", runs, hog_solo, rows,
                   f"the service's solo through gemtrace p50 {solo_p50 and f'{solo_p50:.1f}'} / p99 "
                   f"{solo_p99 and f'{solo_p99:.1f}'} ms, without gemtrace {raw_text} ms; a single-GPU job alone "
                   f"{hog_rate and f'{hog_rate:.2f}'} steps/s; {args.gpus} GPUs; a pause of {args.pause_ms:g} ms "
-                  f"after each answer; windows of {args.seconds:g} s after {args.warmup:g} s", began)
+                  f"after each answer; the data-parallel job alone {ddp_rate and f'{ddp_rate:.2f}'} steps/s; "
+                  f"windows of {args.seconds:g} s after {args.warmup:g} s", began)
     return 1 if missed else 0
 
 
