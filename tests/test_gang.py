@@ -549,48 +549,50 @@ def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> No
     assert turns.open_turns() == {7: frozenset({0, 1})}
 
 
-def test_a_stall_of_the_agent_leaves_no_group_held_for_long() -> None:
-    # The agent stopped (SIGSTOP) for 10 s while a capped group held the GPU: charged all of it, its
-    # bucket would take 23 s to refill.
+def capped_holder() -> tuple[TimeSharePolicy, frozenset[int], int]:
+    """A policy in which group 0, capped at 0.3, holds the GPU and uncapped group 1 waits: the policy,
+    the two groups, and the time of the look that released group 0."""
     policy = TimeSharePolicy(PolicyParams(), now=0)
     policy.set_quotas(0, {0: Quota(0, 0.3), 1: Quota()})
     busy = frozenset({0, 1})
     t = 0
     while policy.holder != 0:
         t = policy.step(t, Observation(busy, present=busy)).wake_at
-    resumed = t + 10 * SECOND
-    t, held, released_again = resumed, False, None
+    return policy, busy, t
+
+
+def released_again(policy: TimeSharePolicy, busy: frozenset[int], resumed: int, decision: Decision) -> int | None:
+    """After `decision` (the look at `resumed`), both groups busy and every drain over at once: when
+    group 0, once held, is released again (None within 5 s)."""
+    t, held = resumed, decision.released != 0
     while t < resumed + 5 * SECOND:
+        t = max(t + TICK, decision.wake_at)
         decision = policy.step(t, Observation(busy, present=busy, drained_at=t))
         held = held or decision.released != 0
         if held and decision.released == 0:
-            released_again = t
-            break
-        t = max(t + TICK, decision.wake_at)
-    assert released_again is not None and released_again - resumed < 1 * SECOND
+            return t
+    return None
+
+
+def test_a_stall_of_the_agent_leaves_no_group_held_for_long() -> None:
+    # The agent stopped (SIGSTOP) for 10 s while a capped group held the GPU: charged all of it, its
+    # bucket would take 23 s to refill.
+    policy, busy, t = capped_holder()
+    resumed = t + 10 * SECOND
+    decision = policy.step(resumed, Observation(busy, present=busy, drained_at=resumed))
+    again = released_again(policy, busy, resumed, decision)
+    assert again is not None and again - resumed < 1 * SECOND
 
 
 def test_a_stall_that_began_while_the_holder_was_quiet_leaves_it_held_no_longer() -> None:
     # The same stall, the capped holder quiet at the last look before it (not being charged) and busy
     # through it: the look after the stall charges its burst after the fact, which sank its bucket the
     # stall deep (CI: a group capped at 0.3 made no progress in the 4 s after a 10 s stop).
-    policy = TimeSharePolicy(PolicyParams(), now=0)
-    policy.set_quotas(0, {0: Quota(0, 0.3), 1: Quota()})
-    busy = frozenset({0, 1})
-    t = 0
-    while policy.holder != 0:
-        t = policy.step(t, Observation(busy, present=busy)).wake_at
+    policy, busy, t = capped_holder()
     quiet_at = t + MS
     # (Nobody else wanting the GPU then: a quiet holder keeps it.)
     assert policy.step(quiet_at + MS, Observation(frozenset(), quiet_at, present=busy)).released == 0
     resumed = quiet_at + 10 * SECOND
     decision = policy.step(resumed, Observation(busy, present=busy, holder_burst_from=quiet_at + 2 * MS))
-    t, held, released_again = resumed, decision.released != 0, None
-    while t < resumed + 5 * SECOND:
-        t = max(t + TICK, decision.wake_at)
-        decision = policy.step(t, Observation(busy, present=busy, drained_at=t))
-        held = held or decision.released != 0
-        if held and decision.released == 0:
-            released_again = t
-            break
-    assert released_again is not None and released_again - resumed < 1 * SECOND
+    again = released_again(policy, busy, resumed, decision)
+    assert again is not None and again - resumed < 1 * SECOND
