@@ -21,7 +21,7 @@
 #include <sys/types.h>
 
 #define SIM_MAGIC 0x3155504753494d53ULL /* "SMISGPU1" little-endian */
-#define SIM_VERSION 5u
+#define SIM_VERSION 6u
 #define SIM_MAX_DEVICES 16
 #define SIM_MAX_PROCS 1024
 #define SIM_UUID_LEN 48
@@ -70,7 +70,11 @@ struct sim_device {
     _Atomic uint64_t spin_owner_start;
     _Atomic int32_t spin_pid;
     _Atomic uint32_t spin_bell; /* futex: bumped when a spin ends */
-    uint64_t pad1[3];
+    /* Other processes' launches waiting behind the spin, and the spinning communicator's index (its
+     * bell rung by each such wait): a spin gives its device up to them, as the driver time-slices. */
+    _Atomic uint32_t spin_waiters;
+    _Atomic uint32_t spin_comm;
+    uint64_t pad1[2];
     _Atomic uint32_t sample_seq;
     uint32_t pad2;
     struct sim_util_sample samples[SIM_UTIL_SAMPLES];
