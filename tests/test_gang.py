@@ -493,6 +493,32 @@ def test_a_group_in_its_turn_ends_it_where_another_spanning_group_waits_and_it_w
         assert ended.released is None and ended.ready == other, (quiet, priority)
 
 
+@pytest.mark.parametrize("job_here", [True, False])
+def test_a_quiet_group_in_its_turn_ends_it_for_a_spanning_group_present_here_that_asks_for_nothing(
+        job_here: bool) -> None:
+    # 7 (a service at Priority 10) holds its turn here; 8 (a data-parallel job) is present, its rank
+    # waiting in a sync for its collective, which waits for its peer held on the other GPU: it asks for
+    # nothing here. Busy, 7 rings when it goes quiet; quiet past its pause, 7 goes. Kept (it was, as
+    # nobody asked), its turn stayed open through its pause between requests, its next request came
+    # first, and the job did 1.1 steps/s on two H200s where the driver's time slicing gave it 14.9.
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {7: Quota(0, 1.0, 10), 8: Quota()})
+    mine, other = frozenset({7}), frozenset({8})
+    present = mine | other if job_here else mine
+    barred = other if job_here else frozenset()
+    busy = policy.step(0, Observation(mine, present=present, due=mine, pending=mine, barred=barred))
+    assert busy.released == 7 and busy.quiet_rings == job_here
+    quiet_at = 20 * MS
+    seen = Observation(frozenset(), quiet_at, present=present, due=mine, barred=barred)
+    assert policy.step(quiet_at + MS, seen).released == 7  # (within its pause)
+    after = policy.step(quiet_at + params.gang_pause_ns + MS, seen)
+    if job_here:
+        assert after.released is None and after.draining == 7 and after.ready == other
+    else:
+        assert after.released == 7  # nobody waits for this GPU: no needless hold
+
+
 def test_a_busy_group_in_its_turn_ends_it_for_a_spanning_group_a_whole_turn_behind_it() -> None:
     # 7 ran a second alone in its turn; 8, which spans GPUs too and of the same priority, starts to want
     # this GPU (barred, its turn waiting for 7's): 7 is held at once, a whole turn ahead of 8 in usage,
