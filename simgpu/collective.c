@@ -13,11 +13,11 @@
  *
  * A spin gives its device up (the spin so far stays busy time) and takes it again once every rank has
  * started, where another process's launch waits behind it: the real driver time-slices contexts, so
- * a spinning NCCL kernel slows another process's kernels on its GPU but does not stop them. Held for
- * everyone, a rank stranded by a turn's end (its peer held back by gemtrace's gate) stopped whichever
- * group the GPU went to until the job's next turn: a request of 370 ms on the simulated GPUs where the
- * GPU gives it time beside the spin (tests/test_gang_e2e.py). Given up whole, not half as a time
- * slice: what the other process gets here is the better case. Nobody waits behind a spin whose
+ * a spinning NCCL kernel slows another process's kernels on its GPU but does not stop them. Held
+ * against every process, a rank stranded by a turn's end (its peer held back by gemtrace's gate)
+ * stopped the group its GPU went to until the job's next turn (one request of 370 ms in
+ * tests/test_gang_e2e.py), where a GPU runs that group beside the spin. Given up whole, not half as a
+ * time slice: what the other process gets here is the better case. Nobody waits behind a spin whose
  * GPU's other groups gemtrace holds (at their gates, not here): that spin holds its device, charged,
  * as on the GPU. The same keeps two communicators on the same devices from waiting for each other
  * for ever (A's rank 0 spinning on GPU 0 for A's rank 1, whose launch waits behind B's rank 1
