@@ -125,23 +125,17 @@ void sim_spin_wait(struct sim_device *d, uint64_t busy)
     bool stored = atomic_load(&d->spin_pid) == pid;
     uint64_t start = stored ? atomic_load(&d->spin_start) : 0;
     if (pid == my_pid() || sim_proc_alive(pid, stored ? atomic_load(&d->spin_owner_start) : 0)) {
-        /* Counted while it waits, so that a spin waiting for this process gives its device up. */
+        /* Another process's wait is counted, and rung to the spinner, which gives the device up to it. */
         bool other = pid != my_pid();
-        int slot = other ? sim_my_slot() : -1;
-        struct sim_state *s = sim_state();
-        if (slot >= 0)
-            atomic_fetch_add(&s->proc[slot].blocked, 1);
-        if (other) { /* the spinner gives the device up to it (its communicator's bell wakes it) */
+        if (other) {
             atomic_fetch_add(&d->spin_waiters, 1);
             uint32_t comm = atomic_load(&d->spin_comm);
             if (comm < SIM_MAX_COMMS)
-                ring(&s->comm[comm].bell);
+                ring(&sim_state()->comm[comm].bell);
         }
         futex_wait(&d->spin_bell, bell, POLL_NS);
         if (other)
             atomic_fetch_sub(&d->spin_waiters, 1);
-        if (slot >= 0)
-            atomic_fetch_sub(&s->proc[slot].blocked, 1);
         return;
     }
     /* Its process died while it spun: the spin ends now; what was queued before it ends at its start. */
@@ -224,7 +218,6 @@ enum sim_comm_result sim_comm_join(uint64_t id, unsigned world, unsigned rank, s
         if (w && rank_alive(r, w))
             return SIM_COMM_TAKEN;
         atomic_store(&r->owner_start_time, my_start_time());
-        atomic_store(&r->owner_slot, sim_my_slot());
         if (atomic_compare_exchange_strong(&r->word, &w, (uint64_t)(uint32_t)me << 32)) {
             w = (uint64_t)(uint32_t)me << 32;
             break;
@@ -249,16 +242,6 @@ static double timeout_s(void)
     return v > 0 ? v : DEFAULT_TIMEOUT_S;
 }
 
-/* Is the process holding rank q waiting behind another process's spin? */
-static bool rank_blocked(struct sim_state *s, struct sim_rank *q, uint64_t word)
-{
-    int32_t slot = atomic_load(&q->owner_slot);
-    if (slot < 0 || slot >= SIM_MAX_PROCS || !word)
-        return false;
-    struct sim_proc *p = &s->proc[slot];
-    return atomic_load(&p->pid) == (int32_t)(word >> 32) && atomic_load(&p->blocked) > 0;
-}
-
 enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, uint64_t not_before, uint64_t ns,
                                    uint64_t *value, uint64_t *pstart, uint64_t *pend)
 {
@@ -280,7 +263,6 @@ enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, 
         uint32_t bell = atomic_load(&c->bell);
         uint64_t late = start, largest = *value;
         int missing = -1;
-        bool blocked = false;
         for (unsigned p = 0; p < world; p++) {
             struct sim_rank *q = &c->rank[p];
             uint64_t w = atomic_load(&q->word);
@@ -290,9 +272,8 @@ enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, 
                 uint64_t t = atomic_load(&q->start[k & 1]), v = atomic_load(&q->value[k & 1]);
                 late = t > late ? t : late;
                 largest = v > largest ? v : largest;
-            } else {
-                missing = missing < 0 ? (int)p : missing;
-                blocked = blocked || (held && rank_blocked(s, q, w));
+            } else if (missing < 0) {
+                missing = (int)p;
             }
         }
         uint64_t now = sim_now();
@@ -320,7 +301,7 @@ enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, 
                 spin_end(d, held_from, *pend);
             return SIM_COMM_PEER_LATE;
         }
-        if (blocked || (held && atomic_load(&d->spin_waiters) > 0)) {
+        if (held && atomic_load(&d->spin_waiters) > 0) {
             spin_end(d, held_from, now > held_from ? now : held_from);
             held = false;
         }

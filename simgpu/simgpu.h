@@ -84,7 +84,6 @@ struct sim_proc {
     _Atomic int32_t pid;          /* 0 free, else the owner (alive or not yet reaped) */
     _Atomic int32_t reaper;       /* 0, or the process giving back a dead owner's memory */
     _Atomic uint32_t ctx_devices; /* bit per physical device on which the process made a context */
-    _Atomic uint32_t blocked;     /* its threads whose launch waits behind another's spinning collective */
     _Atomic uint64_t start_time;  /* /proc/<pid>/stat start time; tells a reused pid apart */
     _Atomic uint64_t used[SIM_MAX_DEVICES];
     _Atomic uint64_t managed[SIM_MAX_DEVICES];
@@ -99,8 +98,6 @@ struct sim_rank {
     _Atomic uint64_t owner_start_time; /* /proc start time of the word's pid */
     _Atomic uint64_t start[2];
     _Atomic uint64_t value[2];
-    _Atomic int32_t owner_slot;        /* the word's pid's sim_proc slot, or -1 */
-    uint32_t pad;
 };
 
 struct sim_comm {
@@ -195,9 +192,9 @@ enum sim_comm_result {
 enum sim_comm_result sim_comm_join(uint64_t id, unsigned world, unsigned rank, struct sim_member *m);
 /* Run m's next collective on device d: it starts when d is free and not before `not_before`, holds d
  * (spins) until every rank's has started, then runs `ns`; *value goes in as this rank's and comes
- * back as the largest of every rank's (an all-reduce with MAX). The spin gives d up while the peer it
- * waits for is itself blocked behind a spin (two communicators each spinning on the device the other
- * needs: the real driver time-slices them), and takes it again to finish. Gives the start and the
+ * back as the largest of every rank's (an all-reduce with MAX). The spin gives d up while another
+ * process's launch waits behind it (the real driver time-slices them; two communicators each spinning
+ * on the device the other needs so go on), and takes it again to finish. Gives the start and the
  * end (on failure, when it gave up). Waits at most SIMGPU_COLLECTIVE_TIMEOUT seconds (10) for a peer;
  * then prints why on stderr and returns SIM_COMM_PEER_LATE. */
 enum sim_comm_result sim_collective(struct sim_member *m, struct sim_device *d, uint64_t not_before, uint64_t ns,

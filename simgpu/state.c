@@ -304,7 +304,6 @@ int sim_my_slot(void)
             if (atomic_load(&p->pid) == 0 && atomic_compare_exchange_strong(&p->pid, &expect, me)) {
                 atomic_store(&p->start_time, start);
                 atomic_store(&p->ctx_devices, 0);
-                atomic_store(&p->blocked, 0);
                 /* Two threads may race here on first use; only one slot must be kept. */
                 int none = -1;
                 if (!__atomic_compare_exchange_n(&g_slot, &none, (int)i, 0, __ATOMIC_ACQ_REL,
@@ -363,7 +362,6 @@ static void give_back_slot(struct sim_state *s, struct sim_proc *p, int32_t owne
         }
     }
     atomic_store(&p->ctx_devices, 0);
-    atomic_store(&p->blocked, 0);
     atomic_store(&p->start_time, 0);
     atomic_compare_exchange_strong(&p->pid, &owner, 0);
     atomic_store(&p->reaper, 0);
