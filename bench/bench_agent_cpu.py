@@ -3,7 +3,7 @@
 Each case starts `gemtrace agent` as a subprocess (through bench/agent_sampler.py, which only tells
 the bench its threads' names) on a private simulated GPU with G groups (the capped ones MaxUtil
 `--cap`), then P gated launch loops: process i in group i % G on GPU i % N (every group spans GPUs
-where N > 1: gang turns, docs/scheduler.md), or with --group-per-gpu on GPU (i % G) % N (no group
+where N > 1, its processes one job: gang turns, docs/scheduler.md), or with --group-per-gpu on GPU (i % G) % N (no group
 spans GPUs: each GPU schedules its own groups alone). The first ones start
 through `gemtrace run`; past `--run-limit` the bench gives a process the environment `gemtrace run`
 would (launcher.child_environment: the gate preloaded, the group asked for), since a thousand Python
@@ -52,6 +52,7 @@ from testkit import free_port, wait_until
 from bench.recording import REPO, add_record_flag, add_tree_flag, record, trees
 from gemtrace.agent.scheduler_loop import PER_GPU_THREAD_PREFIX
 from gemtrace.agent.scheduler_loop import THREAD_NAME as SCHEDULER_THREAD
+from gemtrace.defaults import ENV_JOB
 from gemtrace.run.launcher import child_environment, find_gate
 
 RESULTS = REPO / "bench" / "results" / "agent_cpu.md"
@@ -218,12 +219,15 @@ def run_case(case: Case, tmp: Path, seconds: float, warmup: float, args: argpars
         group, gpu = f"g{i % case.groups}", (i % case.groups if args.group_per_gpu else i) % case.gpus
         loop = [str(RT_CLIENT), "launch-loop", "--kernel-ns", str(args.kernel_ns), "--launches-per-iter", "4",
                 "--seconds", f"{lasting:.0f}", "--device", str(gpu)]
+        # A group's processes are one job (GEMTRACE_JOB), as a distributed run's ranks are: the groups
+        # spanning GPUs take gang turns, the case the bench means to measure.
+        job_env = {**env, ENV_JOB: f"bench-{group}"}
         if i < args.run_limit:
             cmd = [sys.executable, "-m", "gemtrace.cli", "run", "--group", group, "--config", str(config),
                    "--state-dir", str(state), "--", *loop]
-            child_env = env
+            child_env = job_env
         else:
-            cmd, child_env = loop, child_environment(group, state, gate, env)
+            cmd, child_env = loop, child_environment(group, state, gate, job_env)
         clients.append(subprocess.Popen(cmd, env=child_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     time.sleep(warmup)
     load0 = os.getloadavg()[0]

@@ -21,6 +21,8 @@ BPF_INSTALLED = Path("/usr/share/gemtrace/bpf")
 ENV_GROUP = contract.ENV_GROUP
 ENV_STATE_DIR = contract.ENV_STATE_DIR
 DEFAULT_GROUP = contract.DEFAULT_GROUP
+# The job `gemtrace run` names for everything it starts (gemtrace/agent/membership.py's job_of: gang turns).
+ENV_JOB = "GEMTRACE_JOB"
 
 # The MPS control daemon's program for groups with Isolation=mps (gemtrace/mps.py): a name found in PATH.
 MPS_CONTROL = "nvidia-cuda-mps-control"

@@ -6,6 +6,7 @@ the NVIDIA driver. The commands run as a person runs them (a child `python -m ge
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -143,6 +144,20 @@ def test_run_without_an_agent_warns_in_one_line_and_runs(config: Path, tmp_path:
         f"gemtrace: warning: the gemtrace agent is not running (no region in {state}), so sh -c 'echo ran in "
         "$GEMTRACE_GROUP' runs without the quotas of group 'train'. Start the agent: sudo systemctl start gemtrace\n"
     )
+
+
+def test_run_names_one_job_for_what_it_starts_and_keeps_a_job_named_before(config: Path, tmp_path: Path) -> None:
+    def job(**env: str) -> str:
+        out = gemtrace("run", "--group", "train", "--config", str(config), "--state-dir", str(tmp_path / "state"),
+                       "--", "sh", "-c", "echo $GEMTRACE_JOB; sh -c 'echo $GEMTRACE_JOB'", env={**os.environ, **env})
+        assert out.returncode == 0, out.stderr
+        first, child = out.stdout.split()
+        assert first == child  # inherited: a launcher's ranks are one job
+        return first
+
+    one, two = job(), job()
+    assert len(one) >= 16 and one != two  # each `gemtrace run` its own
+    assert job(GEMTRACE_JOB="sweep-7") == "sweep-7"  # one inside another's, or ranks given one by hand
 
 
 def test_run_with_require_agent_refuses_without_an_agent(config: Path, tmp_path: Path) -> None:

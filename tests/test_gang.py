@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from gemtrace.agent.gang import GangTurns, GpuReport, Turns
+from gemtrace.agent.gang import NO_JOB, GangTurns, GpuReport, Turns
 from gemtrace.agent.policy import MS, Decision, Observation, PolicyParams, Quota, TimeSharePolicy
 
 pytestmark = pytest.mark.unit
@@ -334,6 +334,27 @@ def test_a_group_on_one_gpu_is_neither_barred_nor_due() -> None:
     assert turns.view(1) == Turns(barred=frozenset({2}))
     turns.report(1, GpuReport(present=frozenset({3}), demand=frozenset()))
     assert not turns.view(0)
+
+
+def test_a_group_is_a_gang_only_on_the_gpus_that_one_of_its_jobs_spans() -> None:
+    def report(*jobs: tuple[int, int]) -> GpuReport:
+        groups = frozenset(group for group, _ in jobs)
+        return GpuReport(present=groups, demand=groups, jobs=frozenset(jobs))
+
+    turns = GangTurns()
+    # Group 5's job 1 on GPU 0 and its job 2 on GPU 1 (two single-GPU runs): each GPU schedules it alone.
+    turns.report(0, report((5, 1), (6, NO_JOB)))
+    turns.report(1, report((5, 2)))
+    turns.report(2, report((5, 3)))
+    assert not turns.view(0) and not turns.view(1) and not turns.view(2)
+    # Its job 2 starts a rank on GPU 0: a gang on GPUs 0 and 1, not on GPU 2, where job 3 runs alone.
+    turns.report(0, report((5, 1), (5, 2), (6, NO_JOB)))
+    assert turns.view(0) == turns.view(1) == Turns(barred=frozenset({5}))
+    assert not turns.view(2)
+    # Processes that name no job are one job, as a group without jobs is (a report without them).
+    turns.report(0, report((6, NO_JOB)))
+    turns.report(1, report((6, NO_JOB)))
+    assert turns.view(0) == turns.view(1) == Turns(barred=frozenset({6}))
 
 
 def test_a_turn_opens_when_every_gpu_that_wants_it_consents_starts_when_all_are_clear_and_closes_when_one_holds_it(

@@ -36,9 +36,13 @@ def two_gpus(simgpu_factory: Callable[..., SimGpu], tmp_path: Path) -> Iterator[
 def job(host: Host, group: str, comm: int, shape: tuple[str, ...] = DDP,
         seconds: float = SECONDS) -> list[subprocess.Popen[bytes]]:
     """The two ranks of one job (`shape`: ddp-loop's options, DDP's by default), one process a GPU, each
-    `gemtrace run` in `group`."""
+    `gemtrace run` in `group`: one run's ranks, as torch.distributed tells them theirs (MASTER_ADDR and
+    MASTER_PORT, which is how the agent knows them for one job), or with no such variables, one job named by
+    hand (GEMTRACE_JOB) for every other `comm`."""
+    rendezvous = ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + comm)} if comm % 2 == 0
+                  else {"GEMTRACE_JOB": f"job-{comm}"})
     return [host.run(group, "ddp-loop", "--rank", str(rank), "--world", "2", "--comm", str(comm),
-                     "--device", str(rank), *shape, "--seconds", str(seconds)) for rank in (0, 1)]
+                     "--device", str(rank), *shape, "--seconds", str(seconds), env=rendezvous) for rank in (0, 1)]
 
 
 def steps_per_second(ranks: list[subprocess.Popen[bytes]]) -> float:
@@ -150,3 +154,22 @@ def test_a_service_across_two_gpus_waits_for_another_job_across_them_a_request_n
     # At Priority 10 the service answers about 110 requests in its 2.5 s alone: 49-57 before, 91-92 since.
     assert outranks["p99_ms"] <= 60 and outranks["steps"] >= 70, figures
     assert steps >= 30, figures  # (the job keeps going: 55-73 steps/s, about 100 alone)
+
+
+def test_independent_jobs_of_one_group_on_two_gpus_take_no_gang_turns(two_gpus: Host) -> None:
+    """Two single-GPU runs of one group (a sweep, each its own `gemtrace run`), one a GPU, beside a job of
+    another group on GPU 0 only: the run on GPU 1 is alone there and runs all the time; as one gang, the
+    group would be held on GPU 1 through every turn of the other group on GPU 0."""
+    two_gpus.config.write_text("[sweep]\n[hog0]\n")
+    agent = two_gpus.start_agent()
+    try:
+        seconds = SECONDS + 2
+        loops = [two_gpus.run(group, *HOG, "--device", str(gpu), "--seconds", str(seconds))
+                 for group, gpu in (("hog0", 0), ("sweep", 0), ("sweep", 1))]
+        iterations = [float(last_line(proc, 60)["iters"]) for proc in loops]
+    finally:
+        stop(agent)
+    busy = [n * 8e-3 / seconds for n in iterations]  # 4 kernels of 2 ms an iteration
+    figures = f"busy: hog0 {busy[0]:.2f}, sweep on GPU 0 {busy[1]:.2f}, sweep on GPU 1 {busy[2]:.2f}"
+    assert busy[2] >= 0.8, figures  # as one gang: about half
+    assert busy[0] >= 0.3 and busy[1] >= 0.3, figures  # GPU 0 shared by its two groups

@@ -12,7 +12,8 @@ from testkit import GiB
 
 from gemtrace import contract, eventlog
 from gemtrace import region as rg
-from gemtrace.agent.membership import Membership, decide, group_of
+from gemtrace.agent.gang import NO_JOB, JobKeys
+from gemtrace.agent.membership import Membership, decide, group_of, job_of
 from gemtrace.config import parse_text
 from gemtrace.groups_of import ProcReader, parse_gids
 
@@ -46,9 +47,10 @@ def test_parse_gids_reads_the_real_gid_and_the_supplementary_groups() -> None:
 
 
 def _process(proc: Path, pid: int, uid: int, gids: list[int], cgroup: str = "0::/user.slice\n",
-             start_time: int = 4242) -> None:
+             start_time: int = 4242, environ: dict[str, str] | None = None) -> None:
     d = proc / str(pid)
     d.mkdir(parents=True)
+    d.joinpath("environ").write_bytes(b"".join(f"{k}={v}".encode() + b"\0" for k, v in (environ or {}).items()))
     d.joinpath("stat").write_text(f"{pid} (python3) S " + " ".join(["0"] * 18 + [str(start_time)] + ["0"] * 10))
     d.joinpath("status").write_text(f"Uid:\t{uid}\t{uid}\t{uid}\t{uid}\nGid:\t{gids[0]}\t{gids[0]}\t0\t0\n"
                                     f"Groups:\t{' '.join(map(str, gids[1:]))}\n")
@@ -206,3 +208,44 @@ def test_a_binding_rule_that_comes_later_moves_the_processes_already_placed(regi
     assert region.slot_groups() == {1: region.defined_groups()["k8s-c"], 2: index["open"]}
     assert [e["pid"] for e in lines if e["event"] == "process_bound_to_group"] == [700]
     assert membership.rebind() == 0  # the same rules: nothing to look at again
+
+
+POD = "/kubepods/besteffort/pod0f1e2d3c-aaaa-bbbb-cccc-0123456789ab/" + "c" * 64
+
+
+@pytest.mark.parametrize(("environ", "cgroups", "expected"), [
+    # torch.distributed's rendezvous, however each rank was started: one run's ranks share it
+    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "GEMTRACE_JOB": "a"}, ["/"], "7 rendezvous 127.0.0.1 29500"),
+    ({"MASTER_ADDR": "127.0.0.1", "GEMTRACE_JOB": "a"}, ["/"], "7 run a"),  # half a rendezvous names none
+    ({"PMIX_NAMESPACE": "prterun-host-1234@1"}, [POD], "7 rendezvous prterun-host-1234@1"),  # MPI over the pod
+    ({"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0"}, ["/"], "7 rendezvous 12 0"),
+    ({"GEMTRACE_JOB": "a"}, [POD], "7 pod 0f1e2d3c-aaaa-bbbb-cccc-0123456789ab"),  # a pod's containers: one job
+    ({"GEMTRACE_JOB": " a "}, ["/user.slice"], "7 run a"),  # the `gemtrace run` that started it
+    ({}, ["/user.slice"], ""),  # none: the group's processes that name none are one job
+    ({"GEMTRACE_JOB": "x" * 10000}, ["/"], ("7 run " + "x" * 10000)[:256]),  # cut: the agent's memory is not theirs
+])
+def test_job_of_names_the_run_then_the_pod_then_the_gemtrace_run(environ: dict[str, str], cgroups: list[str],
+                                                                  expected: str) -> None:
+    assert job_of(7, environ, cgroups) == expected
+
+
+def test_the_pass_records_each_processs_job_before_its_assignment(region: rg.Region, tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    rank = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    _process(proc, 501, ALICE, [ALICE], environ={**rank, "GEMTRACE_JOB": "first"})
+    _process(proc, 502, ALICE, [ALICE], environ={**rank, "GEMTRACE_JOB": "second"})
+    _process(proc, 503, ALICE, [ALICE], environ={"GEMTRACE_JOB": "first"})
+    _process(proc, 504, BOB, [BOB], environ=rank)  # another user naming the same run: not in it
+    _process(proc, 505, BOB, [BOB])
+    jobs = JobKeys()
+    membership = Membership(region, lambda: CONFIG.groups, ProcReader(proc), jobs=jobs)
+    for index, pid in enumerate((501, 502, 503, 504, 505), start=1):
+        _claim(region, index, pid, "open")
+    assert membership.tick() == 5
+    job = {pid: jobs.of(index, pid) for index, pid in enumerate((501, 502, 503, 504, 505), start=1)}
+    assert job[501] == job[502] != NO_JOB  # two ranks of one run, started apart
+    assert len({job[501], job[503], job[504]}) == 3 and job[505] == NO_JOB
+    assert jobs.of(1, 999) == NO_JOB  # the slot's job is its process's only
+    region.slots[1].pid = 0  # the gate freed its slot at exit
+    membership.tick()
+    assert jobs.of(1, 501) == NO_JOB

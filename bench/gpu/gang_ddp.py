@@ -15,6 +15,8 @@ Cases (issue 29's targets on two H100s):
   equal         no quota, a single-GPU job on each GPU          >= 0.45 and >= the same without gemtrace
   one-busy      no quota, a single-GPU job on GPU 0 only        shown
   two-jobs      two jobs in two groups, no quota                shown
+  sweep         one group's single-GPU runs, one a GPU, a single-GPU job of another group on GPU 0:
+                the run on GPU 1, alone there, >= 0.9 of a single-GPU job's solo (not a gang)
   raw-equal     `equal` without gemtrace
   raw-solo      the job alone without gemtrace, and a single-GPU job alone (the hogs' solo)
 
@@ -85,11 +87,14 @@ def plan_cases(gpus: int) -> dict[str, Case]:
              (DDP, hogs[0])),
         Case("two-jobs", "two jobs in two groups, no quota", (GroupSpec("ddp"), GroupSpec("ddp2")),
              (DDP, Job("ddp2", True))),
+        Case("sweep", "one group's single-GPU runs, one a GPU (not a job across them), beside a single-GPU "
+             "job on GPU 0", (GroupSpec("sweep"), GroupSpec("hog0")),
+             (*(Job("sweep", False, i) for i in range(gpus)), hogs[0]), target={"sweep (GPU 1)": 0.9}),
         Case("raw-equal", "without gemtrace: a single-GPU job on each GPU", (), (DDP, *hogs), gated=False),
         Case("raw-solo", "without gemtrace: the job alone, then a single-GPU job alone", (), (DDP,), gated=False),
     )}
 
-PLAN = ("raw-solo", "solo", "cap30", "min60", "equal", "raw-equal", "one-busy", "two-jobs", "solo")
+PLAN = ("raw-solo", "solo", "cap30", "min60", "equal", "raw-equal", "one-busy", "two-jobs", "sweep", "solo")
 
 
 def start_job(job: Job, gpus: int, window: tuple[float, float], env: dict[str, str], state: Path | None,
@@ -115,6 +120,11 @@ def result_of(proc: subprocess.Popen[str], log: Path) -> dict[str, Any]:
     raise RuntimeError(f"a job gave no result (exit {proc.returncode}); its stderr ends:\n{tail}")
 
 
+def result_key(job: Job, jobs: tuple[Job, ...]) -> str:
+    """A job's row: its group's name, and its GPU where the group has several jobs."""
+    return job.group if sum(j.group == job.group for j in jobs) == 1 else f"{job.group} (GPU {job.gpu})"
+
+
 def run_case(case: Case, gpus: int, seconds: float, warmup: float,
              job_args: JobArgs = ((), ())) -> dict[str, Any]:
     env = product_env()
@@ -133,7 +143,7 @@ def run_case(case: Case, gpus: int, seconds: float, warmup: float,
             charged0 = [agent.charged(u) for u in uuids] if agent else []
             time.sleep(max(0.0, window[1] - time.monotonic()))
             charged1 = [agent.charged(u) for u in uuids] if agent else []
-            results = {job.group: result_of(proc, log) for job, proc, log in procs}
+            results = {result_key(job, case.jobs): result_of(proc, log) for job, proc, log in procs}
         finally:
             for _, proc, _ in procs:
                 if proc.poll() is None:
@@ -220,7 +230,7 @@ def main() -> int:
             verdict = "" if least is None else (f"≥ {least:.2f} " + ("met" if ratio >= least else "**missed**"))
             missed += least is not None and ratio < least
             rows.append(f"| {name}: {case.title} | {group} | {result['rate']:.2f} | {ratio:.3f} | {verdict} "
-                        f"| {charged_cell(run, group)} |")
+                        f"| {charged_cell(run, group.split(' (')[0])} |")
     publish_table("gang_ddp", runs, hog_solo, rows,
                   f"solo through gemtrace {', '.join(f'{s:.2f}' for s in solos)} steps/s, without "
                   f"{raw_solo and f'{raw_solo:.2f}'}; a single-GPU job alone {hog_rate and f'{hog_rate:.2f}'}"

@@ -46,7 +46,7 @@ from gemtrace.agent.collectors.enforcement import EnforcementCollector
 from gemtrace.agent.collectors.groups import GroupCollector, GroupQuota, GroupsView
 from gemtrace.agent.collectors.processes import ProcessCollector
 from gemtrace.agent.enforcement import Enforcement, MemoryEnforcer
-from gemtrace.agent.gang import GangTurns
+from gemtrace.agent.gang import GangTurns, JobKeys
 from gemtrace.agent.membership import Membership
 from gemtrace.agent.scheduler import GpuScheduler, GroupUsage, Quota
 from gemtrace.agent.scheduler_loop import scheduler_threads
@@ -461,14 +461,15 @@ class Agent:
         # One set of turns for the groups that span GPUs; a change of turn rings the GPUs' doorbells.
         bells = self.region.doorbells
         self.gang = GangTurns(bells.ring if bells is not None else lambda gpu: None)
-        self.schedulers = [GpuScheduler(self.region, g.index, gang=self.gang) for g in self.gpus]
+        self.jobs = JobKeys()
+        self.schedulers = [GpuScheduler(self.region, g.index, gang=self.gang, jobs=self.jobs) for g in self.gpus]
         self.mps = mps.MpsDaemons(state_dir, mps_control)
         try:
             self._apply(self.config)
         except BaseException:
             self.mps.stop()
             raise
-        self.membership = Membership(self.region, lambda: self.config.groups)
+        self.membership = Membership(self.region, lambda: self.config.groups, jobs=self.jobs)
         self.region.heartbeat(time.monotonic_ns())
         if libcuda_paths is None and os.environ.get(ENV_PROBE_LIBCUDA):
             libcuda_paths = [Path(p) for p in os.environ[ENV_PROBE_LIBCUDA].split(":") if p]

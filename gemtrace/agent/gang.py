@@ -6,8 +6,10 @@ while all its ranks run: a rank released on one GPU reaches its collective and s
 the rank held back on another GPU runs. Scheduled on independent clocks, such a job did under 1% of its
 work at MaxUtil 0.3 (docs/scheduler.md, "Groups that span GPUs").
 
-This module owns which such groups' turns are open. The unit is the group: a group present on two GPUs or
-more (a live process of it launched or waits there) is a gang on those GPUs. Its turn is closed (barred on
+This module owns which such groups' turns are open. The unit of turns is the group; what makes it a gang is
+a job of it (`JobKeys`: one distributed run, pod or `gemtrace run`, as membership reads it once per process)
+with live processes (launched or waiting) on two GPUs or more: the group is a gang on the GPUs of such
+jobs, and independent jobs of one group on one GPU each are scheduled by each GPU alone. Its turn is closed (barred on
 every GPU of it: no policy releases it) until every GPU on which it wants time would choose it by its own
 rules, and every other GPU of it could release it (`Decision.ready`); then it opens. First it clears:
 each GPU of it holds its holder and releases nobody until it is clear (`Decision.clear`: the holder
@@ -32,7 +34,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["GangTurns", "GpuReport", "Turns"]
+__all__ = ["NO_JOB", "GangTurns", "GpuReport", "JobKeys", "Turns"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,9 @@ class GpuReport:
     draining: int | None = None  # the group held here whose queued work still runs
     # The groups clearing in the view this look decided on: its `ready` speaks for their turns only then.
     clearing: frozenset[int] = frozenset()
+    # (group, job) of the live processes here (JobKeys' numbers); a group present without one counts
+    # as its job NO_JOB, the job of its processes that name none.
+    jobs: frozenset[tuple[int, int]] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,38 @@ class Turns:
 
 
 NO_TURNS = Turns()
+NO_JOB = 0  # the job of a group's processes that name none: together, as one job
+
+
+class JobKeys:
+    """Which job each gated process is in, by slot: written by membership when it places a process (before
+    the assignment that makes the schedulers look), read by every GPU's scheduler without a lock (the
+    table is replaced whole). A job's key becomes a small number, the same for the same key."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._numbers: dict[str, int] = {}
+        self._by_slot: dict[int, tuple[int, int]] = {}  # slot -> (pid, job)
+
+    def record(self, slot: int, pid: int, key: str) -> None:
+        """The job of the process `pid` in `slot`: `key` (membership.job_of's; "" for none)."""
+        with self._lock:
+            job = self._numbers.setdefault(key, len(self._numbers) + 1) if key else NO_JOB
+            by_slot = dict(self._by_slot)
+            by_slot[slot] = (pid, job)
+            self._by_slot = by_slot
+
+    def forget(self, slot: int) -> None:
+        with self._lock:
+            if slot in self._by_slot:
+                by_slot = dict(self._by_slot)
+                del by_slot[slot]
+                self._by_slot = by_slot
+
+    def of(self, slot: int, pid: int) -> int:
+        """The job of the process `pid` in `slot` (NO_JOB: none recorded for that process)."""
+        pid_job = self._by_slot.get(slot)
+        return pid_job[1] if pid_job is not None and pid_job[0] == pid else NO_JOB
 # One GPU's part of the turns: its barred, clearing, due and pending groups (Turns' first four).
 _TurnView = tuple[frozenset[int], frozenset[int], frozenset[int], frozenset[int]]
 _GONE = GpuReport()  # a GPU whose scheduler stopped
@@ -112,7 +149,8 @@ class GangTurns:
             self._reports[gpu] = report
             if previous == report and not self._open:
                 return False
-            if previous is None or previous.present != report.present or previous.demand != report.demand:
+            if (previous is None or previous.present != report.present or previous.demand != report.demand
+                    or previous.jobs != report.jobs):
                 self._members_cache = None
             before = self._views
             members = self._members()
@@ -158,15 +196,22 @@ class GangTurns:
     # -- under the lock ----------------------------------------------------------------------------
 
     def _members(self) -> dict[int, frozenset[int]]:
-        """Each group present on two GPUs or more, and those GPUs (kept while no GPU's present and
-        demand change)."""
+        """Each group with a job present on two GPUs or more, and the GPUs of its such jobs (kept while
+        no GPU's present, demand and jobs change)."""
         if self._members_cache is not None:
             return self._members_cache
-        where: dict[int, set[int]] = {}
+        where: dict[tuple[int, int], set[int]] = {}
         for gpu, report in self._reports.items():
-            for group in report.present | report.demand:
-                where.setdefault(group, set()).add(gpu)
-        self._members_cache = {group: frozenset(gpus) for group, gpus in where.items() if len(gpus) > 1}
+            pairs = set(report.jobs)
+            named = {group for group, _ in pairs}
+            pairs.update((group, NO_JOB) for group in report.present | report.demand if group not in named)
+            for pair in pairs:
+                where.setdefault(pair, set()).add(gpu)
+        members: dict[int, set[int]] = {}
+        for (group, _), gpus in where.items():
+            if len(gpus) > 1:
+                members.setdefault(group, set()).update(gpus)
+        self._members_cache = {group: frozenset(gpus) for group, gpus in members.items()}
         return self._members_cache
 
     def _turn_over(self, group: int, turn: _Turn, gpus: frozenset[int]) -> bool:

@@ -11,7 +11,8 @@ that brings it (`rebind`). A request refused is logged
 (`group_refused`) and counted per group (gemtrace_admission_refusals_total). The owner is the real
 uid and the groups of /proc/PID/status, read by the agent: nothing the slot says about itself but
 the name it asks for is believed. It also clears the assignment of a slot that changed owner, since
-a gate frees its slot at exit but cannot write the region (hook/gemtrace_region.h).
+a gate frees its slot at exit but cannot write the region (hook/gemtrace_region.h), and records the
+job each placed process is part of (`job_of`), by which the schedulers tell a gang (gemtrace/agent/gang.py).
 
 `decide` is pure; `Membership` is the thin adapter over the region and /proc. It never writes a slot
 and never decides anything else (dropped groups' processes are moved by the agent's table pass).
@@ -19,18 +20,20 @@ and never decides anything else (dropped groups' processes are moved by the agen
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
-from collections.abc import Callable, Container, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
 import structlog
 
 from gemtrace import contract
 from gemtrace import region as rg
+from gemtrace.agent.gang import JobKeys
 from gemtrace.config import GroupConfig
-from gemtrace.defaults import DEFAULT_GROUP, ENV_GROUP
+from gemtrace.defaults import DEFAULT_GROUP, ENV_GROUP, ENV_JOB
 from gemtrace.eventlog import USER_LINES
 from gemtrace.groups_of import ProcReader, bound_group, group_for
+from gemtrace.kube.pods import pod_of
 
 log = structlog.get_logger("gemtrace.membership")
 
@@ -40,12 +43,49 @@ log = structlog.get_logger("gemtrace.membership")
 DECISIONS_PER_TICK = 128
 
 
-@dataclass(frozen=True)
+# Longer job names are cut: a process's environment is its own to fill, the agent's memory is not.
+MAX_JOB_KEY = 256
+
+
+@dataclasses.dataclass(frozen=True)
 class Placement:
     """The agent's choice of group for one process, and whether it refused the group asked for."""
     group: str
     refused: bool  # the process asked for a defined group its owner is not admitted to
     bound: bool = False  # a binding Cgroup rule chose the group, whatever the process asked for
+    job: str = ""  # the job it is part of (job_of), where the caller asked
+
+
+# The variables by which the launchers of distributed runs tell a rank its run: each rank of one run has
+# the same values, another run other ones. Those of torch.distributed (torchrun, DeepSpeed, Kubernetes'
+# training operators), torchrun's own, Open MPI 5's (PMIx) and 4's, and Slurm's.
+RENDEZVOUS = (("MASTER_ADDR", "MASTER_PORT"), ("TORCHELASTIC_RUN_ID",), ("PMIX_NAMESPACE",),
+              ("OMPI_MCA_ess_base_jobid",), ("SLURM_JOB_ID", "SLURM_STEP_ID"))
+
+
+def job_of(uid: int, environ: Mapping[str, str], cgroups: Sequence[str]) -> str:
+    """The job a process is part of, for gang turns (gemtrace/agent/gang.py: a group is a gang on the GPUs
+    that one of its jobs spans): the ranks of one distributed run (RENDEZVOUS: however each rank was
+    started, one `gemtrace run` or several); else its pod (a pod's containers); else the `gemtrace run`
+    that started it (GEMTRACE_JOB, inherited by everything it starts, kept by a `gemtrace run` inside);
+    else "" (none: a group's processes that name none are one job). Always of its user: one user's
+    processes never join another's job, whatever they name."""
+    key = ""
+    for names in RENDEZVOUS:
+        values = [environ.get(name, "").strip() for name in names]
+        if all(values):
+            key = " ".join(["rendezvous", *values])
+            break
+    if not key:
+        pod = pod_of(cgroups)
+        run = environ.get(ENV_JOB, "").strip()
+        if pod is not None:
+            key = f"pod {pod.pod_uid}"
+        elif run:
+            key = f"run {run}"
+        else:
+            return ""
+    return f"{uid} {key}"[:MAX_JOB_KEY]
 
 
 def admitted_to(name: str, uid: int, gids: Iterable[int], groups: Mapping[str, GroupConfig],
@@ -84,11 +124,13 @@ class Membership:
     `groups()` gives the resource file's groups in force (for admission and Cgroup rules)."""
 
     def __init__(self, region: rg.Region, groups: Callable[[], Mapping[str, GroupConfig]],
-                 proc: ProcReader | None = None, per_tick: int = DECISIONS_PER_TICK) -> None:
+                 proc: ProcReader | None = None, per_tick: int = DECISIONS_PER_TICK,
+                 jobs: JobKeys | None = None) -> None:
         self.region = region
         self.groups = groups
         self.proc = proc or ProcReader()
         self.per_tick = per_tick
+        self.jobs = jobs  # where each placed process's job is recorded, for the schedulers' gang turns
         self.refusals: Counter[str] = Counter()  # requested group -> refusals, for /metrics
         self._foreign: dict[int, int] = {}  # slot -> the other user's pid it named, logged once
         self._binding: dict[str, tuple[str, ...]] = {}  # the binding rules the last rebind applied
@@ -110,6 +152,8 @@ class Membership:
             pid = pids[index]
             if not pid:
                 region.unassign(index)  # the gate freed its slot at exit
+                if self.jobs is not None:
+                    self.jobs.forget(index)
                 continue
             if not columns.flags[index] & contract.SLOT_GATED or decided >= self.per_tick:
                 continue  # the gate is still filling its slot; or enough for this tick
@@ -119,6 +163,8 @@ class Membership:
             group = defined.get(decision.group)
             if group is None:
                 continue  # no default group defined (a test standing in for the agent): stays unassigned
+            if self.jobs is not None:  # before the assignment, which is what makes the schedulers look
+                self.jobs.record(index, pid, decision.job)
             region.assign(index, pid, group)
             decided += 1
         return decided
@@ -170,7 +216,10 @@ class Membership:
                                consequence="not placed in a group; only a process of the chunk's user is")
             return None
         requested = rg.decode_name(self.region.slots[index].requested).strip()
-        decision = decide(requested, uid, gids, self.proc.cgroups(pid) or [], groups, defined)
+        cgroups = self.proc.cgroups(pid) or []
+        decision = decide(requested, uid, gids, cgroups, groups, defined)
+        if self.jobs is not None:
+            decision = dataclasses.replace(decision, job=job_of(uid, self.proc.environ(pid) or {}, cgroups))
         if decision.bound and requested not in ("", DEFAULT_GROUP, decision.group):
             USER_LINES.log(log.info, uid, "group_request_overruled", pid=pid, requested=requested,
                            assigned=decision.group, consequence="its cgroup is bound to the assigned group "

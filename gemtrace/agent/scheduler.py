@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import structlog
 
 from gemtrace import region as rg
-from gemtrace.agent.gang import GangTurns, GpuReport
+from gemtrace.agent.gang import NO_JOB, GangTurns, GpuReport, JobKeys
 from gemtrace.agent.policy import Decision, GroupUsage, Observation, PolicyParams, Quota, TimeSharePolicy
 from gemtrace.agent.scheduler_loop import SchedulerLoop
 
@@ -209,7 +209,7 @@ class GpuScheduler:
 
     def __init__(self, region: rg.Region, gpu: int, clock: Callable[[], int] = time.monotonic_ns,
                  params: PolicyParams | None = None, rescan_ns: int | None = None,
-                 gang: GangTurns | None = None) -> None:
+                 gang: GangTurns | None = None, jobs: JobKeys | None = None) -> None:
         if not 0 <= gpu < rg.MAX_GPUS:
             raise ValueError(f"gpu index {gpu} is outside 0..{rg.MAX_GPUS - 1}")
         if region.doorbells is None:
@@ -234,6 +234,9 @@ class GpuScheduler:
         # while a group here spans GPUs, this scheduler sleeps on its doorbell, which a turn's change rings.
         self._gang = gang
         self._gang_here = False
+        self._jobs = jobs  # which job each process is in: a group is a gang where one job spans GPUs
+        self._user_jobs: tuple[tuple[int, int], ...] = ()  # (group, job) of each user
+        self._present_jobs: frozenset[tuple[int, int]] = frozenset()
         self._lock = threading.Lock()
         self._policy = TimeSharePolicy(params or PolicyParams(), now=clock())
         self._pending_quotas: dict[int, Quota] | None = None
@@ -351,7 +354,7 @@ class GpuScheduler:
             for _ in range(3):
                 if self._gang is None or not self._gang.report(self.gpu, GpuReport(
                         observation.present, observation.demand, decision.ready, decision.released, decision.clear,
-                        decision.draining, turned.clearing)):
+                        decision.draining, turned.clearing, self._present_jobs)):
                     break
                 before, turned = turned, self._with_turns(observation)
                 if _only_released_left_pending(before, turned, decision.released):
@@ -513,6 +516,9 @@ class GpuScheduler:
                                 for pid, owner, group in zip(pids, gather(slots.assigned_pid), gather(slots.group),
                                                              strict=True))
             self._user_groups, self._user_pids = user_groups, pids
+            keys = self._jobs
+            self._user_jobs = tuple((group, keys.of(index, pid) if keys is not None else NO_JOB)
+                                    for index, pid, group in zip(self._users, pids, user_groups, strict=True))
             self._user_assignments, self._user_scheduled = assignments, self._scheduled
             changed: Iterable[int] = self._users  # look at each once: their first sight, or a new group
         elif launches != self._user_launches:
@@ -524,6 +530,11 @@ class GpuScheduler:
         present = set(itertools.compress(user_groups, launches)) | demand
         present.discard(rg.GROUP_UNASSIGNED)
         demand.discard(rg.GROUP_UNASSIGNED)
+        if self._gang is not None:
+            jobs = set(itertools.compress(self._user_jobs, map(operator.or_, launches, waiting)))
+            jobs.difference_update([pair for pair in jobs if pair[0] == rg.GROUP_UNASSIGNED])
+            if jobs != self._present_jobs:
+                self._present_jobs = frozenset(jobs)
         return present, demand, changed
 
     def _visit(self, index: int, now: int) -> _SlotLook | None:

@@ -20,6 +20,7 @@ import pwd
 import shlex
 import sys
 import time
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -64,6 +65,9 @@ def child_environment(group: str, state_dir: Path, gate: Path, environ: Mapping[
     env["LD_PRELOAD"] = " ".join(preload)
     env[defaults.ENV_GROUP] = group
     env[defaults.ENV_STATE_DIR] = str(state_dir)
+    # What it starts is one job (a torchrun's ranks, say): the agent gives a group's job that spans GPUs
+    # its turns there together, and each other job its own. One started inside keeps its job.
+    env.setdefault(defaults.ENV_JOB, uuid.uuid4().hex)
     return env
 
 
