@@ -246,6 +246,27 @@ def test_the_pass_records_each_processs_job_before_its_assignment(region: rg.Reg
     assert job[501] == job[502] != NO_JOB  # two ranks of one run, started apart
     assert len({job[501], job[503], job[504]}) == 3 and job[505] == NO_JOB
     assert jobs.of(1, 999) == NO_JOB  # the slot's job is its process's only
+    assert len(jobs) == 3
     region.slots[1].pid = 0  # the gate freed its slot at exit
     membership.tick()
-    assert jobs.of(1, 501) == NO_JOB
+    assert jobs.of(1, 501) == NO_JOB and len(jobs) == 3  # its run's other rank holds the key
+    region.slots[2].pid = 0
+    region.slots[3].pid = 0
+    membership.tick()
+    assert len(jobs) == 1  # keys no process holds are forgotten: every `gemtrace run` names a new one
+
+
+def test_a_new_agent_records_the_jobs_of_the_processes_placed_before_it(region: rg.Region, tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    _process(proc, 501, ALICE, [ALICE], environ={"GEMTRACE_JOB": "sweep-1"})
+    _process(proc, 502, ALICE, [ALICE], environ={"GEMTRACE_JOB": "sweep-1"})
+    _process(proc, 503, ALICE, [ALICE], environ={"GEMTRACE_JOB": "sweep-2"})
+    before = Membership(region, lambda: CONFIG.groups, ProcReader(proc))  # an agent that kept no jobs
+    for index, pid in enumerate((501, 502, 503), start=1):
+        _claim(region, index, pid, "open")
+    assert before.tick() == 3
+    jobs = JobKeys()
+    after = Membership(region, lambda: CONFIG.groups, ProcReader(proc), jobs=jobs)
+    assert after.tick() == 0  # placed already: nothing to decide
+    assert after.adopt_jobs() == 3
+    assert jobs.of(1, 501) == jobs.of(2, 502) != jobs.of(3, 503) != NO_JOB

@@ -470,6 +470,7 @@ class Agent:
             self.mps.stop()
             raise
         self.membership = Membership(self.region, lambda: self.config.groups, jobs=self.jobs)
+        self.membership.adopt_jobs()  # of the processes an agent before it placed in this region
         self.region.heartbeat(time.monotonic_ns())
         if libcuda_paths is None and os.environ.get(ENV_PROBE_LIBCUDA):
             libcuda_paths = [Path(p) for p in os.environ[ENV_PROBE_LIBCUDA].split(":") if p]

@@ -75,23 +75,35 @@ NO_JOB = 0  # the job of a group's processes that name none: together, as one jo
 class JobKeys:
     """Which job each gated process is in, by slot: written by membership when it places a process (before
     the assignment that makes the schedulers look), read by every GPU's scheduler without a lock (the
-    table is replaced whole). A job's key becomes a small number, the same for the same key."""
+    table is replaced whole). A job's key becomes a number, the same for the same key while a slot holds
+    it; a key no slot holds is forgotten (every `gemtrace run` names a new one: kept, they would grow
+    with the runs of the agent's lifetime)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._numbers: dict[str, int] = {}
+        self._holders: dict[str, int] = {}  # key -> how many slots hold it
+        self._next = NO_JOB + 1
+        self._keys: dict[int, str] = {}  # slot -> its key
         self._by_slot: dict[int, tuple[int, int]] = {}  # slot -> (pid, job)
 
     def record(self, slot: int, pid: int, key: str) -> None:
         """The job of the process `pid` in `slot`: `key` (membership.job_of's; "" for none)."""
         with self._lock:
-            job = self._numbers.setdefault(key, len(self._numbers) + 1) if key else NO_JOB
-            by_slot = dict(self._by_slot)
-            by_slot[slot] = (pid, job)
-            self._by_slot = by_slot
+            self._release(slot)
+            job = NO_JOB
+            if key:
+                job = self._numbers.get(key, NO_JOB)
+                if job == NO_JOB:
+                    job, self._next = self._next, self._next + 1
+                    self._numbers[key] = job
+                self._holders[key] = self._holders.get(key, 0) + 1
+                self._keys[slot] = key
+            self._by_slot = {**self._by_slot, slot: (pid, job)}
 
     def forget(self, slot: int) -> None:
         with self._lock:
+            self._release(slot)
             if slot in self._by_slot:
                 by_slot = dict(self._by_slot)
                 del by_slot[slot]
@@ -101,6 +113,18 @@ class JobKeys:
         """The job of the process `pid` in `slot` (NO_JOB: none recorded for that process)."""
         pid_job = self._by_slot.get(slot)
         return pid_job[1] if pid_job is not None and pid_job[0] == pid else NO_JOB
+
+    def __len__(self) -> int:
+        """The keys held: for tests."""
+        return len(self._numbers)
+
+    def _release(self, slot: int) -> None:
+        key = self._keys.pop(slot, None)
+        if key is None:
+            return
+        self._holders[key] -= 1
+        if not self._holders[key]:
+            del self._holders[key], self._numbers[key]
 # One GPU's part of the turns: its barred, clearing, due and pending groups (Turns' first four).
 _TurnView = tuple[frozenset[int], frozenset[int], frozenset[int], frozenset[int]]
 _GONE = GpuReport()  # a GPU whose scheduler stopped

@@ -169,6 +169,22 @@ class Membership:
             decided += 1
         return decided
 
+    def adopt_jobs(self) -> int:
+        """Record the job of every process already placed in an adopted region (an agent before this
+        one placed it; its jobs were that agent's memory); returns how many. Call once, at start."""
+        if self.jobs is None:
+            return 0
+        adopted = 0
+        for index in self.region.slot_groups():
+            pid = self.region.slots[index].pid
+            credentials = self.proc.credentials(pid) if pid else None
+            if credentials is None:
+                continue  # gone: the reaper frees its slot
+            self.jobs.record(index, pid, job_of(credentials.uid, self.proc.environ(pid) or {},
+                                                self.proc.cgroups(pid) or []))
+            adopted += 1
+        return adopted
+
     def rebind(self) -> int:
         """After a reload: move every placed process that a binding Cgroup rule, new since the last
         call, names into that rule's group; returns how many moved. Call with the resource file's
