@@ -21,7 +21,10 @@ Cases (issue 29's targets on two H100s):
   raw-solo      the job alone without gemtrace, and a single-GPU job alone (the hogs' solo)
 
     python3 -m bench.gpu.gang_ddp [--cases solo,cap30,...] [--gpus 2] [--seconds 10] [--warmup 25]
-        [--pause-ms 0]
+        [--pause-ms 0] [--job ddp|jax]
+
+`--job jax`: the job is one JAX process over all the GPUs (bench/gpu/jax_worker.py: a pmap'd step with an
+all-reduce) instead of torchrun's ranks; its group is still named ddp.
 
 Prints a markdown table; with $OUT set writes gang_ddp.md and gang_ddp.json there. Needs --gpus GPUs (2 by
 default), torch with CUDA and torchvision, build/libgemgate.so, and the agent's Python dependencies on PYTHONPATH.
@@ -36,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +47,7 @@ from bench.gpu.models_torch import REPO, Agent, GroupSpec, gemtrace, product_env
 from bench.recording import publish
 
 WORKER = Path(__file__).resolve().parent / "ddp_worker.py"
+JAX_WORKER = Path(__file__).resolve().parent / "jax_worker.py"
 # Leave NVLink multicast off (the device machine's notes: NCCL's NVLS and torch's symmetric memory).
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -54,6 +58,7 @@ class Job:
     ddp: bool  # across all the run's GPUs (torchrun), or one process on `gpu`
     gpu: int = 0
     serve: bool = False  # with ddp: ddp_worker.py's tensor-parallel service (bench/gpu/gang_serve.py)
+    jax: bool = False  # with ddp: one JAX process over all the GPUs (jax_worker.py) instead of torchrun's ranks
 
 
 @dataclass(frozen=True)
@@ -67,31 +72,32 @@ class Case:
 
 
 DDP = Job("ddp", True)
+JOBS = {"ddp": DDP, "jax": Job("ddp", True, jax=True)}  # --job: what spans the GPUs (its group is named ddp)
 # More arguments of ddp_worker.py for the jobs that span the GPUs: (the training jobs', the services').
 JobArgs = tuple[tuple[str, ...], tuple[str, ...]]
 
 
-def plan_cases(gpus: int) -> dict[str, Case]:
+def plan_cases(gpus: int, job: Job = DDP) -> dict[str, Case]:
     """The cases on a host of `gpus` GPUs: the job spans all of them, a single-GPU job sits on each."""
     hogs = tuple(Job(f"hog{i}", False, i) for i in range(gpus))
     uncapped = tuple(GroupSpec(h.group) for h in hogs)
     return {c.name: c for c in (
-        Case("solo", "the job alone, no quota", (GroupSpec("ddp"),), (DDP,)),
+        Case("solo", "the job alone, no quota", (GroupSpec("ddp"),), (job,)),
         Case("cap30", "MaxUtil 0.3, a single-GPU job on each GPU", (GroupSpec("ddp", max_util=0.3), *uncapped),
-             (DDP, *hogs), target={"ddp": 0.28}),
+             (job, *hogs), target={"ddp": 0.28}),
         Case("min60", "MinUtil 0.6, a single-GPU job on each GPU", (GroupSpec("ddp", min_util=0.6), *uncapped),
-             (DDP, *hogs), target={"ddp": 0.57}),
-        Case("equal", "no quota, a single-GPU job on each GPU", (GroupSpec("ddp"), *uncapped), (DDP, *hogs),
+             (job, *hogs), target={"ddp": 0.57}),
+        Case("equal", "no quota, a single-GPU job on each GPU", (GroupSpec("ddp"), *uncapped), (job, *hogs),
              target={"ddp": 0.45}),
         Case("one-busy", "no quota, a single-GPU job on GPU 0 only", (GroupSpec("ddp"), GroupSpec("hog0")),
-             (DDP, hogs[0])),
+             (job, hogs[0])),
         Case("two-jobs", "two jobs in two groups, no quota", (GroupSpec("ddp"), GroupSpec("ddp2")),
-             (DDP, Job("ddp2", True))),
+             (job, replace(job, group="ddp2"))),
         Case("sweep", "one group's single-GPU runs, one a GPU (not a job across them), beside a single-GPU "
              "job on GPU 0", (GroupSpec("sweep"), GroupSpec("hog0")),
              (*(Job("sweep", False, i) for i in range(gpus)), hogs[0]), target={"sweep (GPU 1)": 0.9}),
-        Case("raw-equal", "without gemtrace: a single-GPU job on each GPU", (), (DDP, *hogs), gated=False),
-        Case("raw-solo", "without gemtrace: the job alone, then a single-GPU job alone", (), (DDP,), gated=False),
+        Case("raw-equal", "without gemtrace: a single-GPU job on each GPU", (), (job, *hogs), gated=False),
+        Case("raw-solo", "without gemtrace: the job alone, then a single-GPU job alone", (), (job,), gated=False),
     )}
 
 PLAN = ("raw-solo", "solo", "cap30", "min60", "equal", "raw-equal", "one-busy", "two-jobs", "sweep", "solo")
@@ -100,12 +106,16 @@ PLAN = ("raw-solo", "solo", "cap30", "min60", "equal", "raw-equal", "one-busy", 
 def start_job(job: Job, gpus: int, window: tuple[float, float], env: dict[str, str], state: Path | None,
               log: Path, job_args: JobArgs = ((), ())) -> subprocess.Popen[str]:
     worker = [sys.executable, str(WORKER)]
-    if job.ddp:
+    if job.jax:
+        worker = [sys.executable, str(JAX_WORKER)]
+    elif job.ddp:
         worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(gpus),
                   str(WORKER), *(("--serve", *job_args[1]) if job.serve else ("--ddp", *job_args[0]))]
     env = {**env, **NCCL_ENV, "BENCH_WINDOW": f"{window[0]:.3f},{window[1]:.3f}"}
     if not job.ddp:
         env["CUDA_VISIBLE_DEVICES"] = str(job.gpu)
+    if job.jax:
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # not 75% of each GPU: the other jobs need theirs
     argv = worker if state is None else gemtrace("run", "--group", job.group, "--state-dir", str(state),
                                                  "--require-agent", "--", *worker)
     return subprocess.Popen(argv, env=env, cwd=REPO, text=True, stdout=subprocess.PIPE, stderr=log.open("w"))
@@ -208,7 +218,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=float, default=25.0)
     parser.add_argument("--pause-ms", type=float, default=0.0,
                         help="CPU work of the job after each step: its ranks sleep so long (a data loader)")
-    args, named = cases_to_run(parser, PLAN, "a job", plan_cases)
+    parser.add_argument("--job", choices=sorted(JOBS), default="ddp",
+                        help="ddp: torchrun's ResNet-50 ranks; jax: one JAX process over all the GPUs (jax_worker.py)")
+    job = JOBS[parser.parse_known_args()[0].job]
+    args, named = cases_to_run(parser, PLAN, "a job", lambda gpus: plan_cases(gpus, job))
     cases = dict(named)
     began = time.monotonic()
     runs, hog_solo = run_cases(named, args, (("--pause-ms", f"{args.pause_ms:g}") if args.pause_ms else (), ()))
