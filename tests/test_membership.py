@@ -220,6 +220,11 @@ POD = "/kubepods/besteffort/pod0f1e2d3c-aaaa-bbbb-cccc-0123456789ab/" + "c" * 64
     ({"PMIX_NAMESPACE": "prterun-host-1234@1"}, [POD], "7 rendezvous prterun-host-1234@1"),  # MPI over the pod
     ({"SLURM_JOB_ID": "12", "SLURM_STEP_ID": "0"}, ["/"], "7 rendezvous 12 0"),
     ({"GEMTRACE_JOB": "a"}, [POD], "7 pod 0f1e2d3c-aaaa-bbbb-cccc-0123456789ab"),  # a pod's containers: one job
+    # a training operator's workers reach their master by name; a loopback one is the pod's own
+    ({"MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"}, [POD], "7 rendezvous job-master-0 23456"),
+    ({"MASTER_ADDR": "localhost", "MASTER_PORT": "12355"}, [POD],
+     "7 pod 0f1e2d3c-aaaa-bbbb-cccc-0123456789ab rendezvous localhost 12355"),
+    ({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "12355"}, ["/user.slice"], "7 rendezvous 127.0.0.1 12355"),
     ({"GEMTRACE_JOB": " a "}, ["/user.slice"], "7 run a"),  # the `gemtrace run` that started it
     ({}, ["/user.slice"], ""),  # none: the group's processes that name none are one job
     ({"GEMTRACE_JOB": "x" * 10000}, ["/"], ("7 run " + "x" * 10000)[:256]),  # cut: the agent's memory is not theirs

@@ -21,6 +21,7 @@ and never decides anything else (dropped groups' processes are moved by the agen
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from collections import Counter
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 
@@ -70,14 +71,17 @@ def job_of(uid: int, environ: Mapping[str, str], cgroups: Sequence[str]) -> str:
     that started it (GEMTRACE_JOB, inherited by everything it starts, kept by a `gemtrace run` inside);
     else "" (none: a group's processes that name none are one job). Always of its user: one user's
     processes never join another's job, whatever they name."""
+    pod = pod_of(cgroups)
     key = ""
     for names in RENDEZVOUS:
         values = [environ.get(name, "").strip() for name in names]
         if all(values):
             key = " ".join(["rendezvous", *values])
+            # A loopback address is its network namespace's own: in two pods, the same one is two runs.
+            if pod is not None and names[0] == "MASTER_ADDR" and _loopback(values[0]):
+                key = f"pod {pod.pod_uid} {key}"
             break
     if not key:
-        pod = pod_of(cgroups)
         run = environ.get(ENV_JOB, "").strip()
         if pod is not None:
             key = f"pod {pod.pod_uid}"
@@ -86,6 +90,15 @@ def job_of(uid: int, environ: Mapping[str, str], cgroups: Sequence[str]) -> str:
         else:
             return ""
     return f"{uid} {key}"[:MAX_JOB_KEY]
+
+
+def _loopback(address: str) -> bool:
+    if address.lower() in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def admitted_to(name: str, uid: int, gids: Iterable[int], groups: Mapping[str, GroupConfig],
