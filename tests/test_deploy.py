@@ -78,9 +78,10 @@ def test_the_webhook_runs_with_the_options_that_make_its_certificate_and_the_rba
 
 
 def test_the_device_plugins_service_account_may_do_what_the_plugin_asks_of_the_apiserver() -> None:
-    # gemtrace.kube.apiserver for the plugin: a list of its node's pods every second (pods_of_node) and
-    # an event on a pod whose grant the agent refused (pod_event), in any namespace; in its pod, each
-    # verb missing here is a 403 (no Cgroup rule, or a refusal told to the log only).
+    # gemtrace.kube.apiserver for the plugin: a list of its node's pods every second (pods_of_node), an
+    # event on a pod whose grant the agent refused (pod_event), in any namespace, and its node's room
+    # (annotate_node); in its pod, each verb missing here is a 403 (no Cgroup rule, a refusal told to
+    # the log only, or no room for the scheduler extender to read).
     daemonset = one("DaemonSet", "gemtrace-device-plugin")
     account = daemonset["spec"]["template"]["spec"]["serviceAccountName"]
     namespace = daemonset["metadata"]["namespace"]
@@ -90,4 +91,4 @@ def test_the_device_plugins_service_account_may_do_what_the_plugin_asks_of_the_a
     role = one(binding["roleRef"]["kind"], binding["roleRef"]["name"])
     allowed = {(resource, verb) for rule in role["rules"] if rule["apiGroups"] == [""]
                for resource in rule["resources"] for verb in rule["verbs"]}
-    assert {("pods", "get"), ("pods", "list"), ("events", "create")} <= allowed
+    assert {("pods", "get"), ("pods", "list"), ("events", "create"), ("nodes", "patch")} <= allowed

@@ -3,6 +3,7 @@
     shares.py        the extended resources, their devices and units, and the group a grant makes (pure)
     injection.py     what a container gets to be gated: the gate, the state dir, /etc/ld.so.preload
     placer.py        which GPUs a container's share goes to, decided once for both resources
+    rooms.py         each GPU's free room as its node's annotation: the plugin writes it, the extender reads it
     deviceplugin.py  `gemtrace kube-plugin`: the kubelet's device plugin API (v1beta1) for both resources
     grants.py        the drop-in resource files of the pods that hold shares, rebuilt from PodResources
     kubelet.py       the kubelet's sockets: registration, PodResources, the apiserver's pods of this node
