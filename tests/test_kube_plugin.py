@@ -778,8 +778,9 @@ def test_the_plugin_puts_each_gpus_room_on_its_node_as_grants_come_and_go(gpu_st
     (gpu0, _), (gpu1, _) = stack.gpus
 
     def room_is(*free: tuple[int, int]) -> bool:
-        return bool(stack.api.rooms) and parse_rooms(stack.api.rooms[-1]) == [
-            GpuRoom(i, uuid, "Simulated GPU", 8, m, u) for i, ((uuid, _), (m, u)) in enumerate(zip(stack.gpus, free))]
+        expected = [GpuRoom(i, uuid, "Simulated GPU", 8, memory, util)
+                    for i, ((uuid, _), (memory, util)) in enumerate(zip(stack.gpus, free, strict=True))]
+        return bool(stack.api.rooms) and parse_rooms(stack.api.rooms[-1]) == expected
 
     wait_until("the room of two empty GPUs", lambda: room_is((8, 100), (8, 100)), timeout=20)
     stack.kubelet.admit("five", {MEM: 5, UTIL: 30})
