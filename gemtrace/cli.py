@@ -263,6 +263,18 @@ def cmd_kube_webhook(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_kube_extender(args: argparse.Namespace) -> int:
+    from gemtrace import eventlog
+    from gemtrace.kube.extender import serve
+
+    eventlog.configure(args.log_level)
+    try:
+        serve(args.listen, PACKINGS[args.placement](), args.placement)
+    except (OSError, ValueError) as e:
+        return _fail(f"cannot serve the scheduler extender on {args.listen}: {e}")
+    return 0
+
+
 def cmd_top(args: argparse.Namespace) -> int:
     from gemtrace import top
 
@@ -460,6 +472,20 @@ def parser() -> argparse.ArgumentParser:
                               "(default %(default)s)")
     injection_options(kube_webhook)
     kube_webhook.set_defaults(func=cmd_kube_webhook)
+
+    kube_extender = sub.add_parser(
+        "kube-extender", help="serve the kube-scheduler extender that checks pods' GPU shares on each GPU",
+        description="Filter and rank the nodes for a pod asking gemtrace.io/gpu-memory or gpu-util by each GPU's "
+        "free room, which `gemtrace kube-plugin` puts on its node: a pod no GPU of any node can take whole stays "
+        "Pending with the reason (docs/kubernetes.md gives kube-scheduler's configuration). Stops on SIGTERM.")
+    kube_extender.add_argument("--listen", default=defaults.EXTENDER_LISTEN, metavar="HOST:PORT",
+                               help="HOST:PORT to serve HTTP on, where kube-scheduler calls it (default %(default)s)")
+    kube_extender.add_argument("--placement", choices=sorted(PACKINGS), default=DEFAULT_PACKING,
+                               help="which nodes to prefer among those that fit, as the nodes' plugins order their "
+                               "GPUs: binpack, the fullest GPU first, or spread, the emptiest (default %(default)s)")
+    kube_extender.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                               help="log events of this severity and above (default info)")
+    kube_extender.set_defaults(func=cmd_kube_extender)
 
     top = sub.add_parser("top", help="live view of the groups (q quits)", add_help=False,
                          description="Live view; `gemtrace top --help` lists its options.")

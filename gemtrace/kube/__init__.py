@@ -8,6 +8,7 @@
     grants.py        the drop-in resource files of the pods that hold shares, rebuilt from PodResources
     kubelet.py       the kubelet's sockets: registration, PodResources, the apiserver's pods of this node
     webhook.py       `gemtrace kube-webhook`: the mutating admission webhook for pods labelled with a group
+    extender.py      `gemtrace kube-extender`: the kube-scheduler extender that checks each GPU's room
     pods.py          a process's pod and container from its cgroup path (metrics labels)
 
 The agent itself knows nothing of Kubernetes: a pod's group is one more group of the resource file
