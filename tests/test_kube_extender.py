@@ -110,14 +110,17 @@ def test_containers_are_placed_one_after_another_and_init_containers_each_alone(
     # GPU 0 has 5 GiB, GPU 1 3 GiB: a 4 GiB container takes GPU 0, and a second one finds room on neither.
     two = pod(container("a", 4), container("b", 4))
     passed, failed = filtered(two, node("n", (5, 100), (3, 100)))
-    assert failed == {"n": "container b: no GPU of n has 4 GiB and 0% free (free: GPU 0 1 GiB 100%, GPU 1 3 GiB 100%)"}
+    assert failed == {"n": "container b: no GPU of n has 4 GiB free (free: GPU 0 1 GiB 100%, GPU 1 3 GiB 100%)"}
     # 4 GiB and 3 GiB fit, one on each GPU.
     assert filtered(pod(container("a", 4), container("b", 3)), node("n", (5, 100), (3, 100)))[0] == ["n"]
     # An init container runs before the others, alone, and hands its devices on: 5 GiB then 4 GiB fit.
     assert filtered(pod(container("a", 4), init=(container("setup", 5),)), node("n", (5, 100), (3, 100)))[0] == ["n"]
     # but not an init container bigger than any GPU's room.
     failed = filtered(pod(container("a", 1), init=(container("setup", 6),)), node("n", (5, 100), (3, 100)))[1]
-    assert failed["n"].startswith("container setup: no GPU of n has 6 GiB")
+    assert failed["n"].startswith("container setup: no GPU of n has 6 GiB free (")
+    # A share of time alone is said so.
+    assert filtered(pod(container("a", util=80)), node("n", (5, 70)))[1] == {
+        "n": "no GPU of n has 80% free (free: GPU 0 5 GiB 70%)"}
     # Containers asking nothing of gemtrace are not placed.
     assert filtered(pod(container("a", 5), container("sidecar")), node("n", (5, 100)))[0] == ["n"]
 

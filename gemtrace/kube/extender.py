@@ -129,11 +129,10 @@ def _why(node: str, request: Request, rooms: Sequence[GpuRoom]) -> str:
         names = ", ".join(sorted({r.name for r in rooms})) or "none"
         return f"no GPU of {node} is a {request.model} (its GPUs: {names})"
     model = f"{request.model} " if request.model is not None else ""
+    share = " and ".join([f"{request.memory} GiB"] * bool(request.memory) + [f"{request.util}%"] * bool(request.util))
     if request.gpus == 1:
-        return (f"no {model}GPU of {node} has {request.memory} GiB and {request.util}% free "
-                f"({_free(rooms)})")
-    return (f"fewer than {request.gpus} {model}GPUs of {node} have {request.memory} GiB and {request.util}% "
-            f"free each ({_free(rooms)})")
+        return f"no {model}GPU of {node} has {share} free ({_free(rooms)})"
+    return f"fewer than {request.gpus} {model}GPUs of {node} have {share} free each ({_free(rooms)})"
 
 
 @dataclass(frozen=True)
