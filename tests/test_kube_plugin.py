@@ -156,9 +156,9 @@ class FakeApiserver:
         self.known = known or {}
         self.finished: set[str] = set()
         self.events: list[tuple[str, str, str, str]] = []
-        self.rooms: list[str] = []
+        self.rooms: list[str | None] = []
 
-    def annotate(self, text: str) -> None:
+    def annotate(self, text: str | None) -> None:
         self.rooms.append(text)
 
     def pods(self) -> Pods:
@@ -780,7 +780,8 @@ def test_the_plugin_puts_each_gpus_room_on_its_node_as_grants_come_and_go(gpu_st
     def room_is(*free: tuple[int, int]) -> bool:
         expected = [GpuRoom(i, uuid, "Simulated GPU", 8, memory, util)
                     for i, ((uuid, _), (memory, util)) in enumerate(zip(stack.gpus, free, strict=True))]
-        return bool(stack.api.rooms) and parse_rooms(stack.api.rooms[-1]) == expected
+        text = stack.api.rooms[-1] if stack.api.rooms else None
+        return text is not None and parse_rooms(text) == expected
 
     wait_until("the room of two empty GPUs", lambda: room_is((8, 100), (8, 100)), timeout=20)
     stack.kubelet.admit("five", {MEM: 5, UTIL: 30})
@@ -799,3 +800,6 @@ def test_the_plugin_puts_each_gpus_room_on_its_node_as_grants_come_and_go(gpu_st
     stack.kubelet.pods = [p for p in stack.kubelet.pods if p.name != "two"]
     wait_until("both GPUs empty again", lambda: room_is((8, 100), (8, 100)), timeout=20)
     assert len(stack.api.rooms) == patches + 2
+    # A plugin that stops takes its room away: the extender then leaves the node to check pods itself.
+    stack.stop_plugin()
+    assert stack.api.rooms[-1] is None and len(stack.api.rooms) == patches + 3

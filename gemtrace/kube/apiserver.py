@@ -112,8 +112,9 @@ class Apiserver:
                         _requests(p), _stopped(p))
                 for p in items}
 
-    def annotate_node(self, node: str, key: str, value: str) -> None:
-        """Set one annotation of the node (a JSON merge patch: its other annotations stay); raises ApiError."""
+    def annotate_node(self, node: str, key: str, value: str | None) -> None:
+        """Set one annotation of the node, or remove it given None (a JSON merge patch: its other
+        annotations stay); raises ApiError."""
         self.call("PATCH", f"/api/v1/nodes/{urllib.parse.quote(node)}", {"metadata": {"annotations": {key: value}}},
                   content_type="application/merge-patch+json")
 

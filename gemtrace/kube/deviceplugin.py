@@ -274,7 +274,7 @@ class DevicePlugin:
                  pods: Callable[[], Pods] | None = None, names_file: Path | None = None,
                  tell: Callable[[str, str, str, str], None] | None = None,
                  names: dict[str, str] | None = None, packing: Packing | None = None,
-                 config: Path | None = None, publish_room: Callable[[str], None] | None = None) -> None:
+                 config: Path | None = None, publish_room: Callable[[str | None], None] | None = None) -> None:
         """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for placement, the
         grants' Cgroup rule and MaxUtil annotation, and which pods are gone; None: without them.
         `names_file`: where to write the pods' names for the agent's metrics labels
@@ -282,8 +282,8 @@ class DevicePlugin:
         pod, uid, message)`: a Warning event on a pod whose grant the agent refused. `names`: each
         GPU's NVML name (uuid -> name), for gemtrace.io/gpu-model; `packing`: binpack by default.
         `config`: the agent's resource file, whose own groups' MinUtil the util devices leave out.
-        `publish_room(text)`: sets this node's annotation of each GPU's room (gemtrace.kube.rooms);
-        None: not published."""
+        `publish_room(text)`: sets this node's annotation of each GPU's room (gemtrace.kube.rooms),
+        and removes it given None; None: not published."""
         self.inventory = Inventory(gpus)
         self.config = config
         self._config_seen: tuple[object, ...] | None = None  # the files' stat when last read
@@ -535,3 +535,12 @@ class DevicePlugin:
         self.stop_servers()
         for resource in shares.RESOURCES:
             (self.device_plugins / socket_name(resource)).unlink(missing_ok=True)
+        if self.publish_room is not None and self._room_published is not None:
+            # Nobody keeps the room once the plugin stops: without it the scheduler extender passes
+            # the node and the node checks pods itself, rather than the extender judging a stale room.
+            try:
+                self.publish_room(None)
+                self._room_published = None
+            except Exception as e:  # ApiError
+                log.warning("gpu_room_not_removed", error=str(e),
+                            consequence="the scheduler extender reads the last room until a plugin publishes again")
