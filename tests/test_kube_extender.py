@@ -123,6 +123,7 @@ def test_containers_are_placed_one_after_another_and_init_containers_each_alone(
         "n": "no GPU of n has 80% free (free: GPU 0 5 GiB 70%)"}
     # Containers asking nothing of gemtrace are not placed.
     assert filtered(pod(container("a", 5), container("sidecar")), node("n", (5, 100)))[0] == ["n"]
+    assert extender.fit("n", [], [], BINPACK) == extender.Fit(None)
 
 
 def test_a_node_without_the_annotation_passes_and_a_bad_one_fails_that_node_alone() -> None:

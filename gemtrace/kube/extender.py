@@ -137,9 +137,10 @@ def _why(node: str, request: Request, rooms: Sequence[GpuRoom]) -> str:
 
 @dataclass(frozen=True)
 class Fit:
-    """Where a pod goes on a node: the room of the GPU its first container takes, before it does."""
+    """Where a pod goes on a node: the room of the GPU its first container takes, before it does
+    (None: it asks no share)."""
 
-    first: Room
+    first: Room | None
 
 
 def fit(node: str, rooms: Sequence[GpuRoom], asks: Sequence[Asked], packing: Packing) -> Fit | str:
@@ -161,7 +162,7 @@ def fit(node: str, rooms: Sequence[GpuRoom], asks: Sequence[Asked], packing: Pac
                 left = by_uuid[room.uuid]
                 by_uuid[room.uuid] = replace(left, memory_free=left.memory_free - ask.request.memory,
                                              util_free=left.util_free - ask.request.util)
-    return Fit(firsts.get(False) or firsts[True])
+    return Fit(firsts.get(False) or firsts.get(True))
 
 
 def _nodes(args: Json) -> tuple[list[Json] | None, list[str] | None]:
@@ -238,7 +239,7 @@ def prioritize(document: Any, packing: Packing) -> list[Json]:
     if nodes is None:
         return [{"Host": name, "Score": 0} for name in names or []]
     judged = _judge(pod, nodes, packing)
-    fits = {name: f.first for name, f in judged.items() if isinstance(f, Fit)}
+    fits = {name: f.first for name, f in judged.items() if isinstance(f, Fit) and f.first is not None}
     # Equal GPUs rank alike: by what the packing orders on, their free memory and time.
     ranked = list(dict.fromkeys((r.memory, r.util) for r in packing.order(list(fits.values()))))
     step = MAX_PRIORITY / max(len(ranked) - 1, 1)
