@@ -7,6 +7,7 @@
     deviceplugin.py  `gemtrace kube-plugin`: the kubelet's device plugin API (v1beta1) for both resources
     grants.py        the drop-in resource files of the pods that hold shares, rebuilt from PodResources
     kubelet.py       the kubelet's sockets: registration, PodResources, the apiserver's pods of this node
+    shapes.py        Kubernetes objects' JSON read without trusting its shape (the webhook's and the extender's)
     webhook.py       `gemtrace kube-webhook`: the mutating admission webhook for pods labelled with a group
     extender.py      `gemtrace kube-extender`: the kube-scheduler extender that checks each GPU's room
     pods.py          a process's pod and container from its cgroup path (metrics labels)

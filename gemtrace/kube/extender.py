@@ -40,13 +40,13 @@ import structlog
 
 from gemtrace import httpd
 from gemtrace.kube.rooms import ANNOTATION_GPU_ROOM, GpuRoom, parse_rooms
-from gemtrace.kube.shares import GPU_MEMORY, GPU_UTIL, Request, RequestError, request_of
+from gemtrace.kube.shapes import Json, ShapeError, mapping, object_list, share_limits
+from gemtrace.kube.shares import Request, RequestError, request_of
 from gemtrace.run.placement import Packing, Room, Unplaceable, model_matches, place
 from gemtrace.signals import SignalInbox
 
 log = structlog.get_logger("gemtrace.kube.extender")
 
-Json = dict[str, Any]
 
 FILTER_PATH = "/filter"
 PRIORITIZE_PATH = "/prioritize"
@@ -62,8 +62,9 @@ LIMITS = httpd.Limits(body_bytes=16 << 20, connections=8, workers=1)
 GPUS_SHOWN = 16  # of a node's GPUs in a reason; more are counted
 
 
-class BadArgs(ValueError):
-    """A body that is not ExtenderArgs: answered 400 with this message."""
+class BadArgs(ShapeError):
+    """A body that is not ExtenderArgs: answered 400 with this message (as one whose Pod or Nodes
+    are not shaped as they are: ShapeError)."""
 
 
 @dataclass(frozen=True)
@@ -80,41 +81,12 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _mapping(value: Any, where: str) -> Json:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadArgs(f"{where} is a {type(value).__name__}, not an object")
-    return value
-
-
-def _objects(value: Any, where: str) -> list[Json]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise BadArgs(f"{where} is not a list of objects")
-    return value
-
-
 def pod_asks(pod: Json) -> list[Asked]:
-    """What each container of `pod` asks of the two resources (its limits, else its requests: an
-    extended resource's are equal), init containers first; BadArgs for a pod not shaped as one,
-    RequestError for a request no node could place."""
-    spec = _mapping(pod.get("spec"), "Pod.spec")
-    annotations = _mapping(_mapping(pod.get("metadata"), "Pod.metadata").get("annotations"),
-                           "Pod.metadata.annotations")
-    out = []
-    for kind in ("initContainers", "containers"):
-        for i, container in enumerate(_objects(spec.get(kind), f"Pod.spec.{kind}")):
-            resources = _mapping(container.get("resources"), f"Pod.spec.{kind}[{i}].resources")
-            asked = {**_mapping(resources.get("requests"), f"Pod.spec.{kind}[{i}].resources.requests"),
-                     **_mapping(resources.get("limits"), f"Pod.spec.{kind}[{i}].resources.limits")}
-            limits = {r: int(v) for r, v in asked.items()
-                      if r in (GPU_MEMORY, GPU_UTIL) and isinstance(v, (str, int)) and str(v).isdigit()}
-            if limits:
-                out.append(Asked(_short(container.get("name", f"#{i}")), request_of(limits, annotations),
-                                 kind == "initContainers"))
-    return out
+    """What each container of `pod` asks of the two resources, init containers first; ShapeError for
+    a pod not shaped as one, RequestError for a request no node could place."""
+    annotations = mapping(mapping(pod.get("metadata"), "Pod.metadata").get("annotations"), "Pod.metadata.annotations")
+    return [Asked(_short(name), request_of(limits, annotations), init)
+            for init, name, limits in share_limits(mapping(pod.get("spec"), "Pod.spec"), "Pod.spec")]
 
 
 def _free(rooms: Sequence[GpuRoom]) -> str:
@@ -169,9 +141,9 @@ def _nodes(args: Json) -> tuple[list[Json] | None, list[str] | None]:
     """The candidate nodes, whole (Nodes) or by name (NodeNames)."""
     nodes = args.get("Nodes")
     if nodes is not None:
-        items = _objects(_mapping(nodes, "Nodes").get("items"), "Nodes.items")
+        items = object_list(mapping(nodes, "Nodes").get("items"), "Nodes.items")
         for i, node in enumerate(items):
-            if not isinstance(_mapping(node.get("metadata"), f"Nodes.items[{i}].metadata").get("name"), str):
+            if not isinstance(mapping(node.get("metadata"), f"Nodes.items[{i}].metadata").get("name"), str):
                 raise BadArgs(f"Nodes.items[{i}].metadata.name is not a string")
         return items, None
     names = args.get("NodeNames")
@@ -225,7 +197,7 @@ def filter_nodes(document: Any, packing: Packing) -> Json:
     judged = _judge(pod, nodes, packing)
     failed = {name: why for name, why in judged.items() if isinstance(why, str)}
     passed = [node for node in nodes if node["metadata"]["name"] not in failed]
-    metadata = _mapping(pod.get("metadata"), "Pod.metadata")
+    metadata = mapping(pod.get("metadata"), "Pod.metadata")
     log.info("pod_filtered", namespace=_short(metadata.get("namespace", "")), pod=_short(metadata.get("name", "")),
              passed=len(passed), failed={_short(n): _short(w, 400) for n, w in list(failed.items())[:8]})
     return {"Nodes": {"apiVersion": "v1", "kind": "NodeList", "metadata": {}, "items": passed},
@@ -252,18 +224,9 @@ def answer(path: str, content_type: str | None, body: bytes, packing: Packing) -
     verbs = {FILTER_PATH: filter_nodes, PRIORITIZE_PATH: prioritize}
     if path not in verbs:
         return 404, f"no such verb: POST {FILTER_PATH} or {PRIORITIZE_PATH}"
-    media = (content_type or "").partition(";")[0].strip().lower()
     try:
-        if media != "application/json":
-            raise BadArgs(f"Content-Type {_short(media) or 'missing'!r}: ExtenderArgs is application/json")
-        try:
-            document = json.loads(body)
-        except RecursionError:
-            raise BadArgs("the JSON is nested too deeply") from None
-        except ValueError as e:  # bad JSON, bad UTF-8, an integer too long
-            raise BadArgs(f"not JSON: {e}") from None
-        return 200, verbs[path](document, packing)
-    except BadArgs as e:
+        return 200, verbs[path](httpd.json_body(content_type, body, "ExtenderArgs"), packing)
+    except (ShapeError, httpd.NotJson) as e:  # BadArgs too
         return 400, f"not an ExtenderArgs: {e}"
 
 
