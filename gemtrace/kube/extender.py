@@ -47,7 +47,6 @@ from gemtrace.signals import SignalInbox
 
 log = structlog.get_logger("gemtrace.kube.extender")
 
-
 FILTER_PATH = "/filter"
 PRIORITIZE_PATH = "/prioritize"
 HEALTH_PATH = "/healthz"
@@ -98,9 +97,9 @@ def _free(rooms: Sequence[GpuRoom]) -> str:
 def _why(node: str, request: Request, rooms: Sequence[GpuRoom]) -> str:
     """Why no `request.gpus` GPUs of `rooms` take the request, in a sentence naming the node."""
     if request.model is not None and not any(model_matches(request.model, r.name) for r in rooms):
-        names = ", ".join(sorted({r.name for r in rooms})) or "none"
-        return f"no GPU of {node} is a {request.model} (its GPUs: {names})"
-    model = f"{request.model} " if request.model is not None else ""
+        names = _short(", ".join(sorted({r.name for r in rooms})) or "none", 200)
+        return f"no GPU of {node} is a {_short(request.model)} (its GPUs: {names})"
+    model = f"{_short(request.model)} " if request.model is not None else ""
     share = " and ".join([f"{request.memory} GiB"] * bool(request.memory) + [f"{request.util}%"] * bool(request.util))
     if request.gpus == 1:
         return f"no {model}GPU of {node} has {share} free ({_free(rooms)})"
