@@ -111,6 +111,8 @@ def test_the_scheduler_extender_serves_where_the_schedulers_configuration_calls_
     assert hook["weight"] >= 1
     assert hook["managedResources"] == [{"name": r, "ignoredByScheduler": False} for r in shares.RESOURCES]
     assert hook["urlPrefix"] == f"http://{defaults.EXTENDER_LISTEN}"
+    # With --config, 1.20's --port=0 no longer turns its unauthenticated healthz and metrics off.
+    assert all(config[k].startswith("127.0.0.1:") for k in ("healthzBindAddress", "metricsBindAddress"))
     # The operator's copy in the docs is the file's.
     extenders = "extenders:\n" + (DEPLOY / "kube-scheduler" / "config.yaml").read_text().split("\nextenders:\n", 1)[1]
     assert textwrap.indent(extenders, "    ") in (REPO / "docs" / "kubernetes.md").read_text()

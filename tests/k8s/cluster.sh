@@ -60,6 +60,7 @@ KUBELET_PORT=${GEMTRACE_K8S_KUBELET_PORT:-20250}
 KUBELET_HEALTHZ_PORT=$((KUBELET_PORT - 2))
 CONTROLLER_MANAGER_PORT=${GEMTRACE_K8S_CONTROLLER_MANAGER_PORT:-20257}
 SCHEDULER_PORT=${GEMTRACE_K8S_SCHEDULER_PORT:-20259}
+SCHEDULER_INSECURE_PORT=$((SCHEDULER_PORT - 8))  # its healthz and metrics (10251 by default), on loopback
 SERVICE_CIDR=10.96.0.0/16
 KUBERNETES_SERVICE_IP=10.96.0.1  # the first of SERVICE_CIDR: the apiserver's own Service
 # The pod network: one bridge on the host, its first address the pods' gateway.
@@ -591,9 +592,11 @@ syncFrequency: 10s
 EOF
 }
 
-# kube-scheduler's --config: this cluster's connection, one scheduler (no leader election), and the
-# extenders of deploy/kube-scheduler/config.yaml as they are. With --config the 1.20 scheduler
-# ignores its --kubeconfig and --leader-elect flags; the file says them.
+# kube-scheduler's --config: this cluster's connection, one scheduler (no leader election), its
+# unauthenticated healthz and metrics on loopback off the usual port, and the extenders of
+# deploy/kube-scheduler/config.yaml as they are. With --config the 1.20 scheduler ignores its
+# --kubeconfig, --leader-elect and --port flags (--port 0 no longer turns those off, and a port of 0
+# in the file is refused): the file says them.
 write_scheduler_config() {
     grep -q '^extenders:' "$SCHEDULER_CONFIG_SOURCE" || die "$SCHEDULER_CONFIG_SOURCE has no extenders: section"
     {
@@ -604,6 +607,8 @@ clientConnection:
   kubeconfig: $RUN/scheduler.kubeconfig
 leaderElection:
   leaderElect: false
+healthzBindAddress: 127.0.0.1:$SCHEDULER_INSECURE_PORT
+metricsBindAddress: 127.0.0.1:$SCHEDULER_INSECURE_PORT
 EOF
         sed -n '/^extenders:/,$p' "$SCHEDULER_CONFIG_SOURCE"
     } >"$RUN/scheduler-config.yaml"
@@ -698,7 +703,7 @@ cmd_up() {
     start kube-scheduler "$bin/kube-scheduler" --config "$RUN/scheduler-config.yaml" \
         --authentication-kubeconfig "$RUN/scheduler.kubeconfig" \
         --authorization-kubeconfig "$RUN/scheduler.kubeconfig" \
-        --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --port 0
+        --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT"
 
     # shellcheck disable=SC2046  # in_node's words
     start kubelet $(in_node) "$bin/kubelet" --config "$RUN/kubelet-config.yaml" \
