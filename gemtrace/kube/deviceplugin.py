@@ -314,6 +314,8 @@ class DevicePlugin:
         self.publish_room = publish_room
         self._room_published: str | None = None
         self._room_failed: tuple[str, float] | None = None  # the room whose patch failed, and when
+        # A patch of the loop's and close()'s removal, one after the other: none after the removal.
+        self._room_lock = threading.Lock()
         self.placer = Placer(gpus, self.names, packing or PACKINGS[DEFAULT_PACKING](), pods, self._listed,
                              advertised=self.inventory.device_ids)
 
@@ -482,6 +484,11 @@ class DevicePlugin:
         recorded by the kubelet holds."""
         if self.publish_room is None:
             return
+        with self._room_lock:
+            if not self._stop.is_set():
+                self._publish(self.publish_room, grants)
+
+    def _publish(self, publish_room: Callable[[str | None], None], grants: dict[str, Grant]) -> None:
         held = {d for g in grants.values() for d in g.memory + g.util} | self.placer.undelivered()
         rooms = node_rooms(self.inventory.gpus, self.names, self.inventory.healthy,
                            {r: self.inventory.device_ids(r) for r in shares.RESOURCES}, held)
@@ -492,7 +499,7 @@ class DevicePlugin:
                 and now - self._room_failed[1] < ROOM_RETRY_S):
             return
         try:
-            self.publish_room(text)
+            publish_room(text)
         except Exception as e:  # ApiError: the extender reads the last room published meanwhile
             self._room_failed = (text, now)
             log.warning("gpu_room_not_published", error=str(e), retry_s=ROOM_RETRY_S,
@@ -535,7 +542,9 @@ class DevicePlugin:
         self.stop_servers()
         for resource in shares.RESOURCES:
             (self.device_plugins / socket_name(resource)).unlink(missing_ok=True)
-        if self.publish_room is not None and self._room_published is not None:
+        with self._room_lock:  # after stop(): the loop patches no more
+            if self.publish_room is None or self._room_published is None:
+                return
             # Nobody keeps the room once the plugin stops: without it the scheduler extender passes
             # the node and the node checks pods itself, rather than the extender judging a stale room.
             try:
