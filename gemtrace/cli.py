@@ -187,6 +187,7 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
         from gemtrace.kube.deviceplugin import EVENT_REASON, DevicePlugin
         from gemtrace.kube.grants import Grants
         from gemtrace.kube.injection import Injection
+        from gemtrace.kube.rooms import ANNOTATION_GPU_ROOM
     except ImportError as e:
         return _fail(f"{e}: the Kubernetes commands need grpcio and protobuf (pip install 'gemtrace[kube]', or "
                      "apt-get install python3-grpcio python3-protobuf)")
@@ -204,7 +205,7 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
     from gemtrace.kube.apiserver import ApiError, Apiserver
     from gemtrace.signals import SignalInbox
 
-    pods = tell = None
+    pods = tell = publish_room = None
     if args.node_name:
         try:
             api = Apiserver.from_kubeconfig(args.kubeconfig) if args.kubeconfig else Apiserver.in_cluster()
@@ -214,11 +215,12 @@ def cmd_kube_plugin(args: argparse.Namespace) -> int:
         pods = lambda: api.pods_of_node(node)  # noqa: E731
         tell = lambda namespace, pod, uid, message: api.pod_event(  # noqa: E731
             namespace, pod, uid, EVENT_REASON, message, node)
+        publish_room = lambda text: api.annotate_node(node, ANNOTATION_GPU_ROOM, text)  # noqa: E731
     plugin = DevicePlugin(gpus, args.state_dir, Grants(dropin_dir(args.config)), injection,
                           device_plugins=args.device_plugins, pod_resources=args.pod_resources,
                           gpus_present=lambda: {g.uuid for g in discover()}, pods=pods, names_file=args.pod_names,
                           tell=tell, names={g.uuid: g.name for g in found},
-                          packing=PACKINGS[args.placement](), config=args.config)
+                          packing=PACKINGS[args.placement](), config=args.config, publish_room=publish_room)
     # The plugin runs in a thread; the main thread only takes the signals (gemtrace.signals says why).
     signals = SignalInbox((signal.SIGTERM, signal.SIGINT))
     worker = threading.Thread(target=plugin.run, name="gemtrace-plugin", daemon=True)
@@ -258,6 +260,18 @@ def cmd_kube_webhook(args: argparse.Namespace) -> int:
         serve(args.listen, args.cert, args.key, injection, resource_groups(args.config), keeper)
     except OSError as e:
         return _fail(f"cannot serve the webhook on {args.listen} with {args.cert}: {e}")
+    return 0
+
+
+def cmd_kube_extender(args: argparse.Namespace) -> int:
+    from gemtrace import eventlog
+    from gemtrace.kube.extender import serve
+
+    eventlog.configure(args.log_level)
+    try:
+        serve(args.listen, PACKINGS[args.placement](), args.placement)
+    except (OSError, ValueError) as e:
+        return _fail(f"cannot serve the scheduler extender on {args.listen}: {e}")
     return 0
 
 
@@ -412,7 +426,8 @@ def parser() -> argparse.ArgumentParser:
     kube_plugin.add_argument("--node-name", default=os.environ.get("NODE_NAME"), metavar="NODE",
                              help="this node's name: the plugin then reads its pods from the apiserver to place "
                              "each container's share on its GPUs, and for their cgroup (a Cgroup rule) and "
-                             "annotations (default $NODE_NAME; unset: none of these)")
+                             "annotations, and puts each GPU's free room on its node for the scheduler extender "
+                             "(annotation gemtrace.io/gpu-room; default $NODE_NAME; unset: none of these)")
     kube_plugin.add_argument("--pod-names", type=Path, default=POD_NAMES, metavar="FILE",
                              help="where to write the pods' names for the agent's metrics labels (default %(default)s; "
                              "the agent's --pod-names)")
@@ -457,6 +472,20 @@ def parser() -> argparse.ArgumentParser:
                               "(default %(default)s)")
     injection_options(kube_webhook)
     kube_webhook.set_defaults(func=cmd_kube_webhook)
+
+    kube_extender = sub.add_parser(
+        "kube-extender", help="serve the kube-scheduler extender that checks pods' GPU shares on each GPU",
+        description="Filter and rank the nodes for a pod asking gemtrace.io/gpu-memory or gpu-util by each GPU's "
+        "free room, which `gemtrace kube-plugin` puts on its node: a pod no GPU of any node can take whole stays "
+        "Pending with the reason (docs/kubernetes.md gives kube-scheduler's configuration). Stops on SIGTERM.")
+    kube_extender.add_argument("--listen", default=defaults.EXTENDER_LISTEN, metavar="HOST:PORT",
+                               help="HOST:PORT to serve HTTP on, where kube-scheduler calls it (default %(default)s)")
+    kube_extender.add_argument("--placement", choices=sorted(PACKINGS), default=DEFAULT_PACKING,
+                               help="which nodes to prefer among those that fit, as the nodes' plugins order their "
+                               "GPUs: binpack, the fullest GPU first, or spread, the emptiest (default %(default)s)")
+    kube_extender.add_argument("--log-level", choices=("debug", "info", "warning", "error"), default="info",
+                               help="log events of this severity and above (default info)")
+    kube_extender.set_defaults(func=cmd_kube_extender)
 
     top = sub.add_parser("top", help="live view of the groups (q quits)", add_help=False,
                          description="Live view; `gemtrace top --help` lists its options.")

@@ -12,6 +12,10 @@ from gemtrace import contract
 CONFIG_PATH = Path("/etc/gemtrace/resource.conf")
 STATE_DIR = Path(contract.DEFAULT_STATE_DIR)
 LISTEN = "127.0.0.1:9843"
+# `gemtrace kube-extender`: on each control-plane host, where kube-scheduler reaches it on loopback
+# (deploy/scheduler-extender.yaml; deploy/kube-scheduler/config.yaml's urlPrefix names the same port).
+EXTENDER_PORT = 9844
+EXTENDER_LISTEN = f"127.0.0.1:{EXTENDER_PORT}"
 # A listen address or a metrics source that names a unix socket: the agent serves /metrics there, top reads it.
 UNIX_PREFIX = "unix:"
 # Where packaging/deb/build.sh installs the gate and the BPF sources.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import io
+import json
 import socket
 import ssl
 import threading
@@ -279,6 +280,24 @@ def _quiet(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
     """asyncio's reports of failed TLS handshakes and reset connections: any client can cause them, so
     they are not worth a log line each."""
     log.debug("http_connection_error", message=context.get("message"), error=repr(context.get("exception")))
+
+
+class NotJson(ValueError):
+    """A request body that is not one JSON document sent as application/json; str() says why."""
+
+
+def json_body(content_type: str | None, body: bytes, what: str) -> Any:
+    """The JSON document a request's body holds (`what` it should be, for the message); NotJson for
+    another Content-Type, a body that is not JSON, or one nested too deeply to read."""
+    media = (content_type or "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise NotJson(f"Content-Type {media[:40] or 'missing'!r}: {what} is application/json")
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise NotJson("the JSON is nested too deeply") from None
+    except ValueError as e:  # bad JSON, bad UTF-8, an integer too long
+        raise NotJson(f"not JSON: {e}") from None
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -62,7 +62,7 @@ def test_top_reads_the_address_given_as_listen_or_url() -> None:
 
 def test_every_command_help_is_the_parser_the_man_page_documents() -> None:
     assert set(cli.help_parsers()) == {"", "agent", "run", "check-config", "status", "top", "kube-plugin",
-                                        "kube-webhook"}
+                                        "kube-webhook", "kube-extender"}
     assert cli.help_parsers()["top"].format_help() == top.parser().format_help()
     out = gemtrace("top", "--help")
     assert out.returncode == 0 and out.stdout == top.parser().format_help()

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from simgpu_env import REPO
 
 pytestmark = pytest.mark.unit
@@ -146,3 +147,16 @@ def test_the_host_s_gemtrace_directories_have_one_owning_test_run_at_a_time(tmp_
         holder.wait()
     with testkit.owning_host_dirs("this run", wait_s=5):  # free again once its holder is gone
         assert (tmp_path / "host-dirs.lock").read_text().startswith("this run (pid")
+
+
+def test_the_scheduler_runs_with_the_extenders_deploy_gives_the_operator(tmp_path: Path) -> None:
+    """kube-scheduler's --config: the cluster's own connection, no leader election, its healthz and
+    metrics on loopback off the usual port, and the `extenders:` of deploy/kube-scheduler/config.yaml
+    unchanged (tests/test_deploy.py checks those)."""
+    out = sourced(f'RUN="{tmp_path}"; write_scheduler_config; cat "$RUN/scheduler-config.yaml"', tmp_path)
+    assert out.returncode == 0, out.stderr
+    config = yaml.safe_load(out.stdout)
+    operators = yaml.safe_load((REPO / "deploy" / "kube-scheduler" / "config.yaml").read_text())
+    assert config == {**operators, "clientConnection": {"kubeconfig": f"{tmp_path}/scheduler.kubeconfig"},
+                      "leaderElection": {"leaderElect": False}, "healthzBindAddress": "127.0.0.1:20251",
+                      "metricsBindAddress": "127.0.0.1:20251"}

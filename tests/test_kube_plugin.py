@@ -38,6 +38,7 @@ from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
 from gemtrace.kube.pb import podresources_pb2 as pr
 from gemtrace.kube.pb import podresources_pb2_grpc as pr_grpc
+from gemtrace.kube.rooms import GpuRoom, parse_rooms
 from gemtrace.run.placement import PACKINGS
 
 pytestmark = pytest.mark.e2e
@@ -147,14 +148,18 @@ class FakeKubelet(dp_grpc.RegistrationServicer, pr_grpc.PodResourcesListerServic
 
 class FakeApiserver:
     """The apiserver's pods of the node: those `admit` made (Pending until admitted), and those the
-    kubelet lists, as `known` says them (else a uid of their name), ended if said `finished`; and the
-    events the plugin posts."""
+    kubelet lists, as `known` says them (else a uid of their name), ended if said `finished`; the
+    events the plugin posts, and each value it patched into its node's annotation of the GPUs' room."""
 
     def __init__(self, kubelet: FakeKubelet, known: Pods | None = None) -> None:
         self.kubelet = kubelet
         self.known = known or {}
         self.finished: set[str] = set()
         self.events: list[tuple[str, str, str, str]] = []
+        self.rooms: list[str | None] = []
+
+    def annotate(self, text: str | None) -> None:
+        self.rooms.append(text)
 
     def pods(self) -> Pods:
         out = dict(self.kubelet.api)
@@ -205,7 +210,8 @@ class Stack:
         self.plugin = DevicePlugin(self.gpus, self.host.state_dir, self.grants, self.injection,
                                    device_plugins=self.directory, pod_resources=self.directory / "pod-resources.sock",
                                    pods=self.api.pods, names_file=self.host.tmp / "pods.json", tell=self.api.tell,
-                                   names=self.names, packing=PACKINGS[self.placement](), config=self.host.config)
+                                   names=self.names, packing=PACKINGS[self.placement](), config=self.host.config,
+                                   publish_room=self.api.annotate)
         self.thread = threading.Thread(target=self.plugin.run if self.loop else lambda: None, daemon=True)
         self.thread.start()
 
@@ -763,3 +769,37 @@ def test_binpack_fills_one_gpu_first_and_spread_one_pod_per_gpu_on_eight_gpus(
     assert placed_on(stack, "whole") == whole
     assert defined(stack, "whole")[:2] == (8 * GiB, 1.0)
     assert defined(stack, "small-3")[:2] == (2 * GiB, 0.2)
+
+
+def test_the_plugin_puts_each_gpus_room_on_its_node_as_grants_come_and_go(gpu_stack: Callable[..., Stack]) -> None:
+    """The node's annotation (gemtrace.kube.rooms), which the scheduler extender reads: each GPU's GiB and
+    percent that no container holds, patched when a grant comes or goes and only then."""
+    stack = gpu_stack(2)
+    (gpu0, _), (gpu1, _) = stack.gpus
+
+    def room_is(*free: tuple[int, int]) -> bool:
+        expected = [GpuRoom(i, uuid, "Simulated GPU", 8, memory, util)
+                    for i, ((uuid, _), (memory, util)) in enumerate(zip(stack.gpus, free, strict=True))]
+        text = stack.api.rooms[-1] if stack.api.rooms else None
+        return text is not None and parse_rooms(text) == expected
+
+    wait_until("the room of two empty GPUs", lambda: room_is((8, 100), (8, 100)), timeout=20)
+    stack.kubelet.admit("five", {MEM: 5, UTIL: 30})
+    wait_until("GPU 0's room less the grant", lambda: room_is((3, 70), (8, 100)), timeout=20)
+    stack.kubelet.admit("two", {MEM: 2, UTIL: 80})  # binpack: GPU 0 has 3 GiB but 70%: GPU 1
+    wait_until("GPU 1's room less the second grant", lambda: room_is((3, 70), (6, 20)), timeout=20)
+    patches = len(stack.api.rooms)
+    listed = len(stack.kubelet.listed)
+    wait_until("three more passes of the plugin", lambda: len(stack.kubelet.listed) >= listed + 3, timeout=20)
+    assert len(stack.api.rooms) == patches  # nothing changed: nothing patched
+    # The first pod ends: its grant goes, and its room comes back.
+    stack.api.finished.add("five")
+    wait_until("GPU 0 empty again", lambda: room_is((8, 100), (6, 20)), timeout=20)
+    # The kubelet forgets it (no change of room: no patch), then the second pod goes.
+    stack.kubelet.pods = [p for p in stack.kubelet.pods if p.name != "five"]
+    stack.kubelet.pods = [p for p in stack.kubelet.pods if p.name != "two"]
+    wait_until("both GPUs empty again", lambda: room_is((8, 100), (8, 100)), timeout=20)
+    assert len(stack.api.rooms) == patches + 2
+    # A plugin that stops takes its room away: the extender then leaves the node to check pods itself.
+    stack.stop_plugin()
+    assert stack.api.rooms[-1] is None and len(stack.api.rooms) == patches + 3

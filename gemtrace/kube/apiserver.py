@@ -4,8 +4,9 @@ PodResources names a container's pod but not its UID (the pod's cgroup path is m
 annotations (`gemtrace.io/max-util`), nor whether it has ended. One GET of the node's pods per
 reconciliation gives all three. The credentials: a kubeconfig (its current context; certificate and
 key files or data, or a token), or inside a pod its service account. Optional: without it the plugin
-writes no Cgroup rule, takes MaxUtil from the util request alone and tells the pods nothing. The one
-write is an Event on a pod whose grant the agent refused (deploy/rbac.yaml allows events create).
+writes no Cgroup rule, takes MaxUtil from the util request alone and tells the pods nothing. The
+writes: an Event on a pod whose grant the agent refused, and its node's annotation of each GPU's room
+(gemtrace.kube.rooms); deploy/rbac.yaml allows events create and nodes patch.
 """
 
 from __future__ import annotations
@@ -110,6 +111,12 @@ class Apiserver:
                         (p.get("status") or {}).get("phase", ""), p["metadata"].get("creationTimestamp", ""),
                         _requests(p), _stopped(p))
                 for p in items}
+
+    def annotate_node(self, node: str, key: str, value: str | None) -> None:
+        """Set one annotation of the node, or remove it given None (a JSON merge patch: its other
+        annotations stay); raises ApiError."""
+        self.call("PATCH", f"/api/v1/nodes/{urllib.parse.quote(node)}", {"metadata": {"annotations": {key: value}}},
+                  content_type="application/merge-patch+json")
 
     def pod_event(self, namespace: str, pod: str, uid: str, reason: str, message: str, node: str) -> None:
         """A Warning event on the pod (`kubectl describe pod` shows it); raises ApiError."""

@@ -25,6 +25,9 @@ kubelet's device-plugins directory, each registered with the kubelet. Owns the p
   pods, and how a pod's grant goes when the pod does.
 - Refusals. A grant the agent leaves out (it does not fit beside the others: gemtrace.config.load)
   is told to its pod as a Warning event, once per reason, and Allocate stops waiting for its group.
+- Room. Each GPU's free room goes on this node as its annotation (gemtrace.kube.rooms), patched at
+  the loop's pass after it changes and only then, for the scheduler extender to check each pod's fit
+  on each GPU before it binds it (gemtrace.kube.extender).
 
 Never decides quotas itself: the agent reads the drop-ins like any resource file.
 """
@@ -53,6 +56,7 @@ from gemtrace.kube.pb import deviceplugin_pb2 as dp
 from gemtrace.kube.pb import deviceplugin_pb2_grpc as dp_grpc
 from gemtrace.kube.placer import Placer
 from gemtrace.kube.pods import Names, read_refusals, refused_file, write_names
+from gemtrace.kube.rooms import node_rooms, room_text
 from gemtrace.kube.shares import Grant
 from gemtrace.run.placement import DEFAULT_PACKING, PACKINGS, Packing
 
@@ -63,6 +67,7 @@ CHECK_SECONDS = 1.0
 ALLOCATE_WAIT_S = 5.0  # for the agent to define a new group (it reloads its resource file every second)
 PRESTART_WAIT_S = 5.0  # for a container's Cgroup rule to be written and applied before it starts
 EVENT_REASON = "GemtraceGrantRefused"
+ROOM_RETRY_S = 10.0  # before the same room is patched again after a failed patch (a refused RBAC: not each second)
 
 
 def socket_name(resource: str) -> str:
@@ -269,14 +274,16 @@ class DevicePlugin:
                  pods: Callable[[], Pods] | None = None, names_file: Path | None = None,
                  tell: Callable[[str, str, str, str], None] | None = None,
                  names: dict[str, str] | None = None, packing: Packing | None = None,
-                 config: Path | None = None) -> None:
+                 config: Path | None = None, publish_room: Callable[[str | None], None] | None = None) -> None:
         """`pods`: the apiserver's pods of this node (gemtrace.kube.apiserver), for placement, the
         grants' Cgroup rule and MaxUtil annotation, and which pods are gone; None: without them.
         `names_file`: where to write the pods' names for the agent's metrics labels
         (gemtrace.kube.pods.NAMES_FILE); the agent's refusals are read beside it. `tell(namespace,
         pod, uid, message)`: a Warning event on a pod whose grant the agent refused. `names`: each
         GPU's NVML name (uuid -> name), for gemtrace.io/gpu-model; `packing`: binpack by default.
-        `config`: the agent's resource file, whose own groups' MinUtil the util devices leave out."""
+        `config`: the agent's resource file, whose own groups' MinUtil the util devices leave out.
+        `publish_room(text)`: sets this node's annotation of each GPU's room (gemtrace.kube.rooms),
+        and removes it given None; None: not published."""
         self.inventory = Inventory(gpus)
         self.config = config
         self._config_seen: tuple[object, ...] | None = None  # the files' stat when last read
@@ -303,7 +310,13 @@ class DevicePlugin:
         # The agent's config_generation before the last write of a drop-in: it has applied the write
         # once its generation passes this (None: nothing written since it last did).
         self._unapplied: int | None = None
-        self.placer = Placer(gpus, names or {}, packing or PACKINGS[DEFAULT_PACKING](), pods, self._listed,
+        self.names = names or {}
+        self.publish_room = publish_room
+        self._room_published: str | None = None
+        self._room_failed: tuple[str, float] | None = None  # the room whose patch failed, and when
+        # A patch of the loop's and close()'s removal, one after the other: none after the removal.
+        self._room_lock = threading.Lock()
+        self.placer = Placer(gpus, self.names, packing or PACKINGS[DEFAULT_PACKING](), pods, self._listed,
                              advertised=self.inventory.device_ids)
 
     def _listed(self) -> list[kubelet.ContainerDevices]:
@@ -465,9 +478,39 @@ class DevicePlugin:
             else:
                 time.sleep(0.02)
 
+    def publish(self, grants: dict[str, Grant]) -> None:
+        """Patch this node's annotation with each GPU's room if it changed since the last patch: the
+        devices advertised on healthy GPUs that neither `grants` nor a placement decision not yet
+        recorded by the kubelet holds."""
+        if self.publish_room is None:
+            return
+        with self._room_lock:
+            if not self._stop.is_set():
+                self._publish(self.publish_room, grants)
+
+    def _publish(self, publish_room: Callable[[str | None], None], grants: dict[str, Grant]) -> None:
+        held = {d for g in grants.values() for d in g.memory + g.util} | self.placer.undelivered()
+        rooms = node_rooms(self.inventory.gpus, self.names, self.inventory.healthy,
+                           {r: self.inventory.device_ids(r) for r in shares.RESOURCES}, held)
+        text = room_text(rooms)
+        now = time.monotonic()
+        if text == self._room_published or (
+                self._room_failed is not None and self._room_failed[0] == text
+                and now - self._room_failed[1] < ROOM_RETRY_S):
+            return
+        try:
+            publish_room(text)
+        except Exception as e:  # ApiError: the extender reads the last room published meanwhile
+            self._room_failed = (text, now)
+            log.warning("gpu_room_not_published", error=str(e), retry_s=ROOM_RETRY_S,
+                        consequence="the scheduler extender checks pods against the node's previous room")
+            return
+        self._room_published, self._room_failed = text, None
+        log.info("gpu_room_published", free={r.index: (r.memory_free, r.util_free) for r in rooms})
+
     def step(self) -> None:
         """One pass of the loop: health, the util devices, registration after a kubelet (re)start,
-        reconciliation."""
+        reconciliation, this node's room."""
         self.check_health()
         self.check_reserved()
         sockets_gone = self._servers and not all(
@@ -478,7 +521,9 @@ class DevicePlugin:
             except grpc.RpcError as e:
                 log.warning("registration_failed", error=str(e.code()), consequence="retried in a second")
                 self.kubelet_socket = kubelet.KubeletSocket(self.device_plugins)  # retry next step
-        self.reconcile()
+        grants = self.reconcile()
+        if grants is not None:
+            self.publish(grants)
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -497,3 +542,14 @@ class DevicePlugin:
         self.stop_servers()
         for resource in shares.RESOURCES:
             (self.device_plugins / socket_name(resource)).unlink(missing_ok=True)
+        with self._room_lock:  # after stop(): the loop patches no more
+            if self.publish_room is None or self._room_published is None:
+                return
+            # Nobody keeps the room once the plugin stops: without it the scheduler extender passes
+            # the node and the node checks pods itself, rather than the extender judging a stale room.
+            try:
+                self.publish_room(None)
+                self._room_published = None
+            except Exception as e:  # ApiError
+                log.warning("gpu_room_not_removed", error=str(e),
+                            consequence="the scheduler extender reads the last room until a plugin publishes again")

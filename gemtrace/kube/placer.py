@@ -37,6 +37,7 @@ log = structlog.get_logger("gemtrace.kube.placer")
 
 Key = tuple[str, str, str]  # namespace, pod, container
 DECISION_TTL_S = 600.0  # a decision the kubelet never acted on (the pod deleted while admitted)
+UNDELIVERED_S = 30.0  # a decision counts as holding its devices (the node's room) this long at most
 
 
 @dataclass
@@ -109,6 +110,14 @@ class Placer:
         if decision.refusal is not None or sorted(decision.devices.get(resource, ())) == sorted(devices):
             return decision
         return None
+
+    def undelivered(self) -> set[str]:
+        """The devices of the decisions made in the last UNDELIVERED_S that the kubelet has not yet
+        recorded: its Allocate follows at once, and an older one is a pod deleted while admitted."""
+        now = self.clock()
+        with self._lock:
+            return {d for decision in self.decisions.values() if now - decision.made < UNDELIVERED_S
+                    for ds in decision.devices.values() for d in ds}
 
     def prune(self, listed: Sequence[ContainerDevices], pods: Pods | None) -> None:
         """Forget the decisions the kubelet has recorded (PodResources lists them), those of pods gone

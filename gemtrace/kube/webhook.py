@@ -39,12 +39,12 @@ from gemtrace.config import _GROUP_NAME, ConfigError, load
 from gemtrace.kube.apiserver import ApiError
 from gemtrace.kube.injection import Injection
 from gemtrace.kube.servingcert import Keeper
-from gemtrace.kube.shares import GPU_MEMORY, GPU_UTIL, GROUP_PREFIX, LABEL_GROUP, pod_settings, request_of
+from gemtrace.kube.shapes import Json, ShapeError, mapping, object_list, share_limits
+from gemtrace.kube.shares import GROUP_PREFIX, LABEL_GROUP, pod_settings, request_of
 from gemtrace.signals import SignalInbox
 
 log = structlog.get_logger("gemtrace.kube.webhook")
 
-Json = dict[str, Any]
 Groups = Callable[[], Container[str]]  # the groups a label may name; BadPod when they cannot be known
 
 API_VERSION = "admission.k8s.io/v1"
@@ -58,24 +58,9 @@ class NotAReview(ValueError):
     """A body that is not an AdmissionReview at all: answered 400, as there is no uid to answer."""
 
 
-class BadPod(ValueError):
-    """A review whose pod cannot be read: refused (allowed: false) with this message."""
-
-
-def _mapping(value: Any, where: str) -> Json:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise BadPod(f"{where} is a {type(value).__name__}, not an object")
-    return value
-
-
-def _objects(value: Any, where: str) -> list[Json]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
-        raise BadPod(f"{where} is not a list of objects")
-    return value
+class BadPod(ShapeError):
+    """A review whose pod cannot be read or admitted: refused (allowed: false) with this message (as a
+    pod whose fields are not of their types: ShapeError)."""
 
 
 def resource_groups(path: Path) -> Groups:
@@ -91,32 +76,16 @@ def resource_groups(path: Path) -> Groups:
     return groups
 
 
-def gemtrace_limits(spec: Json) -> list[dict[str, int]]:
-    """Each container's whole numbers of gemtrace.io/gpu-memory and gpu-util (an extended resource's
-    request is its limit), for those that ask any."""
-    out = []
-    for kind in ("initContainers", "containers"):
-        for i, container in enumerate(_objects(spec.get(kind), f"spec.{kind}")):
-            resources = _mapping(container.get("resources"), f"spec.{kind}[{i}].resources")
-            asked = {**_mapping(resources.get("requests"), f"spec.{kind}[{i}].resources.requests"),
-                     **_mapping(resources.get("limits"), f"spec.{kind}[{i}].resources.limits")}
-            ours = {k: int(v) for k, v in asked.items()
-                    if k in (GPU_MEMORY, GPU_UTIL) and isinstance(v, (str, int)) and str(v).isdigit()}
-            if ours:
-                out.append(ours)
-    return out
-
-
 def check_pod(pod: Json) -> None:
     """BadPod for annotations that the resource file would refuse in the pod's groups, or a request
     that no node could place (gemtrace.io/gpus that its shares do not split over, a model that is no
     name)."""
-    metadata = _mapping(pod.get("metadata"), "metadata")
-    annotations = _mapping(metadata.get("annotations"), "metadata.annotations")
+    metadata = mapping(pod.get("metadata"), "metadata")
+    annotations = mapping(metadata.get("annotations"), "metadata.annotations")
     try:
         # A pod that asks none of the shares still has its gemtrace.io/gpus and gpu-model read.
-        requests = [request_of(limits, annotations) for limits in gemtrace_limits(_mapping(pod.get("spec"), "spec"))
-                    or [{}]]
+        requests = [request_of(limits, annotations)
+                    for _, _, limits in share_limits(mapping(pod.get("spec"), "spec")) or [(False, "", {})]]
         # Oversubscribe is per GPU, as the group's MemoryLimit is: a container's memory on each of its GPUs.
         pod_settings(annotations, max(r.memory for r in requests))
     except ValueError as e:
@@ -126,8 +95,8 @@ def check_pod(pod: Json) -> None:
 def patch_for(pod: Json, injection: Injection, groups: Groups) -> list[Json] | None:
     """The JSON patch that gates `pod`, None for a pod without the label. ValueError (BadPod): a bad
     label, or a pod whose shape is not a pod's."""
-    metadata = _mapping(pod.get("metadata"), "metadata")
-    group = _mapping(metadata.get("labels"), "metadata.labels").get(LABEL_GROUP)
+    metadata = mapping(pod.get("metadata"), "metadata")
+    group = mapping(metadata.get("labels"), "metadata.labels").get(LABEL_GROUP)
     if group is None:
         return None
     if not isinstance(group, str) or not _GROUP_NAME.fullmatch(group):
@@ -139,29 +108,29 @@ def patch_for(pod: Json, injection: Injection, groups: Groups) -> list[Json] | N
     if group not in groups():
         raise BadPod(f"label {LABEL_GROUP}={group} names no group of the nodes' resource file; name one it "
                      "defines, or have the operator add [" + group + "]")
-    spec = _mapping(pod.get("spec"), "spec")
+    spec = mapping(pod.get("spec"), "spec")
     patch: list[Json] = []
     mounts = injection.mounts()
     volumes = [{"name": m.name, "hostPath": {"path": str(m.host_path),
                                              "type": "Directory" if m.name == "gemtrace-state" else "File"}}
                for m in mounts]
     if "volumes" in spec:
-        _objects(spec["volumes"], "spec.volumes")
+        object_list(spec["volumes"], "spec.volumes")
         patch += [{"op": "add", "path": "/spec/volumes/-", "value": v} for v in volumes]
     else:
         patch.append({"op": "add", "path": "/spec/volumes", "value": volumes})
     env = [{"name": k, "value": v} for k, v in injection.env(group).items()]
     for kind in ("initContainers", "containers"):
-        for i, container in enumerate(_objects(spec.get(kind), f"spec.{kind}")):
+        for i, container in enumerate(object_list(spec.get(kind), f"spec.{kind}")):
             base = f"/spec/{kind}/{i}"
             volume_mounts = [{"name": m.name, "mountPath": str(m.container_path), "readOnly": m.read_only}
                              for m in mounts]
             if "volumeMounts" in container:
-                _objects(container["volumeMounts"], f"spec.{kind}[{i}].volumeMounts")
+                object_list(container["volumeMounts"], f"spec.{kind}[{i}].volumeMounts")
                 patch += [{"op": "add", "path": f"{base}/volumeMounts/-", "value": v} for v in volume_mounts]
             else:
                 patch.append({"op": "add", "path": f"{base}/volumeMounts", "value": volume_mounts})
-            names = {e.get("name") for e in _objects(container.get("env"), f"spec.{kind}[{i}].env")}
+            names = {e.get("name") for e in object_list(container.get("env"), f"spec.{kind}[{i}].env")}
             ours = [e for e in env if e["name"] not in names]  # the pod's own settings win
             if "env" in container:
                 patch += [{"op": "add", "path": f"{base}/env/-", "value": e} for e in ours]
@@ -183,10 +152,10 @@ def review(request_review: Any, injection: Injection, groups: Groups, mutate: bo
         raise NotAReview("an AdmissionReview's request must be an object with a uid")
     response: Json = {"uid": request["uid"], "allowed": True}
     try:
-        pod = _mapping(request.get("object"), "request.object")
+        pod = mapping(request.get("object"), "request.object")
         check_pod(pod)
         patch = patch_for(pod, injection, groups) if mutate else None
-    except BadPod as e:
+    except ShapeError as e:  # BadPod too
         response.update(allowed=False, status={"code": 400, "message": str(e)})
         patch = None
     if patch:
@@ -204,20 +173,12 @@ def _handler(injection: Injection, groups: Groups) -> type[httpd.Handler]:
     class ReviewHandler(httpd.Handler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            media = (self.headers.get("Content-Type") or "").partition(";")[0].strip().lower()
             try:
-                if media != "application/json":
-                    raise NotAReview(f"Content-Type {media or 'missing'!r}: an AdmissionReview is application/json")
-                try:
-                    document = json.loads(body)
-                except RecursionError:
-                    raise NotAReview("the JSON is nested too deeply") from None
-                except ValueError as e:  # bad JSON, bad UTF-8, an integer too long
-                    raise NotAReview(f"not JSON: {e}") from None
+                document = httpd.json_body(self.headers.get("Content-Type"), body, "an AdmissionReview")
                 mutate = self.path.partition("?")[0] != "/validate"
                 answer, status = json.dumps(review(document, injection, groups, mutate)).encode(), 200
                 content_type = "application/json"
-            except NotAReview as e:
+            except (NotAReview, httpd.NotJson) as e:
                 answer, status = f"not an AdmissionReview: {e}\n".encode(), 400
                 content_type = "text/plain; charset=utf-8"
             self.send_response(status)

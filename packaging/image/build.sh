@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the container image that deploy/ runs (`gemtrace kube-plugin`, `gemtrace kube-webhook`) from
+# Builds the container image that deploy/ runs (`gemtrace kube-plugin`, `kube-webhook`, `kube-extender`) from
 # Debian packages and the project's own .deb, with no image registry involved:
 #
 #   packaging/image/build.sh BUILD    (what `make image` runs; BUILD is the top Makefile's build/)
@@ -91,7 +91,7 @@ mmdebstrap --quiet --variant=apt --include=openssl,ca-certificates \
     --customize-hook='rm -f "$1/tmp/gemtrace.deb"' \
     --customize-hook="$pip install --quiet --no-index --find-links $wheels ${wheel_opts[*]} --target \"\$1/usr/local/lib/python3.11/dist-packages\" -r $wheels/pins" \
     --customize-hook='chroot "$1" gemtrace --help >/dev/null' \
-    --customize-hook='chroot "$1" python3 -c "import sys; sys.path.insert(0, \"/usr/lib/gemtrace/python\"); from gemtrace.kube import deviceplugin, webhook"' \
+    --customize-hook='chroot "$1" python3 -c "import sys; sys.path.insert(0, \"/usr/lib/gemtrace/python\"); from gemtrace.kube import deviceplugin, extender, webhook"' \
     --customize-hook='chroot "$1" apt-get clean' \
     --customize-hook='rm -rf "$1"/var/lib/apt/lists/* "$1"/var/log/* "$1"/var/cache/ldconfig/aux-cache' \
     bookworm "$work/rootfs.tar" "deb $mirror bookworm main" >"$work/mmdebstrap.log" 2>&1 \

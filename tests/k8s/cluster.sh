@@ -60,6 +60,7 @@ KUBELET_PORT=${GEMTRACE_K8S_KUBELET_PORT:-20250}
 KUBELET_HEALTHZ_PORT=$((KUBELET_PORT - 2))
 CONTROLLER_MANAGER_PORT=${GEMTRACE_K8S_CONTROLLER_MANAGER_PORT:-20257}
 SCHEDULER_PORT=${GEMTRACE_K8S_SCHEDULER_PORT:-20259}
+SCHEDULER_INSECURE_PORT=$((SCHEDULER_PORT - 8))  # its healthz and metrics (10251 by default), on loopback
 SERVICE_CIDR=10.96.0.0/16
 KUBERNETES_SERVICE_IP=10.96.0.1  # the first of SERVICE_CIDR: the apiserver's own Service
 # The pod network: one bridge on the host, its first address the pods' gateway.
@@ -73,6 +74,9 @@ NODE_DIRS=(/etc/gemtrace /run/gemtrace /var/lib/gemtrace /usr/lib/gemtrace)
 # The simulated GPU of the node, as KEY=VALUE lines (the tests write it): tests/k8s/simgpu-runc.
 GPU_DRIVER=$NODE_ROOT/simgpu.env
 RUNTIME=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/simgpu-runc
+# kube-scheduler's configuration as deploy/ gives it to an operator: its `extenders:` (gemtrace's
+# scheduler extender, which deploy/'s DaemonSet serves on this host's loopback) are this cluster's.
+SCHEDULER_CONFIG_SOURCE=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)/deploy/kube-scheduler/config.yaml
 # Debian's kubernetes 1.20 vendors reflect2 1.0.1, whose map iteration relies on Go runtime internals
 # that changed in Go 1.18: built with bookworm's Go 1.19, the apiserver crashes when it applies a
 # mutating webhook's JSON patch. reflect2 1.0.2 (Debian's package) follows the change; it is copied
@@ -588,6 +592,28 @@ syncFrequency: 10s
 EOF
 }
 
+# kube-scheduler's --config: this cluster's connection, one scheduler (no leader election), its
+# unauthenticated healthz and metrics on loopback off the usual port, and the extenders of
+# deploy/kube-scheduler/config.yaml as they are. With --config the 1.20 scheduler ignores its
+# --kubeconfig, --leader-elect and --port flags (--port 0 no longer turns those off, and a port of 0
+# in the file is refused): the file says them.
+write_scheduler_config() {
+    grep -q '^extenders:' "$SCHEDULER_CONFIG_SOURCE" || die "$SCHEDULER_CONFIG_SOURCE has no extenders: section"
+    {
+        cat <<EOF
+apiVersion: kubescheduler.config.k8s.io/v1beta1
+kind: KubeSchedulerConfiguration
+clientConnection:
+  kubeconfig: $RUN/scheduler.kubeconfig
+leaderElection:
+  leaderElect: false
+healthzBindAddress: 127.0.0.1:$SCHEDULER_INSECURE_PORT
+metricsBindAddress: 127.0.0.1:$SCHEDULER_INSECURE_PORT
+EOF
+        sed -n '/^extenders:/,$p' "$SCHEDULER_CONFIG_SOURCE"
+    } >"$RUN/scheduler-config.yaml"
+}
+
 node_ready() {
     [ "$(kubectl_ get node "$NODE" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}')" = True ]
 }
@@ -673,11 +699,11 @@ cmd_up() {
         --bind-address 127.0.0.1 --secure-port "$CONTROLLER_MANAGER_PORT" --port 0 \
         --service-account-private-key-file "$PKI/sa.key" --root-ca-file "$PKI/ca.crt" \
         --use-service-account-credentials=true --leader-elect=false
-    start kube-scheduler "$bin/kube-scheduler" \
-        --kubeconfig "$RUN/scheduler.kubeconfig" \
+    write_scheduler_config
+    start kube-scheduler "$bin/kube-scheduler" --config "$RUN/scheduler-config.yaml" \
         --authentication-kubeconfig "$RUN/scheduler.kubeconfig" \
         --authorization-kubeconfig "$RUN/scheduler.kubeconfig" \
-        --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT" --port 0 --leader-elect=false
+        --bind-address 127.0.0.1 --secure-port "$SCHEDULER_PORT"
 
     # shellcheck disable=SC2046  # in_node's words
     start kubelet $(in_node) "$bin/kubelet" --config "$RUN/kubelet-config.yaml" \
