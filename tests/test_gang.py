@@ -556,29 +556,61 @@ def test_a_busy_group_in_its_turn_ends_it_for_a_spanning_group_a_whole_turn_behi
     assert ended.released is None and ended.ready == other
 
 
-def test_a_stranded_drain_ends_at_the_drain_timeout_though_nobody_else_wants_the_gpu() -> None:
+def test_a_stranded_drain_ends_when_it_is_seen_stranded_uncharged_and_unlearnt() -> None:
     # 7 held while its turn closed, its work left here a collective waiting for peers held elsewhere:
-    # charged until max_overrun_ns, a capped group's credit sank a second deep on a GPU nobody else wanted.
+    # charged until max_overrun_ns, a capped group's credit sank a second deep on a GPU nobody else wanted;
+    # charged until the drain timeout, each GPU's credit sank as its ranks were stranded, and a gang's turn
+    # waits for its lowest.
     policy = TimeSharePolicy(PolicyParams(), now=0)
     policy.set_quotas(0, {7: Quota(0, 0.3)})
     group = frozenset({7})
+    timeout_before = policy.drain_timeout_ns()
     assert policy.step(0, Observation(group, present=group)).released == 7
-    held = policy.step(MS, Observation(group, present=group, barred=group, stranded=group))
-    assert held.draining == 7
-    timeout = MS + policy.drain_timeout_ns()
-    assert policy.step(timeout - MS, Observation(group, present=group, barred=group, stranded=group)).draining == 7
-    assert policy.step(timeout + MS, Observation(group, present=group, barred=group, stranded=group)).draining is None
+    held = policy.step(10 * MS, Observation(group, present=group, barred=group))
+    assert held.draining == 7  # its peers not yet done elsewhere: a drain as any
+    charged = policy.usage(10 * MS)[7].gpu_seconds
+    seen = policy.step(12 * MS, Observation(group, present=group, barred=group, stranded=group))
+    assert seen.draining is None  # its peers held and done: no drain to wait for
+    assert policy.usage(12 * MS)[7].gpu_seconds - charged <= 0.002  # charged to the moment it was seen
+    later = policy.step(300 * MS, Observation(group, present=group, barred=group, stranded=group))
+    assert later.draining is None and policy.usage(300 * MS)[7].gpu_seconds - charged <= 0.002
+    assert policy.drain_timeout_ns() == timeout_before  # not learnt as a drain
 
 
-def test_a_barred_group_draining_on_one_gpu_alone_and_held_on_the_others_is_stranded_there() -> None:
+def test_an_overrunning_drain_seen_stranded_is_charged_no_further() -> None:
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, {7: Quota(0, 0.3), 5: Quota(0, 1.0)})
+    seven, both = frozenset({7}), frozenset({5, 7})
+    assert policy.step(0, Observation(seven, present=both)).released == 7
+    assert policy.step(10 * MS, Observation(both, present=both, barred=seven)).draining == 7
+    timeout = 10 * MS + policy.drain_timeout_ns() + MS
+    # Past the timeout, its peers elsewhere not yet done: an overrun, charged while it runs.
+    assert policy.step(timeout, Observation(both, present=both, barred=seven)).released == 5
+    assert 7 in policy.overrunning()
+    charged = policy.usage(timeout)[7].gpu_seconds
+    policy.step(timeout + 20 * MS, Observation(both, present=both, barred=seven, stranded=seven))
+    assert 7 not in policy.overrunning()
+    policy.step(timeout + 500 * MS, Observation(both, present=both, barred=seven, stranded=seven))
+    assert policy.usage(timeout + 500 * MS)[7].gpu_seconds - charged <= 0.021
+
+
+def test_a_barred_group_draining_where_another_gpu_holds_it_done_is_stranded_there() -> None:
     seven, five = frozenset({7}), frozenset({5, 7})
     turns = GangTurns()
     turns.report(0, GpuReport(five, five, draining=7))
     turns.report(1, GpuReport(five, five, released=5))
     turns.report(2, GpuReport(five, five))
     assert [turns.view(gpu).stranded for gpu in (0, 1, 2)] == [seven, frozenset(), frozenset()]
-    turns.report(2, GpuReport(five, five, draining=7))  # draining on two GPUs: it has work there too
+    # Draining on two GPUs while held and done on the third: with more than two ranks, several wait for
+    # that one at once (four ranks capped at 0.3: each such drain was charged, and past the drain timeout
+    # charged up to a second, unseen as stranded; they did 0.02 of their solo on 4 H200s).
+    turns.report(2, GpuReport(five, five, draining=7))
+    assert [turns.view(gpu).stranded for gpu in (0, 1, 2)] == [seven, frozenset(), seven]
+    turns.report(2, GpuReport(five, five, overrunning=seven))  # past its drain timeout there: the same
+    assert [turns.view(gpu).stranded for gpu in (0, 1, 2)] == [seven, frozenset(), seven]
+    turns.report(1, GpuReport(five, five, draining=7))  # draining on all its GPUs: its own work, no wait
     assert not any(turns.view(gpu).stranded for gpu in (0, 1, 2))
+    turns.report(1, GpuReport(five, five, released=5))
     turns.report(2, GpuReport(five, five, released=7))  # released elsewhere: its peer runs
     assert not any(turns.view(gpu).stranded for gpu in (0, 1, 2))
     turns.report(2, GpuReport(five, five))

@@ -52,6 +52,8 @@ class GpuReport:
     # (group, job) of the live processes here (JobKeys' numbers); a group present without one counts
     # as its job NO_JOB, the job of its processes that name none.
     jobs: frozenset[tuple[int, int]] = frozenset()
+    # Groups held here earlier whose queued work still runs past the drain timeout (the policy's overrun).
+    overrunning: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -341,20 +343,22 @@ class GangTurns:
                 for gpu in barred.keys() | clearing.keys() | due.keys()}
 
     def _stranded(self, members: dict[int, frozenset[int]]) -> dict[int, frozenset[int]]:
-        """Per GPU, the barred groups still draining there whose processes on their other GPUs are held
-        and done: the work left there may be a collective that waits for them (a rank that began its
-        next step before the turn ended), which only their next turn ends. Walks the GPUs' reports,
-        not the gangs: a GPU drains one group at a time."""
+        """Per GPU, the barred groups still draining there (held, or past the drain timeout) while on
+        another of their GPUs they are held and done: the work left where they drain may be a collective
+        that waits for that process (a rank that began its next step before the turn ended), which only
+        their next turn ends. With more than two ranks, several may wait so at once. Walks the GPUs'
+        reports, not the gangs."""
         draining_on: dict[int, list[int]] = {}
         for gpu, report in self._reports.items():
-            if report.draining is not None:
-                draining_on.setdefault(report.draining, []).append(gpu)
+            for group in report.overrunning | ({report.draining} if report.draining is not None else set()):
+                draining_on.setdefault(group, []).append(gpu)
         stranded: dict[int, set[int]] = {}
         for group, on in draining_on.items():
             gpus = members.get(group)
             if gpus is None or group in self._open:
                 continue
             here = [gpu for gpu in on if gpu in gpus]
-            if len(here) == 1 and not any(self._reports[gpu].released == group for gpu in gpus):
-                stranded.setdefault(here[0], set()).add(group)
+            if here and len(here) < len(gpus) and not any(self._reports[gpu].released == group for gpu in gpus):
+                for gpu in here:
+                    stranded.setdefault(gpu, set()).add(group)
         return {gpu: frozenset(groups) for gpu, groups in stranded.items()}

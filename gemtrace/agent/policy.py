@@ -384,6 +384,8 @@ class TimeSharePolicy:
         self._present = obs.present
         self._barred, self._clearing, self._due = obs.barred, obs.clearing, obs.due
         self._stranded = obs.stranded
+        for group in [g for g in self._overrun if g in obs.stranded]:
+            del self._overrun[group]  # its work left waits for its peers' next turn: charged no further
         for group, drained in obs.overrun_drained.items():
             hold_at = self._overrun.pop(group, None)
             if hold_at is not None:
@@ -729,6 +731,14 @@ class TimeSharePolicy:
             # _step_idle releases it at once (a due group goes first), charged throughout.
             self._phase, self._holder, self._charging = Phase.IDLE, None, False
             return
+        if holder in self._stranded:
+            # What is left here is a collective waiting for its peers, held and done on their GPUs: only
+            # the group's next turn ends it. No drain to wait out, charge or learn from: charged, each turn
+            # end that strands a rank sank one GPU's MaxUtil credit below the others', and a gang's turn
+            # waits for its lowest (4 ranks capped at 0.3 did 0.02 of their solo on 4 H200s); learnt,
+            # those waits lengthened every later drain timeout.
+            self._phase, self._holder, self._charging = Phase.IDLE, None, False
+            return
         # The timeout only matters to a group waiting for the GPU: with nobody to hand it to, the
         # drain is waited out (and charged), up to max_overrun_ns (a process that queued work and went
         # off to CPU work reports no end until it next launches or syncs).
@@ -741,12 +751,8 @@ class TimeSharePolicy:
             self._refund(holder, now - end)
         drain = max(0, end - self._hold_at)
         self._measured_drain(drain)
-        if (obs.drained_at is None and self._charging and now < self._hold_at + self.params.max_overrun_ns
-                and holder not in self._stranded):
-            # Charged on until the adapter sees it finish. Not a stranded group spanning GPUs: its work
-            # left waits for its peers' next turn, and charged till then, its MaxUtil bucket would hold
-            # that turn off for seconds (a job capped at 0.3: 3.5 s without a turn).
-            self._overrun[holder] = self._hold_at
+        if obs.drained_at is None and self._charging and now < self._hold_at + self.params.max_overrun_ns:
+            self._overrun[holder] = self._hold_at  # charged on until the adapter sees it finish
         self._phase, self._holder, self._charging = Phase.IDLE, None, False
 
     def _step_idle(self, now: int) -> None:

@@ -354,7 +354,8 @@ class GpuScheduler:
             for _ in range(3):
                 if self._gang is None or not self._gang.report(self.gpu, GpuReport(
                         observation.present, observation.demand, decision.ready, decision.released, decision.clear,
-                        decision.draining, turned.clearing, self._present_jobs)):
+                        decision.draining, turned.clearing, self._present_jobs,
+                        frozenset(self._policy.overrunning()))):
                     break
                 before, turned = turned, self._with_turns(observation)
                 if _only_released_left_pending(before, turned, decision.released):
