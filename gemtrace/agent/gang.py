@@ -17,8 +17,9 @@ drained); then it goes (due on every GPU of it: released there at once, whether 
 blocked in a collective asks for nothing). So the group's processes start together: one released first
 would run into its collective and spin there, charged, while its peer's GPU still drains. It stays open
 until one of its GPUs holds it again while it has work there, for any of its own reasons (its slice ended,
-its MaxUtil credit ran out). A process held in the middle of a collective that its peer, held first,
-never joins is `stranded`: its drain is not charged past the drain timeout.
+its MaxUtil credit ran out). A process held in the middle of a collective that a peer, held first,
+never joins is `stranded` (draining where another GPU of its group holds it done): its drain ends when
+seen, charged no further.
 A GPU is in one open turn at a time. So each GPU's MinUtil, MaxUtil, Priority and fairness still decide
 how much time the group gets there, and the turns only line up in time. A group present on one GPU is
 never barred nor due: its scheduling is the single GPU's, unchanged.
@@ -64,7 +65,7 @@ class Turns:
     clearing: frozenset[int] = frozenset()
     due: frozenset[int] = frozenset()
     pending: frozenset[int] = frozenset()  # due, not yet released here in this turn
-    stranded: frozenset[int] = frozenset()  # barred, draining here, done on every other GPU of it
+    stranded: frozenset[int] = frozenset()  # barred, draining here, held and done on another GPU of it
 
     def __bool__(self) -> bool:
         return bool(self.barred or self.clearing or self.due)

@@ -183,10 +183,10 @@ class Observation:
     pending: the due groups not yet released here in this turn: they count as wanting the GPU while
         present, so that every GPU of the group releases it at the turn's start (a process of it may be
         busy without asking: blocked in a collective that waits for its peers on the other GPUs).
-    stranded: barred groups draining here whose processes on their other GPUs are held and done: what
-        is left here may be a collective that waits for them (a process that began its next step before
-        the hold), which only the group's next turn ends: past the drain timeout it is not charged on
-        (no overrun), or its MaxUtil bucket would hold that turn off for seconds.
+    stranded: barred groups draining here (held, or overrunning) while on another of their GPUs they are
+        held and done: what is left here may be a collective that waits for that process (one that began
+        its next step before the hold), which only the group's next turn ends: the drain ends when seen,
+        charged no further, or its MaxUtil bucket would hold that turn off (_step_draining).
     """
 
     demand: frozenset[int] = frozenset()
