@@ -742,7 +742,7 @@ class TimeSharePolicy:
         # The timeout only matters to a group waiting for the GPU: with nobody to hand it to, the
         # drain is waited out (and charged), up to max_overrun_ns (a process that queued work and went
         # off to CPU work reports no end until it next launches or syncs).
-        timed_out = (now >= self._hold_at + self.drain_timeout_ns() and self._drain_bounded(now)
+        timed_out = (now >= self._hold_at + self.drain_timeout_ns() and self._someone_waits(now)
                      or now >= self._hold_at + self.params.max_overrun_ns)
         if obs.drained_at is None and not timed_out:
             return
@@ -833,15 +833,6 @@ class TimeSharePolicy:
         if not self._caps_fill_gpu():
             return []
         return [g for g in self._demand if self._eligible(g, now, self.params.min_slice_ns)]
-
-    def _drain_bounded(self, now: int) -> bool:
-        """Does the drain timeout end the holder's drain? Where someone waits for the GPU; and for a
-        stranded group spanning GPUs (its work left waits for peers held elsewhere), whoever waits: its
-        drain spins until the group's next turn, and charged to it up to max_overrun_ns on a GPU nobody
-        else wanted, it sank a capped group's credit there a second deep, and the GPU withheld its
-        consent to that turn for seconds (a service over two simulated GPUs capped at 0.3 beside a
-        job on one: stalls of 1.2 to 4 s)."""
-        return self._holder in self._stranded or self._someone_waits(now)
 
     def _someone_waits(self, now: int) -> bool:
         """Does a group other than the holder wait for the GPU, and may it be released once the
@@ -972,7 +963,7 @@ class TimeSharePolicy:
 
     def _wake_draining(self, now: int) -> int:
         p = self.params
-        if not self._drain_bounded(now):
+        if not self._someone_waits(now):
             # Nobody to hand the GPU to: the drain's end comes from the gate's own timestamp, seeing
             # it late costs nothing (and only max_overrun_ns cuts it short).
             return min(now + p.poll_ns, self._hold_at + p.max_overrun_ns)
