@@ -92,6 +92,16 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass  # a line per request would drown the agent's own; the servers log what matters themselves
 
+    def reply(self, status: int, body: bytes, content_type: str, *headers: tuple[str, str]) -> None:
+        """The whole answer: its status, Content-Type, any more `headers`, its Content-Length and `body`."""
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
 
 def plain(status: HTTPStatus, message: str) -> bytes:
     """A whole text/plain answer that closes the connection: for what the loop refuses before a handler

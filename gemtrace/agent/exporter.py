@@ -199,13 +199,8 @@ def _guarded_handler(metrics: PacedMetrics, web: WebConfig | None) -> type[httpd
     class BasicAuthHandler(handler):  # type: ignore[valid-type,misc]
         def do_GET(self) -> None:
             if not auth.allows(self.headers.get("Authorization")):
-                body = b"Unauthorized\n"
-                self.send_response(401)
-                self.send_header("WWW-Authenticate", 'Basic realm="gemtrace"')
-                self.send_header("Content-Type", "text/plain; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                self.reply(401, b"Unauthorized\n", "text/plain; charset=utf-8",
+                           ("WWW-Authenticate", 'Basic realm="gemtrace"'))
                 return
             super().do_GET()
 

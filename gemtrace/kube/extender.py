@@ -246,11 +246,7 @@ def _handler(packing: Packing) -> type[httpd.Handler]:
                 data, content_type = (result + "\n").encode(), "text/plain; charset=utf-8"
             else:
                 data, content_type = json.dumps(result).encode(), "application/json"
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+            self.reply(status, data, content_type)
 
     return ExtenderHandler
 

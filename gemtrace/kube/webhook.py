@@ -181,11 +181,7 @@ def _handler(injection: Injection, groups: Groups) -> type[httpd.Handler]:
             except (NotAReview, httpd.NotJson) as e:
                 answer, status = f"not an AdmissionReview: {e}\n".encode(), 400
                 content_type = "text/plain; charset=utf-8"
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
+            self.reply(status, answer, content_type)
 
     return ReviewHandler
 
