@@ -84,50 +84,52 @@ class JobKeys:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._numbers: dict[str, int] = {}
-        self._holders: dict[str, int] = {}  # key -> how many slots hold it
+        self._jobs: dict[str, tuple[int, int]] = {}  # key -> (its number, how many slots hold it)
         self._next = NO_JOB + 1
-        self._keys: dict[int, str] = {}  # slot -> its key
-        self._by_slot: dict[int, tuple[int, int]] = {}  # slot -> (pid, job)
+        self._by_slot: dict[int, tuple[int, int, str]] = {}  # slot -> (pid, job, key)
 
     def record(self, slot: int, pid: int, key: str) -> None:
         """The job of the process `pid` in `slot`: `key` (membership.job_of's; "" for none)."""
         with self._lock:
-            self._release(slot)
+            by_slot = dict(self._by_slot)
+            self._release(by_slot.pop(slot, None))
             job = NO_JOB
             if key:
-                job = self._numbers.get(key, NO_JOB)
-                if job == NO_JOB:
-                    job, self._next = self._next, self._next + 1
-                    self._numbers[key] = job
-                self._holders[key] = self._holders.get(key, 0) + 1
-                self._keys[slot] = key
-            self._by_slot = {**self._by_slot, slot: (pid, job)}
+                if key in self._jobs:
+                    job, holders = self._jobs[key]
+                else:
+                    job, holders, self._next = self._next, 0, self._next + 1
+                self._jobs[key] = (job, holders + 1)
+            by_slot[slot] = (pid, job, key)
+            self._by_slot = by_slot
 
     def forget(self, slot: int) -> None:
         with self._lock:
-            self._release(slot)
             if slot in self._by_slot:
                 by_slot = dict(self._by_slot)
-                del by_slot[slot]
+                self._release(by_slot.pop(slot))
                 self._by_slot = by_slot
 
     def of(self, slot: int, pid: int) -> int:
         """The job of the process `pid` in `slot` (NO_JOB: none recorded for that process)."""
-        pid_job = self._by_slot.get(slot)
-        return pid_job[1] if pid_job is not None and pid_job[0] == pid else NO_JOB
+        entry = self._by_slot.get(slot)
+        return entry[1] if entry is not None and entry[0] == pid else NO_JOB
 
     def __len__(self) -> int:
         """The keys held: for tests."""
-        return len(self._numbers)
+        return len(self._jobs)
 
-    def _release(self, slot: int) -> None:
-        key = self._keys.pop(slot, None)
-        if key is None:
+    def _release(self, entry: tuple[int, int, str] | None) -> None:
+        """A slot's entry no longer holds its key: the key goes with its last holder."""
+        if entry is None or not entry[2]:
             return
-        self._holders[key] -= 1
-        if not self._holders[key]:
-            del self._holders[key], self._numbers[key]
+        job, holders = self._jobs[entry[2]]
+        if holders > 1:
+            self._jobs[entry[2]] = (job, holders - 1)
+        else:
+            del self._jobs[entry[2]]
+
+
 # One GPU's part of the turns: its barred, clearing, due and pending groups (Turns' first four).
 _TurnView = tuple[frozenset[int], frozenset[int], frozenset[int], frozenset[int]]
 _GONE = GpuReport()  # a GPU whose scheduler stopped
