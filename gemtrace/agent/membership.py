@@ -54,7 +54,7 @@ class Placement:
     group: str
     refused: bool  # the process asked for a defined group its owner is not admitted to
     bound: bool = False  # a binding Cgroup rule chose the group, whatever the process asked for
-    job: str = ""  # the job it is part of (job_of), where the caller asked
+    job: str = ""  # the job it is part of (job_of); decide leaves it to the caller, which reads the environment
 
 
 # The variables by which the launchers of distributed runs tell a rank its run: each rank of one run has
@@ -143,7 +143,8 @@ class Membership:
         self.groups = groups
         self.proc = proc or ProcReader()
         self.per_tick = per_tick
-        self.jobs = jobs  # where each placed process's job is recorded, for the schedulers' gang turns
+        # Where each placed process's job is recorded, for the schedulers' gang turns (the agent's, shared).
+        self.jobs = jobs if jobs is not None else JobKeys()
         self.refusals: Counter[str] = Counter()  # requested group -> refusals, for /metrics
         self._foreign: dict[int, int] = {}  # slot -> the other user's pid it named, logged once
         self._binding: dict[str, tuple[str, ...]] = {}  # the binding rules the last rebind applied
@@ -165,8 +166,7 @@ class Membership:
             pid = pids[index]
             if not pid:
                 region.unassign(index)  # the gate freed its slot at exit
-                if self.jobs is not None:
-                    self.jobs.forget(index)
+                self.jobs.forget(index)
                 continue
             if not columns.flags[index] & contract.SLOT_GATED or decided >= self.per_tick:
                 continue  # the gate is still filling its slot; or enough for this tick
@@ -176,8 +176,7 @@ class Membership:
             group = defined.get(decision.group)
             if group is None:
                 continue  # no default group defined (a test standing in for the agent): stays unassigned
-            if self.jobs is not None:  # before the assignment, which is what makes the schedulers look
-                self.jobs.record(index, pid, decision.job)
+            self.jobs.record(index, pid, decision.job)  # before the assignment, which makes the schedulers look
             region.assign(index, pid, group)
             decided += 1
         return decided
@@ -185,18 +184,19 @@ class Membership:
     def adopt_jobs(self) -> int:
         """Record the job of every process already placed in an adopted region (an agent before this
         one placed it; its jobs were that agent's memory); returns how many. Call once, at start."""
-        if self.jobs is None:
-            return 0
         adopted = 0
         for index in self.region.slot_groups():
             pid = self.region.slots[index].pid
             credentials = self.proc.credentials(pid) if pid else None
             if credentials is None:
                 continue  # gone: the reaper frees its slot
-            self.jobs.record(index, pid, job_of(credentials.uid, self.proc.environ(pid) or {},
-                                                self.proc.cgroups(pid) or []))
+            self.jobs.record(index, pid, self._job(pid, credentials.uid, self.proc.cgroups(pid) or []))
             adopted += 1
         return adopted
+
+    def _job(self, pid: int, uid: int, cgroups: Sequence[str]) -> str:
+        """job_of the process, from its environment at its start (/proc/PID/environ)."""
+        return job_of(uid, self.proc.environ(pid) or {}, cgroups)
 
     def rebind(self) -> int:
         """After a reload: move every placed process that a binding Cgroup rule, new since the last
@@ -246,9 +246,8 @@ class Membership:
             return None
         requested = rg.decode_name(self.region.slots[index].requested).strip()
         cgroups = self.proc.cgroups(pid) or []
-        decision = decide(requested, uid, gids, cgroups, groups, defined)
-        if self.jobs is not None:
-            decision = dataclasses.replace(decision, job=job_of(uid, self.proc.environ(pid) or {}, cgroups))
+        decision = dataclasses.replace(decide(requested, uid, gids, cgroups, groups, defined),
+                                       job=self._job(pid, uid, cgroups))
         if decision.bound and requested not in ("", DEFAULT_GROUP, decision.group):
             USER_LINES.log(log.info, uid, "group_request_overruled", pid=pid, requested=requested,
                            assigned=decision.group, consequence="its cgroup is bound to the assigned group "

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import structlog
 
 from gemtrace import region as rg
-from gemtrace.agent.gang import NO_JOB, GangTurns, GpuReport, JobKeys
+from gemtrace.agent.gang import GangTurns, GpuReport, JobKeys
 from gemtrace.agent.policy import Decision, GroupUsage, Observation, PolicyParams, Quota, TimeSharePolicy
 from gemtrace.agent.scheduler_loop import SchedulerLoop
 
@@ -234,7 +234,9 @@ class GpuScheduler:
         # while a group here spans GPUs, this scheduler sleeps on its doorbell, which a turn's change rings.
         self._gang = gang
         self._gang_here = False
-        self._jobs = jobs  # which job each process is in: a group is a gang where one job spans GPUs
+        # Which job each process is in (the agent's, shared with membership): a group is a gang where one
+        # of its jobs spans GPUs.
+        self._jobs = jobs if jobs is not None else JobKeys()
         self._user_jobs: tuple[tuple[int, int], ...] = ()  # (group, job) of each user
         self._present_jobs: frozenset[tuple[int, int]] = frozenset()
         self._lock = threading.Lock()
@@ -517,8 +519,7 @@ class GpuScheduler:
                                 for pid, owner, group in zip(pids, gather(slots.assigned_pid), gather(slots.group),
                                                              strict=True))
             self._user_groups, self._user_pids = user_groups, pids
-            keys = self._jobs
-            self._user_jobs = tuple((group, keys.of(index, pid) if keys is not None else NO_JOB)
+            self._user_jobs = tuple((group, self._jobs.of(index, pid))
                                     for index, pid, group in zip(self._users, pids, user_groups, strict=True))
             self._user_assignments, self._user_scheduled = assignments, self._scheduled
             changed: Iterable[int] = self._users  # look at each once: their first sight, or a new group
@@ -532,8 +533,8 @@ class GpuScheduler:
         present.discard(rg.GROUP_UNASSIGNED)
         demand.discard(rg.GROUP_UNASSIGNED)
         if self._gang is not None:
-            jobs = set(itertools.compress(self._user_jobs, map(operator.or_, launches, waiting)))
-            jobs.difference_update([pair for pair in jobs if pair[0] == rg.GROUP_UNASSIGNED])
+            jobs = {pair for pair in itertools.compress(self._user_jobs, map(operator.or_, launches, waiting))
+                    if pair[0] != rg.GROUP_UNASSIGNED}
             if jobs != self._present_jobs:
                 self._present_jobs = frozenset(jobs)
         return present, demand, changed
