@@ -8,6 +8,7 @@ compared with the job alone measured in the same test: a busy host slows both al
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -208,3 +209,28 @@ def test_a_capped_job_of_four_ranks_is_charged_alike_on_its_gpus_and_does_its_ca
     figures = f"capped {capped / solo:.3f} of solo ({solo:.1f} steps/s), charged per GPU {charged}"
     assert len(charged) == 4 and max(charged) <= 1.6 * min(charged), figures
     assert capped / solo >= 0.15, figures
+
+
+def test_the_agent_at_debug_level_logs_each_gang_turn_and_each_changed_look(two_gpus: Host) -> None:
+    """An operator asking why a job across GPUs waits runs the agent with --log-level debug: each turn's
+    opening, start and end (with why it ended) and each GPU's look whose decision changed are in its log,
+    with the group's number named once and each capped gang's MaxUtil credit."""
+    two_gpus.config.write_text("[ddp]\nMaxUtil = 0.5\n[hog0]\n")
+    agent = two_gpus.start_agent("--log-level", "debug")
+    try:
+        hog = two_gpus.run("hog0", *HOG, "--device", "0", "--seconds", "4")
+        assert steps_per_second(job(two_gpus, "ddp", 500, seconds=2)) > 0
+        hog.kill()
+        hog.wait()
+    finally:
+        stop(agent)
+    events = [json.loads(line) for line in agent.log.read_text().splitlines() if line.startswith("{")]
+    numbers = next(e["groups"] for e in events if e["event"] == "group_numbers")
+    ddp = int(next(n for n, name in numbers.items() if name == "ddp"))
+    turns = [e for e in events if e["event"].startswith("gang_turn_") and e["group"] == ddp]
+    kinds = {e["event"] for e in turns}
+    assert kinds == {"gang_turn_opens", "gang_turn_goes", "gang_turn_over"}, kinds
+    assert all(e["why"] for e in turns if e["event"] == "gang_turn_over")
+    looks = [e for e in events if e["event"] == "look" and ddp in e["due"]]
+    assert {e["gpu"] for e in looks} == {0, 1}
+    assert all(e["gangs"][str(ddp)]["credit_ms"] is not None and e["gangs"][str(ddp)]["gpu_s"] >= 0 for e in looks)

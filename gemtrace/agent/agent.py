@@ -509,6 +509,7 @@ class Agent:
             self._groups = groups
             self._sync_table(groups)
             self.region.bump_generation()
+        log.debug("group_numbers", groups={index: g.name for index, g in sorted(groups.items())})  # (the trace's)
         # An mps group runs side by side on a GPU whose daemon serves it, so that GPU's scheduler leaves
         # it out (its launches are never held); where no daemon could start, it takes turns as before.
         served = self.mps.ensure(g.uuid for g in self.gpus if mps.mps_groups(config.groups.values(), g.uuid))

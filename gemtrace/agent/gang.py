@@ -35,7 +35,11 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import structlog
+
 __all__ = ["NO_JOB", "GangTurns", "GpuReport", "JobKeys", "Turns"]
+
+log = structlog.get_logger("gemtrace.gang")
 
 
 @dataclass(frozen=True)
@@ -192,9 +196,11 @@ class GangTurns:
                 if group in report.clearing:
                     turn.seen.add(gpu)
             for group, turn in list(self._open.items()):
-                if self._turn_over(group, turn, members.get(group, frozenset())):
+                why = self._turn_over(group, turn, members.get(group, frozenset()))
+                if why:
                     del self._open[group]
                     changed |= turn.gpus | members.get(group, frozenset())
+                    log.debug("gang_turn_over", group=group, why=why, reported_by=gpu, went=turn.go)
                     continue
                 turn.gpus |= members.get(group, frozenset())
                 if not turn.go and turn.seen >= turn.clearing_on and all(
@@ -202,6 +208,7 @@ class GangTurns:
                         if g in self._reports):
                     turn.go = True
                     changed |= turn.gpus
+                    log.debug("gang_turn_goes", group=group, gpus=sorted(turn.gpus))
             changed |= self._open_turns(members)
             self._gangs = frozenset(members)
             self._views = self._compute_views(members)
@@ -243,30 +250,34 @@ class GangTurns:
         self._members_cache = {group: frozenset(gpus) for group, gpus in members.items()}
         return self._members_cache
 
-    def _turn_over(self, group: int, turn: _Turn, gpus: frozenset[int]) -> bool:
-        """Is the group's open turn over? It no longer spans GPUs; or a GPU that released it in this
-        turn holds it again while it has work there (one that held it for being quiet lets the others
-        go on); or it wants none of its GPUs and none holds it (its processes went to CPU work, or
-        exited)."""
+    def _turn_over(self, group: int, turn: _Turn, gpus: frozenset[int]) -> str:
+        """Why the group's open turn is over ("": it is not). It no longer spans GPUs; or a GPU that
+        released it in this turn holds it again while it has work there (one that held it for being
+        quiet lets the others go on); or it wants none of its GPUs and none holds it (its processes went
+        to CPU work, or exited)."""
         if len(gpus) < 2:
-            return True
+            return "one gpu"
         if not turn.go:
             # Clearing: over where it no longer wants any GPU, or a GPU that saw it clearing no longer
             # consents (its MaxUtil credit went meanwhile): a turn one GPU cannot give would leave the
             # group's processes on the others spinning in their collectives.
             reports = [self._reports[gpu] for gpu in gpus if gpu in self._reports]
-            return not any(group in r.demand or r.released == group for r in reports) or any(
-                group not in self._reports[gpu].ready for gpu in turn.seen if gpu in self._reports)
+            if not any(group in r.demand or r.released == group for r in reports):
+                return "wants no gpu"
+            refused = [gpu for gpu in turn.seen if gpu in self._reports and group not in self._reports[gpu].ready]
+            return f"gpu {refused[0]} no longer consents" if refused else ""
         released_now = set()
         for gpu in turn.gpus:
             report = self._reports.get(gpu)
             if report is not None and report.released == group:
                 released_now.add(gpu)
-        if any(group in self._reports.get(gpu, _GONE).demand for gpu in turn.released_on - released_now):
-            return True
+        held = [gpu for gpu in turn.released_on - released_now if group in self._reports.get(gpu, _GONE).demand]
+        if held:
+            return f"gpu {held[0]} holds it"
         turn.released_on |= released_now
-        return not released_now and not any(
-            group in self._reports[gpu].demand for gpu in gpus if gpu in self._reports)
+        if not released_now and not any(group in self._reports[gpu].demand for gpu in gpus if gpu in self._reports):
+            return "quiet everywhere"
+        return ""
 
     def _open_turns(self, members: dict[int, frozenset[int]]) -> set[int]:
         """Open the turn of each closed gang that every GPU on which it wants time would release now,
@@ -293,6 +304,7 @@ class GangTurns:
             if gpus & busy:
                 continue
             self._open[group] = _Turn(gpus, gpus)
+            log.debug("gang_turn_opens", group=group, gpus=sorted(gpus))
             self._opened += 1
             self._last_opened[group] = self._opened
             self.turns += 1

@@ -1197,6 +1197,16 @@ class TimeSharePolicy:
         if account.quota.min_util > 0.0:
             account.owed = min(float(self.params.max_owed_slice_ns), account.owed + ns)
 
+    def figures(self, group: int) -> dict[str, float | None]:
+        """A group's GPU seconds charged and MaxUtil credit (ms; None where not capped) as of the last
+        look: for the scheduler's debug trace."""
+        account = self._accounts.get(group)
+        if account is None:
+            return {}
+        account = self._account(group)
+        credit = round(account.cap_credit / 1e6, 2) if account.quota.max_util < 1.0 else None
+        return {"gpu_s": round(account.gpu_ns / 1e9, 4), "credit_ms": credit}
+
     def usage(self, now: int) -> dict[int, GroupUsage]:
         self._advance(now)
         self._settle_all()

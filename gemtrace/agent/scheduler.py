@@ -43,6 +43,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import itertools
+import logging
 import operator
 import threading
 import time
@@ -271,6 +272,10 @@ class GpuScheduler:
         self.looks = 0  # how often it looked at the region (the CPU it costs), for tests and benches
         self.scans = 0  # how often a look scanned the whole slot table for users (most of a look's CPU)
         self.switches = 0  # how often it held a released group to hand the GPU on (or to cap it)
+        # At --log-level debug, each look whose decision or turns differ from the last one's is logged
+        # (`_trace`): what a gang's turns did on each GPU, for an operator asking why a job waits.
+        self._tracing = log.is_enabled_for(logging.DEBUG)
+        self._traced: tuple[object, ...] = ()
 
     # -- the agent's side --------------------------------------------------------------------------
 
@@ -367,12 +372,28 @@ class GpuScheduler:
             self._carry_out(now, decision)
             self._assert_words()
             self.looks += 1
+            if self._tracing:
+                self._trace(turned, decision)
             if (self._ringing is not None and self._ringing != ringing and self._ringing == released
                     and not self._unfinished(self._ringing, _FOREVER)):
                 # Asked to ring while it was already released: it may have gone quiet after this look
                 # read its slots and before the ask (no ring then). Look again at once.
                 return now
             return decision.wake_at
+
+    def _trace(self, turned: Observation, decision: Decision) -> None:
+        """Log the look where what it decided, or the turns it saw, changed (debug level only)."""
+        traced = (decision.released, decision.draining, decision.clear, decision.ready, turned.barred,
+                  turned.clearing, turned.due, turned.stranded, frozenset(self._policy.overrunning()))
+        if traced == self._traced:
+            return
+        self._traced = traced
+        gangs = turned.barred | turned.clearing | turned.due
+        log.debug("look", gpu=self.gpu, released=decision.released, draining=decision.draining,
+                  clear=decision.clear, ready=sorted(decision.ready), barred=sorted(turned.barred),
+                  clearing=sorted(turned.clearing), due=sorted(turned.due), stranded=sorted(turned.stranded),
+                  overrunning=sorted(traced[-1]), demand=sorted(turned.demand),
+                  gangs={g: self._policy.figures(g) for g in sorted(gangs)})
 
     def _with_turns(self, observation: Observation) -> Observation:
         """The observation with the groups spanning GPUs that are barred and due here (gang.py)."""
