@@ -8,7 +8,8 @@ rank a GPU, NCCL, gradients all-reduced every step) or alone on the first visibl
 (The window comes in the environment: torchrun would take --start for its own --start-method.) It
 steps until T1 (CLOCK_MONOTONIC, which every process of the host shares), counts the steps that end
 in [T0, T1) (each ends with loss.item(): the GPU finished it), and prints one JSON line {"result": true,
-"steps": N, "rate": N / (T1 - T0), ...}: under --ddp only rank 0 prints (every rank takes the same steps).
+"steps": N, "rate": N / (T1 - T0), "steps_before": the steps that ended before T0 (its warm-up), ...}: under
+--ddp only rank 0 prints (every rank takes the same steps).
 With BENCH_STEP_TIMES=PATH each rank also writes the CLOCK_MONOTONIC end of each of its steps
 (one per line, PATH.RANK.PID: several jobs may share PATH), to lay beside a scheduler's turns.
 """
@@ -64,7 +65,7 @@ def main() -> int:
         optimizer.step()
         loss.item()
 
-    steps = 0
+    steps = before = 0
     ends: list[float] = []
     over = torch.zeros(1, device=device)
     while True:
@@ -75,6 +76,7 @@ def main() -> int:
         ends.append(now)
         if args.start <= now < args.end:
             steps += 1
+        before += now < args.start
         if not args.ddp:
             if now >= args.end:
                 break
@@ -87,8 +89,8 @@ def main() -> int:
             break
     if rank == 0:
         print(json.dumps({"result": True, "steps": steps, "rate": steps / (args.end - args.start),
-                          "ddp": args.ddp, "torch": torch.__version__, "cuda": str(torch.version.cuda),
-                          "device": torch.cuda.get_device_name(device)}), flush=True)
+                          "steps_before": before, "ddp": args.ddp, "torch": torch.__version__,
+                          "cuda": str(torch.version.cuda), "device": torch.cuda.get_device_name(device)}), flush=True)
     if os.environ.get("BENCH_STEP_TIMES"):
         with open(f"{os.environ['BENCH_STEP_TIMES']}.{rank}.{os.getpid()}", "w") as out:
             out.writelines(f"{t:.6f}\n" for t in ends)

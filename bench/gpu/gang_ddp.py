@@ -10,6 +10,7 @@ the time the agent charged it on each GPU (gemtrace_group_gpu_seconds_total over
 
 Cases (issue 29's targets on two H100s):
   solo          the job alone, gated, no quota (before and after the cases: the table divides by their mean)
+  solo-capped   the job alone, MaxUtil 0.99: what the short queue of a hold in sight costs it
   cap30         MaxUtil 0.3, a single-GPU job on each GPU       the job >= 0.28 of solo
   min60         MinUtil 0.6, a single-GPU job on each GPU       the job >= 0.57 of solo
   equal         no quota, a single-GPU job on each GPU          >= 0.45 and >= the same without gemtrace
@@ -21,7 +22,7 @@ Cases (issue 29's targets on two H100s):
   raw-solo      the job alone without gemtrace, and a single-GPU job alone (the hogs' solo)
 
     python3 -m bench.gpu.gang_ddp [--cases solo,cap30,...] [--gpus 2] [--seconds 10] [--warmup 25]
-        [--pause-ms 0] [--job ddp|jax]
+        [--pause-ms 0] [--job ddp|jax] [--agent-log DIR]
 
 `--job jax`: the job is one JAX process over all the GPUs (bench/gpu/jax_worker.py: a pmap'd step with an
 all-reduce) instead of torchrun's ranks; its group is still named ddp.
@@ -33,6 +34,7 @@ default), torch with CUDA and torchvision, build/libgemgate.so, and the agent's 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import subprocess
 import sys
@@ -83,6 +85,8 @@ def plan_cases(gpus: int, job: Job = DDP) -> dict[str, Case]:
     uncapped = tuple(GroupSpec(h.group) for h in hogs)
     return {c.name: c for c in (
         Case("solo", "the job alone, no quota", (GroupSpec("ddp"),), (job,)),
+        Case("solo-capped", "the job alone, MaxUtil 0.99 (released with the short queue of a hold in sight)",
+             (GroupSpec("ddp", max_util=0.99),), (job,)),
         Case("cap30", "MaxUtil 0.3, a single-GPU job on each GPU", (GroupSpec("ddp", max_util=0.3), *uncapped),
              (job, *hogs), target={"ddp": 0.28}),
         Case("min60", "MinUtil 0.6, a single-GPU job on each GPU", (GroupSpec("ddp", min_util=0.6), *uncapped),
@@ -135,12 +139,23 @@ def result_key(job: Job, jobs: tuple[Job, ...]) -> str:
     return job.group if sum(j.group == job.group for j in jobs) == 1 else f"{job.group} (GPU {job.gpu})"
 
 
+def scrape(agent: Agent | None, uuids: list[str]) -> list[tuple[float, dict[str, float]]]:
+    """Each GPU's (when, charged per group), all from one scrape."""
+    if agent is None:
+        return []
+    when, by_gpu = agent.charged_on(tuple(uuids))
+    return [(when, by_gpu[uuid]) for uuid in uuids]
+
+
 def run_case(case: Case, gpus: int, seconds: float, warmup: float,
-             job_args: JobArgs = ((), ())) -> dict[str, Any]:
+             job_args: JobArgs = ((), ()), keep_log: Path | None = None) -> dict[str, Any]:
+    """One case's window; with `keep_log`, the agent logs at debug level (each GPU's changed decisions, each
+    gang turn) and its log is kept there, gzipped."""
     env = product_env()
     with tempfile.TemporaryDirectory(prefix="gemtrace-ddp-") as tmp:
         work = Path(tmp)
-        agent = Agent(work, case.groups, env, ebpf=False) if case.gated else None
+        agent = Agent(work, case.groups, env, ebpf=False, log_level="debug" if keep_log else "info") \
+            if case.gated else None
         procs = []
         try:
             uuids = [agent.gpu_uuid(i) for i in range(gpus)] if agent else []
@@ -150,9 +165,9 @@ def run_case(case: Case, gpus: int, seconds: float, warmup: float,
                 procs.append((job, start_job(job, gpus, window, env, agent.state if agent else None, log, job_args),
                               log))
             time.sleep(max(0.0, window[0] - time.monotonic()))
-            charged0 = [agent.charged(u) for u in uuids] if agent else []
+            charged0 = scrape(agent, uuids)
             time.sleep(max(0.0, window[1] - time.monotonic()))
-            charged1 = [agent.charged(u) for u in uuids] if agent else []
+            charged1 = scrape(agent, uuids)
             results = {result_key(job, case.jobs): result_of(proc, log) for job, proc, log in procs}
         finally:
             for _, proc, _ in procs:
@@ -160,11 +175,21 @@ def run_case(case: Case, gpus: int, seconds: float, warmup: float,
                     proc.kill()
             if agent:
                 agent.stop()
+                if keep_log:
+                    keep_log.parent.mkdir(parents=True, exist_ok=True)
+                    keep_log.write_bytes(gzip.compress(agent.log.read_bytes()))
     charged: dict[str, list[float]] = {}
     for (t0, c0), (t1, c1) in zip(charged0, charged1, strict=True):
         for group in c1:
             charged.setdefault(group, []).append((c1[group] - c0.get(group, 0.0)) / (t1 - t0))
     return {"results": results, "charged": charged}
+
+
+# A job that ended fewer steps than this before its window opened was measured in its warm-up (cuDNN's
+# autotuning, NCCL's first collectives, a fresh machine's cold caches): four ResNet-50 ranks on a fresh 4 x
+# H200 machine took 20-30 s from their start to their first step, and a 14 s warm-up read a tenth of the
+# steady rate (bench/results/gang_ddp.md, 2026-11-28 21:00).
+WARM_STEPS = 10
 
 
 def cases_to_run(parser: argparse.ArgumentParser, plan: tuple[str, ...], what: str,
@@ -174,6 +199,8 @@ def cases_to_run(parser: argparse.ArgumentParser, plan: tuple[str, ...], what: s
     parser.add_argument("--cases", default=",".join(plan))
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--gpus", type=int, default=2, help=f"GPUs {what} spans, a single-GPU job on each")
+    parser.add_argument("--agent-log", metavar="DIR",
+                        help="run the agent at --log-level debug and keep each case's log in DIR (gzipped)")
     args = parser.parse_args()
     if args.gpus < 2:
         parser.exit(2, f"--gpus {args.gpus}: {what} that spans GPUs needs at least 2\n")
@@ -190,9 +217,10 @@ def run_cases(named: list[tuple[str, Case]], args: argparse.Namespace, job_args:
     raw-solo, a single-GPU job alone without gemtrace (the single-GPU jobs' solo), or None."""
     runs: list[tuple[str, dict[str, Any]]] = []
     hog_solo = None
-    for name, case in named:
+    for n, (name, case) in enumerate(named):
         print(f"# {name}", file=sys.stderr, flush=True)
-        runs.append((name, run_case(case, args.gpus, args.seconds, args.warmup, job_args)))
+        keep = Path(args.agent_log, f"agent-{n}-{name}.log.gz") if args.agent_log and case.gated else None
+        runs.append((name, run_case(case, args.gpus, args.seconds, args.warmup, job_args, keep)))
         if name == "raw-solo":
             hog_solo = run_case(Case("hog-solo", "", (), (Job("hog0", False, 0),), gated=False), args.gpus,
                                 args.seconds, args.warmup)
@@ -241,6 +269,9 @@ def main() -> int:
             ratio = result["rate"] / base if base else float("nan")
             least = case.target.get(group)
             verdict = "" if least is None else (f"≥ {least:.2f} " + ("met" if ratio >= least else "**missed**"))
+            if result.get("steps_before", WARM_STEPS) < WARM_STEPS:
+                verdict += f" **not warm: {result['steps_before']} steps before the window** (raise --warmup)"
+                missed += 1
             missed += least is not None and ratio < least
             rows.append(f"| {name}: {case.title} | {group} | {result['rate']:.2f} | {ratio:.3f} | {verdict} "
                         f"| {charged_cell(run, group.split(' (')[0])} |")

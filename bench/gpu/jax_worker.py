@@ -5,7 +5,7 @@ process, for bench/gpu/gang_ddp.py's `--job jax` (docs/scheduler.md: one process
     BENCH_WINDOW=T0,T1 python3 bench/gpu/jax_worker.py
 
 Counts the steps that end in [T0, T1) (time.monotonic) and prints one JSON line {"result": true, "steps",
-"rate", "jax", "device", "devices"}.
+"rate", "steps_before" (those that ended before T0: its warm-up), "jax", "device", "devices"}.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> None:
     step = step_of(devices)
     x = step(jnp.full((devices, 4096, 4096), 0.001, jnp.bfloat16))
     x.block_until_ready()
-    steps = 0
+    steps = before = 0
     while True:
         x = step(x)
         x.block_until_ready()
@@ -40,7 +40,9 @@ def main() -> None:
         if now >= end:
             break
         steps += now >= start
-    print(json.dumps({"result": True, "steps": steps, "rate": steps / (end - start), "jax": jax.__version__,
+        before += now < start
+    print(json.dumps({"result": True, "steps": steps, "rate": steps / (end - start), "steps_before": before,
+                      "jax": jax.__version__,
                       "device": jax.devices()[0].device_kind, "devices": devices}), flush=True)
 
 

@@ -235,7 +235,8 @@ class Worker:
 class Agent:
     """`gemtrace agent` on a resource file of the run's groups, in a state dir of its own."""
 
-    def __init__(self, work: Path, groups: tuple[GroupSpec, ...], env: dict[str, str], ebpf: bool) -> None:
+    def __init__(self, work: Path, groups: tuple[GroupSpec, ...], env: dict[str, str], ebpf: bool,
+                 log_level: str = "info") -> None:
         self.work = work
         config = work / "resource.conf"
         config.write_text("\n".join(g.conf() for g in groups))
@@ -244,7 +245,7 @@ class Agent:
         self.log = work / "agent.log"
         self.proc = subprocess.Popen(
             gemtrace("agent", "--config", str(config), "--state-dir", str(self.state), "--listen",
-                     self.url.split("/")[2], *([] if ebpf else ["--no-ebpf"])),
+                     self.url.split("/")[2], "--log-level", log_level, *([] if ebpf else ["--no-ebpf"])),
             env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=self.log.open("w"))
         deadline = time.monotonic() + 60
         while True:
@@ -273,16 +274,23 @@ class Agent:
 
     def charged(self, uuid: str) -> tuple[float, dict[str, float]]:
         """GPU seconds the agent charged each group on the GPU so far, and when (the middle of the scrape)."""
+        when, by_gpu = self.charged_on((uuid,))
+        return when, by_gpu[uuid]
+
+    def charged_on(self, uuids: tuple[str, ...]) -> tuple[float, dict[str, dict[str, float]]]:
+        """`charged` for several GPUs from one scrape: read one scrape a GPU, a later GPU's figures were
+        read later, and at a window's end, where the jobs beside a job stop, that shifted its share."""
         from prometheus_client.parser import text_string_to_metric_families
 
         before = time.monotonic()
         text = self.metrics()
         when = (before + time.monotonic()) / 2
-        out: dict[str, float] = {}
+        out: dict[str, dict[str, float]] = {uuid: {} for uuid in uuids}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
-                if s.name == GROUP_SECONDS and s.labels.get("gpu") == uuid:
-                    out[s.labels["group"]] = out.get(s.labels["group"], 0.0) + float(s.value)
+                if s.name == GROUP_SECONDS and s.labels.get("gpu") in out:
+                    groups = out[s.labels["gpu"]]
+                    groups[s.labels["group"]] = groups.get(s.labels["group"], 0.0) + float(s.value)
         return when, out
 
     def held(self, uuid: str) -> dict[str, dict[str, float]]:
