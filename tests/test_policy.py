@@ -790,3 +790,21 @@ def test_a_waiting_group_s_debt_coming_due_is_a_deadline_while_the_busy_holder_r
     assert decision.wake_at == 81 * MS
     decision = policy.step(decision.wake_at, Observation(both, present=both, due=turn))
     assert decision.draining == 0  # revoked for the debt, 100 ms before its turn's end
+
+
+def test_a_guaranteed_group_spanning_gpus_starts_a_whole_turn_however_little_it_is_owed() -> None:
+    """Each turn of a job across GPUs costs it a restart of every rank: released with a small MinUtil debt,
+    it keeps its whole turn (180 ms) rather than the debt's 15-70 ms (four ranks at MinUtil 0.6 were charged
+    0.55 of each H200 in turns of 43-110 ms); and it goes on past its turn only for the debt left."""
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(0.6, 1.0), 1: Quota()})
+    both, gang = frozenset({0, 1}), frozenset({0})
+    assert policy.step(0, Observation(frozenset({1}), present=both, barred=gang)).released == 1
+    # Group 0 wants the GPU, its turn closed: it is owed 0.6 of the 20 ms it waits.
+    assert policy.step(1 * MS, Observation(both, present=both, barred=gang)).released == 1
+    assert policy.step(21 * MS, Observation(both, present=both, due=gang)).draining == 1  # its turn goes
+    decision = policy.step(22 * MS, Observation(both, drained_at=21 * MS, present=both, due=gang))
+    assert decision.released == 0
+    for now in range(32 * MS, 200 * MS, 10 * MS):  # busy all along, the other waiting
+        decision = policy.step(now, Observation(both, present=both, due=gang))
+        assert decision.released == 0, now
