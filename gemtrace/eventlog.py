@@ -67,8 +67,20 @@ def _journal_priority_prefix(_logger: Any, method_name: str, rendered: Any) -> s
     return f"<{JOURNAL_PRIORITY.get(method_name, JOURNAL_PRIORITY['info'])}>{rendered}"
 
 
+# The level `configure` last set (none until it runs: a program that never configures logs no debug trace).
+_configured_level: int | None = None
+
+
+def debug_enabled() -> bool:
+    """Did `configure` set the debug level? For callers that build a costly debug event only then (the
+    filtering loggers of structlog before 23 have no `is_enabled_for`; Debian 12 ships 22.3)."""
+    return _configured_level is not None and _configured_level <= logging.DEBUG
+
+
 def configure(level: str = "info", json: bool | None = None, stream: TextIO | None = None) -> None:
     """Log events at `level` and above to `stream` (default stderr); `json` None: JSON unless a terminal."""
+    global _configured_level
+    _configured_level = logging.getLevelNamesMapping()[level.upper()]
     out = sys.stderr if stream is None else stream
     as_json = not out.isatty() if json is None else json
     renderer: structlog.typing.Processor = (
@@ -85,7 +97,7 @@ def configure(level: str = "info", json: bool | None = None, stream: TextIO | No
         processors.append(_journal_priority_prefix)
     structlog.configure(
         processors=processors,
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        wrapper_class=structlog.make_filtering_bound_logger(_configured_level),
         logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=True,
     )

@@ -127,3 +127,16 @@ def test_a_uid_the_agent_cannot_tell_has_its_own_budget() -> None:
     sent = [lines.log(lambda event, **v: out.append(v["uid"]), uid, "slot_socket_accept_failed")
             for uid in (None, None, None, 5)]
     assert sent == [True, True, False, True] and out == [None, None, 5]
+
+
+def test_debug_enabled_says_whether_the_configured_level_is_debug() -> None:
+    """The scheduler builds its debug trace only where `debug_enabled` says so: never before `configure`,
+    at debug only (in a child: configuring here would change this process's logging)."""
+    program = ("from gemtrace import eventlog\n"
+               "print(eventlog.debug_enabled())\n"
+               "for level in ('info', 'debug', 'warning'):\n"
+               "    eventlog.configure(level)\n"
+               "    print(eventlog.debug_enabled())\n")
+    out = subprocess.run([sys.executable, "-c", program], env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    assert out.split() == ["False", "False", "True", "False"]

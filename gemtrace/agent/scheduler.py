@@ -43,7 +43,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import itertools
-import logging
 import operator
 import threading
 import time
@@ -52,6 +51,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from gemtrace import eventlog
 from gemtrace import region as rg
 from gemtrace.agent.gang import GangTurns, GpuReport, JobKeys
 from gemtrace.agent.policy import Decision, GroupUsage, Observation, PolicyParams, Quota, TimeSharePolicy
@@ -274,7 +274,7 @@ class GpuScheduler:
         self.switches = 0  # how often it held a released group to hand the GPU on (or to cap it)
         # At --log-level debug, each look whose decision or turns differ from the last one's is logged
         # (`_trace`): what a gang's turns did on each GPU, for an operator asking why a job waits.
-        self._tracing = log.is_enabled_for(logging.DEBUG)
+        self._tracing = eventlog.debug_enabled()
         self._traced: tuple[object, ...] = ()
 
     # -- the agent's side --------------------------------------------------------------------------
