@@ -357,6 +357,44 @@ def test_a_group_is_a_gang_only_on_the_gpus_that_one_of_its_jobs_spans() -> None
     assert turns.view(0) == turns.view(1) == Turns(barred=frozenset({6}))
 
 
+def test_a_group_is_a_gang_from_the_report_in_which_it_wants_a_second_gpu() -> None:
+    # The gangs are kept between reports while no GPU's (group, job) pairs change: a group that only
+    # starts to want GPU 1 (its first launch waits there) changes them.
+    turns = GangTurns()
+    turns.report(0, GpuReport(present=frozenset({2}), demand=frozenset({2})))
+    turns.report(1, GpuReport())
+    assert not turns.view(0)
+    turns.report(1, GpuReport(demand=frozenset({2})))
+    assert turns.view(0) == turns.view(1) == Turns(barred=frozenset({2}))
+    turns.report(1, GpuReport())
+    assert not turns.view(0) and not turns.view(1)
+
+
+def test_a_turn_goes_to_the_gang_whose_last_turn_opened_longest_ago_one_that_never_had_one_first() -> None:
+    gangs = frozenset({3, 4, 5})
+    turns = GangTurns()
+
+    def report(gpu: int, ready: frozenset[int], clearing: frozenset[int] = frozenset()) -> None:
+        turns.report(gpu, GpuReport(gangs, gangs, ready=ready, clearing=clearing))
+
+    def opened(ready: frozenset[int]) -> int:
+        """Both GPUs consent to `ready`: the gang whose turn opens, closed again unstarted (GPU 0 no
+        longer consents while it clears)."""
+        report(0, ready)
+        report(1, ready)
+        (group,) = turns.open_turns()
+        report(0, frozenset(), clearing=frozenset({group}))
+        report(1, frozenset())
+        assert turns.open_turns() == {}
+        return group
+
+    assert opened(frozenset({4})) == 4
+    first, second = opened(gangs), opened(gangs)
+    assert {first, second} == {3, 5}  # never had a turn: before 4
+    assert opened(gangs) == 4
+    assert opened(gangs) == first
+
+
 def test_a_turn_opens_when_every_gpu_that_wants_it_consents_starts_when_all_are_clear_and_closes_when_one_holds_it(
         ) -> None:
     woken: list[int] = []

@@ -12,6 +12,7 @@ import pytest
 import testkit
 
 from gemtrace import region as rg
+from gemtrace.agent.gang import GangTurns, JobKeys
 from gemtrace.agent.policy import MS, PolicyParams
 from gemtrace.agent.scheduler import RESCAN_NET_NS, GpuScheduler, Quota, SlotTable
 
@@ -630,3 +631,30 @@ def test_an_opportunistic_group_is_released_beside_production_naming_its_slots(r
     clock.advance(1 * MS)
     scheduler.step()
     assert control[spare].held == rg.RELEASED_BESIDE and control[spare].beside_n == 0
+
+
+def test_a_process_counts_in_its_job_on_a_gpu_from_its_first_launch_there(region: rg.Region) -> None:
+    """A group is a gang where one of its jobs has processes that launched (or wait) on two GPUs: the
+    jobs a scheduler reports are read again when a user starts launching, not only when a slot's process
+    or assignment changes."""
+    clock = FakeClock()
+    jobs, turns = JobKeys(), GangTurns()
+    schedulers = [GpuScheduler(region, gpu, clock, rescan_ns=0, gang=turns, jobs=jobs) for gpu in (0, 1)]
+    a = region.set_group("a", None, 0, 1)
+    slots = []
+    for gpu in (0, 1):
+        schedulers[gpu].set_quotas({a: Quota()})
+        slot = testkit.claim(region, gpu, 1000 + gpu, a)
+        jobs.record(gpu, 1000 + gpu, "ddp")
+        use_gpu(region, slot, gpu)
+        slots.append(slot)
+    slots[0].launches[0] = 4
+    for scheduler in schedulers:
+        scheduler.step()
+    assert not turns.view(0) and not turns.view(1)  # its process on GPU 1 has not launched yet
+    clock.advance(1 * MS)
+    slots[1].launches[1] = 4
+    for scheduler in schedulers:
+        scheduler.step()
+    assert a in turns.view(0).barred | turns.view(0).clearing | turns.view(0).due
+    assert a in turns.view(1).barred | turns.view(1).clearing | turns.view(1).due

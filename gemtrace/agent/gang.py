@@ -156,16 +156,22 @@ class GangTurns:
         self._lock = threading.Lock()
         self._reports: dict[int, GpuReport] = {}
         self._open: dict[int, _Turn] = {}
-        self._opened = 0
-        self._last_opened: dict[int, int] = {}  # group -> the count of turns opened when it last had one
+        # The groups that had a turn, the one whose last turn opened longest ago first.
+        self._last_opened: dict[int, None] = {}
         # Replaced whole at each report, never changed in place: `view` reads it without the lock, which
         # every GPU's every look would otherwise queue on behind another GPU's report.
         self._views: dict[int, Turns] = {}
         self._gangs: frozenset[int] = frozenset()  # the groups that spanned GPUs at the last report
-        # `_members` and `_turn_views` walk every group on every GPU (63 x 8 at the region's limit):
-        # their results are kept while what they read is unchanged (the GPUs' reports change at nearly
-        # every look; the gangs and the open turns only as turns go by).
+        # `_members` walks every group on every GPU (63 x 8 at the region's limit): kept while no GPU's
+        # (group, job) pairs change (`_pairs_changed`), which is as processes come and go; its demand
+        # changes at nearly every look. Per GPU: its jobs, the groups they name, and the groups present
+        # or wanting it that name none.
         self._members_cache: dict[int, frozenset[int]] | None = None
+        self._pairs: dict[int, tuple[frozenset[tuple[int, int]], frozenset[int], frozenset[int]]] = {}
+        # The gangs on each GPU (all barred where no turn is open) and by the GPUs they span, kept with
+        # the members they came from (`_gangs_placed`).
+        self._placed: tuple[dict[int, frozenset[int]], dict[int, frozenset[int]],
+                            dict[frozenset[int], frozenset[int]]] | None = None
         self._turn_views_of: tuple[object, ...] | None = None
         self._turn_views: dict[int, _TurnView] = {}
         self.turns = 0  # turns opened so far, for tests and benches
@@ -182,8 +188,7 @@ class GangTurns:
             self._reports[gpu] = report
             if previous == report and not self._open:
                 return False
-            if (previous is None or previous.present != report.present or previous.demand != report.demand
-                    or previous.jobs != report.jobs):
+            if self._pairs_changed(gpu, report):
                 self._members_cache = None
             before = self._views
             members = self._members()
@@ -221,6 +226,7 @@ class GangTurns:
         """A scheduler stopped: its GPU no longer counts in any gang."""
         with self._lock:
             self._reports.pop(gpu, None)
+            self._pairs.pop(gpu, None)
             self._members_cache, self._turn_views_of = None, None
             self._views = {g: turns for g, turns in self._views.items() if g != gpu}
 
@@ -231,9 +237,23 @@ class GangTurns:
 
     # -- under the lock ----------------------------------------------------------------------------
 
+    def _pairs_changed(self, gpu: int, report: GpuReport) -> bool:
+        """Did the GPU's (group, job) pairs change with `report` (its jobs, and the groups present or
+        wanting it that no job names, each of job NO_JOB)? The groups its jobs name are worked out again
+        only when its jobs changed."""
+        jobs = report.jobs
+        kept = self._pairs.get(gpu)
+        if kept is not None and (kept[0] is jobs or kept[0] == jobs):
+            named = kept[1]
+        else:
+            named = frozenset(group for group, _ in jobs)
+        unnamed = (report.present | report.demand) - named
+        self._pairs[gpu] = (jobs, named, unnamed)
+        return kept is None or kept[1] is not named or kept[2] != unnamed
+
     def _members(self) -> dict[int, frozenset[int]]:
         """Each group with a job present on two GPUs or more, and the GPUs of its such jobs (kept while
-        no GPU's present, demand and jobs change)."""
+        no GPU's pairs change: `_pairs_changed`)."""
         if self._members_cache is not None:
             return self._members_cache
         where: dict[tuple[int, int], set[int]] = {}
@@ -281,34 +301,42 @@ class GangTurns:
 
     def _open_turns(self, members: dict[int, frozenset[int]]) -> set[int]:
         """Open the turn of each closed gang that every GPU on which it wants time would release now,
-        on GPUs in no other open turn: the one whose last turn is oldest first. Returns the GPUs whose
-        view changed."""
+        on GPUs in no other open turn: the one whose last turn is oldest first (one that never had a
+        turn before all). Returns the GPUs whose view changed."""
         busy = set().union(*(turn.gpus for turn in self._open.values())) if self._open else set()
-        # Only a group some GPU is ready for (each of its GPUs must be) or has released can open: the
-        # others are passed over without reading each of their GPUs' reports (63 x 8 at the region's limit).
-        may_open = set().union(*(r.ready for r in self._reports.values()))
-        may_open.update(r.released for r in self._reports.values() if r.released is not None)
-        candidates = []
-        for group, gpus in members.items():
-            if group not in may_open or group in self._open or gpus & busy:
+        free = self._reports.keys() - busy
+        if len(free) < 2:
+            return set()  # (a gang's GPUs are two or more of those reporting)
+        # Set by set over the gangs that span the same GPUs (one such set at the region's limit), not gang
+        # by gang against each GPU's report (63 x 8): a gang may open where it wants one of its GPUs and
+        # all of them are ready for it, or (as a job's second process starts) where it is not yet a gang
+        # and released on one of them: its turn opens at once, or its process there would spin in its
+        # first collective until a turn came.
+        may_open: set[int] = set()
+        for gpus, gangs in self._gangs_placed(members)[1].items():
+            if not gpus <= free:
                 continue
             reports = [self._reports[gpu] for gpu in gpus]
-            # (Released somewhere as it becomes a gang, as a job's second process starts: its turn opens
-            # at once, or its process there would spin in its first collective until a turn came.)
-            if (any(group in r.demand for r in reports) and all(group in r.ready for r in reports)
-                    or group not in self._gangs and any(r.released == group for r in reports)):
-                candidates.append(group)
+            ready = frozenset.intersection(*(r.ready for r in reports))
+            wanting = frozenset().union(*(r.demand for r in reports))
+            may_open |= gangs & ready & wanting
+            may_open |= (gangs & {r.released for r in reports}) - self._gangs
+        may_open -= self._open.keys()
+        if not may_open:
+            return set()
         changed: set[int] = set()
-        for group in sorted(candidates, key=lambda g: self._last_opened.get(g, -1)):
+        oldest_first = ([g for g in members if g in may_open and g not in self._last_opened]
+                        + [g for g in self._last_opened if g in may_open])
+        for group in oldest_first:
             gpus = members[group]
-            if gpus & busy:
+            if not gpus <= free:
                 continue
             self._open[group] = _Turn(gpus, gpus)
             log.debug("gang_turn_opens", group=group, gpus=sorted(gpus))
-            self._opened += 1
-            self._last_opened[group] = self._opened
+            self._last_opened.pop(group, None)
+            self._last_opened[group] = None
             self.turns += 1
-            busy |= gpus
+            free -= gpus
             changed |= gpus
         return changed
 
@@ -339,23 +367,48 @@ class GangTurns:
     def _turn_views_now(self, members: dict[int, frozenset[int]]) -> dict[int, _TurnView]:
         """Per GPU (barred, clearing, due, pending): a gang with no open turn is barred; one whose turn
         clears, clearing on the GPUs that clear (and barred, not yet released, on its others); one whose
-        turn goes, due (and pending where not yet released in this turn)."""
-        barred: dict[int, set[int]] = {}
-        clearing: dict[int, set[int]] = {}
-        due: dict[int, set[int]] = {}
-        pending: dict[int, set[int]] = {}
-        for group, gpus in members.items():
-            turn = self._open.get(group)
-            for gpu in gpus | (turn.gpus if turn is not None else frozenset()):
-                if turn is None or not turn.go and gpu not in turn.clearing_on:
-                    barred.setdefault(gpu, set()).add(group)
+        turn goes, due (and pending where not yet released in this turn). Walks the open turns, not the
+        gangs: a GPU in none has its gangs barred, the same set as long as the gangs are the same."""
+        gangs_on, _ = self._gangs_placed(members)
+        turns_on: dict[int, list[tuple[int, _Turn]]] = {}
+        for group, turn in self._open.items():
+            gpus = members.get(group)
+            if gpus is None:
+                continue  # (no longer a gang: `report` ends its turn)
+            for gpu in gpus | turn.gpus:
+                turns_on.setdefault(gpu, []).append((group, turn))
+        views: dict[int, _TurnView] = {}
+        for gpu in gangs_on.keys() | turns_on.keys():
+            if gpu not in turns_on:
+                views[gpu] = (gangs_on[gpu], frozenset(), frozenset(), frozenset())
+                continue
+            barred = set(gangs_on.get(gpu, frozenset()) - self._open.keys())
+            clearing: set[int] = set()
+            due: set[int] = set()
+            pending: set[int] = set()
+            for group, turn in turns_on[gpu]:
+                if not turn.go and gpu not in turn.clearing_on:
+                    barred.add(group)
                 else:
-                    (due if turn.go else clearing).setdefault(gpu, set()).add(group)
+                    (due if turn.go else clearing).add(group)
                     if turn.go and gpu not in turn.released_on:
-                        pending.setdefault(gpu, set()).add(group)
-        return {gpu: (frozenset(barred.get(gpu, ())), frozenset(clearing.get(gpu, ())),
-                      frozenset(due.get(gpu, ())), frozenset(pending.get(gpu, ())))
-                for gpu in barred.keys() | clearing.keys() | due.keys()}
+                        pending.add(group)
+            views[gpu] = (frozenset(barred), frozenset(clearing), frozenset(due), frozenset(pending))
+        return views
+
+    def _gangs_placed(self, members: dict[int, frozenset[int]]
+                      ) -> tuple[dict[int, frozenset[int]], dict[frozenset[int], frozenset[int]]]:
+        """The gangs on each GPU, and by the GPUs they span: worked out again only when the gangs changed."""
+        if self._placed is None or self._placed[0] is not members:
+            on: dict[int, set[int]] = {}
+            spanning: dict[frozenset[int], set[int]] = {}
+            for group, gpus in members.items():
+                spanning.setdefault(gpus, set()).add(group)
+                for gpu in gpus:
+                    on.setdefault(gpu, set()).add(group)
+            self._placed = (members, {gpu: frozenset(groups) for gpu, groups in on.items()},
+                            {gpus: frozenset(groups) for gpus, groups in spanning.items()})
+        return self._placed[1], self._placed[2]
 
     def _stranded(self, members: dict[int, frozenset[int]]) -> dict[int, frozenset[int]]:
         """Per GPU, the barred groups still draining there (held, or past the drain timeout) while on

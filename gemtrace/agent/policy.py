@@ -466,9 +466,9 @@ class TimeSharePolicy:
                              and self._phase is Phase.RUNNING and self._may_continue(g))
         # A group present here that asks for nothing may still be busy (blocked in a collective that
         # waits for its peers): this GPU consents where it could release it (its MaxUtil credit).
-        idle = frozenset(g for g in self._barred if g not in self._demand and g in self._present
-                         and self._eligible(g, now, gang_ok=True))
-        wanting = [g for g in self._barred if g in self._demand and self._eligible(g, now, gang_ok=True)]
+        idle = frozenset(g for g in (self._barred & self._present) - self._demand
+                         if self._eligible(g, now, gang_ok=True))
+        wanting = [g for g in self._barred & self._demand if self._eligible(g, now, gang_ok=True)]
         if not wanting:
             return idle
         holder = self._holder
@@ -802,7 +802,7 @@ class TimeSharePolicy:
         until the bucket is spent and rests until it is full, half as many holds as a slice's credit
         gives: each hold and release costs a real model some ms of work beyond its charge
         (bench/results/models_torch.md)."""
-        if self._demand <= {group} and not (group in self._barred or group in self._clearing):
+        if not (group in self._barred or group in self._clearing) and self._demand <= {group}:
             return self._cap_capacity() - 1.0  # (the bucket refills up to its capacity exactly)
         return self._turn_ns(group) * (1.0 - self._accounts[group].quota.max_util)
 
@@ -832,7 +832,8 @@ class TimeSharePolicy:
         their caps fill the GPU (_caps_fill_gpu)."""
         if not self._caps_fill_gpu():
             return []
-        return [g for g in self._demand if self._eligible(g, now, self.params.min_slice_ns)]
+        short = self.params.min_slice_ns
+        return [g for g in self._demand if g not in self._barred and self._eligible(g, now, short)]
 
     def _someone_waits(self, now: int) -> bool:
         """Does a group other than the holder wait for the GPU, and may it be released once the
@@ -906,9 +907,11 @@ class TimeSharePolicy:
 
     def _candidates(self, now: int) -> list[int]:
         """The groups `_choose` chooses among: the holder while it may go on, the eligible wanting
-        groups, or else those eligible for a short slice."""
-        return [g for g in self._demand if g == self._holder and g not in self._barred and self._may_continue(g)
-                or self._eligible(g, now)] or self._short_candidates(now)
+        groups, or else those eligible for a short slice. Never a barred group (its turn across GPUs is
+        closed): passed over first, since at the region's limit nearly every group is one."""
+        return [g for g in self._demand if g not in self._barred and (g == self._holder and self._may_continue(g)
+                                                                      or self._eligible(g, now))
+                ] or self._short_candidates(now)
 
     def _owed_first(self, group: int) -> bool:
         """Does the group go first for its MinUtil debt (the holder for any, a waiting group for a long slice's)?"""

@@ -239,6 +239,8 @@ class GpuScheduler:
         # of its jobs spans GPUs.
         self._jobs = jobs if jobs is not None else JobKeys()
         self._user_jobs: tuple[tuple[int, int], ...] = ()  # (group, job) of each user
+        # Which users launched or wait here (one byte each: `_read_users`), as of the present jobs.
+        self._active_users: bytes | None = None
         self._present_jobs: frozenset[tuple[int, int]] = frozenset()
         self._lock = threading.Lock()
         self._policy = TimeSharePolicy(params or PolicyParams(), now=clock())
@@ -542,6 +544,7 @@ class GpuScheduler:
             self._user_groups, self._user_pids = user_groups, pids
             self._user_jobs = tuple((group, self._jobs.of(index, pid))
                                     for index, pid, group in zip(self._users, pids, user_groups, strict=True))
+            self._active_users = None
             self._user_assignments, self._user_scheduled = assignments, self._scheduled
             changed: Iterable[int] = self._users  # look at each once: their first sight, or a new group
         elif launches != self._user_launches:
@@ -554,10 +557,15 @@ class GpuScheduler:
         present.discard(rg.GROUP_UNASSIGNED)
         demand.discard(rg.GROUP_UNASSIGNED)
         if self._gang is not None:
-            jobs = {pair for pair in itertools.compress(self._user_jobs, map(operator.or_, launches, waiting))
-                    if pair[0] != rg.GROUP_UNASSIGNED}
-            if jobs != self._present_jobs:
-                self._present_jobs = frozenset(jobs)
+            # The jobs present: worked out again only when a user starts (or stops) launching or waiting,
+            # or the users' jobs changed; not at every look (a set of 128 pairs at the region's limit).
+            active = bytes(map(operator.truth, map(operator.or_, launches, waiting)))
+            if active != self._active_users:
+                self._active_users = active
+                jobs = frozenset(pair for pair in itertools.compress(self._user_jobs, active)
+                                 if pair[0] != rg.GROUP_UNASSIGNED)
+                if jobs != self._present_jobs:
+                    self._present_jobs = jobs
         return present, demand, changed
 
     def _visit(self, index: int, now: int) -> _SlotLook | None:
