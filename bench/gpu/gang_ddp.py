@@ -21,7 +21,7 @@ Cases (issue 29's targets on two H100s):
   raw-equal     `equal` without gemtrace
   raw-solo      the job alone without gemtrace, and a single-GPU job alone (the hogs' solo)
 
-    python3 -m bench.gpu.gang_ddp [--cases solo,cap30,...] [--gpus 2] [--seconds 10] [--warmup 25]
+    python3 -m bench.gpu.gang_ddp [--cases solo,cap30,...] [--gpus 2] [--seconds 10] [--warmup 40]
         [--pause-ms 0] [--job ddp|jax] [--agent-log DIR]
 
 `--job jax`: the job is one JAX process over all the GPUs (bench/gpu/jax_worker.py: a pmap'd step with an
@@ -192,6 +192,12 @@ def run_case(case: Case, gpus: int, seconds: float, warmup: float,
 WARM_STEPS = 10
 
 
+def not_warm(result: dict[str, Any]) -> str:
+    """A table's flag for a training job that ended fewer than WARM_STEPS steps before its window, or ""."""
+    before = result.get("steps_before", WARM_STEPS)
+    return f" **not warm: {before} steps before the window** (raise --warmup)" if before < WARM_STEPS else ""
+
+
 def cases_to_run(parser: argparse.ArgumentParser, plan: tuple[str, ...], what: str,
                  planner: Callable[[int], dict[str, Case]]) -> tuple[argparse.Namespace, list[tuple[str, Case]]]:
     """Parses --cases/--seconds/--gpus (and whatever `parser` has already) and returns the cases named,
@@ -243,7 +249,7 @@ def publish_table(name: str, runs: list[tuple[str, dict[str, Any]]], hog_solo: d
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=float, default=25.0)
+    parser.add_argument("--warmup", type=float, default=40.0)
     parser.add_argument("--pause-ms", type=float, default=0.0,
                         help="CPU work of the job after each step: its ranks sleep so long (a data loader)")
     parser.add_argument("--job", choices=sorted(JOBS), default="ddp",
@@ -269,9 +275,9 @@ def main() -> int:
             ratio = result["rate"] / base if base else float("nan")
             least = case.target.get(group)
             verdict = "" if least is None else (f"≥ {least:.2f} " + ("met" if ratio >= least else "**missed**"))
-            if result.get("steps_before", WARM_STEPS) < WARM_STEPS:
-                verdict += f" **not warm: {result['steps_before']} steps before the window** (raise --warmup)"
-                missed += 1
+            cold = not_warm(result)
+            verdict += cold
+            missed += bool(cold)
             missed += least is not None and ratio < least
             rows.append(f"| {name}: {case.title} | {group} | {result['rate']:.2f} | {ratio:.3f} | {verdict} "
                         f"| {charged_cell(run, group.split(' (')[0])} |")

@@ -23,7 +23,7 @@ Cases:
   raw-solo    the service alone without gemtrace; and a single-GPU job alone (the training jobs' solo)
   raw-equal   `equal` without gemtrace: the driver's own time slicing
 
-    python3 -m bench.gpu.gang_serve [--cases solo,equal,...] [--gpus 2] [--seconds 10] [--warmup 20]
+    python3 -m bench.gpu.gang_serve [--cases solo,equal,...] [--gpus 2] [--seconds 10] [--warmup 40]
         [--pause-ms 30]
 
 Prints a markdown table; with $OUT set writes gang_serve.md and gang_serve.json there. Needs what
@@ -35,7 +35,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench.gpu.gang_ddp import Case, Job, cases_to_run, charged_cell, publish_table, run_cases
+from bench.gpu.gang_ddp import Case, Job, cases_to_run, charged_cell, not_warm, publish_table, run_cases
 from bench.gpu.models_torch import GroupSpec
 
 TARGET = 1.5  # p99 over solo p99 where the service outranks or is served first (bench/gpu/priority_latency.py)
@@ -73,7 +73,7 @@ def plan_cases(gpus: int) -> dict[str, Case]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--warmup", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=40.0)
     parser.add_argument("--pause-ms", type=float, default=30.0, help="between an answer and the next request")
     args, named = cases_to_run(parser, PLAN, "a service", plan_cases)
     cases = dict(named)
@@ -108,8 +108,10 @@ def main() -> int:
             else:  # (a training job: a single-GPU one against a single-GPU job alone, the DDP job against ddp-solo)
                 base = hog_rate if group.startswith("hog") else ddp_rate
                 ratio = result["rate"] / base if base else float("nan")
+                cold = not_warm(result)
+                missed += bool(cold)
                 rows.append(f"| {name}: {case.title} | {group} | - | - | - | {result['rate']:.2f} ({ratio:.3f}) | "
-                            f" | {charged} |")
+                            f"{cold} | {charged} |")
     publish_table("gang_serve", runs, hog_solo, rows,
                   f"the service's solo through gemtrace p50 {solo_p50 and f'{solo_p50:.1f}'} / p99 "
                   f"{solo_p99 and f'{solo_p99:.1f}'} ms, without gemtrace {raw_text} ms; a single-GPU job alone "
