@@ -31,6 +31,7 @@ due groups before the next (`view`); it never touches the region. A change of tu
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -257,11 +258,8 @@ class GangTurns:
         if self._members_cache is not None:
             return self._members_cache
         where: dict[tuple[int, int], set[int]] = {}
-        for gpu, report in self._reports.items():
-            pairs = set(report.jobs)
-            named = {group for group, _ in pairs}
-            pairs.update((group, NO_JOB) for group in report.present | report.demand if group not in named)
-            for pair in pairs:
+        for gpu, (jobs, _, unnamed) in self._pairs.items():
+            for pair in itertools.chain(jobs, ((group, NO_JOB) for group in unnamed)):
                 where.setdefault(pair, set()).add(gpu)
         members: dict[int, set[int]] = {}
         for (group, _), gpus in where.items():
