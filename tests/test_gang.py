@@ -641,7 +641,7 @@ def test_a_barred_group_draining_where_another_gpu_holds_it_done_is_stranded_the
     assert [turns.view(gpu).stranded for gpu in (0, 1, 2)] == [seven, frozenset(), frozenset()]
     # Draining on two GPUs while held and done on the third: with more than two ranks, several wait for
     # that one at once (four ranks capped at 0.3: each such drain was charged, and past the drain timeout
-    # charged up to a second, unseen as stranded; they did 0.02 of their solo on 4 H200s).
+    # charged up to a second, unseen as stranded; they did 0.06-0.33 of their solo on 4 simulated GPUs).
     turns.report(2, GpuReport(five, five, draining=7))
     assert [turns.view(gpu).stranded for gpu in (0, 1, 2)] == [seven, frozenset(), seven]
     turns.report(2, GpuReport(five, five, overrunning=seven))  # past its drain timeout there: the same

@@ -188,7 +188,7 @@ def run_case(case: Case, gpus: int, seconds: float, warmup: float,
 # A job that ended fewer steps than this before its window opened was measured in its warm-up (cuDNN's
 # autotuning, NCCL's first collectives, a fresh machine's cold caches): four ResNet-50 ranks on a fresh 4 x
 # H200 machine took 20-30 s from their start to their first step, and a 14 s warm-up read a tenth of the
-# steady rate (bench/results/gang_ddp.md, 2026-11-28 21:00).
+# steady rate (bench/results/gang_ddp.md, 2026-11-28 20:51-21:21).
 WARM_STEPS = 10
 
 

@@ -735,8 +735,9 @@ class TimeSharePolicy:
             # What is left here is a collective waiting for its peers, held and done on their GPUs: only
             # the group's next turn ends it. No drain to wait out, charge or learn from: charged, each turn
             # end that strands a rank sank one GPU's MaxUtil credit below the others', and a gang's turn
-            # waits for its lowest (4 ranks capped at 0.3 did 0.02 of their solo on 4 H200s); learnt,
-            # those waits lengthened every later drain timeout.
+            # waits for its lowest (4 ranks capped at 0.3 did 0.06-0.33 of their solo on 4 simulated GPUs,
+            # one GPU charged up to 2.7 x the others); learnt, those waits lengthened every later drain
+            # timeout.
             self._phase, self._holder, self._charging = Phase.IDLE, None, False
             return
         # The timeout only matters to a group waiting for the GPU: with nobody to hand it to, the
