@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -282,6 +282,10 @@ class TimeSharePolicy:
         self._holder_idle_since: int | None = None  # the running holder quiet since (at the last look)
         self._busy_look = 0  # the last look that saw the running holder busy
         self._demand: frozenset[int] = frozenset()
+        # The MaxUtils of the groups in _demand added up (`_caps_fill_gpu`), kept until the demand or the
+        # quotas change: 63 groups summed at every look otherwise.
+        self._demand_caps: float | None = None
+        self._decay_of = (0, 1.0)  # (elapsed ns, the usage's decay over it): `_settle`'s last
         # Observation.present as seen (unscheduled groups included: only _outranked_present reads it,
         # and only where some group outranks the holder).
         self._present: frozenset[int] = frozenset()
@@ -302,6 +306,9 @@ class TimeSharePolicy:
         self._stranded: frozenset[int] = frozenset()
         self._due: frozenset[int] = frozenset()
         self._ready: frozenset[int] = frozenset()
+        # barred | clearing | due, made once a look: `_turn_ns` asks it of every group, 46 times a look
+        # at the region's limit.
+        self._spanning: frozenset[int] = frozenset()
         self._top_priority = 0  # the highest priority scheduled: a holder of it is never outranked
         # This look follows a stall (stall_ns): what it charges a bucket leaves it empty at worst.
         self._after_stall = False
@@ -332,6 +339,7 @@ class TimeSharePolicy:
                                                  wanting=group in self._demand)
             else:
                 account.quota = quota
+        self._demand_caps = None
         self._top_priority = max((quota.priority for quota in quotas.values()), default=0)
         self._guaranteed = frozenset(group for group, quota in quotas.items() if quota.min_util > 0.0)
         self._opportunistic = frozenset(group for group, quota in quotas.items() if quota.opportunistic)
@@ -383,6 +391,7 @@ class TimeSharePolicy:
         self._set_demand(frozenset(demand & self._accounts.keys()))
         self._present = obs.present
         self._barred, self._clearing, self._due = obs.barred, obs.clearing, obs.due
+        self._spanning = obs.barred | obs.clearing | obs.due
         self._stranded = obs.stranded
         for group in [g for g in self._overrun if g in obs.stranded]:
             del self._overrun[group]  # its work left waits for its peers' next turn: charged no further
@@ -466,9 +475,8 @@ class TimeSharePolicy:
                              and self._phase is Phase.RUNNING and self._may_continue(g))
         # A group present here that asks for nothing may still be busy (blocked in a collective that
         # waits for its peers): this GPU consents where it could release it (its MaxUtil credit).
-        idle = frozenset(g for g in (self._barred & self._present) - self._demand
-                         if self._eligible(g, now, gang_ok=True))
-        wanting = [g for g in self._barred & self._demand if self._eligible(g, now, gang_ok=True)]
+        idle = frozenset(self._barred_eligible((self._barred & self._present) - self._demand))
+        wanting = self._barred_eligible(self._barred & self._demand)
         if not wanting:
             return idle
         holder = self._holder
@@ -482,6 +490,26 @@ class TimeSharePolicy:
             return idle | self._ready.intersection(wanting)
         return idle | self._chosen_if_admitted(now, wanting, self._paused_holder(now, holder_idle_since))
 
+    def _barred_eligible(self, groups: Iterable[int]) -> list[int]:
+        """Those of `groups` (barred) that `_eligible` would let go if their turn were open (gang_ok), in
+        their order: one loop where a look at the region's limit made 62 calls through `_eligible` and
+        `_credit_to_release` (a barred group's credit is always a turn's: `_turn_ns`)."""
+        accounts, last = self._accounts, self._last
+        turn = max(self._slice_ns, self.params.gang_slice_ns)
+        eligible = []
+        for group in groups:
+            account = accounts[group]
+            max_util = account.quota.max_util
+            if max_util < 1.0:
+                if max_util <= 0.0:
+                    continue
+                if account.at < last:
+                    self._settle(account, last)
+                if account.cap_credit < turn * (1.0 - max_util):
+                    continue
+            eligible.append(group)
+        return eligible
+
     def _due_waits(self, holder: int, now: int) -> bool:
         """Does a group whose turn across GPUs is open want this GPU, held by another group that is
         not being paid its MinUtil debt? Then the holder is held at once: the group's processes on its
@@ -492,10 +520,13 @@ class TimeSharePolicy:
     def _set_demand(self, demand: frozenset[int]) -> None:
         """The groups that want the GPU from this look on: those that start or stop wanting it are
         brought up to date first (their debt and time held back grew until now, or did not)."""
-        for group in demand.symmetric_difference(self._demand):
+        changed = demand.symmetric_difference(self._demand)
+        for group in changed:
             account = self._accounts.get(group)
             if account is not None:
                 self._settle(account, self._last).wanting = group in demand
+        if changed:
+            self._demand_caps = None
         self._demand = demand
 
     def _wake_on_wait(self, now: int, outranked: bool) -> bool:
@@ -781,14 +812,18 @@ class TimeSharePolicy:
     def _eligible(self, group: int, now: int, slice_ns: int | None = None, gang_ok: bool = False) -> bool:
         """May the group be released now? Under its MaxUtil with the credit `_credit_needed` asks, and
         not barred (a group spanning GPUs whose turn is closed) unless `gang_ok`."""
-        if group in self._barred and not gang_ok:
+        if not gang_ok and group in self._barred:
             return False
-        quota = self._accounts[group].quota
-        if quota.max_util <= 0.0:
-            return False
-        if quota.max_util >= 1.0:
+        account = self._accounts[group]
+        max_util = account.quota.max_util
+        if max_util >= 1.0:
             return True
-        return self._account(group).cap_credit >= self._credit_needed(group, slice_ns)
+        if max_util <= 0.0:
+            return False
+        if account.at < self._last:
+            self._settle(account, self._last)
+        needed = slice_ns * (1.0 - max_util) if slice_ns is not None else self._credit_to_release(group)
+        return account.cap_credit >= needed
 
     def _credit_needed(self, group: int, slice_ns: int | None = None) -> float:
         """The MaxUtil credit a capped group needs to be released: for a slice of `slice_ns`, or
@@ -803,23 +838,27 @@ class TimeSharePolicy:
         until the bucket is spent and rests until it is full, half as many holds as a slice's credit
         gives: each hold and release costs a real model some ms of work beyond its charge
         (bench/results/models_torch.md)."""
-        if not (group in self._barred or group in self._clearing) and self._demand <= {group}:
+        demand = self._demand  # (alone: no set built to compare it with, as `demand <= {group}` would)
+        alone = not demand or len(demand) == 1 and group in demand
+        if alone and not (group in self._barred or group in self._clearing):
             return self._cap_capacity() - 1.0  # (the bucket refills up to its capacity exactly)
         return self._turn_ns(group) * (1.0 - self._accounts[group].quota.max_util)
 
     def _turn_ns(self, group: int) -> int:
         """A group's slice (what it runs, what a capped group waits for credit for, what the order among
         groups looks half of ahead): a gang turn for a group that spans GPUs."""
-        if group in self._barred or group in self._clearing or group in self._due:
-            return max(self.slice_ns(), self.params.gang_slice_ns)
-        return self.slice_ns()
+        if group in self._spanning:
+            return max(self._slice_ns, self.params.gang_slice_ns)
+        return self._slice_ns
 
     def _caps_fill_gpu(self) -> bool:
         """Do the MaxUtils of the groups that want the GPU add up to all of it? Then none of them
         need wait for a whole slice's credit: the GPU idling meanwhile is time their caps gave them
         and nobody gets (caps 0.1/0.2/0.3/0.4 lost 5% of the GPU that way, all of it the 0.4 group's).
         Below that, a capped group's waits are its cap's, and it waits for a whole slice."""
-        return sum(self._accounts[g].quota.max_util for g in self._demand) >= 1.0 - 1e-9
+        if self._demand_caps is None:
+            self._demand_caps = sum(self._accounts[g].quota.max_util for g in self._demand)
+        return self._demand_caps >= 1.0 - 1e-9
 
     def _caps_within_gpu(self) -> bool:
         """Is every group that wants the GPU capped, their MaxUtils adding up to at most all of it?
@@ -895,14 +934,16 @@ class TimeSharePolicy:
         open, the least used first; then the highest priority, and within it `_order_key` (a holder
         whose turn is open goes on by these rules, not by its turn)."""
         order = self._order_key()
+        accounts, due, holder = self._accounts, self._due, self._holder
 
         def rank(group: int) -> tuple[float, ...]:
-            if self._owed_first(group):
-                behind, holder = self._owed_key(group)
-                return (0, -behind, not holder)
-            if group in self._due and group != self._holder:
+            # (A group with no MinUtil is never owed: not asked, for the 62 barred groups a look ranks.)
+            if accounts[group].quota.min_util > 0.0 and self._owed_first(group):
+                behind, is_holder = self._owed_key(group)
+                return (0, -behind, not is_holder)
+            if group in due and group != holder:
                 return (1, self._due_key(group))
-            return (2, -self._priority(group), *order(group))
+            return (2, -accounts[group].quota.priority, *order(group))
 
         return rank
 
@@ -938,8 +979,16 @@ class TimeSharePolicy:
         # others' slices, and chosen when its usage just came under theirs it would end each turn
         # further above them than they end theirs above it (no quota beside single-GPU jobs: 0.53 of
         # each GPU against their 0.47).
-        return lambda g: (self._account(g).usage + (self._turn_ns(g) - self.slice_ns()) / 2, g != self._holder,
-                          self._accounts[g].last_run)
+        accounts, last, holder, spanning = self._accounts, self._last, self._holder, self._spanning
+        ahead = (max(self._slice_ns, self.params.gang_slice_ns) - self._slice_ns) / 2  # (_turn_ns's, halved)
+
+        def key(g: int) -> tuple[float, bool, int]:
+            account = accounts[g]
+            if account.at < last:
+                self._settle(account, last)
+            return account.usage + (ahead if g in spanning else 0.0), g != holder, account.last_run
+
+        return key
 
     def _slice_for(self, group: int, owed_first: bool, starting: bool = False) -> int:
         """How long the group may hold the GPU from now: its slice (a gang's turn), or what pays its debt
@@ -1058,17 +1107,22 @@ class TimeSharePolicy:
         wake = now + self.params.ring_net_ns
         short = self._caps_fill_gpu()
         waits_for_turn = self._barred | self._clearing
+        accounts, last = self._accounts, self._last
+        turn = max(self._slice_ns, self.params.gang_slice_ns)  # (the credit a turn across GPUs needs)
         for group in self._demand:
-            quota = self._accounts[group].quota
-            if 0.0 < quota.max_util < 1.0:
+            account = accounts[group]
+            max_util = account.quota.max_util
+            if 0.0 < max_util < 1.0:
+                if account.at < last:
+                    self._settle(account, last)
                 if group in waits_for_turn:  # (when its readiness comes: _gang_readiness)
-                    missing = self._credit_needed(group) - self._account(group).cap_credit
+                    missing = turn * (1.0 - max_util) - account.cap_credit
                     if missing <= 0:
                         continue
                 else:
                     wanted = self._credit_needed(group, self.params.min_slice_ns if short else None)
-                    missing = wanted - self._account(group).cap_credit
-                wake = min(wake, now + max(1, math.ceil(missing / quota.max_util)))
+                    missing = wanted - account.cap_credit
+                wake = min(wake, now + max(1, math.ceil(missing / max_util)))
         return wake
 
     # -- accounting ------------------------------------------------------------------------------
@@ -1147,7 +1201,10 @@ class TimeSharePolicy:
         elapsed = until - account.at
         if elapsed <= 0:
             return account
-        account.usage *= math.exp(-elapsed / self.params.window_ns)
+        if elapsed != self._decay_of[0]:
+            # (Every group out of play was settled at the same looks: one exponential serves them all.)
+            self._decay_of = (elapsed, math.exp(-elapsed / self.params.window_ns))
+        account.usage *= self._decay_of[1]
         if account.wanting:
             account.throttled_ns += elapsed
             if account.quota.min_util > 0.0:
@@ -1156,9 +1213,10 @@ class TimeSharePolicy:
         rate = account.quota.max_util
         if rate < 1.0:
             credit, at = account.cap_credit, account.at
-            for end, capacity in self._capacities[account.era:]:
-                if end > at:
-                    credit, at = min(capacity, credit + rate * (end - at)), end
+            if account.era < len(self._capacities):
+                for end, capacity in self._capacities[account.era:]:
+                    if end > at:
+                        credit, at = min(capacity, credit + rate * (end - at)), end
             if until > at:  # (no clamp where no time passed: a look clamps at its end only)
                 credit = min(self._capacity, credit + rate * (until - at))
             account.cap_credit = credit
