@@ -808,3 +808,37 @@ def test_a_guaranteed_group_spanning_gpus_starts_a_whole_turn_however_little_it_
     for now in range(32 * MS, 200 * MS, 10 * MS):  # busy all along, the other waiting
         decision = policy.step(now, Observation(both, present=both, due=gang))
         assert decision.released == 0, now
+
+
+def test_barred_eligibility_in_one_loop_is_eligible_with_gang_ok() -> None:
+    """`_barred_eligible` (the look's one loop over the barred groups) lets go exactly the groups that
+    `_eligible(g, now, gang_ok=True)` would, in their order, whatever their caps and credit."""
+    caps = [1.0, 0.0, 0.05, 0.25, 0.3, 0.5, 0.9, 0.99]
+    quotas = {g: Quota(max_util=caps[g % len(caps)]) for g in range(24)}
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, quotas)
+    now, refused = 0, 0
+    for look in range(400):
+        now += (look % 7 + 1) * 3 * MS
+        # Groups take turns being barred, so that those barred now have run (and spent credit) before.
+        barred = frozenset(g for g in range(24) if (g + look // 40) % 3 == 0)
+        demand = frozenset(g for g in range(24) if (g + look) % 5)
+        policy.step(now, Observation(demand=demand, present=frozenset(range(24)), barred=barred))
+        for groups in (policy._barred & policy._demand, policy._barred - policy._demand):
+            eligible = [g for g in groups if policy._eligible(g, now, gang_ok=True)]
+            assert policy._barred_eligible(groups) == eligible
+            refused += sum(1 for g in groups if 0.0 < quotas[g].max_util < 1.0 and g not in eligible)
+    assert refused  # (some capped group was barred without the credit for a turn)
+
+
+def test_the_demands_caps_follow_new_quotas_with_the_same_demand() -> None:
+    """`_caps_fill_gpu` keeps the demand's MaxUtils added up between looks: a change of quotas with the
+    same groups wanting the GPU is seen at once (a sum kept past it would say the caps do not fill it)."""
+    policy = TimeSharePolicy(PolicyParams(), now=0)
+    policy.set_quotas(0, {1: Quota(max_util=0.5), 2: Quota(max_util=0.4)})
+    policy.step(MS, Observation(demand=frozenset({1, 2}), present=frozenset({1, 2})))
+    assert not policy._caps_fill_gpu()
+    policy.set_quotas(2 * MS, {1: Quota(max_util=0.6), 2: Quota(max_util=0.4)})
+    assert policy._caps_fill_gpu()
+    policy.step(3 * MS, Observation(demand=frozenset({1}), present=frozenset({1, 2})))
+    assert not policy._caps_fill_gpu()
