@@ -9,9 +9,9 @@
  * Nothing here is a lock anybody waits for: every shared word changes by atomic add or compare-and-swap,
  * so a process killed at any instruction blocks nobody. The worst a killed process can leave behind is
  * a few bytes counted as used that nobody owns (killed between two adds; see sim_mem_reserve) or one
- * process slot that stays claimed (killed while reaping another's slot). The one file lock, a read
- * lock on a slot's byte of the holds file beside the state, is never waited for: it only tells others
- * that the slot's process still holds the devices (state.c, hold_slot).
+ * process slot that stays claimed (killed while reaping another's slot). The one kind of file lock, a
+ * read lock on a slot's byte of a holds file beside the state, is never waited for: it only tells
+ * others that the slot's process still holds the devices (state.c, hold_slot).
  *
  * Time is CLOCK_MONOTONIC nanoseconds everywhere.
  */
@@ -86,8 +86,8 @@ struct sim_proc {
     _Atomic int32_t pid;          /* 0 free, else the owner (alive or not yet reaped) */
     _Atomic int32_t reaper;       /* 0, or the process giving back a dead owner's memory */
     _Atomic uint32_t ctx_devices; /* bit per physical device on which the process made a context */
-    _Atomic uint32_t held;        /* 1: the owner read-locks byte `slot` of the holds file, and the
-                                   * lock, not /proc, says whether it lives (state.c, hold_slot) */
+    _Atomic uint32_t held;        /* 1: the owner read-locks the slot's byte of its holds file, and
+                                   * the lock, not /proc, says whether it lives (state.c, hold_slot) */
     _Atomic uint64_t start_time;  /* /proc/<pid>/stat start time; tells a reused pid apart */
     _Atomic uint64_t used[SIM_MAX_DEVICES];
     _Atomic uint64_t managed[SIM_MAX_DEVICES];
