@@ -282,9 +282,9 @@ SIM_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_
 }
 
 /* Live processes with a context or memory on the device, written as v1 (16-byte) or v2/v3 entries.
- * Looks at the liveness of this device's processes only (one /proc read each), reaping those that
- * died: a full sim_reap_dead() per device read every slot's /proc entry, 9000 reads for one poll of
- * 8 devices with 1024 processes, a cost the agent's bench charged to the agent and no driver has. */
+ * Looks at the liveness of this device's processes only (one lock test each, state.c's slot_alive),
+ * reaping those that died: a full sim_reap_dead() per device tested every slot, 8 times the tests for
+ * one poll of 8 devices, a cost the agent's bench charges to the agent and no driver has. */
 static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *count, void *infos, int v1)
 {
     REQUIRE_READY();

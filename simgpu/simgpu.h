@@ -6,10 +6,12 @@
  * the kernel timeline) and a table of processes (memory per device, devices with a context), so
  * that every process of a test sees one GPU, as on a real machine.
  *
- * Nothing here is a lock: every shared word changes by atomic add or compare-and-swap, so a process
- * killed at any instruction blocks nobody. The worst a killed process can leave behind is a few bytes
- * counted as used that nobody owns (killed between two adds; see sim_mem_reserve) or one process slot
- * that stays claimed (killed while reaping another's slot).
+ * Nothing here is a lock anybody waits for: every shared word changes by atomic add or compare-and-swap,
+ * so a process killed at any instruction blocks nobody. The worst a killed process can leave behind is
+ * a few bytes counted as used that nobody owns (killed between two adds; see sim_mem_reserve) or one
+ * process slot that stays claimed (killed while reaping another's slot). The one kind of file lock, a
+ * read lock on a slot's byte of a holds file beside the state, is never waited for: it only tells
+ * others that the slot's process still holds the devices (state.c, hold_slot).
  *
  * Time is CLOCK_MONOTONIC nanoseconds everywhere.
  */
@@ -21,7 +23,7 @@
 #include <sys/types.h>
 
 #define SIM_MAGIC 0x3155504753494d53ULL /* "SMISGPU1" little-endian */
-#define SIM_VERSION 6u
+#define SIM_VERSION 7u
 #define SIM_MAX_DEVICES 16
 #define SIM_MAX_PROCS 1024
 #define SIM_UUID_LEN 48
@@ -84,6 +86,8 @@ struct sim_proc {
     _Atomic int32_t pid;          /* 0 free, else the owner (alive or not yet reaped) */
     _Atomic int32_t reaper;       /* 0, or the process giving back a dead owner's memory */
     _Atomic uint32_t ctx_devices; /* bit per physical device on which the process made a context */
+    _Atomic uint32_t held;        /* 1: the owner read-locks the slot's byte of its holds file, and
+                                   * the lock, not /proc, says whether it lives (state.c, hold_slot) */
     _Atomic uint64_t start_time;  /* /proc/<pid>/stat start time; tells a reused pid apart */
     _Atomic uint64_t used[SIM_MAX_DEVICES];
     _Atomic uint64_t managed[SIM_MAX_DEVICES];
@@ -153,6 +157,8 @@ void sim_managed_release(int phys, uint64_t size);
 int sim_reap_dead(void);
 /* Whether slot i's process lives; if not, its memory and slot are given back, as sim_reap_dead would. */
 int sim_reap_if_dead(unsigned i);
+/* Whether `pid` lives by /proc and, unless start_time is 0, is the process that started then; for a
+ * slot, only where its process holds no lock (state.c, slot_alive). */
 int sim_proc_alive(int32_t pid, uint64_t start_time);
 /* /proc/<pid>/stat's start time; 0 for a process gone or a zombie. */
 uint64_t sim_proc_start_time(int32_t pid);

@@ -1,7 +1,7 @@
 /*
  * state.c - the simulated GPU's shared state: creating and attaching the state file, the process
  * table, memory capacity and the utilisation samples. Used by both simulated libraries.
- * It never takes a lock another process could hold (see simgpu.h) and never dereferences a device
+ * It never waits for a lock another process could hold (see simgpu.h) and never dereferences a device
  * pointer (there is no device memory behind them).
  */
 #define _DEFAULT_SOURCE
@@ -21,8 +21,28 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Linux's open-file-description locks (since 3.15). fcntl.h declares them under _GNU_SOURCE only,
+ * which these sources do not define (Makefile: the e2e image's glibc). */
+#ifndef F_OFD_GETLK
+#define F_OFD_GETLK 36
+#define F_OFD_SETLK 37
+#endif
+
 static struct sim_state *g_state;
 static pthread_once_t g_state_once = PTHREAD_ONCE_INIT;
+
+/* The holds files, beside the state: byte i of holds.<i / HOLDS_SLOTS> is read-locked by slot i's
+ * process (hold_slot). Several files, since the kernel tests a lock against the file's locks one by
+ * one: with every slot in one file, a poll of n processes made n tests that each went through up to n
+ * locks; with HOLDS_SLOTS to a file a test costs about what the call itself does.
+ * g_holds_fd[f] is this process's open file description of file f, kept open: -1 not opened yet (in a
+ * forked child, until it needs one), HOLDS_NONE when it cannot be opened (slots judged by /proc). */
+#define HOLDS_SLOTS 64
+#define HOLDS_FILES (SIM_MAX_PROCS / HOLDS_SLOTS)
+#define HOLDS_NONE (-2)
+static char g_dir[PATH_MAX - 16];
+static int g_holds_fd[HOLDS_FILES] = {[0 ... HOLDS_FILES - 1] = -1};
+static int g_slot = -1;
 
 uint64_t sim_now(void)
 {
@@ -151,13 +171,48 @@ static void warn_if_env_differs(const struct sim_state *s, const char *path)
                 s->topology < sizeof TOPOLOGY_NAMES / sizeof *TOPOLOGY_NAMES ? TOPOLOGY_NAMES[s->topology] : "?");
 }
 
+/* After fork the child is a process of its own: it claims its own slot when it next needs one, and
+ * drops its copies of the parent's holds descriptors, whose locks (an open file description's, shared
+ * by every descriptor of it) would otherwise keep the parent's slot alive as long as the child lives. */
+static void forget_in_child(void)
+{
+    g_slot = -1;
+    for (unsigned f = 0; f < HOLDS_FILES; f++) {
+        if (g_holds_fd[f] >= 0)
+            close(g_holds_fd[f]);
+        if (g_holds_fd[f] != HOLDS_NONE)
+            g_holds_fd[f] = -1;
+    }
+}
+
+static void holds_path(char *out, size_t len, unsigned f) { snprintf(out, len, "%s/holds.%u", g_dir, f); }
+
+/* Made with the state, before its magic, so that everyone who attaches finds them; afresh, since a
+ * holds file left by an earlier state could still carry the locks of that state's processes. Readable
+ * by all (a read lock needs read access only): whoever may map the state holds and checks through them. */
+static void create_holds_files(void)
+{
+    char path[PATH_MAX];
+    int failed = 0;
+    for (unsigned f = 0; f < HOLDS_FILES; f++) {
+        holds_path(path, sizeof path, f);
+        unlink(path);
+        int fd = open(path, O_RDONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        if ((fd < 0 || fchmod(fd, 0644) != 0) && !failed++)
+            fprintf(stderr, "simgpu: cannot create %s (%s): processes' liveness is read from /proc instead\n",
+                    path, strerror(errno));
+        g_holds_fd[f] = fd >= 0 ? fd : HOLDS_NONE;
+    }
+}
+
 /* Creation is race-free without a lock: O_EXCL picks one creator, which fills the file and publishes
  * the magic last; the others wait for the magic. A creator that died before publishing leaves a file
  * without magic, which a waiter removes once the creator's pid is gone. */
 static void attach(void)
 {
-    char dir[PATH_MAX - 16], path[PATH_MAX];
-    state_dir(dir, sizeof dir);
+    pthread_atfork(NULL, NULL, forget_in_child);
+    char *dir = g_dir, path[PATH_MAX];
+    state_dir(dir, sizeof g_dir);
     for (char *slash = strchr(dir + 1, '/'); slash; slash = strchr(slash + 1, '/')) {
         *slash = 0; /* make the parents too, as mkdir -p */
         mkdir(dir, 0755);
@@ -182,6 +237,7 @@ static void attach(void)
             }
             atomic_store(&s->creator_pid, (int32_t)getpid());
             init_state(s, dir);
+            create_holds_files();
             atomic_store_explicit(&s->magic, SIM_MAGIC, memory_order_release);
             g_state = s;
             return;
@@ -223,7 +279,7 @@ static void attach(void)
             }
             warn_if_env_differs(s, path);
             g_state = s;
-            return;
+            return; /* the holds files are opened when first needed (holds_fd) */
         }
         munmap(s, sizeof *s);
         unlink(path); /* its creator died before publishing it */
@@ -278,16 +334,63 @@ int sim_proc_alive(int32_t pid, uint64_t start_time)
     return start_time == 0 || now == start_time;
 }
 
-static int g_slot = -1;
-static pthread_once_t g_fork_once = PTHREAD_ONCE_INIT;
+/* This process's descriptor of the holds file of slot i, opened on first use; HOLDS_NONE where it
+ * cannot be. */
+static int holds_fd(unsigned i)
+{
+    int *slot_fd = &g_holds_fd[i / HOLDS_SLOTS];
+    int fd = __atomic_load_n(slot_fd, __ATOMIC_ACQUIRE);
+    if (fd != -1)
+        return fd;
+    char path[PATH_MAX];
+    holds_path(path, sizeof path, i / HOLDS_SLOTS);
+    int opened = g_dir[0] ? open(path, O_RDONLY | O_CLOEXEC) : -1;
+    if (opened < 0)
+        opened = HOLDS_NONE;
+    if (!__atomic_compare_exchange_n(slot_fd, &fd, opened, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+        if (opened >= 0) /* another thread opened it first */
+            close(opened);
+        return fd;
+    }
+    return opened;
+}
 
-/* After fork the child is a process of its own: it claims its own slot when it next needs one. */
-static void forget_slot_in_child(void) { g_slot = -1; }
-static void install_fork_handler(void) { pthread_atfork(NULL, NULL, forget_slot_in_child); }
+static struct flock slot_byte(short type, unsigned i)
+{
+    return (struct flock){.l_type = type, .l_whence = SEEK_SET, .l_start = (off_t)i, .l_len = 1};
+}
+
+/* The real driver's hold on a process ends when the process's file descriptors close: at exit, at a
+ * kill (a zombie whose parent has not waited holds nothing) and at exec, whatever /proc still shows.
+ * So a slot's process read-locks the slot's byte of its holds file through an open file description
+ * of its own (O_CLOEXEC; a forked child drops its copy, forget_in_child): the kernel drops the lock
+ * exactly then, and anyone can ask with one fcntl (slot_alive). The flag is set after the lock, so
+ * that nobody sees it without the lock; until then the slot is judged by /proc, where its process is
+ * alive. Where the lock cannot be had, the flag stays unset and /proc judges the slot, as before. */
+static void hold_slot(struct sim_proc *p, unsigned i)
+{
+    int fd = holds_fd(i);
+    struct flock lock = slot_byte(F_RDLCK, i);
+    if (fd >= 0 && fcntl(fd, F_OFD_SETLK, &lock) == 0)
+        atomic_store(&p->held, 1);
+}
+
+/* Whether slot i's process, `pid`, lives: while its lock is held, for a slot that has one (a test for
+ * a write lock conflicts with any other description's read lock); by /proc otherwise. Not for this
+ * process's own slot (its lock does not conflict with its own description): callers ask g_slot. */
+static int slot_alive(struct sim_proc *p, unsigned i, int32_t pid)
+{
+    if (atomic_load(&p->held)) {
+        int fd = holds_fd(i);
+        struct flock test = slot_byte(F_WRLCK, i);
+        if (fd >= 0 && fcntl(fd, F_OFD_GETLK, &test) == 0)
+            return test.l_type != F_UNLCK;
+    }
+    return sim_proc_alive(pid, atomic_load(&p->start_time));
+}
 
 int sim_my_slot(void)
 {
-    pthread_once(&g_fork_once, install_fork_handler);
     int slot = __atomic_load_n(&g_slot, __ATOMIC_ACQUIRE);
     if (slot >= 0)
         return slot;
@@ -312,6 +415,7 @@ int sim_my_slot(void)
                     atomic_store(&p->pid, 0);
                     return none;
                 }
+                hold_slot(p, i);
                 return (int)i;
             }
         }
@@ -362,6 +466,7 @@ static void give_back_slot(struct sim_state *s, struct sim_proc *p, int32_t owne
         }
     }
     atomic_store(&p->ctx_devices, 0);
+    atomic_store(&p->held, 0);
     atomic_store(&p->start_time, 0);
     atomic_compare_exchange_strong(&p->pid, &owner, 0);
     atomic_store(&p->reaper, 0);
@@ -378,7 +483,7 @@ int sim_reap_dead(void)
     for (int i = 0; i < SIM_MAX_PROCS; i++) {
         struct sim_proc *p = &s->proc[i];
         int32_t pid = atomic_load(&p->pid);
-        if (pid <= 0 || i == mine || sim_proc_alive(pid, atomic_load(&p->start_time)))
+        if (pid <= 0 || i == mine || slot_alive(p, (unsigned)i, pid))
             continue;
         if (!claim_reaping(p, me))
             continue;
@@ -401,7 +506,7 @@ int sim_reap_if_dead(unsigned i)
     int32_t pid = atomic_load(&p->pid);
     if (pid <= 0)
         return 0;
-    if ((int)i == __atomic_load_n(&g_slot, __ATOMIC_ACQUIRE) || sim_proc_alive(pid, atomic_load(&p->start_time)))
+    if ((int)i == __atomic_load_n(&g_slot, __ATOMIC_ACQUIRE) || slot_alive(p, i, pid))
         return 1;
     if (claim_reaping(p, (int32_t)getpid())) {
         if (atomic_load(&p->pid) == pid)
@@ -424,8 +529,14 @@ __attribute__((destructor)) static void release_slot_at_exit(void)
     int32_t me = (int32_t)getpid();
     if (atomic_load(&p->pid) != me || !claim_reaping(p, me))
         return;
+    int held = (int)atomic_load(&p->held);
     give_back_slot(g_state, p, me);
     __atomic_store_n(&g_slot, -1, __ATOMIC_RELEASE);
+    /* At exit the kernel drops the lock anyway; a libcuda unloaded by dlclose must not leave it on a
+     * byte that the slot's next owner takes, whose death it would hide. */
+    struct flock unlock = slot_byte(F_UNLCK, (unsigned)slot);
+    if (held && g_holds_fd[slot / HOLDS_SLOTS] >= 0)
+        fcntl(g_holds_fd[slot / HOLDS_SLOTS], F_OFD_SETLK, &unlock);
 }
 
 /* The device counter goes first so that a process killed between the two adds leaves capacity

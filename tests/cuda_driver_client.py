@@ -4,7 +4,8 @@ entry points through ctypes (as the CUDA runtime does, no gate), and answers one
 Commands: `init [DEVICE]`, `alloc SIZE` (cuMemAlloc_v2), `pitch WIDTH HEIGHT` (cuMemAllocPitch_v2),
 `managed SIZE`, `async SIZE`, `create SIZE` (cuMemCreate), `free` (the last pointer), `release` (the
 last handle), `launch NS COUNT` (cuLaunchKernel of NS-nanosecond kernels, then cuCtxSynchronize),
-`exit`. Ready line: {"pid": ...}.
+`exec PROGRAM [ARG...]` (answers, then becomes PROGRAM: the same pid, the driver's files closed), `exit`.
+Ready line: {"pid": ...}.
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ def main() -> None:
                 if r:
                     break
             r = r or cuda.cuCtxSynchronize()
+        elif cmd == "exec":
+            emit(cmd=cmd, result=0)
+            os.execvp(args[0], args)
         elif cmd == "exit":
             emit(cmd=cmd, result=0)
             return

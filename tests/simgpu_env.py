@@ -5,6 +5,8 @@ simgpu/clients/). Never builds anything itself: a missing build fails the test w
 
 API (`from simgpu_env import ...`; the fixtures come to every test module through tests/conftest.py):
   SIMGPU_DIR, LIBCUDA, LIBNVML, RT_CLIENT, LINKED_CLIENT   paths under build/simgpu
+  DRIVER_CLIENT   tests/cuda_driver_client.py: a Python client calling libcuda's entry points through
+      ctypes, one command a line on stdin (its opening comment lists them)
   simgpu_env(state_dir, devices=1, memory="16GiB", **extra) -> dict   a full environment for a child
       process: LD_LIBRARY_PATH first names build/simgpu, SIMGPU_STATE_DIR is `state_dir`;
       extra keys are added as they are (CUDA_VISIBLE_DEVICES="1", SIMGPU_QUEUE_DEPTH="4", ...).
@@ -43,6 +45,7 @@ LIBCUDA = SIMGPU_DIR / "libcuda.so.1"
 LIBNVML = SIMGPU_DIR / "libnvidia-ml.so.1"
 RT_CLIENT = SIMGPU_DIR / "simgpu-rt"
 LINKED_CLIENT = SIMGPU_DIR / "simgpu-linked"
+DRIVER_CLIENT = REPO / "tests" / "cuda_driver_client.py"
 
 
 

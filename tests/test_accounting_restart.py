@@ -16,7 +16,7 @@ import time
 import pytest
 from agent_host import Host, Running, stop
 from prometheus_client.parser import text_string_to_metric_families
-from simgpu_env import REPO, RT_CLIENT
+from simgpu_env import DRIVER_CLIENT, REPO, RT_CLIENT
 from test_bpf_accounting import require_bcc
 from testkit import MiB, wait_until
 
@@ -24,7 +24,6 @@ from gemtrace.contract import HEARTBEAT_STALE_NS
 from gemtrace.metrics import POD_LABELS
 
 GATE = REPO / "build" / "libgemgate.so"
-DRIVER_CLIENT = REPO / "tests" / "cuda_driver_client.py"
 CUDA_ERROR_OUT_OF_MEMORY = 2
 
 

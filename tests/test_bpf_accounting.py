@@ -20,7 +20,7 @@ import pytest
 from fake_sources import Config, group
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from simgpu_env import LIBCUDA, REPO, SimGpu
+from simgpu_env import DRIVER_CLIENT, LIBCUDA, REPO, SimGpu
 from testkit import MiB
 
 from gemtrace.agent.accounting import Accounting, Snapshot
@@ -33,8 +33,6 @@ from gemtrace.region import Region
 from gemtrace.sources.ebpf.libcuda import file_id_of
 
 pytestmark = pytest.mark.bpf
-
-CLIENT = REPO / "tests" / "cuda_driver_client.py"
 
 
 class StaticGpus:
@@ -60,7 +58,7 @@ class DriverClient:
         env = dict(env)
         if group is not None:
             env["GEMTRACE_GROUP"] = group
-        self.proc = subprocess.Popen(argv or [sys.executable, str(CLIENT)], env=env, stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen(argv or [sys.executable, str(DRIVER_CLIENT)], env=env, stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         self.pid = json.loads(self._line())["pid"]
 
@@ -272,7 +270,7 @@ def test_libcuda_in_another_mount_namespace_is_probed_through_proc_root(
     acc = make_accounting(libcuda_paths=(), rescan_seconds=0.1)
     env = sim.env(GT_LIBCUDA=str(hidden / "libcuda.so.1"))
     script = (f"mount -t tmpfs tmpfs {hidden} && cp {LIBCUDA} {hidden}/libcuda.so.1 && "
-              f"exec {sys.executable} {CLIENT}")
+              f"exec {sys.executable} {DRIVER_CLIENT}")
     c = DriverClient(env, argv=["unshare", "-m", "--propagation", "private", "sh", "-c", script])
     try:
         assert not (hidden / "libcuda.so.1").exists()  # the file exists only in the client's namespace

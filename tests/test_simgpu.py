@@ -9,14 +9,19 @@ Timing assertions leave wide margins: CI is a loaded 2-core machine.
 from __future__ import annotations
 
 import ctypes
+import json
+import os
 import re
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
-from simgpu_env import LIBCUDA, LINKED_CLIENT, RT_CLIENT, SimGpu
-from testkit import GiB
+from simgpu_env import DRIVER_CLIENT, LIBCUDA, LINKED_CLIENT, RT_CLIENT, SimGpu
+from testkit import GiB, wait_until
 
 pytestmark = pytest.mark.unit
 
@@ -40,6 +45,12 @@ def nvml_processes(sim: SimGpu, index: int = 0) -> dict[int, int]:
 
 def meminfo(sim: SimGpu) -> dict[str, int]:
     return sim.run(["meminfo"])[0]
+
+
+def zombie(pid: int) -> bool:
+    """Whether `pid` has exited and waits for its parent to collect it (/proc/PID/stat's state)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat[stat.rindex(")") + 2] == "Z"
 
 
 # ---- the timeline ---------------------------------------------------------------------------
@@ -252,6 +263,40 @@ def test_memory_of_a_killed_process_is_reclaimed(simgpu_factory: Callable[..., S
     assert sim.run(["alloc", "4GiB"])[0]["result"] == CUDA_SUCCESS
 
 
+def test_a_killed_process_holds_nothing_before_its_parent_waits(simgpu_factory: Callable[..., SimGpu]) -> None:
+    # Its files closed as it died, and the driver's context with them; /proc keeps its pid until the
+    # parent collects it, but NVML does not list it and its memory is free.
+    sim = simgpu_factory(memory="4GiB")
+    victim = sim.start(["alloc", "--hold", "60", "3GiB"])
+    victim.wait_for("holding")
+    assert nvml_processes(sim) == {victim.pid: 3 * GiB}
+    os.kill(victim.pid, signal.SIGKILL)  # and no wait: the client stays a zombie
+    wait_until("the killed client to be a zombie", lambda: zombie(victim.pid))
+    assert nvml_processes(sim) == {}
+    assert meminfo(sim) == {"free": 4 * GiB, "total": 4 * GiB}
+    assert zombie(victim.pid)  # still there, uncollected, when NVML and the driver looked
+
+
+def test_a_process_that_execs_holds_nothing(simgpu: SimGpu) -> None:
+    # exec closes the driver's files and ends its contexts: the pid lives on, as another program, with
+    # the start time /proc gave it at fork, and holds no memory.
+    client = subprocess.Popen([sys.executable, str(DRIVER_CLIENT)], env=simgpu.env(), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert client.stdin is not None and client.stdout is not None
+    try:
+        client.stdin.write(f"init\nalloc {GiB}\nexec sleep 60\n")
+        client.stdin.flush()
+        answers = [json.loads(client.stdout.readline()) for _ in range(4)]
+        assert answers == [{"pid": client.pid}, {"cmd": "init", "result": CUDA_SUCCESS},
+                           {"cmd": "alloc", "result": CUDA_SUCCESS}, {"cmd": "exec", "result": CUDA_SUCCESS}]
+        wait_until("the client to be sleep", lambda: Path(f"/proc/{client.pid}/comm").read_text() == "sleep\n")
+        assert nvml_processes(simgpu) == {}
+        assert meminfo(simgpu) == {"free": 16 * GiB, "total": 16 * GiB}
+    finally:
+        client.kill()
+        client.wait()
+
+
 def test_concurrent_threads_never_overshoot(simgpu_factory: Callable[..., SimGpu]) -> None:
     sim = simgpu_factory(memory="10GiB")
     result = sim.run(["alloc-threads", "--threads", "16", "--size", "1GiB", "--count", "4"])[-1]
@@ -275,6 +320,20 @@ def test_a_forked_child_is_a_process_of_its_own(simgpu: SimGpu) -> None:
     assert parent["result"] == child["result"] == CUDA_SUCCESS
     assert nvml_processes(simgpu) == {parent["pid"]: 1 * GiB, child["pid"]: 1 * GiB}
     family.kill()
+
+
+def test_a_parent_is_gone_though_its_forked_child_lives_on(simgpu: SimGpu) -> None:
+    # The child shares the parent's open files from fork on, until it closes its copies: none of the
+    # parent's hold on the device may live on in them.
+    family = simgpu.start(["fork-alloc", "--hold", "60", "1GiB"])
+    parent, child = family.next_json(), family.next_json()
+    assert parent["result"] == child["result"] == CUDA_SUCCESS
+    try:
+        family.kill()  # the parent; the child, its own process, goes on holding
+        assert nvml_processes(simgpu) == {child["pid"]: 1 * GiB}
+        assert meminfo(simgpu) == {"free": 15 * GiB, "total": 16 * GiB}
+    finally:
+        os.kill(child["pid"], signal.SIGKILL)
 
 
 # ---- the driver API's answers ---------------------------------------------------------------

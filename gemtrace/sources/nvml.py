@@ -65,7 +65,7 @@ class NvmlReader:
     def processes(self) -> list[NvmlProcess]:
         # pynvml's nvmlDeviceGetComputeRunningProcesses asks each device twice at every call (once
         # for the count) and makes an object per process; the driver builds the whole list at each
-        # ask (the simulated one reads /proc for every process listed). Through pynvml's binding of
+        # ask (the simulated one checks every listed process's liveness). Through pynvml's binding of
         # the same function, with room learnt from NVML's answers, a poll asks once a device.
         out: list[NvmlProcess] = []
         if not self.available:
