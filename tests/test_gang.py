@@ -657,6 +657,21 @@ def test_a_barred_group_draining_where_another_gpu_holds_it_done_is_stranded_the
     assert not turns.view(0).stranded
 
 
+def test_the_stranded_views_follow_a_report_that_changes_only_what_overruns() -> None:
+    """The views are worked out again only where a report changes what they read: a GPU whose group stops
+    overrunning, and nothing else in its report changes, is no longer where it is stranded."""
+    seven, five = frozenset({7}), frozenset({5, 7})
+    turns = GangTurns()
+    turns.report(0, GpuReport(five, five, draining=7))
+    turns.report(1, GpuReport(five, five, released=5))
+    turns.report(2, GpuReport(five, five, overrunning=seven))
+    assert [turns.view(gpu).stranded for gpu in (0, 1, 2)] == [seven, frozenset(), seven]
+    turns.report(2, GpuReport(five, five))  # its queued work finished there
+    assert [turns.view(gpu).stranded for gpu in (0, 1, 2)] == [seven, frozenset(), frozenset()]
+    turns.report(2, GpuReport(five, five, overrunning=seven, ready=five))
+    assert turns.view(2).stranded == seven
+
+
 def test_a_gpu_where_the_group_wants_nothing_does_not_hold_its_turn_back() -> None:
     # A rank blocked on the CPU (a barrier waiting for the held rank) wants nothing on its GPU.
     both = frozenset({7})

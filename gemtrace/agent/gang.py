@@ -175,6 +175,9 @@ class GangTurns:
                             dict[frozenset[int], frozenset[int]]] | None = None
         self._turn_views_of: tuple[object, ...] | None = None
         self._turn_views: dict[int, _TurnView] = {}
+        # What the views were last worked out from (`_views_unchanged`): the turn views, and the open
+        # turns' groups (the stranded groups also read the reports, checked against the last report).
+        self._views_from: tuple[dict[int, _TurnView], frozenset[int]] | None = None
         self.turns = 0  # turns opened so far, for tests and benches
 
     def view(self, gpu: int) -> Turns:
@@ -217,8 +220,9 @@ class GangTurns:
                     log.debug("gang_turn_goes", group=group, gpus=sorted(turn.gpus))
             changed |= self._open_turns(members)
             self._gangs = frozenset(members)
-            self._views = self._compute_views(members)
-            changed |= {g for g in self._views.keys() | before.keys() if self._views.get(g) != before.get(g)}
+            if not self._views_unchanged(members, previous, report):
+                self._views = self._compute_views(members)
+                changed |= {g for g in self._views.keys() | before.keys() if self._views.get(g) != before.get(g)}
         for other in changed - {gpu}:
             self._wake(other)
         return gpu in changed
@@ -228,7 +232,7 @@ class GangTurns:
         with self._lock:
             self._reports.pop(gpu, None)
             self._pairs.pop(gpu, None)
-            self._members_cache, self._turn_views_of = None, None
+            self._members_cache, self._turn_views_of, self._views_from = None, None, None
             self._views = {g: turns for g, turns in self._views.items() if g != gpu}
 
     def open_turns(self) -> dict[int, frozenset[int]]:
@@ -337,6 +341,22 @@ class GangTurns:
             free -= gpus
             changed |= gpus
         return changed
+
+    def _views_unchanged(self, members: dict[int, frozenset[int]], previous: GpuReport | None,
+                         report: GpuReport) -> bool:
+        """Would `_compute_views` give the views as they are? Yes where the turn views are the ones they
+        came from (the same gangs and open turns) and the stranded groups read the same: the same open
+        turns, and this GPU's report says what the last did of what it drains, overruns and released
+        (the other GPUs' reports did not change since). Most reports change only what a GPU wants and
+        would release: at the region's limit, the views and their comparison were half a report's work."""
+        turn_views = self._turn_views_for(members)
+        opened = frozenset(self._open)
+        if (self._views_from is None or self._views_from[0] is not turn_views or self._views_from[1] != opened
+                or previous is None or previous.draining != report.draining or previous.released != report.released
+                or previous.overrunning != report.overrunning):
+            self._views_from = (turn_views, opened)
+            return False
+        return True
 
     def _compute_views(self, members: dict[int, frozenset[int]]) -> dict[int, Turns]:
         """Per GPU: its turns (`_turn_views`) and the groups stranded on it (`_stranded`); the views of
