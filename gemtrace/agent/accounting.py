@@ -233,7 +233,7 @@ class Accounting:
             if info is None:
                 continue
             late = ebpf is not None and inherited(pid, info, ebpf.missed, ebpf.since_ticks)
-            merged[key] = merge.merge(key, ebpf, gate, nvml, rebuilt.get(key), nvml_on, late)
+            merged[key] = merge.merged(merge.inputs(key, ebpf, gate, nvml, rebuilt.get(key), nvml_on, late))
             facts[key] = info
         # Each account is made once, its GPU time shared within its group first (made with the gate's
         # figure and then replaced, 1024 gated processes cost a millisecond more a poll).
