@@ -17,6 +17,7 @@ from gemtrace.agent.collectors.processes import ProcessCollector
 from gemtrace.agent.enforcement import Enforcement, MemoryEnforcer
 from gemtrace.agent.gpu_time import GpuTimeShare
 from gemtrace.agent.merge import Merged
+from gemtrace.agent.process_facts import ProcessFacts
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
 from gemtrace.region import Region
 from gemtrace.sources import Figures, Key
@@ -194,6 +195,27 @@ def test_gated_processes_from_slots_and_series_leave_at_the_exit(tmp_path: Path)
     assert latest[-1].processes == ()
     assert samples(registry) == {}
     acc.close()
+    region.close()
+
+
+def test_the_gate_source_makes_a_figure_for_each_gpu_a_slots_mask_names(tmp_path: Path) -> None:
+    region = Region.create(tmp_path / "state")
+    region.set_gpus([(UUIDS[0], 16 << 30), (UUIDS[1], 16 << 30)])
+    g = region.set_group("train", None, 0.0, 1.0)
+    _claim_slot(region, 0, 401, g, 0, memory=1, launches=2, busy_ns=3)
+    _claim_slot(region, 1, 402, g, 1, memory=4, launches=5, busy_ns=6)
+    both = region.slots[1]
+    both.gpu_mask |= 1 << 0 | 1 << 7  # GPU 7: a bit the region lists no GPU for
+    both.memory[0], both.managed[0] = 7, 8
+    _claim_slot(region, 2, 403, g, 1, memory=9, launches=0, busy_ns=0)
+    region.slots[2].flags = 0  # being freed: its figures may be torn
+    reading = GateSource(region).read(0, ProcessFacts(ProcReader(tmp_path), region, list).devices(None))
+    assert reading.figures == {
+        (401, UUIDS[0]): Figures(memory=1, launches=2, busy_ns=3, managed=0),
+        (402, UUIDS[0]): Figures(memory=7, launches=0, busy_ns=0, managed=8),
+        (402, UUIDS[1]): Figures(memory=4, launches=5, busy_ns=6, managed=0),
+    }
+    assert reading.start_times == {401: 0, 402: 0}
     region.close()
 
 
