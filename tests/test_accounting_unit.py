@@ -55,14 +55,14 @@ def test_parse_maps_finds_each_libcuda_file_once() -> None:
 
 
 def _proc_tree(root: Path, pid: int, maps: str = "", environ: bytes = b"", cgroup: str = "0::/\n",
-               comm: str = "python3", state: str = "S") -> None:
+               comm: str = "python3", state: str = "S", start: int = 4242) -> None:
     d = root / str(pid)
-    d.mkdir(parents=True)
+    d.mkdir(parents=True, exist_ok=True)
     (d / "maps").write_text(maps)
     (d / "environ").write_bytes(environ)
     (d / "cgroup").write_text(cgroup)
     (d / "comm").write_text(comm + "\n")
-    fields = [state] + ["0"] * 18 + ["4242"] + ["0"] * 10
+    fields = [state] + ["0"] * 18 + [str(start)] + ["0"] * 10
     (d / "stat").write_text(f"{pid} ({comm}) " + " ".join(fields) + "\n")
 
 
@@ -241,6 +241,18 @@ def test_a_groups_processes_share_its_time_and_never_get_more() -> None:
     assert got[(5, UUIDS[1])] == 7.0 and got[(6, UUIDS[0])] == 0.0
     got = share.apportion({a: {6: 50.5}}, {a: 4.0})
     assert got[(6, UUIDS[0])] == pytest.approx(0.5)
+
+
+def test_a_process_left_out_keeps_what_it_was_given_and_one_forgotten_starts_anew() -> None:
+    share = GpuTimeShare()
+    a, key = (UUIDS[0], "train"), (1, UUIDS[0])
+    got = share.apportion({a: {1: 2.0, 2: 1.0}}, {a: 2.5})
+    assert got == {key: pytest.approx(2.5 * 2 / 3), (2, UUIDS[0]): 2.5 / 3}
+    share.keep({key, (2, UUIDS[0])})
+    # 1's figure did not change: left out, it keeps its share, and 2's new burst is paid in full.
+    assert share.apportion({a: {2: 1.5}}, {a: 3.0}) == {(2, UUIDS[0]): pytest.approx(2.5 / 3 + 0.5)}
+    share.keep({(2, UUIDS[0])})  # 1 gone (or no longer gated): seen again, its bursts count from nothing
+    assert share.apportion({a: {1: 1.0}}, {a: 10.0}) == {key: 1.0}
 
 
 # -- the accounting with fake sources (tests/fake_sources.py): no root, no bcc ---------------------
@@ -432,3 +444,28 @@ def test_the_verified_figures_reach_the_region_and_follow_the_process(tmp_path: 
     assert region.verified(3) == (302, [0, 5 * MiB] + [0] * 6, [0] * 8)
     acc.close()
     region.close()
+
+
+def test_a_process_whose_slot_was_freed_while_it_ran_starts_its_gpu_time_anew(tmp_path: Path) -> None:
+    _proc_tree(tmp_path, 902, environ=b"GEMTRACE_GROUP=train\0", start=10**9)
+    key = (902, UUIDS[0])
+    gate = FakeGate({key: Figures(memory=MiB, launches=1, busy_ns=2 * 10**9)}, {902: 10**9})
+    nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(902, UUIDS[0], 800 * MiB)])
+    clock = Clock()
+    acc = Accounting(None, lambda: Config({"train": group(None)}),  # type: ignore[arg-type,return-value]
+                     Sources(gate, NvmlSource(nvml)), proc_root=tmp_path, clock=clock,
+                     group_seconds=lambda: {(UUIDS[0], "train"): 100.0})
+
+    def poll() -> tuple[bool, float]:
+        clock.now += 10**9
+        (p,) = acc.poll(clock.now).processes
+        return p.gated, p.gpu_seconds
+
+    assert poll() == (True, 2.0)
+    gate.figures.clear()
+    gate.start_times.clear()
+    assert poll() == (False, 0.0)  # NVML still lists it
+    gate.figures[key] = Figures(memory=MiB, launches=1, busy_ns=10**9)  # a new slot: its gate counts anew
+    gate.start_times[902] = 10**9
+    assert poll() == (True, 1.0)
+    acc.close()

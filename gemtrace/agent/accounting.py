@@ -283,12 +283,15 @@ class Accounting:
         assert self.group_seconds is not None
         raw: dict[tuple[str, str], dict[int, float]] = {}
         unpaid: set[int] = set()  # inherited: bursts before the agent's start are not paid
+        gated: set[Key] = set()
         for key, m in merged.items():
             if m.gated:
                 pid, uuid = key
                 raw.setdefault((uuid, facts[key].group), {})[pid] = m.gate_seconds
+                gated.add(key)
                 if inherited(pid, facts[key], missed, self._since_ticks):
                     unpaid.add(pid)
+        self._time_share.keep(gated)
         return self._time_share.apportion(raw, self.group_seconds(), unpaid)
 
     def _integrate_nvml(self, now: int, live: dict[Key, ProcessAccount], util: Mapping[str, float]) -> None:
