@@ -138,7 +138,9 @@ class Accounting:
         self.facts = ProcessFacts(self.proc, region, self.nvml.gpu_uuids)
         self.inherited_memory = InheritedMemory(self.facts, self.enforce_soon)
         self.verified = VerifiedMemory(region) if region is not None else None
-        self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): its account at the last poll
+        self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): the process as the last poll left it
+        self._order: list[Key] = []  # the live processes by GPU, then pid
+        self._order_of: set[Key] = set()  # the processes _order sorts
         self._last_poll_ns: int | None = None
         self.group_seconds = group_seconds
         self._time_share = GpuTimeShare()
@@ -281,7 +283,7 @@ class Accounting:
             seen[c.key] = kept = self._remember(c, seconds.get(c.key, c.merged.gate_seconds))
             accounts[c.key] = kept.account
         self._seen = seen  # the records of the processes gone are dropped with them
-        snapshot = Snapshot(now, tuple(sorted(accounts.values(), key=lambda a: (a.gpu, a.pid))))
+        snapshot = Snapshot(now, self._in_order(accounts))
         if self.verified is not None:
             self.verified.publish(devices, gate.start_times, merged)
         for listener in self._listeners:
@@ -374,6 +376,14 @@ class Accounting:
         kept.inputs, kept.merged, kept.facts, kept.account, kept.nvml_seconds = (c.inputs, m, info, account,
                                                                                 c.nvml_seconds)
         return kept
+
+    def _in_order(self, accounts: Mapping[Key, ProcessAccount]) -> tuple[ProcessAccount, ...]:
+        """The accounts by GPU, then pid (the snapshot's order), sorted again only when the live
+        processes are not those of the last poll (sorting 1024 accounts cost as much as making them)."""
+        if accounts.keys() != self._order_of:
+            self._order = sorted(accounts, key=lambda key: (key[1], key[0]))
+            self._order_of = set(accounts)
+        return tuple(map(accounts.__getitem__, self._order))
 
     def stop_watching(self) -> None:
         """Stop the eBPF source's thread (enforcement, rescans); close() detaches the probes after it."""
