@@ -248,9 +248,7 @@ class Accounting:
         alive = ebpf.alive if ebpf is not None else frozenset()
 
         merged: dict[Key, Merged] = {}
-        accounts: dict[Key, ProcessAccount] = {}
-        changed: list[_Change] = []
-        gated: set[Key] = set()  # every live gated process
+        changed: list[_Change] = []  # the live processes whose account is made anew
         previous = self._seen
         seen: dict[Key, _Seen] = {}
         nvml_on = self.nvml.available
@@ -265,25 +263,22 @@ class Accounting:
                 continue
             late = ebpf is not None and inherited(pid, info, ebpf.missed, ebpf.since_ticks)
             i = merge.inputs(key, ebpf, gate, nvml, rebuilt.get(key), nvml_on, late)
-            if i.gated:
-                gated.add(key)
             kept = previous.get(key)  # (after running(): a reused pid's records are gone)
             if kept is not None and kept.inputs == i:
                 m = merged[key] = kept.merged
                 if i.gated and kept.facts is info:  # the same GPU time and account too (_Seen)
-                    seen[key], accounts[key] = kept, kept.account
+                    seen[key] = kept
                     continue
             else:
                 m = merged[key] = merge.merged(i)
             changed.append(_Change(key, i, m, info, kept, kept.nvml_seconds if kept is not None else 0.0))
         seconds = ({} if self.group_seconds is None else
-                   self._share_gpu_time(changed, gated, ebpf.missed if ebpf is not None else frozenset()))
+                   self._share_gpu_time(changed, merged, ebpf.missed if ebpf is not None else frozenset()))
         self._integrate_nvml(now, changed, seconds, nvml.utilization)
         for c in changed:
-            seen[c.key] = kept = self._remember(c, seconds.get(c.key, c.merged.gate_seconds))
-            accounts[c.key] = kept.account
+            seen[c.key] = self._remember(c, seconds.get(c.key, c.merged.gate_seconds))
         self._seen = seen  # the records of the processes gone are dropped with them
-        snapshot = Snapshot(now, self._in_order(accounts))
+        snapshot = Snapshot(now, self._in_order(seen))
         if self.verified is not None:
             self.verified.publish(devices, gate.start_times, merged)
         for listener in self._listeners:
@@ -316,21 +311,24 @@ class Accounting:
         recorded = gate.start_times.get(pid)
         return not (recorded and start is not None and recorded != start)
 
-    def _share_gpu_time(self, changed: list[_Change], gated: Collection[Key], missed: Collection[int]
+    def _share_gpu_time(self, changed: list[_Change], live: Mapping[Key, Merged], missed: Collection[int]
                         ) -> dict[Key, float]:
         """The GPU time of the gated processes in `changed`, their gates' figures apportioned within
-        each group (GpuTimeShare): (pid, GPU) -> seconds. The other live gated processes (`gated`:
-        all of them) showed the same figures at the last poll, and keep what they were given."""
+        each group (GpuTimeShare): (pid, GPU) -> seconds. The other live processes (`live`: all of
+        them) are gated, showed the same figures at the last poll, and keep what they were given."""
         assert self.group_seconds is not None
         raw: dict[tuple[str, str], dict[int, float]] = {}
         unpaid: set[int] = set()  # inherited: bursts before the agent's start are not paid
+        ungated: set[Key] = set()
         for c in changed:
-            if c.merged.gated:
-                pid, uuid = c.key
-                raw.setdefault((uuid, c.facts.group), {})[pid] = c.merged.gate_seconds
-                if inherited(pid, c.facts, missed, self._since_ticks):
-                    unpaid.add(pid)
-        self._time_share.keep(gated)
+            if not c.merged.gated:
+                ungated.add(c.key)
+                continue
+            pid, uuid = c.key
+            raw.setdefault((uuid, c.facts.group), {})[pid] = c.merged.gate_seconds
+            if inherited(pid, c.facts, missed, self._since_ticks):
+                unpaid.add(pid)
+        self._time_share.keep(live.keys() - ungated)
         return self._time_share.apportion(raw, self.group_seconds(), unpaid)
 
     def _integrate_nvml(self, now: int, changed: list[_Change], seconds: Mapping[Key, float],
@@ -377,13 +375,14 @@ class Accounting:
                                                                                 c.nvml_seconds)
         return kept
 
-    def _in_order(self, accounts: Mapping[Key, ProcessAccount]) -> tuple[ProcessAccount, ...]:
-        """The accounts by GPU, then pid (the snapshot's order), sorted again only when the live
-        processes are not those of the last poll (sorting 1024 accounts cost as much as making them)."""
-        if accounts.keys() != self._order_of:
-            self._order = sorted(accounts, key=lambda key: (key[1], key[0]))
-            self._order_of = set(accounts)
-        return tuple(map(accounts.__getitem__, self._order))
+    def _in_order(self, live: Mapping[Key, _Seen]) -> tuple[ProcessAccount, ...]:
+        """The live processes' accounts by GPU, then pid (the snapshot's order), sorted again only when
+        the live processes are not those of the last poll (sorting 1024 accounts cost as much as making
+        them)."""
+        if live.keys() != self._order_of:
+            self._order = sorted(live, key=lambda key: (key[1], key[0]))
+            self._order_of = set(live)
+        return tuple([live[key].account for key in self._order])
 
     def stop_watching(self) -> None:
         """Stop the eBPF source's thread (enforcement, rescans); close() detaches the probes after it."""
