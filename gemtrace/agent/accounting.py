@@ -5,10 +5,10 @@ group, NVML's time integrated, and each process's last merge and account, kept w
 facts stay the same (a poll makes anew only what changed). A process is in a snapshot only while it
 runs: one whose /proc entry is gone, a zombie, or one whose pid now names another process (another
 start time) is left out at the next poll, whatever a source still says of it (its series leave
-/metrics within a poll). It merges
-the three sources it is given behind one interface (gemtrace/sources/: eBPF, the gates' slots, NVML;
-the agent opens the host's, gemtrace.agent.agent.open_accounting, a test passes fakes) with
-gemtrace/agent/merge.py, whose functions are docs/accounting.md's table "Sources, best first", row by row.
+/metrics within a poll). It merges the three sources it is given behind one interface
+(gemtrace/sources/: eBPF, the gates' slots, NVML; the agent opens the host's,
+gemtrace.agent.agent.open_accounting, a test passes fakes) with gemtrace/agent/merge.py, whose
+functions are docs/accounting.md's table "Sources, best first", row by row.
 The enforcement it is given (gemtrace/agent/enforcement.py, at start()) subscribes: to eBPF's allocation
 events (the source's thread wakes it within milliseconds) and to each snapshot (the audit of the
 slots). Without eBPF (bcc cannot run, or disabled) ebpf_status says why and the gates and NVML still
