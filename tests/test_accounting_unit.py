@@ -3,6 +3,7 @@ from gate slots (no eBPF), GPU time from slots, and per-process series leaving a
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from gemtrace.agent.collectors.processes import ProcessCollector
 from gemtrace.agent.enforcement import Enforcement, MemoryEnforcer
 from gemtrace.agent.gpu_time import GpuTimeShare
 from gemtrace.agent.merge import Merged
+from gemtrace.agent.process_facts import ProcessFacts
 from gemtrace.groups_of import ProcReader, group_for, parse_cgroup, parse_environ, visible_devices
 from gemtrace.region import Region
 from gemtrace.sources import Figures, Key
@@ -54,14 +56,14 @@ def test_parse_maps_finds_each_libcuda_file_once() -> None:
 
 
 def _proc_tree(root: Path, pid: int, maps: str = "", environ: bytes = b"", cgroup: str = "0::/\n",
-               comm: str = "python3", state: str = "S") -> None:
+               comm: str = "python3", state: str = "S", start: int = 4242) -> None:
     d = root / str(pid)
-    d.mkdir(parents=True)
+    d.mkdir(parents=True, exist_ok=True)
     (d / "maps").write_text(maps)
     (d / "environ").write_bytes(environ)
     (d / "cgroup").write_text(cgroup)
     (d / "comm").write_text(comm + "\n")
-    fields = [state] + ["0"] * 18 + ["4242"] + ["0"] * 10
+    fields = [state] + ["0"] * 18 + [str(start)] + ["0"] * 10
     (d / "stat").write_text(f"{pid} ({comm}) " + " ".join(fields) + "\n")
 
 
@@ -197,6 +199,27 @@ def test_gated_processes_from_slots_and_series_leave_at_the_exit(tmp_path: Path)
     region.close()
 
 
+def test_the_gate_source_makes_a_figure_for_each_gpu_a_slots_mask_names(tmp_path: Path) -> None:
+    region = Region.create(tmp_path / "state")
+    region.set_gpus([(UUIDS[0], 16 << 30), (UUIDS[1], 16 << 30)])
+    g = region.set_group("train", None, 0.0, 1.0)
+    _claim_slot(region, 0, 401, g, 0, memory=1, launches=2, busy_ns=3)
+    _claim_slot(region, 1, 402, g, 1, memory=4, launches=5, busy_ns=6)
+    both = region.slots[1]
+    both.gpu_mask |= 1 << 0 | 1 << 7  # GPU 7: a bit the region lists no GPU for
+    both.memory[0], both.managed[0] = 7, 8
+    _claim_slot(region, 2, 403, g, 1, memory=9, launches=0, busy_ns=0)
+    region.slots[2].flags = 0  # being freed: its figures may be torn
+    reading = GateSource(region).read(0, ProcessFacts(ProcReader(tmp_path), region, list).devices(None))
+    assert reading.figures == {
+        (401, UUIDS[0]): Figures(memory=1, launches=2, busy_ns=3, managed=0),
+        (402, UUIDS[0]): Figures(memory=7, launches=0, busy_ns=0, managed=8),
+        (402, UUIDS[1]): Figures(memory=4, launches=5, busy_ns=6, managed=0),
+    }
+    assert reading.start_times == {401: 0, 402: 0}
+    region.close()
+
+
 def test_a_groups_processes_share_its_time_and_never_get_more() -> None:
     share = GpuTimeShare()
     a, b = (UUIDS[0], "train"), (UUIDS[0], "infer")
@@ -219,6 +242,18 @@ def test_a_groups_processes_share_its_time_and_never_get_more() -> None:
     assert got[(5, UUIDS[1])] == 7.0 and got[(6, UUIDS[0])] == 0.0
     got = share.apportion({a: {6: 50.5}}, {a: 4.0})
     assert got[(6, UUIDS[0])] == pytest.approx(0.5)
+
+
+def test_a_process_left_out_keeps_what_it_was_given_and_one_forgotten_starts_anew() -> None:
+    share = GpuTimeShare()
+    a, key = (UUIDS[0], "train"), (1, UUIDS[0])
+    got = share.apportion({a: {1: 2.0, 2: 1.0}}, {a: 2.5})
+    assert got == {key: pytest.approx(2.5 * 2 / 3), (2, UUIDS[0]): 2.5 / 3}
+    share.keep({key, (2, UUIDS[0])})
+    # 1's figure did not change: left out, it keeps its share, and 2's new burst is paid in full.
+    assert share.apportion({a: {2: 1.5}}, {a: 3.0}) == {(2, UUIDS[0]): pytest.approx(2.5 / 3 + 0.5)}
+    share.keep({(2, UUIDS[0])})  # 1 gone (or no longer gated): seen again, its bursts count from nothing
+    assert share.apportion({a: {1: 1.0}}, {a: 10.0}) == {key: 1.0}
 
 
 # -- the accounting with fake sources (tests/fake_sources.py): no root, no bcc ---------------------
@@ -410,3 +445,253 @@ def test_the_verified_figures_reach_the_region_and_follow_the_process(tmp_path: 
     assert region.verified(3) == (302, [0, 5 * MiB] + [0] * 6, [0] * 8)
     acc.close()
     region.close()
+
+
+def test_a_process_whose_slot_was_freed_while_it_ran_starts_its_gpu_time_anew(tmp_path: Path) -> None:
+    _proc_tree(tmp_path, 902, environ=b"GEMTRACE_GROUP=train\0", start=10**9)
+    key = (902, UUIDS[0])
+    gate = FakeGate({key: Figures(memory=MiB, launches=1, busy_ns=2 * 10**9)}, {902: 10**9})
+    nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(902, UUIDS[0], 800 * MiB)])
+    clock = Clock()
+    acc = Accounting(None, lambda: Config({"train": group(None)}),  # type: ignore[arg-type,return-value]
+                     Sources(gate, NvmlSource(nvml)), proc_root=tmp_path, clock=clock,
+                     group_seconds=lambda: {(UUIDS[0], "train"): 100.0})
+
+    def poll() -> tuple[bool, float]:
+        clock.now += 10**9
+        (p,) = acc.poll(clock.now).processes
+        return p.gated, p.gpu_seconds
+
+    assert poll() == (True, 2.0)
+    gate.figures.clear()
+    gate.start_times.clear()
+    assert poll() == (False, 0.0)  # NVML still lists it
+    gate.figures[key] = Figures(memory=MiB, launches=1, busy_ns=10**9)  # a new slot: its gate counts anew
+    gate.start_times[902] = 10**9
+    assert poll() == (True, 1.0)
+    acc.close()
+
+
+# -- a poll makes anew only what changed (issue 30) ----------------------------------------------------
+
+
+class _World:
+    """An accounting over fake sources (no region), with its enforcer and the last merge it published.
+    Two worlds that a scenario changes alike read the same /proc tree."""
+
+    def __init__(self, proc: Path, with_ebpf: bool, group_seconds: Mapping[tuple[str, str], float]) -> None:
+        self.gate = FakeGate()
+        self.nvml = FakeNvml(gpus=UUIDS, busy={UUIDS[0]: 0.5, UUIDS[1]: 0.25})
+        # The probes attached at tick 4300: processes started by then may hold memory eBPF never saw.
+        self.ebpf = FakeEbpf(since_ticks=4300) if with_ebpf else None
+        self.config = Config({"train": group(64 * MiB), "infer": group(None)})
+        self.clock = Clock()
+        self.killed: list[int] = []
+        self.enforcer = MemoryEnforcer(kill=self.killed.append, clock=self.clock)
+        self.acc = Accounting(None, lambda: self.config,  # type: ignore[arg-type,return-value]
+                              Sources(self.gate, NvmlSource(self.nvml), self.ebpf), proc_root=proc, clock=self.clock,
+                              group_seconds=lambda: dict(group_seconds))
+        self.acc.start(Enforcement(self.enforcer, self.acc.limits, self.acc.holdings))
+        self.merged: dict[Key, Merged] = {}
+        self.acc.subscribe(self)
+
+    def on_snapshot(self, snapshot: Snapshot, merged: Mapping[Key, Merged]) -> None:
+        self.merged = dict(merged)
+
+    def figures(self) -> tuple[object, ...]:
+        """Everything the accounting made at its last poll that anyone reads."""
+        e = self.enforcer
+        return self.merged, dict(e.oom_kills), dict(e.breaches), dict(e.tampering), list(self.killed)
+
+
+def _scenario(tmp_path: Path, worlds: list[_World], polls: int, seed: int,
+              group_seconds: dict[tuple[str, str], float]) -> list[list[Snapshot]]:
+    """Changes the worlds alike, poll by poll: bursts, allocations, a slot's figures changed by hand,
+    processes starting, exiting and their pids reused, slots freed and claimed again, reloads that
+    move a process to another group, eBPF's late pids, NVML's busy fraction, the groups' GPU time.
+    Returns each world's snapshots."""
+    import random
+
+    rng = random.Random(seed)
+    gpus = {pid: rng.randrange(2) for pid in range(1000, 1040)}
+    gated = {pid for pid in gpus if pid % 4}
+    started = {pid: (4000 + pid % 600 if pid % 3 else 10**9 + pid) for pid in gpus}  # some after since_ticks
+
+    def start(pid: int, comm: str) -> None:
+        group_name = ("train", "infer")[pid % 2]
+        _proc_tree(tmp_path, pid, environ=f"GEMTRACE_GROUP={group_name}\0".encode(), comm=comm, start=started[pid])
+        for w in worlds:
+            uuid = UUIDS[gpus[pid]]
+            if pid in gated:
+                w.gate.figures[(pid, uuid)] = Figures(memory=MiB, launches=0, busy_ns=0)
+                w.gate.start_times[pid] = started[pid]
+            w.nvml.procs.append(NvmlProcess(pid, uuid, 300 * MiB))
+            if w.ebpf is not None and pid % 5:
+                w.ebpf.allocate(pid, gpus[pid], MiB, ts_ns=w.clock.now)
+
+    def gone(pid: int) -> None:
+        for w in worlds:
+            for key in [k for k in w.gate.figures if k[0] == pid]:
+                del w.gate.figures[key]
+            w.gate.start_times.pop(pid, None)
+            w.nvml.procs = [p for p in w.nvml.procs if p.pid != pid]
+            if w.ebpf is not None:
+                w.ebpf.exit(pid)
+
+    for pid in gpus:
+        start(pid, f"p{pid}")
+    out: list[list[Snapshot]] = [[] for _ in worlds]
+    detached: list[int] = []
+    for poll in range(polls):
+        for pid in detached:  # its gate claims a slot again: its bursts counted from nothing
+            for w in worlds:
+                w.gate.figures[(pid, UUIDS[gpus[pid]])] = Figures(memory=MiB, launches=1, busy_ns=5 * 10**7)
+                w.gate.start_times[pid] = started[pid]
+        live = sorted(gpus)
+        detached = []
+        for pid in rng.sample(live, len(live) // 3):  # bursts and launches; now and then a slot's memory
+            key = (pid, UUIDS[gpus[pid]])
+            busy, launches, memory = rng.randrange(1, 10**8), rng.randrange(1, 50), rng.randrange(1, 100) * MiB
+            change_memory = rng.random() < 0.2
+            allocate = rng.random() < 0.2
+            for w in worlds:
+                if key in w.gate.figures:
+                    f = w.gate.figures[key]
+                    w.gate.figures[key] = f._replace(busy_ns=(f.busy_ns or 0) + busy,
+                                                     launches=(f.launches or 0) + launches,
+                                                     memory=memory if change_memory else f.memory)
+                if allocate and w.ebpf is not None:
+                    w.ebpf.allocate(pid, gpus[pid], memory // 4, ts_ns=w.clock.now)
+        event = rng.randrange(8)
+        pid = rng.choice(live)
+        if event == 0:  # an exit, and a new process
+            gone(pid)
+            (tmp_path / str(pid) / "stat").unlink()
+            del gpus[pid]
+            new = max(live) + 1
+            gpus[new], started[new] = rng.randrange(2), 10**9 + new
+            if rng.random() < 0.7:
+                gated.add(new)
+            start(new, f"p{new}")
+        elif event == 1:  # the pid reused by another process: another start time and name
+            gone(pid)
+            started[pid] += 7
+            start(pid, f"again{pid}")
+        elif event == 2:  # a reload; a process's environment now asks for the other group
+            env = (tmp_path / str(pid) / "environ").read_bytes()
+            swapped = env.replace(b"train", b"@").replace(b"infer", b"train").replace(b"@", b"infer")
+            (tmp_path / str(pid) / "environ").write_bytes(swapped)
+            for w in worlds:
+                w.config = Config(dict(w.config.groups))
+        elif event == 3:
+            for w in worlds:
+                if w.ebpf is not None:
+                    w.ebpf.missed.add(pid)
+        elif event == 4:
+            fraction = rng.random()
+            for w in worlds:
+                w.nvml.busy[UUIDS[poll % 2]] = fraction
+        elif event == 5 and pid in gated:  # its gate now uses the other GPU too
+            for w in worlds:
+                w.gate.figures[(pid, UUIDS[1 - gpus[pid]])] = Figures(memory=2 * MiB, launches=1, busy_ns=10**7)
+        elif event == 6 and pid in gated:  # its slot freed while it runs on (ungated for a poll)
+            detached.append(pid)
+            for w in worlds:
+                for key in [k for k in w.gate.figures if k[0] == pid]:
+                    del w.gate.figures[key]
+                w.gate.start_times.pop(pid, None)
+        for key in [(UUIDS[g], name) for g in (0, 1) for name in ("train", "infer", "default")]:
+            group_seconds[key] = group_seconds.get(key, 0.0) + rng.choice((0.0, 0.01, 0.05, 0.2))
+        step = 10**9 + rng.randrange(-10**8, 10**8)
+        for w, snapshots in zip(worlds, out, strict=True):
+            w.clock.now += step
+            snapshots.append(w.acc.poll())
+    return out
+
+
+def _accounts_kept(snapshots: list[Snapshot]) -> int:
+    """How many accounts are the very objects of the poll before."""
+    kept = 0
+    for before, after in itertools.pairwise(snapshots):
+        accounts = {(p.pid, p.gpu): p for p in before.processes}
+        kept += sum(accounts.get((p.pid, p.gpu)) is p for p in after.processes)
+    return kept
+
+
+def _forget_what_is_kept(acc: Accounting) -> None:
+    """Every record's inputs forgotten: the next poll merges, shares and makes every account anew (what
+    the accounting made before it kept anything), keeping only what carries over (NVML's time
+    integrated, what each process was given)."""
+    for record in acc._seen.values():
+        record.inputs = None  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize("with_ebpf", [False, True])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_what_a_poll_keeps_gives_the_figures_of_making_everything_anew(tmp_path: Path, with_ebpf: bool,
+                                                                         seed: int) -> None:
+    group_seconds: dict[tuple[str, str], float] = {}
+    kept, anew = _World(tmp_path, with_ebpf, group_seconds), _World(tmp_path, with_ebpf, group_seconds)
+
+    class Anew:  # forgets before each of the reference's polls
+        def __init__(self, world: _World) -> None:
+            self.world, self.poll = world, world.acc.poll
+
+        def __call__(self, now_ns: int | None = None) -> Snapshot:
+            _forget_what_is_kept(self.world.acc)
+            return self.poll(now_ns)
+
+    anew.acc.poll = Anew(anew)  # type: ignore[method-assign]
+    ours, reference = _scenario(tmp_path, [kept, anew], polls=60, seed=seed, group_seconds=group_seconds)
+    for poll, (a, b) in enumerate(zip(ours, reference, strict=True)):
+        assert a == b, poll
+    assert kept.figures() == anew.figures()
+    # The scenario moved what matters (GPU time given within groups and by NVML, processes gone), and
+    # the accounting kept what did not change (most accounts are the last poll's own).
+    assert any(p.gated and p.gpu_seconds for p in ours[-1].processes)
+    assert any(not p.gated and p.gpu_seconds for p in ours[-1].processes)
+    assert {p.pid for s in ours for p in s.processes} - {p.pid for p in ours[-1].processes}
+    assert _accounts_kept(ours) > sum(len(s.processes) for s in ours) / 3
+    assert _accounts_kept(reference) == 0
+    kept.acc.close()
+    anew.acc.close()
+
+
+def test_a_process_whose_figures_or_facts_change_shows_them_at_the_next_poll(tmp_path: Path) -> None:
+    """What a poll keeps of a process whose figures did not change (its merge, GPU time and account)
+    goes stale the moment one of them, or its facts, change: each change shows at the next poll."""
+    _proc_tree(tmp_path, 901, environ=b"GEMTRACE_GROUP=train\0", comm="trainer", start=10**9)
+    key = (901, UUIDS[0])
+    gate = FakeGate({key: Figures(memory=10 * MiB, launches=5, busy_ns=10**9)}, {901: 10**9})
+    nvml = FakeNvml(gpus=UUIDS, procs=[NvmlProcess(901, UUIDS[0], 800 * MiB)])
+    config = [Config({"train": group(None), "infer": group(None)})]
+    clock = Clock()
+    acc = Accounting(None, lambda: config[0], Sources(gate, NvmlSource(nvml)),  # type: ignore[arg-type,return-value]
+                     proc_root=tmp_path, clock=clock, group_seconds=lambda: {(UUIDS[0], "train"): 100.0})
+    verified = VerifiedFigures()
+    acc.subscribe(verified)
+
+    def poll() -> ProcessAccount:
+        clock.now += 10**9
+        (p,) = acc.poll(clock.now).processes
+        return p
+
+    first = poll()
+    assert (first.memory_bytes, first.launches, first.gpu_seconds, first.group) == (10 * MiB, 5, 1.0, "train")
+    assert poll() is first  # nothing changed: the same account
+    gate.figures[key] = gate.figures[key]._replace(memory=20 * MiB)
+    assert poll().memory_bytes == 20 * MiB
+    gate.figures[key] = gate.figures[key]._replace(launches=6)
+    assert poll().launches == 6
+    gate.figures[key] = gate.figures[key]._replace(busy_ns=3 * 10**9)
+    assert poll().gpu_seconds == 3.0
+    nvml.procs = [NvmlProcess(901, UUIDS[0], 12 * MiB)]  # without eBPF, the slot is verified against NVML
+    poll()
+    assert verified.seen[-2:] == [20 * MiB, 12 * MiB]
+    (tmp_path / "901" / "environ").write_bytes(b"GEMTRACE_GROUP=infer\0")
+    config[0] = Config(dict(config[0].groups))  # a reload: the facts are read afresh
+    assert poll().group == "infer"
+    _proc_tree(tmp_path, 901, environ=b"GEMTRACE_GROUP=infer\0", comm="other", start=10**9 + 1)  # pid reused
+    gate.start_times[901] = 10**9 + 1
+    assert poll().comm == "other"
+    acc.close()

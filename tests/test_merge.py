@@ -28,8 +28,8 @@ def reading(figures: Figures | None, gated: bool = False) -> SourceReading:
 
 def merged(ebpf: Figures | None, slot: Figures | None, nvml: Figures | None, ebpf_on: bool = True,
            rebuilt: int | None = None) -> merge.Merged:
-    return merge.merge(KEY, reading(ebpf) if ebpf_on else None, reading(slot, gated=slot is not None),
-                       reading(nvml), rebuilt)
+    return merge.merged(merge.inputs(KEY, reading(ebpf) if ebpf_on else None, reading(slot, gated=slot is not None),
+                                     reading(nvml), rebuilt))
 
 
 # -- row "memory" -----------------------------------------------------------------------------------
@@ -129,7 +129,7 @@ def test_a_gated_process_on_a_gpu_its_gate_never_used_counts_zeros_there_not_nvm
     # NVML listing the process on another GPU (a context, nothing launched or allocated through the
     # gate) does not make NVML's figure, context included, its gated memory there.
     gate = SourceReading({}, start_times={KEY[0]: 0})
-    m = merge.merge(KEY, None, gate, reading(NVML), None)
+    m = merge.merged(merge.inputs(KEY, None, gate, reading(NVML), None))
     assert (m.memory, m.launches, m.gate_seconds, m.gated, m.slot_memory) == (0, 0, 0.0, True, 0)
 
 

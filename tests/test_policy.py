@@ -212,6 +212,26 @@ def test_caps_split_two_saturating_groups() -> None:
     assert gpu.switches < 10 * 40
 
 
+def test_gpu_seconds_are_usages_own_and_leave_the_policy_as_usage_does() -> None:
+    """The accounting reads each group's GPU seconds alone at every poll (gpu_seconds): usage()'s
+    figures, and the policy goes on after the read as it would after usage()."""
+    quotas = {0: Quota(0, 0.3), 1: Quota(0.2, 1.0), 2: Quota(0, 1.0)}
+
+    def workloads() -> dict[int, Workload]:
+        return {0: hog(), 1: steps(5 * MS, 3 * MS), 2: bursty(2 * MS, 10 * MS)}
+
+    read_usage, read_seconds = workloads(), workloads()
+    a: TimeSharePolicy | None = None
+    b: TimeSharePolicy | None = None
+    for k in range(5):
+        _, a = simulate(quotas, read_usage, duration=SECOND, policy=a, start=k * SECOND)
+        _, b = simulate(quotas, read_seconds, duration=SECOND, policy=b, start=k * SECOND)
+        at = (k + 1) * SECOND + 3 * MS  # (between looks)
+        assert b.gpu_seconds(at) == {group: u.gpu_seconds for group, u in a.usage(at).items()}
+    assert a is not None and b is not None and a.usage(6 * SECOND) == b.usage(6 * SECOND)
+    assert all(u.gpu_seconds > 0 for u in a.usage(6 * SECOND).values())
+
+
 @pytest.mark.parametrize("caps", [(0.1, 0.2, 0.3, 0.4), (0.2, 0.3, 0.4)])
 def test_caps_within_the_gpu_each_get_their_whole_max_util(caps: tuple[float, ...]) -> None:
     # Least usage first left the largest cap behind: its bucket full while the others ran, and the GPU

@@ -212,6 +212,12 @@ def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
     usage = scheduler.usage()
     assert usage[first].gpu_seconds == pytest.approx((20 + 1) / 1000, abs=0.003)
     assert usage[other].throttled_seconds == pytest.approx(usage[first].gpu_seconds, abs=0.002)
+    # The accounting's read at every poll: usage()'s GPU seconds alone, a group set since the last look at 0.
+    assert scheduler.gpu_seconds() == {group: u.gpu_seconds for group, u in usage.items()}
+    late = region.set_group("late", None, 0, 1)
+    scheduler.set_quotas({first: Quota(), other: Quota(), late: Quota()})
+    assert scheduler.gpu_seconds() == {group: u.gpu_seconds for group, u in scheduler.usage().items()}
+    assert scheduler.gpu_seconds()[late] == 0.0
 
 
 def test_a_drain_that_ends_in_a_wait_with_no_drain_time_is_charged_until_seen(region: rg.Region) -> None:

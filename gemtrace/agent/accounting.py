@@ -1,12 +1,14 @@
 """Accounting: what every process on the host does with the GPUs, from eBPF, the gates and NVML.
 
 Owns the per-process view (Snapshot) and what it keeps across polls for it: GPU time shared within a
-group, NVML's time integrated. A process is in a snapshot only while it runs: one whose /proc entry is
-gone, a zombie, or one whose pid now names another process (another start time) is left out at the
-next poll, whatever a source still says of it (its series leave /metrics within a poll). It merges
-the three sources it is given behind one interface (gemtrace/sources/: eBPF, the gates' slots, NVML;
-the agent opens the host's, gemtrace.agent.agent.open_accounting, a test passes fakes) with
-gemtrace/agent/merge.py, whose functions are docs/accounting.md's table "Sources, best first", row by row.
+group, NVML's time integrated, and each process's last merge and account, kept while its figures and
+facts stay the same (a poll makes anew only what changed). A process is in a snapshot only while it
+runs: one whose /proc entry is gone, a zombie, or one whose pid now names another process (another
+start time) is left out at the next poll, whatever a source still says of it (its series leave
+/metrics within a poll). It merges the three sources it is given behind one interface
+(gemtrace/sources/: eBPF, the gates' slots, NVML; the agent opens the host's,
+gemtrace.agent.agent.open_accounting, a test passes fakes) with gemtrace/agent/merge.py, whose
+functions are docs/accounting.md's table "Sources, best first", row by row.
 The enforcement it is given (gemtrace/agent/enforcement.py, at start()) subscribes: to eBPF's allocation
 events (the source's thread wakes it within milliseconds) and to each snapshot (the audit of the
 slots). Without eBPF (bcc cannot run, or disabled) ebpf_status says why and the gates and NVML still
@@ -27,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -49,8 +51,30 @@ from gemtrace.sources.nvml import NvmlSource
 
 @dataclass
 class _Seen:
+    """A live process on one GPU as the last poll left it. Most processes show the figures they showed
+    a second before (at the region's limit most groups wait their turn of the GPU: 9 slots in 10 are
+    unchanged from one poll to the next), and a gated one whose figures and facts are the same keeps
+    its merge, its GPU time (its group had nothing new to pay it: GpuTimeShare) and its account: each
+    poll makes these anew only for what changed."""
+
+    inputs: merge.Inputs  # what its merge read
+    merged: Merged
+    facts: Facts
     account: ProcessAccount
-    nvml_seconds: float = 0.0
+    nvml_seconds: float = 0.0  # NVML's time integrated (an ungated process)
+
+
+@dataclass
+class _Change:
+    """A live process whose account a poll makes anew: first seen, its figures or facts changed, or
+    ungated (NVML's time grows)."""
+
+    key: Key
+    inputs: merge.Inputs
+    merged: Merged
+    facts: Facts
+    before: _Seen | None  # as the last poll left it (None: first seen)
+    nvml_seconds: float = 0.0  # NVML's time integrated, this poll's included (an ungated process)
 
 
 def _suspended_ns() -> int:
@@ -114,7 +138,9 @@ class Accounting:
         self.facts = ProcessFacts(self.proc, region, self.nvml.gpu_uuids)
         self.inherited_memory = InheritedMemory(self.facts, self.enforce_soon)
         self.verified = VerifiedMemory(region) if region is not None else None
-        self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): its account at the last poll
+        self._seen: dict[tuple[int, str], _Seen] = {}  # (pid, gpu): the process as the last poll left it
+        self._order: list[Key] = []  # the live processes by GPU, then pid
+        self._order_of: set[Key] = set()  # the processes _order sorts
         self._last_poll_ns: int | None = None
         self.group_seconds = group_seconds
         self._time_share = GpuTimeShare()
@@ -222,28 +248,37 @@ class Accounting:
         alive = ebpf.alive if ebpf is not None else frozenset()
 
         merged: dict[Key, Merged] = {}
-        facts: dict[Key, Facts] = {}
+        changed: list[_Change] = []  # the live processes whose account is made anew
+        previous = self._seen
+        seen: dict[Key, _Seen] = {}
         nvml_on = self.nvml.available
+        running, facts_of = self._running, self.facts.of  # (per process: 1024 at the region's limit)
         for key in merge.places(ebpf, gate, nvml):
-            pid, uuid = key
+            pid = key[0]
             # eBPF removes a process's context at its exit: those need no /proc read to be known alive.
-            if pid not in alive and not self._running(pid, gate):
+            if pid not in alive and not running(pid, gate):
                 continue
-            info = self.facts.of(pid, config)
+            info = facts_of(pid, config)
             if info is None:
                 continue
             late = ebpf is not None and inherited(pid, info, ebpf.missed, ebpf.since_ticks)
-            merged[key] = merge.merge(key, ebpf, gate, nvml, rebuilt.get(key), nvml_on, late)
-            facts[key] = info
-        # Each account is made once, its GPU time shared within its group first (made with the gate's
-        # figure and then replaced, 1024 gated processes cost a millisecond more a poll).
+            i = merge.inputs(key, ebpf, gate, nvml, rebuilt.get(key), nvml_on, late)
+            kept = previous.get(key)  # (after running(): a reused pid's records are gone)
+            if kept is not None and kept.inputs == i:
+                m = merged[key] = kept.merged
+                if i.gated and kept.facts is info:  # the same GPU time and account too (_Seen)
+                    seen[key] = kept
+                    continue
+            else:
+                m = merged[key] = merge.merged(i)
+            changed.append(_Change(key, i, m, info, kept, kept.nvml_seconds if kept is not None else 0.0))
         seconds = ({} if self.group_seconds is None else
-                   self._share_gpu_time(merged, facts, ebpf.missed if ebpf is not None else frozenset()))
-        live = {key: ProcessAccount(key[0], facts[key].comm, facts[key].group, key[1], m.memory,
-                                    seconds.get(key, m.gate_seconds), m.launches, m.gated, managed_bytes=m.managed)
-                for key, m in merged.items()}
-        self._integrate_nvml(now, live, nvml.utilization)
-        snapshot = self._remember(now, live)
+                   self._share_gpu_time(changed, merged, ebpf.missed if ebpf is not None else frozenset()))
+        self._integrate_nvml(now, changed, seconds, nvml.utilization)
+        for c in changed:
+            seen[c.key] = self._remember(c, seconds.get(c.key, c.merged.gate_seconds))
+        self._seen = seen  # the records of the processes gone are dropped with them
+        snapshot = Snapshot(now, self._in_order(seen))
         if self.verified is not None:
             self.verified.publish(devices, gate.start_times, merged)
         for listener in self._listeners:
@@ -276,59 +311,78 @@ class Accounting:
         recorded = gate.start_times.get(pid)
         return not (recorded and start is not None and recorded != start)
 
-    def _share_gpu_time(self, merged: Mapping[Key, Merged], facts: Mapping[Key, Facts],
-                        missed: Collection[int]) -> dict[Key, float]:
-        """Gated processes' GPU time (the gates' figures in `merged`), apportioned within each group
-        (GpuTimeShare): (pid, GPU) -> seconds."""
+    def _share_gpu_time(self, changed: list[_Change], live: Mapping[Key, Merged], missed: Collection[int]
+                        ) -> dict[Key, float]:
+        """The GPU time of the gated processes in `changed`, their gates' figures apportioned within
+        each group (GpuTimeShare): (pid, GPU) -> seconds. The other live processes (`live`: all of
+        them) are gated, showed the same figures at the last poll, and keep what they were given."""
         assert self.group_seconds is not None
         raw: dict[tuple[str, str], dict[int, float]] = {}
         unpaid: set[int] = set()  # inherited: bursts before the agent's start are not paid
-        for key, m in merged.items():
-            if m.gated:
-                pid, uuid = key
-                raw.setdefault((uuid, facts[key].group), {})[pid] = m.gate_seconds
-                if inherited(pid, facts[key], missed, self._since_ticks):
-                    unpaid.add(pid)
+        ungated: set[Key] = set()
+        for c in changed:
+            if not c.merged.gated:
+                ungated.add(c.key)
+                continue
+            pid, uuid = c.key
+            raw.setdefault((uuid, c.facts.group), {})[pid] = c.merged.gate_seconds
+            if inherited(pid, c.facts, missed, self._since_ticks):
+                unpaid.add(pid)
+        self._time_share.keep(live.keys() - ungated)
         return self._time_share.apportion(raw, self.group_seconds(), unpaid)
 
-    def _integrate_nvml(self, now: int, live: dict[Key, ProcessAccount], util: Mapping[str, float]) -> None:
+    def _integrate_nvml(self, now: int, changed: list[_Change], seconds: Mapping[Key, float],
+                        util: Mapping[str, float]) -> None:
         """GPU time of ungated processes: NVML's busy fraction x elapsed time, less what the gates
-        account on that GPU, shared equally among the ungated processes on it. Coarse by nature."""
+        account on that GPU, shared equally among the ungated processes on it. Coarse by nature.
+        `seconds`: the GPU time of the gated processes in `changed` (_share_gpu_time); every other gated
+        process's is what it was at the last poll."""
         last, self._last_poll_ns = self._last_poll_ns, now
         dt = 0.0 if last is None else (now - last) / 1e9
-        on_gpu: dict[str, list[tuple[Key, ProcessAccount]]] = {}  # one pass over the processes, not one a GPU
-        for key, acc in live.items():
-            on_gpu.setdefault(key[1], []).append((key, acc))
+        gated_busy: dict[str, float] = {}  # per GPU, what the gates accounted since the last poll
+        ungated: dict[str, list[_Change]] = {}
+        for c in changed:  # one pass over the processes, not one a GPU
+            uuid = c.key[1]
+            if not c.merged.gated:
+                ungated.setdefault(uuid, []).append(c)
+            elif c.before is not None:  # (a process first seen now: nothing since the last poll)
+                busy = seconds.get(c.key, c.merged.gate_seconds) - c.before.account.gpu_seconds
+                if busy > 0.0:
+                    gated_busy[uuid] = gated_busy.get(uuid, 0.0) + busy
         for uuid, fraction in util.items():
-            gated_busy = 0.0  # what the gates accounted on this GPU since the last poll
-            for key, acc in on_gpu.get(uuid, ()):
-                if acc.gated:
-                    prev = self._seen.get(key)
-                    gated_busy += max(0.0, acc.gpu_seconds - (prev.account.gpu_seconds if prev else acc.gpu_seconds))
-            share = [k for k, a in on_gpu.get(uuid, ()) if not a.gated]
-            each = max(0.0, fraction * dt - gated_busy) / len(share) if share else 0.0
-            for key in share:
-                seen = self._seen.get(key)
-                if seen is None:
-                    seen = self._seen[key] = _Seen(live[key])
-                seen.nvml_seconds += each
-        for key, acc in live.items():
-            seen = self._seen.get(key)
-            if seen is not None and seen.nvml_seconds and not acc.gated:
-                live[key] = replace(acc, gpu_seconds=acc.gpu_seconds + seen.nvml_seconds)
+            share = ungated.get(uuid)
+            if share:
+                each = max(0.0, fraction * dt - gated_busy.get(uuid, 0.0)) / len(share)
+                for c in share:
+                    c.nvml_seconds += each
 
-    def _remember(self, now: int, live: dict[tuple[int, str], ProcessAccount]) -> Snapshot:
-        """The snapshot of the live processes; what is kept of each (_seen) is dropped with it."""
-        seen = self._seen
-        self._seen = {}
-        for key, acc in live.items():
-            kept = seen.get(key)
-            if kept is None:
-                kept = _Seen(acc)
-            else:
-                kept.account = acc  # its own: no one else holds a _Seen
-            self._seen[key] = kept
-        return Snapshot(now, tuple(sorted(live.values(), key=lambda a: (a.gpu, a.pid))))
+    @staticmethod
+    def _remember(c: _Change, gpu_seconds: float) -> _Seen:
+        """The record of a changed process, its account made with its GPU time (a gated process's
+        shared within its group, an ungated one's NVML's integrated) where it differs."""
+        m, info, kept = c.merged, c.facts, c.before
+        if not m.gated and c.nvml_seconds:
+            gpu_seconds = gpu_seconds + c.nvml_seconds
+        if (kept is None or kept.merged is not m or kept.facts is not info
+                or kept.account.gpu_seconds != gpu_seconds):
+            account = ProcessAccount(c.key[0], info.comm, info.group, c.key[1], m.memory, gpu_seconds, m.launches,
+                                     m.gated, managed_bytes=m.managed)
+        else:
+            account = kept.account
+        if kept is None:
+            return _Seen(c.inputs, m, info, account, c.nvml_seconds)
+        kept.inputs, kept.merged, kept.facts, kept.account, kept.nvml_seconds = (c.inputs, m, info, account,
+                                                                                c.nvml_seconds)
+        return kept
+
+    def _in_order(self, live: Mapping[Key, _Seen]) -> tuple[ProcessAccount, ...]:
+        """The live processes' accounts by GPU, then pid (the snapshot's order), sorted again only when
+        the live processes are not those of the last poll (sorting 1024 accounts cost as much as making
+        them)."""
+        if live.keys() != self._order_of:
+            self._order = sorted(live, key=lambda key: (key[1], key[0]))
+            self._order_of = set(live)
+        return tuple([live[key].account for key in self._order])
 
     def stop_watching(self) -> None:
         """Stop the eBPF source's thread (enforcement, rescans); close() detaches the probes after it."""

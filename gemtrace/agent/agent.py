@@ -666,8 +666,12 @@ class Agent:
                 for index, usage in sorted(scheduler.usage().items()) if index in names}
 
     def group_seconds(self) -> dict[tuple[str, str], float]:
-        """GPU seconds the schedulers charged each group, by (GPU UUID, group name)."""
-        return {key: usage.gpu_seconds for key, usage in self.group_usage().items()}
+        """GPU seconds the schedulers charged each group, by (GPU UUID, group name): group_usage()'s,
+        read without the rest of the usage (the accounting asks at every poll)."""
+        names = self.region.group_names()
+        return {(gpu.uuid, names[index]): seconds
+                for gpu, scheduler in zip(self.gpus, self.schedulers, strict=True)
+                for index, seconds in scheduler.gpu_seconds().items() if index in names}
 
     # -- what /metrics reads (collect apart from expose: gemtrace/agent/collectors/) ------------------------
 

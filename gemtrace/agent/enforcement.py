@@ -229,7 +229,8 @@ class Enforcement:
         after, so a slot may lead eBPF for a moment, never trail it, and never lead it for two looks in
         a row with the same figures."""
         for p in snapshot.processes:
-            m = merged.get((p.pid, p.gpu))
+            key = (p.pid, p.gpu)
+            m = merged.get(key)
             if m is None or m.slot_memory is None:
                 continue
             if m.ebpf_memory is not None and m.slot_memory < m.ebpf_memory:
@@ -240,8 +241,8 @@ class Enforcement:
                 self._audit(p.pid, p.group, p.gpu, m.slot_memory + m.slot_managed, m.verified + m.verified_managed,
                             OVER_REPORTING)
             else:
-                self._tamper_suspect.pop((p.pid, p.gpu), None)
-                self._tampered.discard((p.pid, p.gpu))
+                self._tamper_suspect.pop(key, None)
+                self._tampered.discard(key)
         live = {p.pid for p in snapshot.processes}
         for key in [key for key in self._tamper_suspect if key[0] not in live]:
             del self._tamper_suspect[key]

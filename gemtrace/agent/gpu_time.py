@@ -25,7 +25,9 @@ class GpuTimeShare:
     was given and not yet paid to its processes: in full if it covers them all, else that remainder is
     split in proportion and the excess (the waiting) is dropped. The remainder carries over, because
     the gate counts a burst only when it ends while the scheduler charges it as it runs.
-    Pure: plain figures in, figures out; `apportion` is called with every live gated process.
+    Pure: plain figures in, figures out. Each poll, `keep` is called with every live gated process,
+    then `apportion` with those whose busy seconds may have changed (a process whose figure is the one
+    it was last apportioned is paid nothing: it keeps what it was given, and may be left out).
     """
 
     def __init__(self) -> None:
@@ -37,29 +39,39 @@ class GpuTimeShare:
                   inherited: Collection[int] = ()) -> dict[tuple[int, str], float]:
         """`raw`: (gpu, group) -> pid -> the gate's busy seconds; `group_seconds`: (gpu, group) -> the
         group's GPU seconds; `inherited`: pids whose earlier bursts predate the group's figure (not
-        paid). Returns (pid, gpu) -> seconds, never decreasing for a process; a group without a
-        figure gets its raw increases unchanged."""
+        paid). Returns (pid, gpu) -> seconds of the processes in `raw`, never decreasing for a process;
+        a group without a figure gets its raw increases unchanged."""
         out: dict[tuple[int, str], float] = {}
-        kept: dict[tuple[int, str], _Share] = {}  # processes gone are dropped: the snapshot keeps their figure
+        shares = self._procs
         for (gpu, group), procs in raw.items():
-            shares: dict[int, _Share] = {}
-            increase: dict[int, float] = {}
+            # Only the processes whose bursts grew since they were last apportioned are paid: the
+            # others keep what they were given.
+            grown: list[tuple[tuple[int, str], _Share, float]] = []
             for pid, seconds in procs.items():
-                share = self._procs.get((pid, gpu))
+                key = (pid, gpu)
+                share = shares.get(key)
                 if share is None:
-                    share = _Share(seconds if pid in inherited else 0.0, 0.0)
-                shares[pid] = kept[(pid, gpu)] = share
-                increase[pid] = max(0.0, seconds - share.raw_seen)
-                share.raw_seen = seconds
-            total = sum(increase.values())
+                    share = shares[key] = _Share(seconds if pid in inherited else 0.0, 0.0)
+                if seconds == share.raw_seen:
+                    out[key] = share.charged
+                else:
+                    grown.append((key, share, max(0.0, seconds - share.raw_seen)))
+                    share.raw_seen = seconds
+            total = sum(increase for _, _, increase in grown)
             figure = group_seconds.get((gpu, group))
             paid = self._paid.get((gpu, group), 0.0)
             scale = 1.0
             if figure is not None and total > 0:
                 scale = min(1.0, max(0.0, figure - paid) / total)
-            for pid, share in shares.items():
-                share.charged += increase[pid] * scale
-                out[(pid, gpu)] = share.charged
+            for key, share, increase in grown:
+                share.charged += increase * scale
+                out[key] = share.charged
             self._paid[(gpu, group)] = paid + total * scale
-        self._procs = kept
         return out
+
+    def keep(self, live: Collection[tuple[int, str]]) -> None:
+        """Forget the processes not in `live` ((pid, gpu) of every live gated process, at each poll
+        before `apportion`): one gone, or no longer gated, starts anew if it is seen again. The
+        snapshot keeps a gone process's figure."""
+        for key in self._procs.keys() - live:
+            del self._procs[key]

@@ -131,21 +131,38 @@ def managed(ebpf: Figures | None, slot: Figures | None) -> int:
     return slot.managed if slot is not None and slot.managed is not None else 0
 
 
-def merge(key: Key, ebpf: SourceReading | None, gate: SourceReading, nvml: SourceReading,
-          rebuilt: int | None, nvml_on: bool = False, inherited: bool = False) -> Merged:
-    """Every row for one process on one GPU. `ebpf` None: eBPF is off. `nvml_on`: NVML lists the
-    processes of every GPU (one it does not list holds nothing there). `inherited`: eBPF may have
-    missed some of the process's memory (docs/accounting.md). A process is gated when it has a slot."""
-    pid = key[0]
-    gated = pid in gate.start_times
-    e = ebpf.figures.get(key) if ebpf is not None else None
+class Inputs(NamedTuple):
+    """What the merge reads of the sources for one process on one GPU: equal inputs merge to equal
+    figures (the accounting keeps a process's merge while its inputs stay the same)."""
+
+    gated: bool  # it has a slot
+    ebpf: Figures | None
+    slot: Figures | None  # UNUSED where a gated process's gate counted nothing on this GPU
+    nvml: Figures | None
+    rebuilt: int | None  # rebuilt_memory() of an inherited process, else None
+    ebpf_on: bool  # eBPF runs
+    nvml_on: bool  # NVML lists the processes of every GPU (one it does not list holds nothing there)
+    inherited: bool  # eBPF may have missed some of the process's memory (docs/accounting.md)
+
+
+def inputs(key: Key, ebpf: SourceReading | None, gate: SourceReading, nvml: SourceReading,
+           rebuilt: int | None, nvml_on: bool = False, inherited: bool = False) -> Inputs:
+    """The readings' figures for one process on one GPU. `ebpf` None: eBPF is off. A process is gated
+    when it has a slot."""
+    gated = key[0] in gate.start_times
     s = gate.figures.get(key)
     if s is None and gated:
         s = UNUSED  # the gate's source makes no figure where its gate counted nothing
-    n = nvml.figures.get(key)
-    checked = verified(ebpf is not None, e, s, n, nvml_on, inherited) if gated else (None, 0)
+    return Inputs(gated, ebpf.figures.get(key) if ebpf is not None else None, s, nvml.figures.get(key), rebuilt,
+                  ebpf is not None, nvml_on, inherited)
+
+
+def merged(i: Inputs) -> Merged:
+    """Every row for one process on one GPU."""
+    gated, e, s, n = i.gated, i.ebpf, i.slot, i.nvml
+    checked = verified(i.ebpf_on, e, s, n, i.nvml_on, i.inherited) if gated else (None, 0)
     return Merged(
-        memory=memory(gated, e, s, n, rebuilt),
+        memory=memory(gated, e, s, n, i.rebuilt),
         gate_seconds=gate_seconds(gated, s),
         launches=launches(gated, e, s),
         gated=gated,

@@ -301,6 +301,14 @@ class GpuScheduler:
                 usage.setdefault(group, GroupUsage(0.0, 0.0, 0.0))
             return usage
 
+    def gpu_seconds(self) -> dict[int, float]:
+        """usage()'s GPU seconds alone (a group set since the last look at 0, as there)."""
+        with self._lock:
+            seconds = self._policy.gpu_seconds(self._clock())
+            for group in self._pending_quotas or ():
+                seconds.setdefault(group, 0.0)
+            return seconds
+
     def run(self, stop: threading.Event) -> None:
         """Schedule this GPU alone in this thread until `stop` is set (the agent runs all its GPUs in
         one: gemtrace/agent/scheduler_loop.py); every word it held is released on the way out."""

@@ -34,9 +34,12 @@ class VerifiedMemory:
         index = {uuid: g for g, uuid in enumerate(devices.physical())}
         out: dict[int, dict[int, tuple[int, int]]] = {pid: {} for pid in gated}
         for (pid, uuid), m in merged.items():
-            if m.gated and uuid in index:
-                memory = m.verified if m.verified is not None else (m.slot_memory or 0)
-                out.setdefault(pid, {})[index[uuid]] = (memory, m.verified_managed)
+            g = index.get(uuid) if m.gated else None
+            if g is not None:
+                held = out.get(pid)
+                if held is None:
+                    held = out[pid] = {}
+                held[g] = (m.verified if m.verified is not None else (m.slot_memory or 0), m.verified_managed)
         self.region.publish_verified(out)
 
     def publish_from_ebpf(self, devices: Devices, ebpf: SourceReading, rebuilt: Collection[int]) -> None:

@@ -593,7 +593,7 @@ class Region:
             if held is None:
                 continue
             before = cache.get(index)
-            if stored_pids[index] == pid and before == (pid, held):
+            if before is not None and before[0] == pid and before[1] == held and stored_pids[index] == pid:
                 continue
             entry = self.layout.verified[index]
             if entry.pid != pid or before is None or before[0] != pid:
