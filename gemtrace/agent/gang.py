@@ -348,7 +348,8 @@ class GangTurns:
         came from (the same gangs and open turns) and the stranded groups read the same: the same open
         turns, and this GPU's report says what the last did of what it drains, overruns and released
         (the other GPUs' reports did not change since). Most reports change only what a GPU wants and
-        would release: at the region's limit, the views and their comparison were half a report's work."""
+        would release: at the region's limit, the views and their comparison were half a report's work.
+        Where not, it records what the views are now worked out from (the caller works them out)."""
         turn_views = self._turn_views_for(members)
         opened = frozenset(self._open)
         if (self._views_from is None or self._views_from[0] is not turn_views or self._views_from[1] != opened

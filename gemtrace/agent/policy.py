@@ -495,7 +495,7 @@ class TimeSharePolicy:
         their order: one loop where a look at the region's limit made 62 calls through `_eligible` and
         `_credit_to_release` (a barred group's credit is always a turn's: `_turn_ns`)."""
         accounts, last = self._accounts, self._last
-        turn = max(self._slice_ns, self.params.gang_slice_ns)
+        turn = self._gang_turn_ns()
         eligible = []
         for group in groups:
             account = accounts[group]
@@ -822,8 +822,7 @@ class TimeSharePolicy:
             return False
         if account.at < self._last:
             self._settle(account, self._last)
-        needed = slice_ns * (1.0 - max_util) if slice_ns is not None else self._credit_to_release(group)
-        return account.cap_credit >= needed
+        return account.cap_credit >= self._credit_needed(group, slice_ns)
 
     def _credit_needed(self, group: int, slice_ns: int | None = None) -> float:
         """The MaxUtil credit a capped group needs to be released: for a slice of `slice_ns`, or
@@ -847,9 +846,11 @@ class TimeSharePolicy:
     def _turn_ns(self, group: int) -> int:
         """A group's slice (what it runs, what a capped group waits for credit for, what the order among
         groups looks half of ahead): a gang turn for a group that spans GPUs."""
-        if group in self._spanning:
-            return max(self._slice_ns, self.params.gang_slice_ns)
-        return self._slice_ns
+        return self._gang_turn_ns() if group in self._spanning else self._slice_ns
+
+    def _gang_turn_ns(self) -> int:
+        """The turn of a group that spans GPUs (`_turn_ns` of a barred, clearing or due group)."""
+        return max(self._slice_ns, self.params.gang_slice_ns)
 
     def _caps_fill_gpu(self) -> bool:
         """Do the MaxUtils of the groups that want the GPU add up to all of it? Then none of them
@@ -980,7 +981,7 @@ class TimeSharePolicy:
         # further above them than they end theirs above it (no quota beside single-GPU jobs: 0.53 of
         # each GPU against their 0.47).
         accounts, last, holder, spanning = self._accounts, self._last, self._holder, self._spanning
-        ahead = (max(self._slice_ns, self.params.gang_slice_ns) - self._slice_ns) / 2  # (_turn_ns's, halved)
+        ahead = (self._gang_turn_ns() - self._slice_ns) / 2  # (_turn_ns's, halved)
 
         def key(g: int) -> tuple[float, bool, int]:
             account = accounts[g]
@@ -1108,7 +1109,7 @@ class TimeSharePolicy:
         short = self._caps_fill_gpu()
         waits_for_turn = self._barred | self._clearing
         accounts, last = self._accounts, self._last
-        turn = max(self._slice_ns, self.params.gang_slice_ns)  # (the credit a turn across GPUs needs)
+        turn = self._gang_turn_ns()  # (the credit a turn across GPUs needs)
         for group in self._demand:
             account = accounts[group]
             max_util = account.quota.max_util

@@ -41,8 +41,8 @@ class GateSource:
             used = used_by.get(mask)
             if used is None:
                 used = used_by[mask] = [gpu for g, gpu in enumerate(per_gpu) if mask >> g & 1]
-            # Positional, and no list for the one figure of a slot on one GPU (most are): each cut the
-            # read by a quarter.
+            # Positional (memory, launches, busy_ns, last_alloc_ns unknown, placed, managed), and no list
+            # for the one figure of a slot on one GPU (most are): each cut the read by a quarter.
             one: tuple[Key, Figures] | None = None
             read: list[tuple[Key, Figures]] = []
             if len(used) == 1:
