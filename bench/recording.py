@@ -52,11 +52,27 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def gpu_models(driver: Path = Path("/proc/driver/nvidia/gpus")) -> str:
+    """The host's NVIDIA GPUs as the driver names them (`1 x NVIDIA H100 80GB HBM3`), "" where it has
+    none: a CPU bench run on a GPU host says so (its header read "vm" there, as on the CPU-only VM)."""
+    models: dict[str, int] = {}
+    for info in sorted(driver.glob("*/information")):
+        try:
+            for line in info.read_text().splitlines():
+                if line.startswith("Model:"):
+                    model = line.split(":", 1)[1].strip()
+                    models[model] = models.get(model, 0) + 1
+        except OSError:
+            continue
+    return ", ".join(f"{n} x {model}" for model, n in models.items())
+
+
 def machine() -> str:
-    """The host as a results file names it: its name, CPUs and their model, the kernel, and the load
-    (a shared machine's figures compare only with those taken at a like load)."""
-    return (f"{platform.node()}, {os.cpu_count()} CPUs ({cpu_model()}), kernel {platform.release()}, "
-            f"load {os.getloadavg()[0]:.1f}")
+    """The host as a results file names it: its name, its GPUs if any, CPUs and their model, the
+    kernel, and the load (a shared machine's figures compare only with those taken at a like load)."""
+    gpus = gpu_models()
+    return (f"{platform.node()}{', ' + gpus if gpus else ''}, {os.cpu_count()} CPUs ({cpu_model()}), "
+            f"kernel {platform.release()}, load {os.getloadavg()[0]:.1f}")
 
 
 def add_record_flag(parser: argparse.ArgumentParser, results: Path) -> None:

@@ -1,4 +1,4 @@
-"""The benches' paired statistic over interleaved rounds (bench/recording.py): pure, no GPU."""
+"""The benches' paired statistic over interleaved rounds, and how they name a host (bench/recording.py)."""
 
 from __future__ import annotations
 
@@ -54,3 +54,14 @@ def test_unequal_or_single_rounds_are_refused() -> None:
         paired([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="at least 2 rounds"):
         paired([1.0], [1.0])
+
+
+def test_a_gpu_host_is_named_by_its_gpus_as_the_driver_lists_them(tmp_path) -> None:
+    from bench.recording import gpu_models
+
+    assert gpu_models(tmp_path / "absent") == ""  # (a host with no driver: the CPU-only VM)
+    for bus, model in (("0000:18:00.0", "NVIDIA H100 80GB HBM3"), ("0000:2a:00.0", "NVIDIA H100 80GB HBM3"),
+                       ("0000:3a:00.0", "NVIDIA H200")):
+        (tmp_path / bus).mkdir()
+        (tmp_path / bus / "information").write_text(f"Model: \t\t {model}\nIRQ:   \t\t 10\n")
+    assert gpu_models(tmp_path) == "2 x NVIDIA H100 80GB HBM3, 1 x NVIDIA H200"
