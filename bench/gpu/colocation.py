@@ -100,7 +100,7 @@ class Case:
 
 
 # The pair under MPS with the opportunistic training held to a few SMs: what it costs the production one.
-PAIR_SPARE_SM = (5, 10, 20)
+PAIR_SPARE_SM = (2, 5, 10, 20)
 CASES = tuple(sorted([Case(f"{short}-{s}", w, s) for short, w in SERVICES.items() for s in SETTINGS] +
                      [Case(f"pair-{s}", None, s) for s in SETTINGS if s != "off"] +
                      [Case(f"pair-mps-sm{n}", None, "mps", n) for n in PAIR_SPARE_SM],
