@@ -522,6 +522,33 @@ def test_a_rank_held_while_its_turn_was_closed_does_not_hold_that_turn_up() -> N
     assert going.released == 7
 
 
+def test_a_gpu_draining_a_gang_whose_next_turn_is_not_open_sleeps_till_the_drain_ends() -> None:
+    # Its turn ended (another GPU held it), every group here barred: nobody to hand the GPU to until the
+    # next turn opens, and this GPU must be clear for that. The drain's end rings and the look it brings
+    # sees the turn clearing: no look in between but the drain's net. A group on this GPU alone keeps
+    # the poll (nobody barred here).
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {7: Quota(), 8: Quota()})
+    both = frozenset({7, 8})
+    assert policy.step(0, Observation(both, present=both, due=frozenset({7}), barred=frozenset({8}))).released == 7
+    now = params.gang_slice_ns // 2
+    ended = policy.step(now, Observation(both, present=both, barred=both))
+    assert ended.released is None and ended.draining == 7
+    assert ended.wake_at == now + params.drain_net_ns
+    drained = policy.step(now + 5 * MS, Observation(both, present=both, barred=frozenset({7}),
+                                                    clearing=frozenset({8}), drained_at=now + 3 * MS))
+    assert drained.draining is None and drained.clear and drained.ready == frozenset({8})
+
+    alone = TimeSharePolicy(params, now=0)
+    alone.set_quotas(0, {7: Quota(0, 0.5)})
+    decision = alone.step(0, Observation(frozenset({7})))
+    while decision.draining is None:
+        now = decision.wake_at
+        decision = alone.step(now, Observation(frozenset({7})))
+    assert decision.wake_at == now + params.poll_ns
+
+
 def test_a_gpu_that_ends_a_groups_turn_drains_it_before_releasing_anyone() -> None:
     # Held in its turn (its slice ended, another group waits): its drain is waited out as any holder's,
     # though the turn is still due in this GPU's view until the next report closes it.

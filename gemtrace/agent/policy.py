@@ -1026,8 +1026,13 @@ class TimeSharePolicy:
         p = self.params
         if not self._someone_waits(now):
             # Nobody to hand the GPU to: the drain's end comes from the gate's own timestamp, seeing
-            # it late costs nothing (and only max_overrun_ns cuts it short).
-            return min(now + p.poll_ns, self._hold_at + p.max_overrun_ns)
+            # it late costs nothing (and only max_overrun_ns cuts it short). Where groups spanning GPUs
+            # are barred here, the one whose turn opens next needs this GPU clear, and the drain's end
+            # rings: the look that ring brings sees the turn clearing too, and the net is the drain's.
+            # (Polled at poll_ns, a look that saw only the next turn clearing was 1 in 7 of the looks
+            # at the region's limit, with the turns no sooner: bench/results/agent_cpu.md.)
+            net = p.drain_net_ns if self._barred else p.poll_ns
+            return min(now + net, self._hold_at + p.max_overrun_ns)
         # Someone waits: the GPU idles from the drain's end until a look sees it, and that end rings.
         # A holder quiet when held drains at once and may not ring: looked at once more, finely.
         timeout = self._hold_at + self.drain_timeout_ns()
