@@ -5,6 +5,7 @@ the simulated GPU's collectives through the real agent are in tests/test_gang_e2
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -640,6 +641,41 @@ def test_a_stranded_drain_ends_when_it_is_seen_stranded_uncharged_and_unlearnt()
     later = policy.step(300 * MS, Observation(group, present=group, barred=group, stranded=group))
     assert later.draining is None and policy.usage(300 * MS)[7].gpu_seconds - charged <= 0.002
     assert policy.drain_timeout_ns() == timeout_before  # not learnt as a drain
+
+
+def test_a_policy_decides_the_same_whichever_groups_are_stranded_but_its_drain_and_overruns() -> None:
+    # The scheduler does not decide again where its report changed only which groups are stranded here,
+    # none of them its drain or an overrun (scheduler._only_stranded_changed_idly): the policy reads
+    # `stranded` for nothing else. Checked at each phase: a decision at the same instant, with a barred
+    # group stranded or not, is the same, and so is the next look's.
+    params = PolicyParams()
+    policy = TimeSharePolicy(params, now=0)
+    policy.set_quotas(0, {7: Quota(), 8: Quota(0, 0.5), 9: Quota(0.2)})
+    every = frozenset({7, 8, 9})
+    looks = [(0, Observation(every, present=every, due=frozenset({7}), barred=frozenset({8, 9}))),
+             (params.gang_slice_ns // 2, Observation(every, present=every, barred=every)),
+             (params.gang_slice_ns // 2 + 5 * MS, Observation(every, present=every, barred=frozenset({7, 9}),
+                                                              clearing=frozenset({8}), drained_at=1)),
+             (params.gang_slice_ns, Observation(every, present=every, barred=frozenset({7, 9}), due=frozenset({8})))]
+    phases = set()
+    for now, obs in looks:
+        decision = policy.step(now, obs)
+        phases.add((decision.released, decision.draining))
+        assert 9 not in policy.overrunning() and decision.draining != 9
+        stranded = copy.deepcopy(policy)
+        assert stranded.step(now, replace(obs, stranded=frozenset({9}))) == policy.step(now, obs)
+        later = replace(obs, drained_at=None)
+        assert stranded.step(now + MS, later) == policy.step(now + MS, later)
+    assert {(7, None), (None, 7), (None, None), (8, None)} <= phases
+    # Its own drain stranded is another decision: the drain ends, uncharged (the test reads `stranded`).
+    held = TimeSharePolicy(params, now=0)
+    held.set_quotas(0, {7: Quota(), 8: Quota()})
+    both = frozenset({7, 8})
+    held.step(0, Observation(both, present=both, due=frozenset({7}), barred=frozenset({8})))
+    draining = held.step(MS, Observation(both, present=both, barred=both))
+    assert draining.draining == 7
+    assert copy.deepcopy(held).step(MS, Observation(both, present=both, barred=both, stranded=frozenset({7}))
+                                    ).draining is None
 
 
 def test_an_overrunning_drain_seen_stranded_is_charged_no_further() -> None:
