@@ -476,9 +476,6 @@ class TimeSharePolicy:
         # A group present here that asks for nothing may still be busy (blocked in a collective that
         # waits for its peers): this GPU consents where it could release it (its MaxUtil credit).
         idle = frozenset(self._barred_eligible((self._barred & self._present) - self._demand))
-        wanting = self._barred_eligible(self._barred & self._demand)
-        if not wanting:
-            return idle
         holder = self._holder
         if (self._phase is Phase.RUNNING and holder is not None and holder not in self._barred
                 and now - self._released_at < self.params.min_slice_ns
@@ -486,8 +483,13 @@ class TimeSharePolicy:
                      or now - holder_idle_since < max(self._quiet_allowance(holder), self.params.gang_pause_ns))):
             # (Not a holder quiet past the pause it keeps, and past the pause that weighs it as busy
             # (`_paused_holder`): it has nothing to run in the rest of its first 15 ms, and a service's
-            # turn across GPUs kept them 7 ms idle at each request.)
-            return idle | self._ready.intersection(wanting)
+            # turn across GPUs kept them 7 ms idle at each request.) Those of the last readiness that
+            # still want it and are eligible: only they are weighed, not the 62 barred groups of the
+            # region's limit at every GPU's release of a turn.
+            return idle | frozenset(self._barred_eligible(self._ready & self._barred & self._demand))
+        wanting = self._barred_eligible(self._barred & self._demand)
+        if not wanting:
+            return idle
         return idle | self._chosen_if_admitted(now, wanting, self._paused_holder(now, holder_idle_since))
 
     def _barred_eligible(self, groups: Iterable[int]) -> list[int]:
