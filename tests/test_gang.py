@@ -645,7 +645,7 @@ def test_a_stranded_drain_ends_when_it_is_seen_stranded_uncharged_and_unlearnt()
 
 def test_a_policy_decides_the_same_whichever_groups_are_stranded_but_its_drain_and_overruns() -> None:
     # The scheduler does not decide again where its report changed only which groups are stranded here,
-    # none of them its drain or an overrun (scheduler._only_stranded_changed_idly): the policy reads
+    # none of them its drain or an overrun (scheduler._decides_the_same): the policy reads
     # `stranded` for nothing else. Checked at each phase: a decision at the same instant, with a barred
     # group stranded or not, is the same, and so is the next look's.
     params = PolicyParams()

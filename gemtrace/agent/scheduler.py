@@ -92,26 +92,27 @@ class SlotTable:
         self.assignments = columns.assignments
 
 
-def _only_released_left_pending(before: Observation, after: Observation, released: int | None) -> bool:
-    """Did the turns change at a look only in that the group this GPU released left `pending`? Then
-    deciding again decides the same: pending only counts a due group that asks for nothing as wanting
-    the GPU, so that it is released; released, it is the charged holder, in play whatever it asks. At
-    the region's limit 6 in 10 of the looks that decided twice did so for this alone, each time the same."""
-    return (released in before.pending and after.pending == before.pending - {released}
-            and after.barred == before.barred and after.clearing == before.clearing and after.due == before.due
-            and after.stranded == before.stranded)
+# The parts of an Observation that a GPU's view of the turns sets (GpuScheduler._with_turns).
+_TURN_FIELDS = ("barred", "clearing", "due", "pending", "stranded")
 
 
-def _only_stranded_changed_idly(before: Observation, after: Observation, draining: int | None,
-                                overrunning: Mapping[int, int]) -> bool:
-    """Did the turns change at a look only in which groups are stranded here, none of them this GPU's
-    drain (`draining`, as decided) or an overrunning group? Then deciding again decides the same: the
-    policy reads `stranded` only to end such a drain or overrun (tests/test_gang.py holds it to that).
-    A GPU whose drain ends reports it, and the group it drained is stranded here no longer: at the
-    region's limit 9 in 10 of the drain ends' looks decided twice for this alone."""
-    return (after.stranded != before.stranded and after.barred == before.barred and after.clearing == before.clearing
-            and after.due == before.due and after.pending == before.pending
-            and draining not in after.stranded and not any(g in after.stranded for g in overrunning))
+def _decides_the_same(before: Observation, after: Observation, decision: Decision,
+                      overrunning: Mapping[int, int]) -> bool:
+    """Would deciding again on `after` (the turns as this look's report left them) decide what `decision`
+    did on `before`? Yes where one part of the turns changed, and only in a way the policy does not act on:
+    - `pending`, in that the group this GPU released left it: pending only counts a due group that asks
+      for nothing as wanting the GPU, so that it is released; released, it is the charged holder, in play
+      whatever it asks (6 in 10 of the looks that decided twice at the region's limit, each the same);
+    - `stranded`, none of them this GPU's drain or an overrunning group: the policy reads it only to end
+      such a drain or overrun (tests/test_gang.py holds it to that). A GPU whose drain ends reports it,
+      and the group it drained is stranded here no longer: 9 in 10 of the drain ends' looks decided twice
+      for this alone."""
+    changed = [part for part in _TURN_FIELDS if getattr(before, part) != getattr(after, part)]
+    if changed == ["pending"]:
+        return decision.released in before.pending and after.pending == before.pending - {decision.released}
+    if changed == ["stranded"]:
+        return decision.draining not in after.stranded and not any(g in after.stranded for g in overrunning)
+    return False
 
 
 def _gatherer(indices: Sequence[int]) -> Callable[[Sequence[int]], tuple[int, ...]]:
@@ -383,14 +384,13 @@ class GpuScheduler:
             # A turn across GPUs that opened, went or closed at this look: decide again before carrying
             # out (a few times at most: each report moves a turn on by one state).
             for _ in range(3):
+                overrunning = self._policy.overrunning()
                 if self._gang is None or not self._gang.report(self.gpu, GpuReport(
                         observation.present, observation.demand, decision.ready, decision.released, decision.clear,
-                        decision.draining, turned.clearing, self._present_jobs,
-                        frozenset(self._policy.overrunning()))):
+                        decision.draining, turned.clearing, self._present_jobs, frozenset(overrunning))):
                     break
                 before, turned = turned, self._with_turns(observation)
-                if (_only_released_left_pending(before, turned, decision.released)
-                        or _only_stranded_changed_idly(before, turned, decision.draining, self._policy.overrunning())):
+                if _decides_the_same(before, turned, decision, overrunning):
                     break
                 decision = self._policy.step(now, turned)
             ringing, released = self._ringing, self._released
