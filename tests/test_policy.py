@@ -464,6 +464,28 @@ def test_a_drain_is_waited_out_when_nobody_else_wants_the_gpu() -> None:
     assert policy.usage(t)[0].gpu_seconds * 1e9 == pytest.approx(hold_at + 200 * MS, abs=1)
 
 
+def test_a_busy_drain_that_another_group_waits_for_is_looked_at_with_its_ring_or_at_its_timeout() -> None:
+    # Group 0, busy at its slice's end, drains while group 1 waits: its last process's finish rings
+    # (hook/launch.c), so the policy sets no poll before the drain's timeout, which it acts on anyway.
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota()})
+    t = 0
+    decision = policy.step(t, Observation(frozenset({0})))
+    assert decision.released == 0
+    t = 5 * MS
+    decision = policy.step(t, Observation(frozenset({0, 1}), holder_burst_from=t - MS))
+    while decision.draining is None:
+        t = decision.wake_at
+        decision = policy.step(t, Observation(frozenset({0, 1}), holder_burst_from=t - MS))
+    hold_at = t
+    assert decision.wake_at == hold_at + policy.drain_timeout_ns()
+    t += 7 * MS  # a ring that was no drain's end (another group's thread began waiting)
+    decision = policy.step(t, Observation(frozenset({0, 1})))
+    assert decision.draining == 0 and decision.wake_at == hold_at + policy.drain_timeout_ns()
+    decision = policy.step(t + MS, Observation(frozenset({0, 1}), drained_at=t + MS))
+    assert decision.draining is None and decision.released == 1
+
+
 def test_work_queued_past_the_drain_timeout_is_charged_until_it_finishes() -> None:
     # Group 0 drains for 300 ms while group 1 waits: after the timeout group 1 runs, and group 0 is
     # charged on (its queued work still runs beside it) until the gate reports it finished.

@@ -13,7 +13,7 @@ import testkit
 
 from gemtrace import region as rg
 from gemtrace.agent.gang import GangTurns, JobKeys
-from gemtrace.agent.policy import MS, PolicyParams
+from gemtrace.agent.policy import MS, Decision, PolicyParams
 from gemtrace.agent.scheduler import RESCAN_NET_NS, GpuScheduler, Quota, SlotTable
 
 pytestmark = pytest.mark.unit
@@ -537,6 +537,31 @@ def busy_holder_with_a_waiter(region: rg.Region, params: PolicyParams) -> tuple[
     assert not held(region, a) and held(region, b)
     assert region.layout.control[GPU][a].ring_quiet == 1  # its gates ring when it goes quiet
     return scheduler, holder, b
+
+
+def test_a_holder_that_went_quiet_just_before_its_hold_is_looked_at_again_at_once(region: rg.Region) -> None:
+    """The holder's last sync lands after the look read its slots and before its hold is stored: the
+    gate saw its group released and rang nobody, and the drain's timeout (seconds here) is its only
+    net. The look that held it sees it finished and asks to look again at once; that look releases b."""
+    second = 1000 * MS
+    params = PolicyParams(slice_ns=5 * MS, min_slice_ns=MS, max_slice_ns=5 * MS, poll_ns=second,
+                          steady_poll_ns=second, drain_net_ns=second, drain_timeout_ns=5 * second)
+    scheduler, holder, b = busy_holder_with_a_waiter(region, params)
+    a = region.slot_groups()[0]
+    time.sleep(0.01)  # a's slice is over
+    carry_out = scheduler._carry_out
+
+    def sync_lands_before_the_hold(now: int, decision: Decision) -> None:
+        holder.drained_ns[GPU] = time.monotonic_ns()  # its sync emptied its queue
+        carry_out(now, decision)
+
+    scheduler._carry_out = sync_lands_before_the_hold  # type: ignore[method-assign]
+    wake_at = scheduler.step()
+    scheduler._carry_out = carry_out  # type: ignore[method-assign]
+    assert held(region, a) and held(region, b)
+    assert wake_at <= time.monotonic_ns()
+    scheduler.step()
+    assert not held(region, b)
 
 
 def test_a_busy_holder_others_wait_for_is_switched_at_its_quiet_ring_not_polled(region: rg.Region) -> None:

@@ -123,11 +123,10 @@ class PolicyParams:
     drain_poll_ns: int = 250_000
     # The gates ring when a held process's drain ends (hook/launch.c: its thread blocks on the hold,
     # or its own sync empties its queue while held), and the scheduler sleeps on the bell: a drain
-    # needs no fine polling, only a look this often besides, a net for the ends that do not ring: a
-    # process that died (its slot freed), or one that went off to CPU work with its queue full (seen
-    # only at the drain timeout, whatever the net). A drain with a short queue lasts about
-    # GT_QUEUE_BOUND_NS and rings at its end: a net of poll_ns fires before the ring in most drains of
-    # processes running 2 ms kernels.
+    # needs no fine polling. Where another group waits for it, its timeout is its only net
+    # (`_wake_draining`); where groups spanning GPUs are barred here and nobody waits, it is looked at
+    # this often besides. A drain with a short queue lasts about GT_QUEUE_BOUND_NS and rings at its
+    # end: a net of poll_ns fires before the ring in most drains of processes running 2 ms kernels.
     drain_net_ns: int = 16 * MS
     # A group's first launch rings too (it blocks on its held word): while nobody is released, or the
     # holder is alone on the GPU, the scheduler sleeps on the bell and looks anyway this often, a net
@@ -1035,11 +1034,16 @@ class TimeSharePolicy:
             # at the region's limit, with the turns no sooner: bench/results/agent_cpu.md.)
             net = p.drain_net_ns if self._barred else p.poll_ns
             return min(now + net, self._hold_at + p.max_overrun_ns)
-        # Someone waits: the GPU idles from the drain's end until a look sees it, and that end rings.
+        # Someone waits: the GPU idles from the drain's end until a look sees it, and that end rings
+        # (the group's last process to finish; the reaper for one that exited; the scheduler looks
+        # again where the group finished before its hold was stored), so the drain's timeout, a look
+        # due anyway, is its only net: one that went off to CPU work with its queue full is seen
+        # there whatever the net. (Nets of drain_net_ns were 3 in 5 of the looks at the region's
+        # limit with each group on one GPU, each finding the drain unfinished: bench/results/agent_cpu.md.)
         # A holder quiet when held drains at once and may not ring: looked at once more, finely.
         timeout = self._hold_at + self.drain_timeout_ns()
         if now > self._hold_at or self._charging:
-            return min(now + p.drain_net_ns, timeout)
+            return timeout
         fine = int(min(MS, max(p.drain_poll_ns, self._drain_ns / 8)))
         return min(now + fine, timeout)
 

@@ -393,12 +393,17 @@ class GpuScheduler:
                 if _decides_the_same(before, turned, decision, overrunning):
                     break
                 decision = self._policy.step(now, turned)
-            ringing, released = self._ringing, self._released
+            ringing, released, drain = self._ringing, self._released, self._drain
             self._carry_out(now, decision)
             self._assert_words()
             self.looks += 1
             if self._tracing:
                 self._trace(turned, decision)
+            if drain is None and self._drain is not None and not self._drain_unfinished():
+                # Held at this look and finished already: its last process may have gone quiet after this
+                # look read its slots and before the hold was stored, its sync then seeing the group
+                # released (no ring). The drain's next net is its timeout: look again at once.
+                return now
             if (self._ringing is not None and self._ringing != ringing and self._ringing == released
                     and not self._unfinished(self._ringing, _FOREVER)):
                 # Asked to ring while it was already released: it may have gone quiet after this look
