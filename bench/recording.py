@@ -36,10 +36,16 @@ def stamp() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def commit() -> str:
-    """The checkout's commit, short, or `?` outside git."""
-    done = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    return done.stdout.strip() or "?"
+def commit(repo: Path = REPO) -> str:
+    """The checkout's commit, short, or `?` outside git; `+ changes` where tracked files differ from it
+    (a copy of a working tree, such as the GPU machine's, may carry the git of an older commit)."""
+    done = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    head = done.stdout.strip()
+    if not head:
+        return "?"
+    changed = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True)
+    return f"{head} + changes" if changed.returncode == 0 and changed.stdout.strip() else head
 
 
 def cpu_model() -> str:

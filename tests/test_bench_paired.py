@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 
 import pytest
 
+from bench import recording
 from bench.recording import interleave, paired
 
 pytestmark = pytest.mark.unit
@@ -65,3 +67,20 @@ def test_a_gpu_host_is_named_by_its_gpus_as_the_driver_lists_them(tmp_path) -> N
         (tmp_path / bus).mkdir()
         (tmp_path / bus / "information").write_text(f"Model: \t\t {model}\nIRQ:   \t\t 10\n")
     assert gpu_models(tmp_path) == "2 x NVIDIA H100 80GB HBM3, 1 x NVIDIA H200"
+
+
+def test_a_results_header_says_where_the_checkout_differs_from_its_commit(tmp_path) -> None:
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f").write_text("one\n")
+    git("add", "f")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = recording.commit(tmp_path)
+    assert head and "changes" not in head
+    (tmp_path / "untracked").write_text("")
+    assert recording.commit(tmp_path) == head
+    (tmp_path / "f").write_text("two\n")
+    assert recording.commit(tmp_path) == f"{head} + changes"
+    assert recording.commit(tmp_path / "nowhere") == "?"
