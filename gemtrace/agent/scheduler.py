@@ -399,17 +399,18 @@ class GpuScheduler:
             self.looks += 1
             if self._tracing:
                 self._trace(turned, decision)
-            if drain is None and self._drain is not None and not self._drain_unfinished():
-                # Held at this look and finished already: its last process may have gone quiet after this
-                # look read its slots and before the hold was stored, its sync then seeing the group
-                # released (no ring). The drain's next net is its timeout: look again at once.
-                return now
-            if (self._ringing is not None and self._ringing != ringing and self._ringing == released
-                    and not self._unfinished(self._ringing, _FOREVER)):
-                # Asked to ring while it was already released: it may have gone quiet after this look
-                # read its slots and before the ask (no ring then). Look again at once.
-                return now
-            return decision.wake_at
+            return now if self._ended_before_asked(ringing, released, drain) else decision.wake_at
+
+    def _ended_before_asked(self, ringing: int | None, released: int | None, drain: _Drain | None) -> bool:
+        """Did this look ask for a ring at a group's end (a hold that starts its drain, whose next net is
+        its timeout; a group asked to ring when it goes quiet while it was already released) where that
+        group has ended already? Its last process may have gone quiet after the look read its slots and
+        before the word was stored, its sync reading the word as it was: no ring. Then look again at once.
+        `ringing`, `released`, `drain`: as they were before the look carried out its decision."""
+        if drain is None and self._drain is not None and not self._drain_unfinished():
+            return True
+        return (self._ringing is not None and self._ringing != ringing and self._ringing == released
+                and not self._unfinished(self._ringing, _FOREVER))
 
     def _trace(self, turned: Observation, decision: Decision) -> None:
         """Log the look where what it decided, or the turns it saw, changed (debug level only)."""
