@@ -29,6 +29,7 @@ BPF_TABLE("lru_hash", u64, u32, thread_dev, 65536);           /* pid_tgid -> cur
 BPF_TABLE("lru_hash", struct gt_alloc_key, u32, ctx_dev, 65536); /* (tgid, CUcontext) -> device */
 BPF_TABLE("lru_hash", u32, u32, proc_dev, GT_MAX_PROCS);      /* tgid -> device last made current */
 BPF_RINGBUF_OUTPUT(events, 64);                                 /* pages */
+BPF_ARRAY(alloc_event_at, u64, 1);  /* when the last allocation event was written (GT_ALLOC_EVENT_GAP_NS) */
 
 static __always_inline u32 current_dev(u64 id)
 {
@@ -197,6 +198,11 @@ int alloc_return(struct pt_regs *ctx)
     u64 before = __sync_fetch_and_add(&u->bytes, size);
     __sync_fetch_and_add(&u->allocs, 1);
     u->last_alloc_ns = now;
+    u32 first = 0;
+    u64 *written = alloc_event_at.lookup(&first);
+    if (!written || now - *written < GT_ALLOC_EVENT_GAP_NS)
+        return 0; /* counted above; the watcher looks again GT_ALLOC_EVENT_GAP_NS after the last event */
+    *written = now; /* (two CPUs may both write one: a spare event, never a lost one) */
     struct gt_event *ev = events.ringbuf_reserve(sizeof(struct gt_event));
     if (ev) {
         ev->type = GT_EVENT_ALLOC;

@@ -8,6 +8,11 @@
 #define GEMTRACE_CUDA_H
 
 #define GT_BPF_MAX_DEVICES 8   /* as GT_MAX_GPUS in hook/gemtrace_region.h (tests/test_region_layout.py checks) */
+/* An allocation's event (GT_EVENT_ALLOC) is written at most once per this many ns, host-wide: a user's
+ * allocate-and-free loop would otherwise wake the agent's watcher hundreds of thousands of times a
+ * second. An allocation left without an event is still counted in `usage`; the watcher looks again
+ * this long after each event it reads (gemtrace/sources/ebpf/source.py), so it is seen as soon. */
+#define GT_ALLOC_EVENT_GAP_NS 1000000
 
 enum gt_alloc_kind {
     GT_KIND_POINTER = 0,       /* a device pointer: cuMemAlloc..., freed by cuMemFree_v2 or cuMemFreeAsync */

@@ -115,6 +115,7 @@ int main(void)
 
     puts("\n# bpf/gemtrace_cuda.h: the BPF programs' maps and ring buffer");
     INT(GT_BPF_MAX_DEVICES);
+    INT(GT_ALLOC_EVENT_GAP_NS);
     puts("# enum gt_alloc_kind");
     INT(GT_KIND_POINTER);
     INT(GT_KIND_HANDLE);

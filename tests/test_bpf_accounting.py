@@ -7,6 +7,7 @@ entry points through ctypes, as the CUDA runtime does, with no gate loaded.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ import pytest
 from fake_sources import Config, group
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from simgpu_env import DRIVER_CLIENT, LIBCUDA, REPO, SimGpu
+from simgpu_env import DRIVER_CLIENT, LIBCUDA, REPO, Client, SimGpu
 from testkit import MiB
 
 from gemtrace.agent.accounting import Accounting, Snapshot
@@ -29,8 +30,11 @@ from gemtrace.agent.collectors.enforcement import EnforcementCollector
 from gemtrace.agent.collectors.processes import ProcessCollector
 from gemtrace.agent.enforcement import MemoryEnforcer
 from gemtrace.agent.membership import Membership
+from gemtrace.contract import ALLOC_EVENT_GAP_NS, EVENT_ALLOC
 from gemtrace.region import Region
 from gemtrace.sources.ebpf.libcuda import file_id_of
+from gemtrace.sources.ebpf.probes import Event
+from gemtrace.sources.ebpf.source import EbpfSource
 
 pytestmark = pytest.mark.bpf
 
@@ -177,6 +181,75 @@ def test_memory_in_snapshot_and_metrics_equals_what_was_allocated(sim: SimGpu, m
         c.close()
     # Exit releases everything at once.
     assert wait_for(lambda: c.pid not in by_pid(acc.poll()))
+
+
+def counted_events(acc: Accounting) -> list[Event]:
+    """Every ring-buffer event the accounting's eBPF source reads from now on (passed on as before)."""
+    probes = acc.probes
+    assert probes is not None and probes._on_event is not None
+    seen: list[Event] = []
+    passed_on = probes._on_event
+
+    def count(ev: Event) -> None:
+        seen.append(ev)
+        passed_on(ev)
+
+    probes._on_event = count
+    return seen
+
+
+def test_an_allocation_loop_writes_an_event_a_gap_and_every_allocation_is_counted(sim: SimGpu,
+                                                                                  make_accounting) -> None:
+    """Any user may allocate in a loop, gated or not: the BPF program writes at most one allocation
+    event per ALLOC_EVENT_GAP_NS host-wide (the watcher wakes for those), and counts every allocation
+    all the same. 200 allocations back to back from the C client take a few ms."""
+    acc = make_accounting()
+    events = counted_events(acc)
+    client = Client(["alloc", "--api", "v2", *[str(MiB)] * 200, "--hold", "30"], sim.env())
+    try:
+        held = wait_for(lambda: by_pid(acc.poll()).get(client.pid) == 200 * MiB)
+        assert held, by_pid(acc.poll())
+        allocs = [e for e in events if e.type == EVENT_ALLOC and e.pid == client.pid]
+        took = allocs[-1].ts_ns - allocs[0].ts_ns if allocs else 0
+        assert 1 <= len(allocs) <= took // ALLOC_EVENT_GAP_NS + 1 < 200, (len(allocs), took)
+        assert all(b.ts_ns - a.ts_ns >= ALLOC_EVENT_GAP_NS for a, b in itertools.pairwise(allocs)), allocs
+    finally:
+        client.kill()
+
+
+def test_an_allocation_over_the_limit_written_no_event_is_checked_once_the_gap_passed(sim: SimGpu,
+                                                                                      make_accounting) -> None:
+    """The allocation that takes a group over its limit comes right after the check of another's
+    event, within ALLOC_EVENT_GAP_NS of it, and is written no event: the watcher's look once the gap
+    has passed (gemtrace/sources/ebpf/source.py) kills it all the same. The second allocation is made
+    from inside that check (a listener after the enforcer), so that it lands after the check read the
+    memory."""
+    config = Config({"capped": group(memory_limit=100 * MiB)})
+    enforcer = MemoryEnforcer()
+    acc = make_accounting(config, enforcer=enforcer)
+    events = counted_events(acc)
+    client = DriverClient(sim.env(), group="capped")
+    made: list[int] = []  # when the second allocation had returned (CLOCK_MONOTONIC)
+
+    class SecondAllocation:
+        def on_allocation(self, event_ns: int | None) -> None:
+            if not made and any(e.pid == client.pid for e in events):
+                client.call(f"alloc {60 * MiB}")
+                made.append(time.monotonic_ns())
+
+    assert isinstance(acc.ebpf, EbpfSource)
+    acc.ebpf.subscribe(SecondAllocation())
+    try:
+        client.call("init")
+        client.send(f"alloc {60 * MiB}")
+        assert client.proc.wait(timeout=5) == -9
+        (kill,) = enforcer.last_kills
+        assert kill.pid == client.pid and kill.group_bytes == 120 * MiB
+        written = [e for e in events if e.type == EVENT_ALLOC and e.pid == client.pid]
+        if made[0] - written[0].ts_ns < ALLOC_EVENT_GAP_NS:  # (a loaded host may take longer)
+            assert len(written) == 1, written  # the kill was the look's after the gap
+    finally:
+        client.close()
 
 
 def test_a_process_started_before_the_accounting_is_accounted(sim: SimGpu, make_accounting) -> None:

@@ -6,20 +6,32 @@ tests/test_scheduler.py's."""
 from __future__ import annotations
 
 import errno
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from simgpu_env import REPO
 from structlog.testing import capture_logs
 from testkit import wait_until
 
 from gemtrace import region as rg
+from gemtrace.agent import scheduler_loop
 from gemtrace.agent.agent import Agent
 from gemtrace.agent.policy import MS, PolicyParams
 from gemtrace.agent.scheduler import GpuScheduler, Quota
-from gemtrace.agent.scheduler_loop import RETRY_NS, SchedulerLoop, scheduler_threads
+from gemtrace.agent.scheduler_loop import (
+    RETRY_NS,
+    RING_CPU_BURST_NS,
+    RING_CPU_SHARE,
+    RING_GAP_NS,
+    SchedulerLoop,
+    scheduler_threads,
+)
 from gemtrace.gpus import Gpu
 from gemtrace.region import futex
 from gemtrace.region.doorbells import Doorbells
@@ -37,6 +49,9 @@ class RecordedBells:
 
     def rung(self, gpu: int) -> int:
         return self.bells.rung(gpu)
+
+    def own_rings(self, gpu: int) -> int:
+        return self.bells.own_rings(gpu)
 
     def wait(self, seen: dict[int, int], timeout_ns: int) -> None:
         self.events.append("sleep")
@@ -183,6 +198,115 @@ def test_a_failed_look_releases_its_gpu_and_is_tried_again_while_the_others_are_
         assert RETRY_NS / 1e9 * 0.9 < retried < 2, retried
     finally:
         running.close()
+
+
+# -- rings as a gate rings them: any user, as fast as it likes ---------------------------------------
+
+# A gate's ring from another process (the bells' memfd opened through /proc, as a gate maps the one its
+# socket sent): GPU argv[3]'s word bumped and woken for argv[4] seconds.
+GATE_RINGER = r"""
+import ctypes, mmap, sys, time
+from gemtrace import contract
+from gemtrace.region import futex
+with open(sys.argv[1], "r+b") as f:
+    page = mmap.mmap(f.fileno(), contract.BELLS_BYTES)
+word = ctypes.c_uint32.from_buffer(page, 4 * int(sys.argv[2]))
+end = time.monotonic() + float(sys.argv[3])
+while time.monotonic() < end:
+    word.value += 1
+    futex.wake(ctypes.addressof(word), 1)
+"""
+
+
+class CostlyGpu(OneGpu):
+    """A GPU whose looks and weighings cost made-up CPU time (`cpu`, the loop's CPU clock): what the
+    ring budget is charged, whatever the host's speed."""
+
+    def __init__(self, gpu: int, bells: Doorbells, cpu: list[int], look_ns: int, weigh_ns: int = 0,
+                 news: bool = True) -> None:
+        super().__init__(gpu, bells, [], news)
+        self.cpu, self.look_ns, self.weigh_ns = cpu, look_ns, weigh_ns
+
+    def step(self) -> int:
+        self.cpu[0] += self.look_ns
+        self.looked_at.append(time.monotonic_ns())
+        return time.monotonic_ns() + 30 * SECOND
+
+    def ring_is_news(self) -> bool:
+        self.cpu[0] += self.weigh_ns
+        return super().ring_is_news()
+
+
+def flooded(gpus: list[CostlyGpu], bells: Doorbells, cpu: list[int], gpu: int, seconds: float
+            ) -> tuple[threading.Event, threading.Thread, subprocess.Popen[bytes]]:
+    """The loop over `gpus` (on the made-up CPU clock), GPU `gpu`'s bell rung by another process."""
+    stop = threading.Event()
+    thread = threading.Thread(target=SchedulerLoop(gpus, bells, cpu_clock=lambda: cpu[0]).run, args=(stop,))
+    thread.start()
+    wait_until("the first looks", lambda: all(g.looked_at for g in gpus), timeout=10)
+    ringer = subprocess.Popen([sys.executable, "-c", GATE_RINGER, f"/proc/{os.getpid()}/fd/{bells.fd}", str(gpu),
+                               str(seconds)], env={**os.environ, "PYTHONPATH": str(REPO)})
+    return stop, thread, ringer
+
+
+def stopped(bells: Doorbells, stop: threading.Event, thread: threading.Thread,
+            ringer: subprocess.Popen[bytes]) -> None:
+    ringer.kill()
+    ringer.wait()
+    stop.set()
+    bells.ring_all()
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("news", [True, False])
+def test_a_gate_ringing_in_a_loop_costs_the_loop_its_ring_budget_and_no_more(
+        bells: Doorbells, news: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user ringing a bell as fast as it can: the rings are still heard, but what weighing them and
+    the looks they bring cost the loop stays within RING_CPU_SHARE of the time and RING_CPU_BURST_NS
+    (93% of a core on a GPU with two busy groups before the budget, docs/security.md), and the log
+    says so once. Counted on a made-up CPU clock: a look costs 1 ms, a weighing 0.5 ms."""
+    monkeypatch.setattr(scheduler_loop, "RING_BUDGET_SAY_AFTER_NS", 300 * MS)  # (1 s in the agent)
+    cpu = [0]
+    gpu = CostlyGpu(0, bells, cpu, look_ns=MS, weigh_ns=MS // 2, news=news)
+    with capture_logs() as logs:
+        stop, thread, ringer = flooded([gpu], bells, cpu, 0, 30)
+        try:
+            time.sleep(0.3)  # (the ringer's start)
+            looks, asked, spent, began = len(gpu.looked_at), gpu.asked, cpu[0], time.monotonic_ns()
+            time.sleep(1.0)
+            looks, asked, spent = len(gpu.looked_at) - looks, gpu.asked - asked, cpu[0] - spent
+            allowed = RING_CPU_BURST_NS + RING_CPU_SHARE * (time.monotonic_ns() - began)
+            assert spent <= allowed + MS, (spent, allowed)
+            assert asked >= 20  # heard all the same
+            assert (looks >= 20) if news else (looks == 0)
+            assert asked <= SECOND * 1.2 / RING_GAP_NS
+        finally:
+            stopped(bells, stop, thread, ringer)
+    said = [e for e in logs if e["event"] == "ring_budget_spent"]
+    assert len(said) == 1 and said[0]["log_level"] == "warning", said  # once a minute at most
+
+
+def test_the_agents_own_rings_bring_their_looks_while_a_gates_flood_spent_the_budget(bells: Doorbells) -> None:
+    """The agent's own rings (a gang turn's change, a quota set, the reaper) are counted where no user
+    writes (Doorbells.own_rings) and never wait for the ring budget: GPU 1's looks that they bring
+    follow each other at once while a flood of GPU 0's bell keeps the budget spent. Had they been
+    charged, each 10 ms look would wait 50 ms for the budget to refill."""
+    cpu = [0]
+    gpus = [CostlyGpu(0, bells, cpu, look_ns=10 * MS), CostlyGpu(1, bells, cpu, look_ns=10 * MS)]
+    stop, thread, ringer = flooded(gpus, bells, cpu, 0, 30)
+    try:
+        wait_until("the flood to spend the budget", lambda: len(gpus[0].looked_at) > RING_CPU_BURST_NS // (10 * MS),
+                   timeout=10)
+        began = time.monotonic()
+        for _ in range(40):
+            looks = len(gpus[1].looked_at)
+            bells.ring(1)
+            wait_until("GPU 1's look", lambda: len(gpus[1].looked_at) > looks, timeout=10)  # noqa: B023
+        took = time.monotonic() - began
+        assert took < 40 * 10 * MS / RING_CPU_SHARE / SECOND / 2, took  # 1 s, where charged looks take 2 s
+    finally:
+        stopped(bells, stop, thread, ringer)
 
 
 @pytest.fixture

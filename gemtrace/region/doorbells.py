@@ -4,7 +4,8 @@ wait where it is news, instead of polling for it.
 
 The page is a memfd the agent makes, seals against shrinking and growing, and sends read-write with
 every answer of its socket (server.py). Every user can ring it, or write anything there:
-a bell only wakes a scheduler up, which spaces the looks a ring brings (gemtrace/agent/scheduler.py).
+a bell only wakes a scheduler up, which spaces and budgets what the gates' rings cost it
+(gemtrace/agent/scheduler_loop.py); the agent's own rings it counts here, where no user writes.
 """
 
 from __future__ import annotations
@@ -39,10 +40,17 @@ class Doorbells:
             os.close(self.fd)
             raise
         self.layout = BellsLayout.from_buffer(self._map)
+        # How often the agent itself rang each bell, in its own memory (no user can write it): a ring
+        # of the agent's brings its look free of the gates' ring budget (gemtrace/agent/scheduler_loop.py).
+        self._own = [0] * MAX_GPUS
 
     def rung(self, gpu: int) -> int:
         """How often GPU `gpu`'s bell rang (modulo 2**32): read it before a look, wait on it after."""
         return int(self.layout.ring[gpu])
+
+    def own_rings(self, gpu: int) -> int:
+        """How often the agent rang GPU `gpu`'s bell itself (`ring`): not a user's doing."""
+        return self._own[gpu]
 
     def joined(self, gpu: int) -> int:
         """How often a gate began to use GPU `gpu` (set its slot's gpu_mask bit), modulo 2**32: a
@@ -63,6 +71,7 @@ class Doorbells:
 
     def ring(self, gpu: int) -> None:
         """Ring GPU `gpu`'s bell as a gate does: its scheduler looks now, not at its next deadline."""
+        self._own[gpu] += 1  # (before the ring: the scheduler it wakes sees the ring as the agent's)
         self.layout.ring[gpu] += 1  # (wraps at 2**32, as the gate's atomic add does)
         futex.wake(self._address(gpu))
 

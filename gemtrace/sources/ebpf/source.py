@@ -3,7 +3,12 @@
 Owns the probes' lifetime (attach at start, rescan /proc for libcuda files every
 LIBCUDA_RESCAN_SECONDS, detach what no live process maps), the ring-buffer thread, and reading
 eBPF's maps into per-process figures. An allocation's event wakes the thread, which wakes the
-listeners (the enforcer) at once: the OOM killer's latency is this thread's. It also knows its own
+listeners (the enforcer) at once: the OOM killer's latency is this thread's. Any user can allocate and
+free in a loop (no gate needed: the probes see every process), so what that costs is bounded on both
+sides: the BPF program writes at most one allocation event per GT_ALLOC_EVENT_GAP_NS (the thread looks
+again that long after each event, for the allocations written none), and the listeners run at most
+CHECK_CPU_SHARE of the time they take (a check that took 1 ms comes 10 ms after the last at the
+soonest, and at once where none ran for that long). It also knows its own
 blindness: what a process allocated before its libcuda was probed (started before the probes, or a
 container's copy found late) was never seen. Never merges, decides or kills.
 """
@@ -19,13 +24,20 @@ from pathlib import Path
 import structlog
 
 from gemtrace import defaults
-from gemtrace.contract import EVENT_ALLOC, EVENT_EXIT
+from gemtrace.contract import ALLOC_EVENT_GAP_NS, EVENT_ALLOC, EVENT_EXIT
 from gemtrace.groups_of import ProcReader
 from gemtrace.sources import AllocationListener, Devices, Figures, Key, SourceReading
 from gemtrace.sources.ebpf import libcuda
 from gemtrace.sources.ebpf.probes import BpfProbes, Event, Usage
 
 log = structlog.get_logger("gemtrace.accounting")
+
+# The share of the watcher's time that the listeners' checks (the enforcer's, reading every process's
+# memory) may take, however often events come: 0.1 is 10% of a core at most. A user's allocate-and-free
+# loop made the agent burn 74% of a core before this bound (tests/test_trust.py).
+CHECK_CPU_SHARE = 0.1
+# The longest the watcher blocks in the ring buffer's poll (the stop and the rescan are seen within it).
+POLL_MS = 50
 
 
 def boot_ticks() -> int:
@@ -86,7 +98,8 @@ class EbpfSource:
         clock: Callable[[], int] = time.monotonic_ns,
     ) -> None:
         """`libcuda_paths`: files probed from the start (None: the host's, from ldconfig). `scan_host`
-        False: probe only those, never the other libcuda files that processes map."""
+        False: probe only those, never the other libcuda files that processes map. `clock`:
+        CLOCK_MONOTONIC's, as the BPF program's timestamps (the looks after an event are timed by them)."""
         # A process started by now may hold memory that eBPF never saw (probes attach below).
         self.since_ticks = boot_ticks()
         self.probes = BpfProbes(probe_mode)
@@ -106,6 +119,7 @@ class EbpfSource:
         self._late_pids: set[int] = set()  # mapped a libcuda file before a rescan probed it
         self._wake = False
         self._last_alloc_ns: int | None = None
+        self._trailing_ns: int | None = None  # a look due once the last event's gap passed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.probes.open_events(self._on_event)
@@ -143,6 +157,8 @@ class EbpfSource:
         if ev.type == EVENT_ALLOC:
             self._wake = True
             self._last_alloc_ns = ev.ts_ns
+            # The allocations after it and within the gap were written no event: a look once it passed.
+            self._trailing_ns = ev.ts_ns + ALLOC_EVENT_GAP_NS
         elif ev.type == EVENT_EXIT:
             with self._lock:  # _reap swaps the set from the polling thread
                 self._exited.add(ev.pid)
@@ -150,23 +166,40 @@ class EbpfSource:
 
     def _watch(self) -> None:
         next_scan = self.clock() + self.rescan_ns
+        check_at = 0  # the soonest the listeners may run again (CHECK_CPU_SHARE)
         while not self._stop.is_set():
-            self.probes.poll_events(50)
+            now = self.clock()
+            due = [next_scan, now + POLL_MS * 1_000_000]
             if self._wake:
+                due.append(check_at)
+            if self._trailing_ns is not None:
+                due.append(self._trailing_ns)
+            # (bcc's poll counts in ms: a deadline within the next one is waited for the whole ms.)
+            self.probes.poll_events(max(1, -(-(min(due) - now) // 1_000_000)))
+            now = self.clock()
+            if self._trailing_ns is not None and now >= self._trailing_ns:
+                self._trailing_ns, self._wake = None, True
+            if self._wake and now >= check_at:
                 self._wake = False
-                with self._lock:
-                    self._reap()
-                for listener in self._listeners:
-                    try:
-                        listener.on_allocation(self._last_alloc_ns)
-                    except Exception:
-                        log.exception("enforcement_failed")
+                cpu = time.thread_time_ns()
+                self._check()
+                check_at = now + int((time.thread_time_ns() - cpu) / CHECK_CPU_SHARE)
             if self.clock() >= next_scan:
                 next_scan = self.clock() + self.rescan_ns
                 try:
                     self.rescan()
                 except Exception:
                     log.exception("libcuda_rescan_failed")
+
+    def _check(self) -> None:
+        """The exits reaped, then every listener asked to check (the enforcer: every group's memory)."""
+        with self._lock:
+            self._reap()
+        for listener in self._listeners:
+            try:
+                listener.on_allocation(self._last_alloc_ns)
+            except Exception:
+                log.exception("enforcement_failed")
 
     # -- libcuda files -------------------------------------------------------------------------------
 
