@@ -50,9 +50,13 @@ class Host:
         env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
         return env
 
-    def start_agent(self, *options: str, ebpf: bool = False) -> Running:
+    def start_agent(self, *options: str, ebpf: bool = False, tree: Path | None = None) -> Running:
         """Start `gemtrace agent` on this host; `options` are more of its command-line options, `ebpf`:
-        with the eBPF accounting and enforcement (needs root and bcc)."""
+        with the eBPF accounting and enforcement (needs root and bcc); `tree`: the agent's code from
+        TREE/gemtrace (another commit's, for a bench side by side) rather than this checkout's."""
+        env = self.env()
+        if tree is not None:
+            env["PYTHONPATH"] = str(tree) + os.pathsep + env["PYTHONPATH"]
         port = free_port()
         log = self.tmp / f"agent-{port}.log"
         proc = subprocess.Popen(
@@ -67,9 +71,10 @@ class Host:
                 *(() if ebpf else ("--no-ebpf",)),
                 *options,
             ),
-            env=self.env(),
+            env=env,
             stdout=subprocess.DEVNULL,
             stderr=log.open("wb"),
+            cwd=self.tmp if tree is not None else None,  # (`python -m` puts the working directory first)
         )
         running = Running(proc, f"http://127.0.0.1:{port}/metrics", log)
 
@@ -108,6 +113,26 @@ class Host:
 
     def region(self) -> rg.Region:
         return rg.Region.open(self.state_dir)
+
+    def busy_groups(self, *groups: str, seconds: float = 600) -> list[subprocess.Popen[bytes]]:
+        """A gated launch loop of 2 ms kernels in each of `groups` for `seconds`, once each is
+        launching (its slot counts launches on GPU 0); the caller kills them."""
+        gate = REPO / "build" / "libgemgate.so"
+        loops = [subprocess.Popen([str(RT_CLIENT), "launch-loop", "--kernel-ns", "2000000", "--seconds", str(seconds)],
+                                  env=self.env(GEMTRACE_STATE_DIR=str(self.state_dir), GEMTRACE_GROUP=group,
+                                               LD_PRELOAD=str(gate)), stdout=subprocess.DEVNULL)
+                 for group in groups]
+        r = self.region()
+        try:
+            wait_until("each group launching", lambda: {s.pid for _, s in r.live_slots() if s.launches[0]}
+                       >= {loop.pid for loop in loops}, timeout=30)
+        except BaseException:
+            for loop in loops:
+                loop.kill()
+            raise
+        finally:
+            r.close()
+        return loops
 
 
 @pytest.fixture

@@ -28,7 +28,6 @@ from gemtrace.agent.scheduler_loop import (
     RETRY_NS,
     RING_CPU_BURST_NS,
     RING_CPU_SHARE,
-    RING_GAP_NS,
     SchedulerLoop,
     scheduler_threads,
 )
@@ -280,7 +279,6 @@ def test_a_gate_ringing_in_a_loop_costs_the_loop_its_ring_budget_and_no_more(
             assert spent <= allowed + MS, (spent, allowed)
             assert asked >= 20  # heard all the same
             assert (looks >= 20) if news else (looks == 0)
-            assert asked <= SECOND * 1.2 / RING_GAP_NS
         finally:
             stopped(bells, stop, thread, ringer)
     said = [e for e in logs if e["event"] == "ring_budget_spent"]

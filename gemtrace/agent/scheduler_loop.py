@@ -9,16 +9,17 @@ another, reading the bells again after each look: a gang turn that one GPU's loo
 other GPUs of the gang (gemtrace/agent/gang.py), and they look in the same pass. Why: with a thread
 per GPU, every turn's change at the region's limit woke 8 threads at once, each paying a wake-up after
 a sleep (cold caches) and then queueing on the GIL behind the others' looks (bench/results/agent_cpu.md).
-Any gated user can ring any bell, as fast as it likes: a ring is weighed (is it news?) no sooner
-than RING_GAP_NS after the GPU's last weighed ring, brings a look no sooner than RING_GAP_NS after the
-GPU's last look, and what the gates' rings cost this thread (weighing them, the looks they bring) is
-held to RING_CPU_SHARE of a core over time (`_RingBudget`, measured as this thread's CPU time); once
-that is spent, rings wait until it refills, and the looks at deadlines go on. The agent's own rings
-(a gang turn's change, a quota set, the reaper) are not charged: Doorbells counts them where no user
-can write. A GPU whose look fails has its words released and is looked at again RETRY_NS later, the other GPUs
-scheduled meanwhile; on the way out every GPU's words are released.
+Any gated user can ring any bell, as fast as it likes: a ring brings a look no sooner than RING_GAP_NS
+after the GPU's last look, and what the gates' rings cost this thread (weighing them: is it news?;
+the looks they bring; the wake-ups around them) is held to RING_CPU_SHARE of a core over time
+(`_RingBudget`, measured as this thread's CPU time); once that is spent, rings wait until it
+refills, and the looks at deadlines go on. The agent's own rings (a gang turn's change, a quota set,
+the reaper) are not charged: Doorbells counts them where no user can write. A GPU whose look fails
+has its words released and is looked at again RETRY_NS later, the other GPUs scheduled meanwhile; on
+the way out every GPU's words are released.
 Where futex_waitv cannot be used (a kernel before 5.16, a seccomp filter), each GPU gets a loop and a
-thread of its own (one bell: a plain futex wait), as the agent ran before, each with a ring budget of its own.
+thread of its own (one bell: a plain futex wait), as the agent ran before, each with a ring budget of
+its own.
 It never decides anything nor touches the region itself.
 """
 
@@ -40,19 +41,20 @@ __all__ = ["PER_GPU_THREAD_PREFIX", "RETRY_NS", "RING_CPU_BURST_NS", "RING_CPU_S
 
 log = structlog.get_logger("gemtrace.scheduler")
 
-# The least time between the start of a look and a look that a doorbell ring brings, and between two
-# rings of a GPU weighed (any gated user can ring it: a ring loop brings at most 4000 of each a second).
+# The least time between the start of a look and a look that a doorbell ring brings (any gated user can
+# ring it: a ring loop brings at most 4000 a second, and the ring budget below fewer).
 RING_GAP_NS = 250_000
 # What the gates' rings may cost the scheduling thread over time, as a share of one core, and how much
 # of it may be spent at once. In the normal course (a held thread starting to wait, a drain's end, a
 # busy holder gone quiet) the whole scheduling thread takes 5-8% of a core at the region's limit, the
-# rings' part of it less (bench/results/agent_cpu.md): twice that leaves a slower host room. A user
-# ringing in a loop cost 93% of a core on a GPU with two busy groups before this bound (docs/security.md).
-RING_CPU_SHARE = 0.20
-RING_CPU_BURST_NS = 100_000_000
+# rings' part of it less (bench/results/agent_cpu.md); 1024 processes starting together spend it for a
+# second or two (their first waits ring together), and wait milliseconds. A user ringing in a loop cost
+# 94% of a core beside two busy groups and 18% with the GPU idle (bench/results/tenant_loops.md).
+RING_CPU_SHARE = 0.10
+RING_CPU_BURST_NS = 50_000_000
 # The budget spent is said in the log once rings have waited for it, with no second of rest, this long
-# (1024 processes starting together spent it for a second or two on a 2-CPU VM: nothing to say), and
-# then at most once a minute (who rang cannot be known: a bell has no owner).
+# (processes starting together: nothing to say), and then at most once a minute (who rang cannot be
+# known: a bell has no owner).
 RING_BUDGET_SAY_AFTER_NS = 10_000_000_000
 RING_BUDGET_SAID_NS = 60_000_000_000
 # After a look that failed (its words released meanwhile: no gate waits on a scheduler that cannot
@@ -86,8 +88,7 @@ class _Gpu:
     listens: bool = False  # a ring may bring a look before look_at
     news_at: int | None = None  # a ring with news came: its look, once RING_GAP_NS passed
     news_charged: bool = False  # that ring was not (only) the agent's: its look is charged to the budget
-    weighed: int = 0  # when a ring of its bell was last weighed (ring_is_news)
-    deaf_until: int = 0  # a ring came too soon to be weighed: its bell is not slept on until then
+    deaf_until: int = 0  # a ring came while the budget was spent: its bell is not slept on until then
 
 
 class _RingBudget:
@@ -172,8 +173,8 @@ class SchedulerLoop:
     def _due(self, gpu: _Gpu) -> int:
         """When `gpu` is to look next: at its deadline, or once the gap passed where its bell rang with
         news. A ring that is no news is taken as heard: the GPU sleeps on. A ring of a gate's (not only
-        the agent's own) is weighed only RING_GAP_NS after the last and while the ring budget lasts;
-        until then the GPU's bell is not slept on (it would wake the loop at once)."""
+        the agent's own) is weighed only while the ring budget lasts; until it refills, the GPU's bell is
+        not slept on (it would wake the loop at once)."""
         if gpu.news_at is not None:
             return gpu.news_at
         if gpu.listens:
@@ -186,11 +187,8 @@ class SchedulerLoop:
                     open_at = self._budget.open_at(now)
                     if open_at > now:
                         self._say_budget_spent(now, gpu.index)
-                    hear_at = max(gpu.weighed + RING_GAP_NS, open_at)
-                    if hear_at > now:
-                        gpu.deaf_until = hear_at
-                        return min(gpu.look_at, hear_at)
-                    gpu.weighed = now
+                        gpu.deaf_until = open_at
+                        return min(gpu.look_at, open_at)
                 news = gpu.scheduler.ring_is_news()
                 gpu.own_rings = own_rings
                 if news:
