@@ -18,14 +18,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import psutil
 from agent_host import Host, stop
 from simgpu_env import RT_CLIENT, SimGpu, require_build
-from test_trust import ALLOC_LOOP, BELL_RINGER, SETPRIV
+from test_trust import ALLOC_LOOP, BELL_RINGER
 
+from bench.bench_attach_flood import as_uid
 from bench.recording import REPO, add_record_flag, add_tree_flag, record, trees
 
 RESULTS = REPO / "bench" / "results" / "tenant_loops.md"
@@ -40,10 +39,6 @@ CASES = {
 }
 
 
-def as_uid(*argv: str) -> list[str]:
-    return [SETPRIV, f"--reuid={UID}", f"--regid={UID}", "--clear-groups", *argv]
-
-
 def measure(case: str, host: Host, seconds: float, tree: Path | None) -> tuple[float, float]:
     """The agent's CPU share over the case's loop, and the loop's rate (rings or pairs a second)."""
     running = host.start_agent(ebpf=case in ("ebpf-idle", "alloc-loop"), tree=tree)
@@ -51,19 +46,16 @@ def measure(case: str, host: Host, seconds: float, tree: Path | None) -> tuple[f
     try:
         if case in ("busy", "bell-busy"):
             busy = host.busy_groups("train", "infer")
-        agent = psutil.Process(running.proc.pid)
-        before, began = sum(agent.cpu_times()[:2]), time.monotonic()
         if case.startswith("bell"):
             loop = [sys.executable, "-c", BELL_RINGER, str(host.state_dir), str(seconds), "0"]
         elif case == "alloc-loop":
             loop = [sys.executable, "-c", ALLOC_LOOP, str(seconds)]
         else:
             loop = [sys.executable, "-c", f"import time; time.sleep({seconds}); print(0)"]
-        out = subprocess.run(as_uid(*loop), env=host.env(), capture_output=True, text=True, timeout=seconds + 60)
-        elapsed = time.monotonic() - began
-        share = (sum(agent.cpu_times()[:2]) - before) / elapsed * 100
+        share, out = running.cpu_share(lambda: subprocess.run(as_uid(UID, *loop), env=host.env(), capture_output=True,
+                                                              text=True, timeout=seconds + 60))
         assert out.returncode == 0, out.stderr
-        return share, int(out.stdout.split()[0]) / seconds
+        return share * 100, int(out.stdout.split()[0]) / seconds
     finally:
         for p in busy:
             p.kill()
@@ -93,7 +85,7 @@ def main() -> int:
                 # The simulation's files are made 0600 by their creator: the uid starts it (as tests/test_trust.py).
                 os.chown(tmp / "sim", UID, UID)
                 sim = SimGpu(tmp / "sim")
-                first = subprocess.run(as_uid(str(RT_CLIENT), "meminfo"), env=sim.env(), capture_output=True,
+                first = subprocess.run(as_uid(UID, str(RT_CLIENT), "meminfo"), env=sim.env(), capture_output=True,
                                        text=True, timeout=60)
                 assert first.returncode == 0, first.stderr
                 config = tmp / "resource.conf"

@@ -9,16 +9,19 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import psutil
 import pytest
 from simgpu_env import REPO, RT_CLIENT, SimGpu
 from testkit import free_port, wait_until
 
 from gemtrace import region as rg
+
+T = TypeVar("T")
 
 CONFIG = "[train]\nMinUtil = 0.2\nMaxUtil = 0.8\nMemoryLimit = 1GiB\n\n[infer]\nMaxUtil = 0.5\n"
 
@@ -36,6 +39,14 @@ class Running:
     def metrics(self) -> str:
         with urllib.request.urlopen(self.url, timeout=5) as r:
             return str(r.read().decode())
+
+    def cpu_share(self, action: Callable[[], T]) -> tuple[float, T]:
+        """The agent's CPU (user and system, as a share of one core) while `action` runs, and what it
+        returned."""
+        agent = psutil.Process(self.proc.pid)
+        before, began = sum(agent.cpu_times()[:2]), time.monotonic()
+        result = action()
+        return (sum(agent.cpu_times()[:2]) - before) / (time.monotonic() - began), result
 
 
 @dataclass

@@ -263,7 +263,7 @@ def test_a_gate_ringing_in_a_loop_costs_the_loop_its_ring_budget_and_no_more(
         bells: Doorbells, news: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """A user ringing a bell as fast as it can: the rings are still heard, but what weighing them and
     the looks they bring cost the loop stays within RING_CPU_SHARE of the time and RING_CPU_BURST_NS
-    (93% of a core on a GPU with two busy groups before the budget, docs/security.md), and the log
+    (95% of a core on a GPU with two busy groups before the budget, bench/results/tenant_loops.md), and the log
     says so once. Counted on a made-up CPU clock: a look costs 1 ms, a weighing 0.5 ms."""
     monkeypatch.setattr(scheduler_loop, "RING_BUDGET_SAY_AFTER_NS", 300 * MS)  # (1 s in the agent)
     cpu = [0]

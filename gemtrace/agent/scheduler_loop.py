@@ -49,13 +49,14 @@ RING_GAP_NS = 250_000
 # busy holder gone quiet) the whole scheduling thread takes 5-8% of a core at the region's limit, the
 # rings' part of it less (bench/results/agent_cpu.md); 1024 processes starting together spend it for a
 # second or two (their first waits ring together), and wait milliseconds. A user ringing in a loop cost
-# 94% of a core beside two busy groups and 18% with the GPU idle (bench/results/tenant_loops.md).
+# 95% of a core beside two busy groups and 19% with the GPU idle (bench/results/tenant_loops.md).
 RING_CPU_SHARE = 0.10
 RING_CPU_BURST_NS = 50_000_000
 # The budget spent is said in the log once rings have waited for it, with no second of rest, this long
 # (processes starting together: nothing to say), and then at most once a minute (who rang cannot be
 # known: a bell has no owner).
 RING_BUDGET_SAY_AFTER_NS = 10_000_000_000
+RING_BUDGET_REST_NS = 1_000_000_000  # a rest this long between two waits ends a spell of them
 RING_BUDGET_SAID_NS = 60_000_000_000
 # After a look that failed (its words released meanwhile: no gate waits on a scheduler that cannot
 # decide), the next try.
@@ -199,7 +200,7 @@ class SchedulerLoop:
 
     def _say_budget_spent(self, now: int, gpu: int) -> None:
         """A ring of `gpu` waits for the budget: said once that has lasted RING_BUDGET_SAY_AFTER_NS."""
-        if self._spent_from is None or now - self._spent_last > 1_000_000_000:
+        if self._spent_from is None or now - self._spent_last > RING_BUDGET_REST_NS:
             self._spent_from = now
         self._spent_last = now
         if now - self._spent_from >= RING_BUDGET_SAY_AFTER_NS and (

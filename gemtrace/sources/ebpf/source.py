@@ -34,7 +34,7 @@ log = structlog.get_logger("gemtrace.accounting")
 
 # The share of the watcher's time that the listeners' checks (the enforcer's, reading every process's
 # memory) may take, however often events come: 0.1 is 10% of a core at most. A user's allocate-and-free
-# loop made the agent burn 74% of a core before this bound (tests/test_trust.py).
+# loop made the agent burn 98% of a core before this bound, 12% with it (bench/results/tenant_loops.md).
 CHECK_CPU_SHARE = 0.1
 # The longest the watcher blocks in the ring buffer's poll (the stop and the rescan are seen within it).
 POLL_MS = 50
