@@ -122,6 +122,12 @@ class Host:
             **popen,
         )
 
+    def run_ungated(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """The simulated GPU's client with no gemtrace at all (no agent's word, no gate): the driver's own
+        sharing, for a figure to set gemtrace's beside."""
+        return subprocess.Popen([str(RT_CLIENT), *args], env=self.env(**(env or {})),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
     def region(self) -> rg.Region:
         return rg.Region.open(self.state_dir)
 

@@ -155,8 +155,10 @@ def simulate(layout: dict[int, dict[int, Quota]], jobs: dict[int, Job], seconds:
     hogs). Looks come at each policy's wake_at, and at once where a turn changes, or a group starts
     waiting or the released one goes quiet while the last decision asked to hear of it (the doorbell). Each
     GPU's first look is half a slice after the last one's, and their drains differ (1, 1.7, 2.4 ms...):
-    their clocks are apart, as real ones are."""
-    params = params or PolicyParams()
+    their clocks are apart, as real ones are. The fake GPUs run one group at a time: groups that nothing
+    binds take turns here as where they could not share (PolicyParams.share_unbound off); sharing is
+    checked through the agent on simulated GPUs (tests/test_gang_e2e.py) and below, in the turns' views."""
+    params = params or PolicyParams(share_unbound=False)
     woken: set[int] = set()
     turns = GangTurns(woken.add)
     gpus = []
@@ -356,6 +358,29 @@ def test_a_group_is_a_gang_only_on_the_gpus_that_one_of_its_jobs_spans() -> None
     turns.report(0, report((6, NO_JOB)))
     turns.report(1, report((6, NO_JOB)))
     assert turns.view(0) == turns.view(1) == Turns(barred=frozenset({6}))
+
+
+def test_a_gang_whose_every_gpu_would_share_takes_no_turns_and_one_that_would_not_ends_that() -> None:
+    """Group 2 spans GPUs 0 and 1, beside group 1 on GPU 0 and group 3 on GPU 1, and nothing binds any
+    (Decision.sharable on both): it is no gang, neither barred nor due, and its open turn ends. GPU 1
+    would no longer share (a quota set there, a second process): group 2 takes turns on both again,
+    GPU 0 included, whose policy then ends its sharing (`TimeSharePolicy._sharing`)."""
+    woken: list[int] = []
+    turns = GangTurns(woken.append)
+    zero, one = frozenset({1, 2}), frozenset({2, 3})
+    turns.report(0, GpuReport(zero, zero, ready=frozenset({2})))
+    turns.report(1, GpuReport(one, one, ready=frozenset({2})))
+    assert turns.open_turns() == {2: frozenset({0, 1})}
+    turns.report(0, GpuReport(zero, zero, sharable=True))
+    assert turns.view(0) == turns.view(1) == Turns(clearing=frozenset({2}))  # (GPU 1 would not yet)
+    woken.clear()
+    turns.report(1, GpuReport(one, one, sharable=True))
+    assert not turns.view(0) and not turns.view(1) and not turns.open_turns()
+    assert woken == [0]  # GPU 0 looks again at once: group 2 is its own there now
+    turns.report(0, GpuReport(zero, zero, sharable=True))
+    assert not turns.view(0) and not turns.open_turns()
+    turns.report(1, GpuReport(one, one, sharable=False))
+    assert turns.view(0) == turns.view(1) == Turns(barred=frozenset({2}))
 
 
 def test_a_group_is_a_gang_from_the_report_in_which_it_wants_a_second_gpu() -> None:

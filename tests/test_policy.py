@@ -78,8 +78,10 @@ def steps(step_ns: int, gap_ns: int) -> Workload:
 class FakeGpu:
     """One GPU shared by groups with the given workloads. A released group that has work keeps the
     GPU busy; a held group takes `drain_ns` to finish what it had queued (`outranked_drain_ns` where
-    it was released outranked: the gate's tighter queue bound). It keeps the true GPU time of every
-    group, which the policy never sees."""
+    it was released outranked: the gate's tighter queue bound). Groups released together
+    (Decision.shared) split the GPU evenly among those with work, as the driver's time slicing does.
+    The `crowded` groups run several processes each (Observation.crowded). It keeps the true GPU time
+    of every group, which the policy never sees."""
 
     workloads: dict[int, Workload]
     drain_ns: int = 1 * MS
@@ -96,6 +98,9 @@ class FakeGpu:
     steps: int = 0
     looked_at: int = 0
     busy_seen: dict[int, int] = field(default_factory=dict)  # each group's closed_ns at the last look
+    crowded: frozenset[int] = frozenset()
+    shared: frozenset[int] = frozenset()
+    queued_ns: dict[int, int] = field(default_factory=dict)  # shared groups' time with work, since the last look
 
     def observe(self, t: int) -> Observation:
         demand = frozenset(g for g, work in self.workloads.items() if work.wants(t))
@@ -117,9 +122,11 @@ class FakeGpu:
         drained_at = None
         if self.draining is not None and t >= self.drain_end:
             drained_at = self.drain_end
+        shared_busy, self.queued_ns = {g: self.queued_ns.get(g, 0) for g in self.shared}, {}
         # Every group's process is alive all along: present, wanting the GPU or not.
         return Observation(demand, idle_since, drained_at, present=frozenset(self.workloads),
-                           holder_burst_from=burst_from, holder_burst_ns=burst_ns)
+                           holder_burst_from=burst_from, holder_burst_ns=burst_ns, crowded=self.crowded,
+                           shared_busy=shared_busy)
 
     def rung(self, t0: int, t: int, wake_on_wait: bool) -> bool:
         """Did the released group run out of work in (t0, t] where the decision asked it to ring then
@@ -144,6 +151,11 @@ class FakeGpu:
             if t > t0 and self.rung(t0, t, wake_on_wait):
                 return t
             dt = min(step, t1 - t)
+            sharing = [g for g in self.shared if self.workloads[g].wants(t)]
+            for group in sharing:
+                used = self.workloads[group].run(t, dt // len(sharing))
+                self.busy_ns[group] = self.busy_ns.get(group, 0) + used
+                self.queued_ns[group] = self.queued_ns.get(group, 0) + dt
             if self.released is not None and self.workloads[self.released].wants(t):
                 used = self.workloads[self.released].run(t, dt)
                 self.busy_ns[self.released] = self.busy_ns.get(self.released, 0) + used
@@ -171,6 +183,7 @@ class FakeGpu:
         if decision.draining is None:
             self.draining = None
         self.released = decision.released
+        self.shared = decision.shared
         self.outranked = decision.outranked
         self.quiet_rings = decision.quiet_rings
 
@@ -181,14 +194,15 @@ class FakeGpu:
 def simulate(quotas: dict[int, Quota], workloads: dict[int, Workload], duration: int = 10 * SECOND,
              drain_ns: int = 1 * MS, params: PolicyParams | None = None,
              policy: TimeSharePolicy | None = None, start: int = 0,
-             outranked_drain_ns: int | None = None) -> tuple[FakeGpu, TimeSharePolicy]:
+             outranked_drain_ns: int | None = None, crowded: frozenset[int] = frozenset(),
+             ) -> tuple[FakeGpu, TimeSharePolicy]:
     """As the scheduler runs it: a look comes at the decision's wake_at, or when a thread starts
     waiting on a held word where the decision asks for it (Decision.wake_on_wait: the scheduler
     sleeps on the GPU's doorbell, which the gates ring then)."""
     if policy is None:
         policy = TimeSharePolicy(params or PolicyParams(), now=start)
         policy.set_quotas(start, quotas)
-    gpu = FakeGpu(workloads, drain_ns, outranked_drain_ns)
+    gpu = FakeGpu(workloads, drain_ns, outranked_drain_ns, crowded=crowded)
     t = start
     while t < start + duration:
         decision = policy.step(t, gpu.observe(t))
@@ -327,10 +341,63 @@ def test_min_util_alone_runs_at_full_speed_without_switches() -> None:
     assert gpu.switches == 0
 
 
-def test_two_equal_hogs_share_equally() -> None:
-    gpu, _ = simulate({0: Quota(), 1: Quota()}, {0: hog(), 1: hog()})
+@pytest.mark.parametrize("crowded", [frozenset(), frozenset({0, 1})])
+def test_two_equal_hogs_share_equally(crowded: frozenset[int]) -> None:
+    """Released together (one process each: the driver's slicing) or in turns (several processes each)."""
+    gpu, policy = simulate({0: Quota(), 1: Quota()}, {0: hog(), 1: hog()}, crowded=crowded)
     assert gpu.share(0, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
     assert gpu.share(1, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
+    # What each is charged is what it got.
+    for group, usage in policy.usage(10 * SECOND).items():
+        assert usage.gpu_seconds == pytest.approx(gpu.busy_ns[group] / 1e9, abs=0.1)
+    assert (gpu.switches == 0) == (not crowded)
+
+
+def test_groups_that_nothing_binds_share_the_gpu_and_take_turns_as_soon_as_something_does() -> None:
+    """Two uncapped groups of one process each are released together (Decision.shared: the driver slices
+    among them); a MinUtil set, a second process of one, or a priority apart ends that at the next look,
+    and one of them is released in turns; the others are held and charged their queue until it drains."""
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota(), 2: Quota()})
+    both = frozenset({0, 1})
+    decision = policy.step(0, Observation(both, present=both))
+    assert decision.shared == both and decision.released is None and decision.sharable
+    assert decision.wake_on_wait  # a newcomer's first launch waits on its held word and rings
+    assert policy.phase is Phase.SHARED
+    # Charged by the time each had work, scaled to the time that passed: both busy, half each.
+    decision = policy.step(60 * MS, Observation(both, present=both, shared_busy={0: 60 * MS, 1: 60 * MS}))
+    seconds = policy.gpu_seconds(60 * MS)
+    assert seconds[0] == pytest.approx(0.03) and seconds[1] == pytest.approx(0.03)
+    assert policy.usage(60 * MS)[0].throttled_seconds == 0.0
+    # One of them quiet: the other is charged what it ran.
+    decision = policy.step(120 * MS, Observation(both, present=both, shared_busy={0: 60 * MS, 1: 0}))
+    assert policy.gpu_seconds(120 * MS)[0] == pytest.approx(0.09)
+    # A third group's process: all three share.
+    three = frozenset({0, 1, 2})
+    decision = policy.step(130 * MS, Observation(three, present=three, shared_busy={0: 10 * MS, 1: 10 * MS}))
+    assert decision.shared == three
+    # Group 1 starts a second process here: turns. One is released, the others held and charged as they drain.
+    decision = policy.step(140 * MS, Observation(three, present=three, crowded=frozenset({1}),
+                                                 shared_busy=dict.fromkeys(three, 10 * MS)))
+    assert not decision.shared and not decision.sharable and policy.phase is Phase.RUNNING
+    assert decision.released in three
+    assert set(policy.overrunning()) == three - {decision.released}
+    for mixed in ({0: Quota(0.1, 1.0), 1: Quota()}, {0: Quota(0, 0.5), 1: Quota()}, {0: Quota(priority=1), 1: Quota()}):
+        policy = TimeSharePolicy(now=0)
+        policy.set_quotas(0, mixed)
+        decision = policy.step(0, Observation(both, present=both))
+        assert not decision.shared and not decision.sharable and decision.released is not None, mixed
+    # Off (PolicyParams.share_unbound): turns.
+    policy = TimeSharePolicy(PolicyParams(share_unbound=False), now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota()})
+    assert policy.step(0, Observation(both, present=both)).released is not None
+
+
+def test_a_group_alone_is_released_as_the_holder_though_sharable() -> None:
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota()})
+    decision = policy.step(0, Observation(frozenset({0}), present=frozenset({0})))
+    assert decision.released == 0 and not decision.shared and decision.sharable and not decision.short_queue
 
 
 @pytest.mark.parametrize("gap_ns", [2 * MS, 5 * MS, 12 * MS])
@@ -338,14 +405,22 @@ def test_a_loop_that_pauses_between_steps_gets_its_fair_share_beside_a_hog(gap_n
     """A training loop of 25 ms steps with CPU work between them, beside a hog, no quotas. Revoked at
     each pause (the hog wants the GPU), it waited out the hog's whole slice each time: 0.29 of the GPU
     whatever its pause. A slice behind the hog in usage, it now cuts the hog's slice to the shortest one
-    (TimeSharePolicy._overtaken): within a slice's usage of the hog, and the GPU still busy but for the switches."""
-    gpu, _ = simulate({0: Quota(), 1: Quota()}, {0: steps(25 * MS, gap_ns), 1: hog()})
+    (TimeSharePolicy._overtaken): within a slice's usage of the hog, and the GPU still busy but for the switches.
+    In turns: each group runs several processes (released together, the loop gets what the driver gives it,
+    below)."""
+    gpu, _ = simulate({0: Quota(), 1: Quota()}, {0: steps(25 * MS, gap_ns), 1: hog()}, crowded=frozenset({0, 1}))
     loop, other = gpu.share(0, 10 * SECOND), gpu.share(1, 10 * SECOND)
     window = PolicyParams().window_ns
     assert other - loop <= PolicyParams().slice_ns / window + 0.01
     assert loop > 0.45
     assert loop + other > 0.97
     assert gpu.switches < 10 * 50
+    # Released together, the loop gets half the GPU while it has work and the hog all of it in the loop's
+    # pauses (the driver's slicing: work-conserving, not fair in usage), with no switch at all.
+    shared, _ = simulate({0: Quota(), 1: Quota()}, {0: steps(25 * MS, gap_ns), 1: hog()})
+    loop = shared.share(0, 10 * SECOND)
+    assert loop == pytest.approx(25 / (50 + gap_ns / MS), abs=0.01)
+    assert loop + shared.share(1, 10 * SECOND) > 0.999 and shared.switches == 0
 
 
 def test_time_a_group_does_not_use_goes_to_the_others() -> None:
@@ -582,9 +657,10 @@ def test_equal_priorities_keep_the_slices() -> None:
     policy = TimeSharePolicy(now=0)
     policy.set_quotas(0, {0: Quota(priority=3), 1: Quota(priority=3)})
     both = frozenset({0, 1})
-    # Group 1 outranks nobody: the holder alone is looked at only at the net (group 1's wait rings).
-    assert policy.step(0, Observation(frozenset({0}), present=both)).wake_at == policy.params.ring_net_ns
-    assert policy.step(1 * MS, Observation(both, present=both)).released == 0  # kept to its slice's end
+    # (Several processes each: turns.) Group 1 outranks nobody: the holder alone is looked at only at the
+    # net (group 1's wait rings).
+    assert policy.step(0, Observation(frozenset({0}), present=both, crowded=both)).wake_at == policy.params.ring_net_ns
+    assert policy.step(1 * MS, Observation(both, present=both, crowded=both)).released == 0  # kept to its slice's end
 
 
 def test_equal_priorities_decide_as_no_priority_at_all() -> None:
@@ -595,10 +671,12 @@ def test_equal_priorities_decide_as_no_priority_at_all() -> None:
     assert (same.busy_ns, same.steps, same.switches) == (plain.busy_ns, plain.steps, plain.switches)
 
 
-def short_bursts_beside_a_hog(priority: int) -> tuple[FakeGpu, Workload]:
-    """2 ms of work every 30 ms (a latency-sensitive service) in group 0, a hog in group 1."""
+def short_bursts_beside_a_hog(priority: int, crowded: frozenset[int] = frozenset({0, 1})) -> tuple[FakeGpu, Workload]:
+    """2 ms of work every 30 ms (a latency-sensitive service) in group 0, a hog in group 1 (each of several
+    processes, unless `crowded` says otherwise: in turns)."""
     bursts = bursty(2 * MS, 30 * MS)
-    gpu, _ = simulate({0: Quota(priority=priority), 1: Quota()}, {0: bursts, 1: hog()}, duration=3 * SECOND)
+    gpu, _ = simulate({0: Quota(priority=priority), 1: Quota()}, {0: bursts, 1: hog()}, duration=3 * SECOND,
+                      crowded=crowded)
     return gpu, bursts
 
 
@@ -622,6 +700,10 @@ def test_a_high_priority_burst_waits_a_poll_and_a_drain_not_a_slice() -> None:
     assert gpu.share(0, 3 * SECOND) == pytest.approx(2 / 30, abs=0.005)
     assert sum(gpu.busy_ns.values()) / (3 * SECOND) > 0.85
     assert sum(base.busy_ns.values()) / (3 * SECOND) > 0.85
+    # One process each, no priority: released together, each burst runs beside the hog at half speed.
+    shared, shared_bursts = short_bursts_beside_a_hog(priority=0, crowded=frozenset())
+    assert len(shared_bursts.latencies) >= 95 and max(shared_bursts.latencies) <= 2 * 2 * MS + MS // 10
+    assert sum(shared.busy_ns.values()) / (3 * SECOND) > 0.999
 
 
 def test_a_lower_priority_group_still_gets_its_min_util() -> None:
@@ -689,7 +771,7 @@ def test_an_outranked_holder_keeps_a_tight_queue_and_its_waits_are_news() -> Non
 
     equal = TimeSharePolicy(now=0)
     equal.set_quotas(0, {0: Quota(priority=5), 1: Quota(priority=5)})
-    decision = equal.step(0, Observation(frozenset({0}), present=both))
+    decision = equal.step(0, Observation(frozenset({0}), present=both, crowded=both))
     assert decision.released == 0 and not decision.outranked and not decision.short_queue
 
     owed = TimeSharePolicy(now=0)

@@ -3,6 +3,7 @@ fake clock: what it reads, which words it holds and releases, and that it never 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +20,9 @@ from gemtrace.agent.scheduler import RESCAN_NET_NS, GpuScheduler, Quota, SlotTab
 pytestmark = pytest.mark.unit
 
 GPU = 1  # not 0: a mix-up of GPU indices shows
+# Turns between groups that nothing binds, as where they could not share the GPU (several processes
+# each): the adapter's turns are what most tests here walk through; sharing has its own tests below.
+TURNS = PolicyParams(share_unbound=False)
 
 
 class FakeClock:
@@ -175,7 +179,7 @@ def test_the_table_is_scanned_for_users_when_a_gate_counts_a_new_one_not_at_ever
 
 def test_slice_end_holds_drains_then_switches(region: rg.Region) -> None:
     clock = FakeClock()
-    params = PolicyParams(slice_ns=20 * MS, min_slice_ns=5 * MS)  # (the slice this test walks through)
+    params = PolicyParams(slice_ns=20 * MS, min_slice_ns=5 * MS, share_unbound=False)  # (the slice walked through)
     scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, params=params)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
@@ -225,7 +229,8 @@ def test_a_drain_that_ends_in_a_wait_with_no_drain_time_is_charged_until_seen(re
     # its burst stores no drain time; quiet only because its thread now waits on its word, its old
     # drain time made the drain end before the hold: its whole slice was refunded.
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, params=PolicyParams(slice_ns=20 * MS))
+    params = PolicyParams(slice_ns=20 * MS, share_unbound=False)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, params=params)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 5, 1002, b)
@@ -249,7 +254,7 @@ def test_a_drain_that_ends_in_a_wait_with_no_drain_time_is_charged_until_seen(re
 
 def test_an_idle_holder_is_revoked_when_another_group_waits(region: rg.Region) -> None:
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, params=TURNS)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     slot_a = claim(region, 0, 1001, a)
@@ -274,7 +279,7 @@ def test_a_burst_between_two_looks_is_idle_at_the_next(region: rg.Region) -> Non
     # burst opened, so the drain after it says "nothing queued" at once: the holder is revoked at the
     # next look, not at its slice's end, and charged until its drain, not through its pause.
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, params=TURNS)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 1, 1002, b)
@@ -324,7 +329,7 @@ def test_a_process_in_a_long_sync_is_busy(region: rg.Region) -> None:
     # A burst opened after its last drain: work is queued however long ago the counter moved (taking
     # such a process for idle let one in an 8 ms sync run beside the next group).
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, params=TURNS)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 1, 1002, b)
@@ -383,7 +388,7 @@ def test_dropping_a_group_releases_its_word(region: rg.Region) -> None:
 def test_a_dead_process_does_not_hold_up_a_drain(region: rg.Region) -> None:
     clock = FakeClock()
     # Default rescan: between scans a freed slot must still be seen at once.
-    scheduler = GpuScheduler(region, GPU, clock, PolicyParams(slice_ns=10 * MS))
+    scheduler = GpuScheduler(region, GPU, clock, PolicyParams(slice_ns=10 * MS, share_unbound=False))
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 1, 1002, b)
@@ -523,8 +528,8 @@ def test_a_drain_is_looked_at_when_its_last_process_finishes_not_at_each_ring(re
 
 
 def busy_holder_with_a_waiter(region: rg.Region, params: PolicyParams) -> tuple[GpuScheduler, rg.Slot, int]:
-    """Group a released and busy (a burst open) while group b waits: the scheduler, a's slot, b."""
-    scheduler = GpuScheduler(region, GPU, params=params, rescan_ns=0)
+    """Group a released and busy (a burst open) while group b waits, in turns: the scheduler, a's slot, b."""
+    scheduler = GpuScheduler(region, GPU, params=dataclasses.replace(params, share_unbound=False), rescan_ns=0)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     holder, waiter = claim(region, 0, 1001, a), claim(region, 1, 1002, b)
@@ -664,13 +669,49 @@ def test_an_opportunistic_group_is_released_beside_production_naming_its_slots(r
     assert control[spare].held == rg.RELEASED_BESIDE and control[spare].beside_n == 0
 
 
+def test_groups_that_nothing_binds_share_the_gpu_until_one_runs_two_processes_there(region: rg.Region) -> None:
+    """Two uncapped groups of one process each: both released, each with the long queue, and charged half the
+    time while both are busy; a forged hold lasts a look; a second process of one of them on this GPU (the
+    driver would give that group two slices to the other's one) brings turns at the next look."""
+    clock = FakeClock()
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
+    scheduler.set_quotas({a: Quota(), b: Quota()})
+    slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 5, 1002, b)
+    slot_a.waiting[GPU] = slot_b.waiting[GPU] = 1
+
+    def word(group: int) -> int:
+        return region.layout.control[GPU][group].held
+
+    scheduler.step()
+    assert word(a) == word(b) == rg.RELEASED_LONG_QUEUE
+    slot_a.waiting[GPU] = slot_b.waiting[GPU] = 0
+    for _ in range(2):
+        launch(slot_a, 10, clock())
+        launch(slot_b, 10, clock())
+        clock.advance(60 * MS)
+        scheduler.step()
+    seconds = scheduler.gpu_seconds()
+    assert seconds[a] == pytest.approx(0.06, abs=1e-6) and seconds[b] == pytest.approx(0.06, abs=1e-6)
+    assert scheduler.usage()[a].throttled_seconds == 0.0
+    region.hold(GPU, a)
+    scheduler.step()
+    assert word(a) == rg.RELEASED_LONG_QUEUE
+    second = claim(region, 9, 1003, a)
+    launch(second, 1, clock())
+    clock.advance(MS)
+    scheduler.step()
+    assert not held(region, a) and held(region, b)  # a wants the GPU (it launched); b is charged as it drains
+    assert scheduler.switches == 0
+
+
 def test_a_process_counts_in_its_job_on_a_gpu_from_its_first_launch_there(region: rg.Region) -> None:
     """A group is a gang where one of its jobs has processes that launched (or wait) on two GPUs: the
     jobs a scheduler reports are read again when a user starts launching, not only when a slot's process
     or assignment changes."""
     clock = FakeClock()
     jobs, turns = JobKeys(), GangTurns()
-    schedulers = [GpuScheduler(region, gpu, clock, rescan_ns=0, gang=turns, jobs=jobs) for gpu in (0, 1)]
+    schedulers = [GpuScheduler(region, gpu, clock, TURNS, rescan_ns=0, gang=turns, jobs=jobs) for gpu in (0, 1)]
     a = region.set_group("a", None, 0, 1)
     slots = []
     for gpu in (0, 1):

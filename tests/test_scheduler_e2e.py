@@ -204,7 +204,8 @@ def test_a_holder_that_goes_quiet_rings_and_the_scheduler_looks_only_then(simgpu
     follows within a few looks. Slices are 10 s here: without the ring, the switch would
     come then. Looks are counted, not time: the machine may be busy."""
     second = 1000 * MS
-    params = PolicyParams(slice_ns=10 * second, max_slice_ns=10 * second, drain_timeout_ns=10 * second)
+    params = PolicyParams(slice_ns=10 * second, max_slice_ns=10 * second, drain_timeout_ns=10 * second,
+                          share_unbound=False)  # (in turns, as groups of several processes take them)
     with harness.rig(simgpu, tmp_path / "state", params=params) as the_rig:
         service, hog = harness.Load("service"), harness.Load("hog")
         the_rig.define([service, hog])

@@ -24,6 +24,10 @@ Cases (issue 29's targets on two H100s):
     python3 -m bench.gpu.gang_ddp [--cases solo,cap30,...] [--gpus 2] [--seconds 10] [--warmup 40]
         [--pause-ms 0] [--job ddp|jax] [--agent-log DIR]
 
+With `--gpus 1` the job is one rank (torchrun's one process, its all-reduce with itself) beside one
+single-GPU job: no gang, one GPU's rules (where no quota binds, the two share the GPU under the driver's
+slicing: docs/scheduler.md), against the same processes without gemtrace.
+
 `--job jax`: the job is one JAX process over all the GPUs (bench/gpu/jax_worker.py: a pmap'd step with an
 all-reduce) instead of torchrun's ranks; its group is still named ddp.
 
@@ -208,8 +212,8 @@ def cases_to_run(parser: argparse.ArgumentParser, plan: tuple[str, ...], what: s
     parser.add_argument("--agent-log", metavar="DIR",
                         help="run the agent at --log-level debug and keep each case's log in DIR (gzipped)")
     args = parser.parse_args()
-    if args.gpus < 2:
-        parser.exit(2, f"--gpus {args.gpus}: {what} that spans GPUs needs at least 2\n")
+    if args.gpus < 1:
+        parser.exit(2, f"--gpus {args.gpus}: {what} needs at least 1 GPU\n")
     cases = planner(args.gpus)
     unknown = [n for n in args.cases.split(",") if n not in cases]
     if unknown:

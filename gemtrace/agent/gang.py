@@ -60,6 +60,9 @@ class GpuReport:
     jobs: frozenset[tuple[int, int]] = frozenset()
     # Groups held here earlier whose queued work still runs past the drain timeout (the policy's overrun).
     overrunning: frozenset[int] = frozenset()
+    # By its own groups, this GPU would let the driver share it (Decision.sharable): a gang all of whose
+    # GPUs would is no gang (no turns), and shares each of them with their other groups.
+    sharable: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,8 @@ class GangTurns:
         # every GPU's every look would otherwise queue on behind another GPU's report.
         self._views: dict[int, Turns] = {}
         self._gangs: frozenset[int] = frozenset()  # the groups that spanned GPUs at the last report
+        # `_unshared`'s last answer: (the members it came from, the sharable GPUs, the members that take turns).
+        self._unshared_of: tuple[dict[int, frozenset[int]], frozenset[int], dict[int, frozenset[int]]] | None = None
         # `_members` walks every group on every GPU (63 x 8 at the region's limit): kept while no GPU's
         # (group, job) pairs change (`_pairs_changed`), which is as processes come and go; its demand
         # changes at nearly every look. Per GPU: its jobs, the groups they name, and the groups present
@@ -195,7 +200,8 @@ class GangTurns:
             if self._pairs_changed(gpu, report):
                 self._members_cache = None
             before = self._views
-            members = self._members()
+            spanning = self._members()
+            members = self._unshared(spanning)
             changed: set[int] = set()
             # A GPU sees a turn clearing when it decided on a view that says so: a look that read its view
             # before another GPU's report opened the turn reports the readiness of a barred group, which
@@ -205,7 +211,8 @@ class GangTurns:
                 if group in report.clearing:
                     turn.seen.add(gpu)
             for group, turn in list(self._open.items()):
-                why = self._turn_over(group, turn, members.get(group, frozenset()))
+                why = ("shared" if group in spanning and group not in members
+                       else self._turn_over(group, turn, members.get(group, frozenset())))
                 if why:
                     del self._open[group]
                     changed |= turn.gpus | members.get(group, frozenset())
@@ -241,6 +248,20 @@ class GangTurns:
             return {group: turn.gpus for group, turn in self._open.items()}
 
     # -- under the lock ----------------------------------------------------------------------------
+
+    def _unshared(self, members: dict[int, frozenset[int]]) -> dict[int, frozenset[int]]:
+        """The gangs of `members` that take turns: those with a GPU that would not share (Decision.sharable).
+        One whose every GPU would is scheduled on each like a group of that GPU alone, its ranks released
+        together with the others there: the driver's time slicing runs each rank in its neighbours' gaps, and
+        no rank waits for a turn that its peer's GPU has not given. The same dict while nothing changed."""
+        sharable = frozenset(gpu for gpu, report in self._reports.items() if report.sharable)
+        if not sharable:
+            return members
+        kept = self._unshared_of
+        if kept is None or kept[0] is not members or kept[1] != sharable:
+            turns = {group: gpus for group, gpus in members.items() if not gpus <= sharable}
+            kept = self._unshared_of = (members, sharable, members if len(turns) == len(members) else turns)
+        return kept[2]
 
     def _pairs_changed(self, gpu: int, report: GpuReport) -> bool:
         """Did the GPU's (group, job) pairs change with `report` (its jobs, and the groups present or

@@ -32,6 +32,9 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
   - Among the wanting groups of the highest priority, the rest (unreserved, or reserved and unused)
     goes to the one with the least GPU time over a decayed window (max-min fairness):
     work-conserving, and the holder keeps the GPU without a needless switch while nobody else wants it.
+  - Where nothing binds (no MinUtil, no MaxUtil, one priority, one process a group on the GPU), no turns:
+    the groups are released together (Decision.shared) and the driver's time slicing shares the GPU,
+    each charged the time it had work, shared out (`_sharing`; docs/scheduler.md, "Where nothing binds").
 
 Cost: a step moves the accounts of the groups in play only (wanting the GPU, charged: the holder and
 overrunning groups); a group out of play only decays and refills, brought up to date in one go when
@@ -150,6 +153,9 @@ class PolicyParams:
     # A group in its turn across GPUs that goes quiet keeps the GPU this long (its ranks' CPU work
     # between steps) before it is revoked early as any quiet holder is.
     gang_pause_ns: int = 5 * MS
+    # Groups that nothing binds share the GPU under the driver's time slicing (Decision.shared). Off:
+    # they take turns like any (the fake GPU of tests/test_policy.py, which models turns only).
+    share_unbound: bool = True
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,10 @@ class Observation:
         held and done: what is left here may be a collective that waits for that process (one that began
         its next step before the hold), which only the group's next turn ends: the drain ends when seen,
         charged no further, or its MaxUtil bucket would hold that turn off (_step_draining).
+    crowded: groups with more than one live process on this GPU (the driver slices its time by process,
+        not by group: such a group takes turns, `_sharable`).
+    shared_busy: of the groups released together at the last look (Decision.shared), how long each had
+        work queued since then (ns, the gates' bursts): what their time is charged by.
     """
 
     demand: frozenset[int] = frozenset()
@@ -200,6 +210,8 @@ class Observation:
     due: frozenset[int] = frozenset()
     pending: frozenset[int] = frozenset()
     stranded: frozenset[int] = frozenset()
+    crowded: frozenset[int] = frozenset()
+    shared_busy: Mapping[int, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -235,12 +247,20 @@ class Decision:
     # that ring alone (other rings bring a look only where wake_on_wait says so), with wake_at (the
     # slice's end at the latest) as the net, not a poll every poll_ns.
     quiet_rings: bool = False
+    # The groups released together, none holding a turn: nothing any of them has binds (no MinUtil, no
+    # MaxUtil, one priority, one process each here), so the driver's own time slicing shares the GPU
+    # among them (`TimeSharePolicy._sharing`; each keeps the long queue of a group alone: GpuScheduler says why).
+    shared: frozenset[int] = frozenset()
+    # By this GPU's own groups, it would share (`_sharable`): reported to the turns across GPUs
+    # (gang.py), where a group spanning GPUs shares only where every GPU of it would.
+    sharable: bool = False
 
 
 class Phase(Enum):
     IDLE = "idle"  # nobody released
     RUNNING = "running"  # one group released
     DRAINING = "draining"  # the last holder held, its queued work finishing
+    SHARED = "shared"  # several groups released together (Decision.shared), none holding a turn
 
 
 @dataclass
@@ -312,6 +332,7 @@ class TimeSharePolicy:
         # This look follows a stall (stall_ns): what it charges a bucket leaves it empty at worst.
         self._after_stall = False
         self._guaranteed: frozenset[int] = frozenset()  # the groups with a MinUtil
+        self._shared: frozenset[int] = frozenset()  # the groups released together (Phase.SHARED)
         self._opportunistic: frozenset[int] = frozenset()  # the groups with Opportunistic = yes
         # The MaxUtil buckets' capacity (_cap_capacity) at each change since every account was last
         # brought up to date: (until when, capacity) for the past ones, and the one in force.
@@ -408,6 +429,12 @@ class TimeSharePolicy:
                 self._refund(group, now - (hold_at + self.params.max_overrun_ns))
         self._ready = (self._gang_readiness(now, obs.holder_idle_since) if self._barred or self._clearing
                        else frozenset())
+        sharable = self._sharable(obs)
+        shared = self._sharing(obs) if sharable else frozenset()
+        if shared:
+            self._share(now, shared, obs)
+        elif self._phase is Phase.SHARED:
+            self._end_sharing(now)
         if self._phase is Phase.RUNNING:
             self._step_running(now, obs)
         if self._phase is Phase.DRAINING:
@@ -421,7 +448,7 @@ class TimeSharePolicy:
         return Decision(released, self._holder if self._phase is Phase.DRAINING else None, self._wake_at(now),
                         released is not None and self._hold_coming(released), outranked,
                         self._wake_on_wait(now, outranked), self._ready,
-                        self._clear(released), beside, quiet_rings)
+                        self._clear(released), beside, quiet_rings, self._shared, sharable)
 
     def _clear(self, released: int | None) -> bool:
         """Decision.clear: nobody's work runs here but the clearing group's own (released, or draining
@@ -458,6 +485,64 @@ class TimeSharePolicy:
         self._phase, self._holder, self._charging = Phase.IDLE, None, False
         return dataclasses.replace(obs, holder_idle_since=None, drained_at=None, holder_burst_from=None,
                                    holder_burst_ns=0)
+
+    # -- groups that nothing binds: the driver's own time slicing ---------------------------------
+
+    def _sharable(self, obs: Observation) -> bool:
+        """Would this GPU's groups share it (no turns), by this GPU alone? Where every group present
+        here has no MinUtil, no MaxUtil, the same priority as the others and one process here: then no
+        rule of this policy tells them apart, and the driver's time slicing (by process) gives each
+        what turns would, and more: it runs one's kernels in the other's gaps (a CPU pause, a sync, a
+        collective), which exclusive turns leave idle. A job over two H200s beside single-GPU jobs, none
+        with a quota, did 0.42-0.56 of its solo work in turns and 0.64-0.66 under the driver's slicing
+        (bench/results/gang_ddp.md). A group spanning GPUs shares only where each of its GPUs would
+        (gang.py: it is barred or due here otherwise, `_sharing`)."""
+        groups = obs.present & self._accounts.keys()  # (the processes the driver slices among)
+        if not groups or not self.params.share_unbound or obs.crowded & groups:
+            return False
+        priority = None
+        for group in groups:
+            quota = self._accounts[group].quota
+            if quota.min_util > 0.0 or quota.max_util < 1.0 or priority not in (None, quota.priority):
+                return False
+            priority = quota.priority
+        return True
+
+    def _sharing(self, obs: Observation) -> frozenset[int]:
+        """The groups to release together: those present here, where two or more are and this GPU is
+        sharable, and none of them is in a turn across GPUs (a group spanning GPUs one of which would not
+        share takes its turns, and the others here take theirs); else none (a group alone runs as the
+        holder, with the long queue)."""
+        groups = frozenset(obs.present & self._accounts.keys())
+        if len(groups) < 2 or groups & self._spanning:
+            return frozenset()
+        return groups
+
+    def _share(self, now: int, shared: frozenset[int], obs: Observation) -> None:
+        """Release `shared` together. Coming from turns, the holder and a draining or overrunning group
+        simply go on (nothing of theirs waits for a drain). Each is charged its share of the time since
+        the last look: how long it had work queued, scaled so that the shares add up to that time at
+        most (the driver gives each busy process its time slices in turn)."""
+        if self._phase is Phase.SHARED:
+            busy = {g: min(ns, now - self._looked) for g, ns in obs.shared_busy.items() if g in self._shared}
+            total = sum(busy.values())
+            scale = min(1.0, (now - self._looked) / total) if total > 0 else 0.0
+            for group, ns in busy.items():
+                self._charge(group, ns * scale)
+        for group in shared:
+            self._overrun.pop(group, None)
+        self._phase, self._holder, self._charging = Phase.SHARED, None, False
+        self._shared = shared
+
+    def _end_sharing(self, now: int) -> None:
+        """The groups released together take turns again: each is held now and, like a drain that timed
+        out, charged what it still has queued until its gates report it finished, while
+        `_step_idle` releases the group the rules choose (that one goes on, no drain)."""
+        for group in self._shared:
+            if group in self._accounts:
+                self._overrun[group] = now
+        self._shared = frozenset()
+        self._phase = Phase.IDLE
 
     # -- groups that span several GPUs -----------------------------------------------------------
 
@@ -533,7 +618,8 @@ class TimeSharePolicy:
     def _wake_on_wait(self, now: int, outranked: bool) -> bool:
         if self._phase is Phase.DRAINING:
             return self._someone_waits(now)
-        return outranked or self._phase is Phase.IDLE or self._holder_alone() or self._guarantee_unseen()
+        return (outranked or self._phase in (Phase.IDLE, Phase.SHARED) or self._holder_alone()
+                or self._guarantee_unseen())
 
     def _guarantee_unseen(self) -> bool:
         """Is a group with a MinUtil present on this GPU but not wanting it now? Its debt accrues from
@@ -1021,6 +1107,11 @@ class TimeSharePolicy:
             return self._wake_draining(now)
         if self._phase is Phase.RUNNING:
             return self._wake_running(now)
+        if self._phase is Phase.SHARED:
+            # What is charged comes from the gates' figures however late the look; a newcomer (held)
+            # rings (Decision.wake_on_wait). A slice apart: a second process of a group, or a group gone
+            # quiet, is seen within a slice.
+            return now + self._slice_ns
         return self._wake_idle(now)
 
     def _wake_draining(self, now: int) -> int:
@@ -1178,7 +1269,7 @@ class TimeSharePolicy:
             del self._overrun[group]
         charged_group = (self._holder if self._charging and self._phase in (Phase.RUNNING, Phase.DRAINING)
                          else None)
-        in_play = set(self._overrun)
+        in_play = set(self._overrun) | self._shared
         if charged_group is not None:
             in_play.add(charged_group)
         if self._holder is not None and self._holder in self._demand:
@@ -1201,7 +1292,7 @@ class TimeSharePolicy:
                 # a debt against the guarantee later. Bounded: a long wait earns one long slice.
                 account.owed = min(float(self.params.max_owed_slice_ns),
                                    max(0.0, account.owed + quota.min_util * dt - charged))
-            if not (self._phase is Phase.RUNNING and group == self._holder):
+            if not (self._phase is Phase.RUNNING and group == self._holder) and group not in self._shared:
                 account.throttled_ns += dt
             account.at, account.era = now, era
 
