@@ -87,7 +87,7 @@ def test_slot_table_reads_the_fields_of_one_gpu(region: rg.Region) -> None:
 
 def test_a_waiting_group_is_released_and_the_others_stay_held(region: rg.Region) -> None:
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, params=TURNS)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
     scheduler.step()
