@@ -382,11 +382,19 @@ def test_groups_that_nothing_binds_share_the_gpu_and_take_turns_as_soon_as_somet
     assert not decision.shared and not decision.sharable and policy.phase is Phase.RUNNING
     assert decision.released in three
     assert set(policy.overrunning()) == three - {decision.released}
-    for mixed in ({0: Quota(0.1, 1.0), 1: Quota()}, {0: Quota(0, 0.5), 1: Quota()}, {0: Quota(priority=1), 1: Quota()}):
+    # Opportunistic groups among themselves (no production present) keep turns and their beside word.
+    for mixed in ({0: Quota(0.1, 1.0), 1: Quota()}, {0: Quota(0, 0.5), 1: Quota()}, {0: Quota(priority=1), 1: Quota()},
+                  {0: Quota(opportunistic=True), 1: Quota(opportunistic=True)}):
         policy = TimeSharePolicy(now=0)
         policy.set_quotas(0, mixed)
         decision = policy.step(0, Observation(both, present=both))
         assert not decision.shared and not decision.sharable and decision.released is not None, mixed
+    # Production groups share beside an opportunistic one, which runs beside them.
+    policy = TimeSharePolicy(now=0)
+    policy.set_quotas(0, {0: Quota(), 1: Quota(), 2: Quota(opportunistic=True)})
+    three = frozenset({0, 1, 2})
+    decision = policy.step(0, Observation(three, present=three))
+    assert decision.shared == both and decision.beside == {2}
     # Off (PolicyParams.share_unbound): turns.
     policy = TimeSharePolicy(PolicyParams(share_unbound=False), now=0)
     policy.set_quotas(0, {0: Quota(), 1: Quota()})

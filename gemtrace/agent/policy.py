@@ -496,14 +496,17 @@ class TimeSharePolicy:
         collective), which exclusive turns leave idle. A job over two H200s beside single-GPU jobs, none
         with a quota, did 0.42-0.56 of its solo work in turns and 0.64-0.66 under the driver's slicing
         (bench/results/gang_ddp.md). A group spanning GPUs shares only where each of its GPUs would
-        (gang.py: it is barred or due here otherwise, `_sharing`)."""
+        (gang.py: it is barred or due here otherwise, `_sharing`). Opportunistic groups with no production
+        group here take turns: their word keeps the beside bound, so that a production process's first
+        request waits for half a millisecond of their work, not for a shared group's long queue."""
         groups = obs.present & self._accounts.keys()  # (the processes the driver slices among)
         if not groups or not self.params.share_unbound or obs.crowded & groups:
             return False
         priority = None
         for group in groups:
             quota = self._accounts[group].quota
-            if quota.min_util > 0.0 or quota.max_util < 1.0 or priority not in (None, quota.priority):
+            if (quota.min_util > 0.0 or quota.max_util < 1.0 or quota.opportunistic
+                    or priority not in (None, quota.priority)):
                 return False
             priority = quota.priority
         return True
