@@ -429,8 +429,9 @@ class TimeSharePolicy:
                 self._refund(group, now - (hold_at + self.params.max_overrun_ns))
         self._ready = (self._gang_readiness(now, obs.holder_idle_since) if self._barred or self._clearing
                        else frozenset())
-        sharable = self._sharable(obs)
-        shared = self._sharing(obs) if sharable else frozenset()
+        here = frozenset(obs.present & self._accounts.keys())  # (the processes the driver slices among)
+        sharable = self._sharable(here, obs.crowded)
+        shared = self._sharing(here) if sharable else frozenset()
         if shared:
             self._share(now, shared, obs)
         elif self._phase is Phase.SHARED:
@@ -488,19 +489,18 @@ class TimeSharePolicy:
 
     # -- groups that nothing binds: the driver's own time slicing ---------------------------------
 
-    def _sharable(self, obs: Observation) -> bool:
-        """Would this GPU's groups share it (no turns), by this GPU alone? Where every group present
-        here has no MinUtil, no MaxUtil, the same priority as the others and one process here: then no
-        rule of this policy tells them apart, and the driver's time slicing (by process) gives each
-        what turns would, and more: it runs one's kernels in the other's gaps (a CPU pause, a sync, a
-        collective), which exclusive turns leave idle. A job over two H200s beside single-GPU jobs, none
-        with a quota, did 0.42-0.56 of its solo work in turns and 0.64-0.66 under the driver's slicing
-        (bench/results/gang_ddp.md). A group spanning GPUs shares only where each of its GPUs would
-        (gang.py: it is barred or due here otherwise, `_sharing`). Opportunistic groups with no production
-        group here take turns: their word keeps the beside bound, so that a production process's first
-        request waits for half a millisecond of their work, not for a shared group's long queue."""
-        groups = obs.present & self._accounts.keys()  # (the processes the driver slices among)
-        if not groups or not self.params.share_unbound or obs.crowded & groups:
+    def _sharable(self, groups: frozenset[int], crowded: frozenset[int]) -> bool:
+        """Would this GPU's groups (`groups`: those present here) share it (no turns), by this GPU alone? Where
+        every group present here has no MinUtil, no MaxUtil, the same priority as the others and one process
+        here: then no rule of this policy tells them apart, and the driver's time slicing (by process) gives
+        each what turns would, and more: it runs one's kernels in the other's gaps (a CPU pause, a sync, a
+        collective), which exclusive turns leave idle. A job over two H200s beside single-GPU jobs, none with a
+        quota, did 0.42-0.56 of its solo work in turns and 0.64-0.66 under the driver's slicing
+        (bench/results/gang_ddp.md). A group spanning GPUs shares only where each of its GPUs would (gang.py: it
+        is barred or due here otherwise, `_sharing`). Opportunistic groups with no production group here take
+        turns: their word keeps the beside bound, so that a production process's first request waits for half a
+        millisecond of their work, not for a shared group's long queue."""
+        if not groups or not self.params.share_unbound or crowded & groups:
             return False
         priority = None
         for group in groups:
@@ -511,12 +511,11 @@ class TimeSharePolicy:
             priority = quota.priority
         return True
 
-    def _sharing(self, obs: Observation) -> frozenset[int]:
+    def _sharing(self, groups: frozenset[int]) -> frozenset[int]:
         """The groups to release together: those present here, where two or more are and this GPU is
         sharable, and none of them is in a turn across GPUs (a group spanning GPUs one of which would not
         share takes its turns, and the others here take theirs); else none (a group alone runs as the
         holder, with the long queue)."""
-        groups = frozenset(obs.present & self._accounts.keys())
         if len(groups) < 2 or groups & self._spanning:
             return frozenset()
         return groups

@@ -71,6 +71,9 @@ log = structlog.get_logger("gemtrace.scheduler")
 # region's limit scanned 8 times a second (once per GPU), 0.3% of a core for nothing new.
 RESCAN_NET_NS = 5_000_000_000
 _FOREVER = 1 << 63  # (`_unfinished`: work queued that no sync covered at all)
+# The word of the groups that share a GPU (Decision.shared): the long queue of a group alone
+# (`GpuScheduler._carry_out_shared` says why).
+_SHARED_WORD = rg.RELEASED_LONG_QUEUE
 
 
 class SlotTable:
@@ -708,7 +711,7 @@ class GpuScheduler:
                 self.region.hold(self.gpu, group)
         self._shared = shared
         for group in shared:
-            self.region.release(self.gpu, group, rg.RELEASED_LONG_QUEUE)
+            self.region.release(self.gpu, group, _SHARED_WORD)
 
     def _carry_out_beside(self, beside: frozenset[int]) -> None:
         """Release the opportunistic groups beside production (RELEASED_BESIDE), naming the slots of
@@ -749,7 +752,7 @@ class GpuScheduler:
             self._expected_words = (key, [rg.RELEASED if group not in self._scheduled else
                                           released if group == self._released else
                                           rg.RELEASED_BESIDE if group in self._beside else
-                                          rg.RELEASED_LONG_QUEUE if group in self._shared else rg.HELD
+                                          _SHARED_WORD if group in self._shared else rg.HELD
                                           for group in range(len(self._held))])
         words = self._held.tolist()
         if words == self._expected_words[1]:
@@ -765,7 +768,7 @@ class GpuScheduler:
                 if word != rg.RELEASED_BESIDE:
                     self.region.release(self.gpu, group, rg.RELEASED_BESIDE)
             elif group in self._shared:
-                if word != rg.RELEASED_LONG_QUEUE:
-                    self.region.release(self.gpu, group, rg.RELEASED_LONG_QUEUE)
+                if word != _SHARED_WORD:
+                    self.region.release(self.gpu, group, _SHARED_WORD)
             elif word != rg.HELD:
                 self.region.hold(self.gpu, group)
