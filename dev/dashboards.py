@@ -204,20 +204,25 @@ def fleet() -> Json:
                 "renameByName": {"Value #B": "resource file loaded", "Value #C": "eBPF probes",
                                  "Value #D": "libcuda files"}}},
         ]),
-        panel("table", "GPUs", "Each GPU and how much of its memory the groups hold.", [
+        panel("table", "GPUs", "Each GPU, how much of its memory the groups hold, and how much of the last 5 "
+              "minutes its groups shared it under the driver's time slicing (nothing bound them) rather than "
+              "taking turns.", [
             target(sel("gemtrace_gpu_info", only=("instance", "gpu")), ref="A", instant=True),
             target(f"sum by (job, instance, gpu) ({mem}) / on (job, instance, gpu) "
                    f"{sel('gemtrace_gpu_memory_total_bytes', only=('instance', 'gpu'))}",
                    ref="B", instant=True),
             target(sel("gemtrace_gpu_memory_total_bytes", only=("instance", "gpu")), ref="C", instant=True),
+            target(f"rate({sel('gemtrace_gpu_shared_seconds_total', only=('instance', 'gpu'))}[5m])",
+                   ref="D", instant=True),
         ], w=24, h=6, overrides=[
             _unit("memory used", "percentunit"),
             _unit("memory", "bytes"),
+            _unit("shared", "percentunit"),
         ], transformations=[
             {"id": "merge", "options": {}},
             {"id": "organize", "options": {
                 "excludeByName": {"Time": True, "__name__": True, "Value #A": True, "job": True},
-                "renameByName": {"Value #B": "memory used", "Value #C": "memory"}}},
+                "renameByName": {"Value #B": "memory used", "Value #C": "memory", "Value #D": "shared"}}},
         ]),
         panel("bargauge", "GPU time used of MaxUtil", "Each group's share of each GPU against its MaxUtil.", [
             target(f"{share} / on (job, instance, group) group_left () "

@@ -67,6 +67,8 @@ class GpuRow:
     index: str = ""
     memory_total_bytes: float | None = None
     groups: tuple[GroupRow, ...] = ()
+    shared_seconds_total: float | None = None  # gemtrace_gpu_shared_seconds_total (the agent's /metrics only)
+    shared: float | None = None  # of the time since the last frame, how much the groups shared it (no turns)
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ _PROCESS_FIELDS = {
     "gemtrace_process_gpu_seconds_total": "gpu_seconds_total",
     "gemtrace_process_kernel_launches_total": "launches_total",
 }
-for _name in (*_GROUP_FIELDS, *_SETTING_FIELDS, *_PROCESS_FIELDS):
+_SHARED = "gemtrace_gpu_shared_seconds_total"
+for _name in (*_GROUP_FIELDS, *_SETTING_FIELDS, *_PROCESS_FIELDS, _SHARED):
     assert _name in CATALOGUE, _name  # one home for metric names: the catalogue
 
 
@@ -130,6 +133,8 @@ def parse(text: str, taken_at: float) -> Frame:
                                                              index=labels.get("index", ""))
             elif name == "gemtrace_gpu_memory_total_bytes":
                 b.gpus.setdefault(labels["gpu"], {})["memory_total_bytes"] = value
+            elif name == _SHARED:
+                b.gpus.setdefault(labels["gpu"], {})["shared_seconds_total"] = value
             elif name in _GROUP_FIELDS:
                 b.groups.setdefault((labels["gpu"], labels["group"]), {})[_GROUP_FIELDS[name]] = value
             elif name in _SETTING_FIELDS:
@@ -169,17 +174,19 @@ def _freeze(b: _Builder) -> tuple[GpuRow, ...]:
                 memory_limit_bytes=settings.get("memory_limit_bytes"),
                 throttled_seconds_total=figures.get("throttled_seconds_total", 0.0),
                 processes=tuple(sorted(procs.get((uuid, name), []), key=lambda p: p.pid))))
-        total = info.get("memory_total_bytes")
+        total, shared = info.get("memory_total_bytes"), info.get("shared_seconds_total")
         gpus.append(GpuRow(uuid=uuid, name=str(info.get("name", "")), index=str(info.get("index", "")),
-                        memory_total_bytes=float(total) if total is not None else None, groups=tuple(groups)))
+                        memory_total_bytes=float(total) if total is not None else None, groups=tuple(groups),
+                        shared_seconds_total=float(shared) if shared is not None else None))
     return tuple(sorted(gpus, key=lambda g: (g.index == "", g.index.zfill(4), g.uuid)))
 
 
 def with_rates(previous: Frame | None, current: Frame) -> Frame:
-    """`current` with each process's kernel time and launch rates since `previous` (pure).
+    """`current` with each process's kernel time and launch rates since `previous`, and each GPU's time
+    shared (pure).
 
     A process absent from `previous`, or whose counters went down (a new process with a reused
-    pid), gets no rate rather than a wrong one."""
+    pid, a restarted agent), gets no rate rather than a wrong one."""
     if previous is None or current.taken_at <= previous.taken_at:
         return current
     dt = current.taken_at - previous.taken_at
@@ -200,7 +207,16 @@ def with_rates(previous: Frame | None, current: Frame) -> Frame:
             return replace(g, processes=procs)
         return replace(g, processes=procs, share=sum(p.kernel_share or 0.0 for p in procs))
 
-    gpus = tuple(replace(gpu, groups=tuple(group_rated(g) for g in gpu.groups)) for gpu in current.gpus)
+    shared_before = {gpu.uuid: gpu.shared_seconds_total for gpu in previous.gpus}
+
+    def shared(gpu: GpuRow) -> float | None:
+        old, new = shared_before.get(gpu.uuid), gpu.shared_seconds_total
+        if old is None or new is None or new < old:
+            return None
+        return min(1.0, (new - old) / dt)
+
+    gpus = tuple(replace(gpu, groups=tuple(group_rated(g) for g in gpu.groups), shared=shared(gpu))
+                 for gpu in current.gpus)
     return replace(current, gpus=gpus)
 
 
@@ -287,7 +303,9 @@ def render(frame: Frame, source: str, width: int = 100) -> list[str]:
     bar_w = max(10, min(30, width - 70))
     for gpu in frame.gpus:
         used = sum(g.memory_bytes for g in gpu.groups)
-        lines += ["", f"GPU {gpu.index or '?'}  {gpu.name}  {gpu.uuid}  memory {human_bytes(used)} / "
+        # (The driver's own slicing, not turns: docs/scheduler.md, "Where nothing binds".)
+        shared = f"  shared {_pct(gpu.shared)}" if gpu.shared else ""
+        lines += ["", f"GPU {gpu.index or '?'}  {gpu.name}{shared}  {gpu.uuid}  memory {human_bytes(used)} / "
                       f"{human_bytes(gpu.memory_total_bytes)}"]
         lines.append(f"  {'GROUP':<12} {'SHARE':<{bar_w + 2}} {'NOW':>4} {'MIN':>4} {'MAX':>4}  "
                      f"{'MEMORY':<24}  {'LIMIT':>10}")

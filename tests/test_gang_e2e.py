@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from agent_host import Host, stop
+from prometheus_client.parser import text_string_to_metric_families
 from simgpu_env import SimGpu, last_line
 
 pytestmark = pytest.mark.e2e
@@ -58,10 +59,10 @@ def steps_per_second(ranks: list[subprocess.Popen[bytes]]) -> float:
 
 
 def run_case(host: Host, config: str | None, hogs: tuple[int, ...], jobs: int = 1,
-             agent_log: list[str] | None = None) -> list[float]:
+             agent_log: list[str] | None = None, scrape: list[str] | None = None) -> list[float]:
     """Each job's steps per second with `config`, beside a hog (group hogN, uncapped) on each GPU in `hogs`;
     with no config, the same processes without gemtrace. `agent_log`: the agent runs at debug level and its
-    log's lines are added there."""
+    log's lines are added there; `scrape`: the agent's /metrics once the jobs are done is added there."""
     agent = None
     if config is not None:
         host.config.write_text(config + "".join(f"[hog{gpu}]\n" for gpu in hogs))
@@ -71,6 +72,8 @@ def run_case(host: Host, config: str | None, hogs: tuple[int, ...], jobs: int = 
                    for gpu in hogs]
         ranks = [job(host, ("ddp" if n == 0 else f"ddp{n}") if agent else None, 100 + n) for n in range(jobs)]
         rates = [steps_per_second(r) for r in ranks]
+        if agent is not None and scrape is not None:
+            scrape.append(agent.metrics())
         for proc in started:
             proc.kill()
             proc.wait()
@@ -98,7 +101,8 @@ def test_a_job_and_single_gpu_jobs_that_nothing_binds_do_what_they_do_without_ge
     """No quota anywhere, one process a group on each GPU: every GPU shares (Decision.shared), the job takes
     no gang turns, and the driver (here the simulated one) shares the GPUs as it would without gemtrace."""
     log: list[str] = []
-    shared = run_case(two_gpus, "[ddp]\n", (0, 1), agent_log=log)[0]
+    scrape: list[str] = []
+    shared = run_case(two_gpus, "[ddp]\n", (0, 1), agent_log=log, scrape=scrape)[0]
     raw = run_case(two_gpus, None, (0, 1))[0]
     # Each is measured with the other's machine load; the simulated driver's sharing spreads run to run.
     assert shared >= 0.8 * raw, f"{shared:.1f} steps/s through gemtrace, {raw:.1f} without"
@@ -106,6 +110,10 @@ def test_a_job_and_single_gpu_jobs_that_nothing_binds_do_what_they_do_without_ge
     shared_on = {(e["gpu"], tuple(e["shared"])) for e in events if e["event"] == "look" and e["shared"]}
     assert shared_on == {(0, (0, 1)), (1, (0, 2))}, shared_on  # (groups ddp, hog0, hog1: 0, 1, 2)
     assert not any(e["event"].startswith("gang_turn") for e in events)
+    # ... which an operator sees in /metrics: each GPU shared about as long as the job ran (SECONDS).
+    families = text_string_to_metric_families(scrape[0])
+    seconds = [s.value for f in families if f.name == "gemtrace_gpu_shared_seconds" for s in f.samples]
+    assert len(seconds) == 2 and min(seconds) >= 0.5 * SECONDS, seconds
 
 
 def test_two_jobs_on_the_same_two_gpus_share_them_evenly(two_gpus: Host) -> None:

@@ -382,6 +382,9 @@ def test_groups_that_nothing_binds_share_the_gpu_and_take_turns_as_soon_as_somet
     assert not decision.shared and not decision.sharable and policy.phase is Phase.RUNNING
     assert decision.released in three
     assert set(policy.overrunning()) == three - {decision.released}
+    # The GPU was shared from 0 to 140 ms (gemtrace_gpu_shared_seconds_total), and not since.
+    assert policy.shared_seconds(140 * MS) == pytest.approx(0.14)
+    assert policy.shared_seconds(200 * MS) == pytest.approx(0.14)
     # Opportunistic groups among themselves (no production present) keep turns and their beside word.
     for mixed in ({0: Quota(0.1, 1.0), 1: Quota()}, {0: Quota(0, 0.5), 1: Quota()}, {0: Quota(priority=1), 1: Quota()},
                   {0: Quota(opportunistic=True), 1: Quota(opportunistic=True)}):

@@ -703,6 +703,10 @@ def test_groups_that_nothing_binds_share_the_gpu_until_one_runs_two_processes_th
     scheduler.step()
     assert not held(region, a) and held(region, b)  # a wants the GPU (it launched); b is charged as it drains
     assert scheduler.switches == 0
+    # Shared from the first look to the last (gemtrace_gpu_shared_seconds_total), and no longer.
+    assert scheduler.shared_seconds() == pytest.approx(0.121, abs=1e-6)
+    clock.advance(60 * MS)
+    assert scheduler.shared_seconds() == pytest.approx(0.121, abs=1e-6)
 
 
 def test_a_process_counts_in_its_job_on_a_gpu_from_its_first_launch_there(region: rg.Region) -> None:

@@ -70,6 +70,20 @@ def test_rates_come_from_two_frames_and_a_reused_pid_gets_none() -> None:
 
 
 @pytest.mark.unit
+def test_a_gpu_its_groups_shared_since_the_last_frame_says_how_much_of_that_time() -> None:
+    first = top.parse(FIXTURE, taken_at=100.0)
+    assert first.gpus[0].shared_seconds_total == 40.0 and first.gpus[0].shared is None  # one sample: no rate
+    shared = f'gemtrace_gpu_shared_seconds_total{{gpu="{GPU}"}} '
+    later = top.with_rates(first, top.parse(FIXTURE.replace(shared + "40.0", shared + "41.5"), taken_at=102.0))
+    assert later.gpus[0].shared == pytest.approx(0.75)
+    assert top.render(later, "here")[2].startswith("GPU 0  Simulated GPU  shared 75%  GPU-")
+    # Turns all along (the counter stood still), or a restarted agent (it went down): no word of sharing.
+    for value in ("40.0", "0.0"):
+        still = top.with_rates(first, top.parse(FIXTURE.replace(shared + "40.0", shared + value), taken_at=102.0))
+        assert "shared" not in top.render(still, "here")[2]
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("share", "lo", "hi", "bar"),
     [

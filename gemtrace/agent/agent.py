@@ -693,7 +693,8 @@ class Agent:
 
     def agent_view(self) -> AgentView:
         return AgentView(self.reloads["success"], self.reloads["failure"], self.last_reload_ok, tuple(self.gpus),
-                         tuple(sorted(dict(self.membership.refusals).items())))
+                         tuple(sorted(dict(self.membership.refusals).items())),
+                         tuple(scheduler.shared_seconds() for scheduler in self.schedulers))
 
     def groups_view(self) -> GroupsView:
         config = self.config

@@ -333,6 +333,7 @@ class TimeSharePolicy:
         self._after_stall = False
         self._guaranteed: frozenset[int] = frozenset()  # the groups with a MinUtil
         self._shared: frozenset[int] = frozenset()  # the groups released together (Phase.SHARED)
+        self._shared_ns = 0  # time spent in Phase.SHARED (shared_seconds)
         self._opportunistic: frozenset[int] = frozenset()  # the groups with Opportunistic = yes
         # The MaxUtil buckets' capacity (_cap_capacity) at each change since every account was last
         # brought up to date: (until when, capacity) for the past ones, and the one in force.
@@ -1263,6 +1264,8 @@ class TimeSharePolicy:
             self._capacities.append((self._last, self._capacity))
             self._capacity = capacity
         last, self._last = self._last, now
+        if self._phase is Phase.SHARED:
+            self._shared_ns += dt
         stalled = self._after_stall = dt > self.params.stall_ns
         decay = math.exp(-dt / self.params.window_ns)
         gain = self.params.window_ns * (1.0 - decay)  # decayed weight of dt of continuous time
@@ -1394,6 +1397,12 @@ class TimeSharePolicy:
                               min(1.0, max(0.0, account.usage / weight)))
             for group, account in self._accounts.items()
         }
+
+    def shared_seconds(self, now: int) -> float:
+        """How long this GPU's groups have shared it under the driver's time slicing (Phase.SHARED) rather
+        than taken turns, up to `now`."""
+        self._advance(now)
+        return self._shared_ns / 1e9
 
     def gpu_seconds(self, now: int) -> dict[int, float]:
         """usage()'s GPU seconds alone, as usage() leaves the accounts (the accounting asks at every

@@ -325,6 +325,11 @@ class GpuScheduler:
                 usage.setdefault(group, GroupUsage(0.0, 0.0, 0.0))
             return usage
 
+    def shared_seconds(self) -> float:
+        """How long the groups here have shared this GPU under the driver's time slicing (no turns)."""
+        with self._lock:
+            return self._policy.shared_seconds(self._clock())
+
     def gpu_seconds(self) -> dict[int, float]:
         """usage()'s GPU seconds alone (a group set since the last look at 0, as there)."""
         with self._lock:

@@ -1,4 +1,5 @@
-"""The agent itself: version, resource-file reloads, refused group requests, the GPUs it schedules.
+"""The agent itself: version, resource-file reloads, refused group requests, the GPUs it schedules and how
+their groups shared them.
 
 Reads an AgentView (built by the agent at scrape time: Agent.agent_view) and nothing else.
 """
@@ -23,6 +24,8 @@ class AgentView:
     last_reload_ok: bool
     gpus: tuple[Gpu, ...]
     admission_refusals: tuple[tuple[str, int], ...] = ()  # (requested group, refusals)
+    # Per GPU of `gpus`, in that order: seconds its groups shared it under the driver's time slicing.
+    shared_seconds: tuple[float, ...] = ()
 
 
 class AgentCollector(Collector):
@@ -55,3 +58,7 @@ class AgentCollector(Collector):
             total.add_metric([gpu.uuid], float(gpu.memory_total))
         yield gpu_info
         yield total
+        shared = family(spec("gemtrace_gpu_shared_seconds_total"))
+        for gpu, seconds in zip(view.gpus, view.shared_seconds, strict=False):
+            shared.add_metric([gpu.uuid], seconds)
+        yield shared
