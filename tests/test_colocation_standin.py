@@ -25,7 +25,7 @@ def test_every_setting_runs_through_the_agent_and_reaches_the_table(tmp_path: Pa
     require_build()
     out = tmp_path / "out"
     env = simgpu_env(tmp_path / "sim", OUT=str(out))
-    cases = "cnn-gate,cnn-mps,decoder-gate0,pair-gate,pair-mps-sm5,cnn-off"
+    cases = "cnn-gate,cnn-mps,decoder-gate0,pair-gate,pair-mps-sm5,cnn-off,cnn-equal,pair-turns"
     done = subprocess.run([sys.executable, "-m", "bench.gpu.colocation", "--stand-in", "--seconds", "2",
                            "--settle", "0.5", "--cases", cases],
                           cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
@@ -34,17 +34,22 @@ def test_every_setting_runs_through_the_agent_and_reaches_the_table(tmp_path: Pa
     result = json.loads((out / "colocation.json").read_text())
     table = (out / "colocation.md").read_text()
     rows = {r["case"]: r for r in result["rows"]}
-    assert set(rows) == {"cnn-gate", "cnn-mps", "decoder-gate0", "pair-gate", "pair-mps-sm5", "cnn-off"}, output
+    assert set(rows) == {"cnn-gate", "cnn-mps", "decoder-gate0", "pair-gate", "pair-mps-sm5", "cnn-off", "cnn-equal",
+                         "pair-turns"}, output
     assert result["skipped"] == [], output
-    for name in ("cnn-gate", "cnn-mps", "decoder-gate0", "cnn-off"):
+    for name in ("cnn-gate", "cnn-mps", "decoder-gate0", "cnn-off", "cnn-equal"):
         r = rows[name]
         assert r["requests"] > 10 and r["p99_ratio"] > 0 and r["train_rate"] > 0, output
-        assert r["result"] in ("met", "missed", "- (before issue 30)"), output
+        assert r["result"] in ("met", "missed", "- (before issue 30)", "-"), output
     # The opportunistic group is not charged time; with Priority (off) both groups take turns.
     assert rows["cnn-gate"]["train_charged"] == 0.0 and rows["cnn-off"]["train_charged"] > 0.1, output
     assert rows["pair-gate"]["prod_rate"] > 0 and rows["pair-gate"]["result"] in ("met", "missed"), output
     # An opportunistic mps group with a MaxUtil (its share of the SMs): the agent takes the resource file.
     assert rows["pair-mps-sm5"]["prod_rate"] > 0 and rows["pair-mps-sm5"]["train_rate"] > 0, output
+    # Both production (equal: shared, turns: MinUtil 0.01 each): each charged its part of the time, no target.
+    for name in ("cnn-equal", "pair-turns"):
+        assert rows[name]["train_charged"] > 0.1 and rows[name]["result"] == "-", output
+    assert rows["pair-turns"]["prod_charged"] > 0.1, output
     # The services' busy fraction, from NVML over the solo window: the stand-in CNN's 12 kernels of
     # 50 us every 20 ms or so keep the simulated GPU busy a few percent of the time.
     busy = result["solo"]["cnn-infer"]["busy"]
