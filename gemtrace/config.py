@@ -13,8 +13,8 @@
     Users = alice; 1001  # who may ask for the group (GEMTRACE_GROUP, gemtrace run --group); names or uids
     UnixGroups = ml      # ... or be in one of these Unix groups (names or gids); neither: everyone
     Gpus = GPU-8f3a...   # the GPUs (UUIDs, ;-separated) its MinUtil is reserved on; default: every GPU
-    Isolation = mps      # time: launches take turns where a quota or priority binds, else the driver
-                         # slices (default); mps: side by side under the GPU's MPS daemon (docs/mps.md)
+    Isolation = mps      # time: launches take turns, but where a job over GPUs runs and nothing binds,
+                         # the driver slices (default); mps: side by side under the MPS daemon (docs/mps.md)
     Opportunistic = yes  # takes only what the other groups leave, beside them, with a queue of a few
                          # kernels (no MinUtil; MaxUtil only with Isolation = mps, where it caps
                          # the SMs; docs/scheduler.md); default no

@@ -65,9 +65,9 @@ _SPECS = [
     MetricSpec("gemtrace_gpu_info", "info", "", ("gpu", "name", "index"), "A GPU the agent schedules."),
     MetricSpec("gemtrace_gpu_memory_total_bytes", "gauge", "bytes", ("gpu",), "Device memory of the GPU."),
     MetricSpec("gemtrace_gpu_shared_seconds_total", "counter", "seconds", ("gpu",),
-               "Time the GPU's groups ran together under the driver's own time slicing, not in turns: every group "
-               "there had no MinUtil, no MaxUtil, the same Priority and one process (docs/scheduler.md, "
-               "\"Where nothing binds\")."),
+               "Time the GPU's groups ran together under the driver's own time slicing, not in turns: a job "
+               "spanning GPUs ran there, and every group there had no MinUtil, no MaxUtil, the same Priority and "
+               "one process (docs/scheduler.md, \"Where nothing binds\")."),
     # groups: quota settings
     MetricSpec("gemtrace_group_util_min_ratio", "gauge", "ratio", GROUP_LABELS,
                "MinUtil: the share of each GPU's time the group is guaranteed."),

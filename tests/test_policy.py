@@ -80,8 +80,9 @@ class FakeGpu:
     GPU busy; a held group takes `drain_ns` to finish what it had queued (`outranked_drain_ns` where
     it was released outranked: the gate's tighter queue bound). Groups released together
     (Decision.shared) split the GPU evenly among those with work, as the driver's time slicing does.
-    The `crowded` groups run several processes each (Observation.crowded). It keeps the true GPU time
-    of every group, which the policy never sees."""
+    The `crowded` groups run several processes each (Observation.crowded); the `spanning` ones are jobs
+    over this GPU and another (Observation.spanning). It keeps the true GPU time of every group, which the
+    policy never sees."""
 
     workloads: dict[int, Workload]
     drain_ns: int = 1 * MS
@@ -99,6 +100,7 @@ class FakeGpu:
     looked_at: int = 0
     busy_seen: dict[int, int] = field(default_factory=dict)  # each group's closed_ns at the last look
     crowded: frozenset[int] = frozenset()
+    spanning: frozenset[int] = frozenset()
     shared: frozenset[int] = frozenset()
     queued_ns: dict[int, int] = field(default_factory=dict)  # shared groups' time with work, since the last look
 
@@ -126,7 +128,7 @@ class FakeGpu:
         # Every group's process is alive all along: present, wanting the GPU or not.
         return Observation(demand, idle_since, drained_at, present=frozenset(self.workloads),
                            holder_burst_from=burst_from, holder_burst_ns=burst_ns, crowded=self.crowded,
-                           shared_busy=shared_busy)
+                           shared_busy=shared_busy, spanning=self.spanning)
 
     def rung(self, t0: int, t: int, wake_on_wait: bool) -> bool:
         """Did the released group run out of work in (t0, t] where the decision asked it to ring then
@@ -195,14 +197,14 @@ def simulate(quotas: dict[int, Quota], workloads: dict[int, Workload], duration:
              drain_ns: int = 1 * MS, params: PolicyParams | None = None,
              policy: TimeSharePolicy | None = None, start: int = 0,
              outranked_drain_ns: int | None = None, crowded: frozenset[int] = frozenset(),
-             ) -> tuple[FakeGpu, TimeSharePolicy]:
+             spanning: frozenset[int] = frozenset()) -> tuple[FakeGpu, TimeSharePolicy]:
     """As the scheduler runs it: a look comes at the decision's wake_at, or when a thread starts
     waiting on a held word where the decision asks for it (Decision.wake_on_wait: the scheduler
     sleeps on the GPU's doorbell, which the gates ring then)."""
     if policy is None:
         policy = TimeSharePolicy(params or PolicyParams(), now=start)
         policy.set_quotas(start, quotas)
-    gpu = FakeGpu(workloads, drain_ns, outranked_drain_ns, crowded=crowded)
+    gpu = FakeGpu(workloads, drain_ns, outranked_drain_ns, crowded=crowded, spanning=spanning)
     t = start
     while t < start + duration:
         decision = policy.step(t, gpu.observe(t))
@@ -341,44 +343,48 @@ def test_min_util_alone_runs_at_full_speed_without_switches() -> None:
     assert gpu.switches == 0
 
 
-@pytest.mark.parametrize("crowded", [frozenset(), frozenset({0, 1})])
-def test_two_equal_hogs_share_equally(crowded: frozenset[int]) -> None:
-    """Released together (one process each: the driver's slicing) or in turns (several processes each)."""
-    gpu, policy = simulate({0: Quota(), 1: Quota()}, {0: hog(), 1: hog()}, crowded=crowded)
+@pytest.mark.parametrize(("spanning", "crowded"), [(frozenset({0}), frozenset()), (frozenset(), frozenset()),
+                                                   (frozenset({0}), frozenset({0, 1}))])
+def test_two_equal_hogs_share_equally(spanning: frozenset[int], crowded: frozenset[int]) -> None:
+    """Released together (a job over this GPU and another among them, one process each: the driver's
+    slicing), or in turns (groups of this GPU alone; several processes each)."""
+    gpu, policy = simulate({0: Quota(), 1: Quota()}, {0: hog(), 1: hog()}, crowded=crowded, spanning=spanning)
     assert gpu.share(0, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
     assert gpu.share(1, 10 * SECOND) == pytest.approx(0.5, abs=0.01)
     # What each is charged is what it got.
     for group, usage in policy.usage(10 * SECOND).items():
         assert usage.gpu_seconds == pytest.approx(gpu.busy_ns[group] / 1e9, abs=0.1)
-    assert (gpu.switches == 0) == (not crowded)
+    assert (gpu.switches == 0) == bool(spanning and not crowded)
 
 
 def test_groups_that_nothing_binds_share_the_gpu_and_take_turns_as_soon_as_something_does() -> None:
-    """Two uncapped groups of one process each are released together (Decision.shared: the driver slices
-    among them); a MinUtil set, a second process of one, or a priority apart ends that at the next look,
-    and one of them is released in turns; the others are held and charged their queue until it drains."""
+    """Two uncapped groups of one process each, one of them a job over this GPU and another, are released
+    together (Decision.shared: the driver slices among them); a MinUtil set, a second process of one, or a
+    priority apart ends that at the next look, and one of them is released in turns; the others are held
+    and charged their queue until it drains. Groups of this GPU alone take turns."""
     policy = TimeSharePolicy(now=0)
     policy.set_quotas(0, {0: Quota(), 1: Quota(), 2: Quota()})
-    both = frozenset({0, 1})
-    decision = policy.step(0, Observation(both, present=both))
+    both, job = frozenset({0, 1}), frozenset({0})
+    decision = policy.step(0, Observation(both, present=both, spanning=job))
     assert decision.shared == both and decision.released is None and decision.sharable
     assert decision.wake_on_wait  # a newcomer's first launch waits on its held word and rings
     assert policy.phase is Phase.SHARED
     # Charged by the time each had work, scaled to the time that passed: both busy, half each.
-    decision = policy.step(60 * MS, Observation(both, present=both, shared_busy={0: 60 * MS, 1: 60 * MS}))
+    decision = policy.step(60 * MS, Observation(both, present=both, shared_busy={0: 60 * MS, 1: 60 * MS}, spanning=job))
     seconds = policy.gpu_seconds(60 * MS)
     assert seconds[0] == pytest.approx(0.03) and seconds[1] == pytest.approx(0.03)
     assert policy.usage(60 * MS)[0].throttled_seconds == 0.0
     # One of them quiet: the other is charged what it ran.
-    decision = policy.step(120 * MS, Observation(both, present=both, shared_busy={0: 60 * MS, 1: 0}))
+    decision = policy.step(120 * MS, Observation(both, present=both, shared_busy={0: 60 * MS, 1: 0}, spanning=job))
     assert policy.gpu_seconds(120 * MS)[0] == pytest.approx(0.09)
     # A third group's process: all three share.
     three = frozenset({0, 1, 2})
-    decision = policy.step(130 * MS, Observation(three, present=three, shared_busy={0: 10 * MS, 1: 10 * MS}))
+    decision = policy.step(130 * MS, Observation(three, present=three, shared_busy={0: 10 * MS, 1: 10 * MS},
+                                                 spanning=job))
     assert decision.shared == three
     # Group 1 starts a second process here: turns. One is released, the others held and charged as they drain.
     decision = policy.step(140 * MS, Observation(three, present=three, crowded=frozenset({1}),
-                                                 shared_busy=dict.fromkeys(three, 10 * MS)))
+                                                 shared_busy=dict.fromkeys(three, 10 * MS), spanning=job))
     assert not decision.shared and not decision.sharable and policy.phase is Phase.RUNNING
     assert decision.released in three
     assert set(policy.overrunning()) == three - {decision.released}
@@ -390,24 +396,26 @@ def test_groups_that_nothing_binds_share_the_gpu_and_take_turns_as_soon_as_somet
                   {0: Quota(opportunistic=True), 1: Quota(opportunistic=True)}):
         policy = TimeSharePolicy(now=0)
         policy.set_quotas(0, mixed)
-        decision = policy.step(0, Observation(both, present=both))
+        decision = policy.step(0, Observation(both, present=both, spanning=job))
         assert not decision.shared and not decision.sharable and decision.released is not None, mixed
     # Production groups share beside an opportunistic one, which runs beside them.
     policy = TimeSharePolicy(now=0)
     policy.set_quotas(0, {0: Quota(), 1: Quota(), 2: Quota(opportunistic=True)})
     three = frozenset({0, 1, 2})
-    decision = policy.step(0, Observation(three, present=three))
+    decision = policy.step(0, Observation(three, present=three, spanning=job))
     assert decision.shared == both and decision.beside == {2}
-    # Off (PolicyParams.share_unbound): turns.
-    policy = TimeSharePolicy(PolicyParams(share_unbound=False), now=0)
-    policy.set_quotas(0, {0: Quota(), 1: Quota()})
-    assert policy.step(0, Observation(both, present=both)).released is not None
+    # Off (PolicyParams.share_unbound), or no job over GPUs here: turns.
+    for params, spanning in ((PolicyParams(share_unbound=False), job), (PolicyParams(), frozenset())):
+        policy = TimeSharePolicy(params, now=0)
+        policy.set_quotas(0, {0: Quota(), 1: Quota()})
+        decision = policy.step(0, Observation(both, present=both, spanning=spanning))
+        assert decision.released is not None and not decision.sharable
 
 
 def test_a_group_alone_is_released_as_the_holder_though_sharable() -> None:
     policy = TimeSharePolicy(now=0)
     policy.set_quotas(0, {0: Quota(), 1: Quota()})
-    decision = policy.step(0, Observation(frozenset({0}), present=frozenset({0})))
+    decision = policy.step(0, Observation(frozenset({0}), present=frozenset({0}), spanning=frozenset({0})))
     assert decision.released == 0 and not decision.shared and decision.sharable and not decision.short_queue
 
 
@@ -426,9 +434,10 @@ def test_a_loop_that_pauses_between_steps_gets_its_fair_share_beside_a_hog(gap_n
     assert loop > 0.45
     assert loop + other > 0.97
     assert gpu.switches < 10 * 50
-    # Released together, the loop gets half the GPU while it has work and the hog all of it in the loop's
-    # pauses (the driver's slicing: work-conserving, not fair in usage), with no switch at all.
-    shared, _ = simulate({0: Quota(), 1: Quota()}, {0: steps(25 * MS, gap_ns), 1: hog()})
+    # Released together (were one of them a job over GPUs), the loop gets half the GPU while it has work and
+    # the hog all of it in the loop's pauses (the driver's slicing: work-conserving, not fair in usage), with
+    # no switch at all.
+    shared, _ = simulate({0: Quota(), 1: Quota()}, {0: steps(25 * MS, gap_ns), 1: hog()}, spanning=frozenset({1}))
     loop = shared.share(0, 10 * SECOND)
     assert loop == pytest.approx(25 / (50 + gap_ns / MS), abs=0.01)
     assert loop + shared.share(1, 10 * SECOND) > 0.999 and shared.switches == 0
@@ -682,12 +691,12 @@ def test_equal_priorities_decide_as_no_priority_at_all() -> None:
     assert (same.busy_ns, same.steps, same.switches) == (plain.busy_ns, plain.steps, plain.switches)
 
 
-def short_bursts_beside_a_hog(priority: int, crowded: frozenset[int] = frozenset({0, 1})) -> tuple[FakeGpu, Workload]:
-    """2 ms of work every 30 ms (a latency-sensitive service) in group 0, a hog in group 1 (each of several
-    processes, unless `crowded` says otherwise: in turns)."""
+def short_bursts_beside_a_hog(priority: int, spanning: frozenset[int] = frozenset()) -> tuple[FakeGpu, Workload]:
+    """2 ms of work every 30 ms (a latency-sensitive service) in group 0, a hog in group 1 (in turns, unless
+    one of them is a job over this GPU and another: `spanning`)."""
     bursts = bursty(2 * MS, 30 * MS)
     gpu, _ = simulate({0: Quota(priority=priority), 1: Quota()}, {0: bursts, 1: hog()}, duration=3 * SECOND,
-                      crowded=crowded)
+                      spanning=spanning)
     return gpu, bursts
 
 
@@ -711,8 +720,8 @@ def test_a_high_priority_burst_waits_a_poll_and_a_drain_not_a_slice() -> None:
     assert gpu.share(0, 3 * SECOND) == pytest.approx(2 / 30, abs=0.005)
     assert sum(gpu.busy_ns.values()) / (3 * SECOND) > 0.85
     assert sum(base.busy_ns.values()) / (3 * SECOND) > 0.85
-    # One process each, no priority: released together, each burst runs beside the hog at half speed.
-    shared, shared_bursts = short_bursts_beside_a_hog(priority=0, crowded=frozenset())
+    # The hog a job over GPUs, no priority: released together, each burst runs beside the hog at half speed.
+    shared, shared_bursts = short_bursts_beside_a_hog(priority=0, spanning=frozenset({1}))
     assert len(shared_bursts.latencies) >= 95 and max(shared_bursts.latencies) <= 2 * 2 * MS + MS // 10
     assert sum(shared.busy_ns.values()) / (3 * SECOND) > 0.999
 

@@ -670,29 +670,45 @@ def test_an_opportunistic_group_is_released_beside_production_naming_its_slots(r
 
 
 def test_groups_that_nothing_binds_share_the_gpu_until_one_runs_two_processes_there(region: rg.Region) -> None:
-    """Two uncapped groups of one process each: both released, each with the long queue, and charged half the
-    time while both are busy; a forged hold lasts a look; a second process of one of them on this GPU (the
-    driver would give that group two slices to the other's one) brings turns at the next look."""
+    """Two uncapped groups of one process each, one of them a job whose other rank runs on GPU 0: both
+    released, each with the long queue, and charged half the time while both are busy; a forged hold lasts
+    a look; a second process of one of them on this GPU (the driver would give that group two slices to the
+    other's one) brings turns at the next look. Before the job's rank on GPU 0 launches, they take turns."""
     clock = FakeClock()
-    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0)
+    jobs, turns = JobKeys(), GangTurns()
+    scheduler = GpuScheduler(region, GPU, clock, rescan_ns=0, gang=turns, jobs=jobs)
+    peer = GpuScheduler(region, 0, clock, rescan_ns=0, gang=turns, jobs=jobs)
     a, b = region.set_group("a", None, 0, 1), region.set_group("b", None, 0, 1)
     scheduler.set_quotas({a: Quota(), b: Quota()})
+    peer.set_quotas({a: Quota(), b: Quota()})
     slot_a, slot_b = claim(region, 0, 1001, a), claim(region, 5, 1002, b)
+    rank = testkit.claim(region, 7, 1003, a)
+    use_gpu(region, rank, 0)
+    jobs.record(0, 1001, "ddp")
+    jobs.record(7, 1003, "ddp")
     slot_a.waiting[GPU] = slot_b.waiting[GPU] = 1
 
     def word(group: int) -> int:
         return region.layout.control[GPU][group].held
 
     scheduler.step()
+    assert held(region, a) != held(region, b)  # turns: no job over GPUs here yet
+    rank.launches[0] = 4
+    peer.step()
+    clock.advance(MS)
+    scheduler.step()
+    assert turns.spanning_on(GPU) == {a} and not turns.view(GPU)  # a job over both GPUs, that shares
     assert word(a) == word(b) == rg.RELEASED_LONG_QUEUE
     slot_a.waiting[GPU] = slot_b.waiting[GPU] = 0
+    before = scheduler.gpu_seconds()
     for _ in range(2):
         launch(slot_a, 10, clock())
         launch(slot_b, 10, clock())
         clock.advance(60 * MS)
         scheduler.step()
     seconds = scheduler.gpu_seconds()
-    assert seconds[a] == pytest.approx(0.06, abs=1e-6) and seconds[b] == pytest.approx(0.06, abs=1e-6)
+    assert seconds[a] - before[a] == pytest.approx(0.06, abs=1e-6)
+    assert seconds[b] - before[b] == pytest.approx(0.06, abs=1e-6)
     assert scheduler.usage()[a].throttled_seconds == 0.0
     region.hold(GPU, a)
     scheduler.step()

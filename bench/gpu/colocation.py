@@ -16,9 +16,9 @@ Each service beside the training loop, in four settings (the case is SERVICE-SET
             queued (it fills only the time between the service's bursts)
   mps       both groups Isolation = mps, the training one Opportunistic = yes: its clients start at
             MPS's low client priority (CUDA_MPS_CLIENT_PRIORITY=1), the service's at normal
-  equal     both production, no quota, the same priority: nothing binds, so the groups share the GPU under
-            the driver's own time slicing (docs/scheduler.md, "Where nothing binds")
-  turns     the same with MinUtil = 0.01 each: they take turns (how an operator keeps turns)
+  equal     both production, no quota, the same priority: what the scheduler does where nothing binds (on
+            one GPU, turns; bb8a4c3 shared it under the driver's slicing, bench/results/colocation.md)
+  turns     the same with MinUtil = 0.01 each: turns whatever the rule for groups nothing binds
 and two training loops, one production and one opportunistic (pair-gate, pair-gate0, pair-mps, and
 pair-mps-smN: under MPS with the opportunistic group at MaxUtil N%, a share of the SMs), or both
 production (pair-equal, pair-turns). Solo
@@ -218,7 +218,7 @@ def render(header: str, solo: dict[str, dict[str, Any]], rows: list[dict[str, An
     titles = {"off": f"Priority {HIGH} / 0, time slicing", "gate": "Opportunistic (the gate: 2 kernels queued)",
               "gate0": "Opportunistic, GEMTRACE_BESIDE_KERNELS=0 (none queued)",
               "mps": "Opportunistic, Isolation=mps (MPS client priority)",
-              "equal": "both production, no quota (shared: the driver's slicing)",
+              "equal": "both production, no quota",
               "turns": "both production, MinUtil 0.01 each (turns)"}
 
     def title(row: dict[str, Any]) -> str:

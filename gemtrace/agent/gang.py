@@ -166,6 +166,10 @@ class GangTurns:
         # every GPU's every look would otherwise queue on behind another GPU's report.
         self._views: dict[int, Turns] = {}
         self._gangs: frozenset[int] = frozenset()  # the groups that spanned GPUs at the last report
+        # Per GPU, the groups with a job spanning it and another GPU, in turns or sharing (`spanning_on`), and
+        # the members they came from; replaced whole, read without the lock.
+        self._spanning_on: dict[int, frozenset[int]] = {}
+        self._spanning_from: dict[int, frozenset[int]] | None = None
         # `_unshared`'s last answer: (the members it came from, the sharable GPUs, the members that take turns).
         self._unshared_of: tuple[dict[int, frozenset[int]], frozenset[int], dict[int, frozenset[int]]] | None = None
         # `_members` walks every group on every GPU (63 x 8 at the region's limit): kept while no GPU's
@@ -189,6 +193,10 @@ class GangTurns:
         """The groups spanning GPUs barred on this GPU (turn closed), clearing and due (turn open)."""
         return self._views.get(gpu, NO_TURNS)
 
+    def spanning_on(self, gpu: int) -> frozenset[int]:
+        """The groups with a job on this GPU and another, whether they take turns or share (Observation.spanning)."""
+        return self._spanning_on.get(gpu, frozenset())
+
     def report(self, gpu: int, report: GpuReport) -> bool:
         """A GPU's look: closes the turns it ended, opens those every GPU consents to. True if this
         GPU's view changed (the caller decides again before carrying out its decision)."""
@@ -202,7 +210,7 @@ class GangTurns:
             before = self._views
             spanning = self._members()
             members = self._unshared(spanning)
-            changed: set[int] = set()
+            changed = self._spanning_changed(spanning)
             # A GPU sees a turn clearing when it decided on a view that says so: a look that read its view
             # before another GPU's report opened the turn reports the readiness of a barred group, which
             # would close the turn at once (8 of 10 turns at the region's limit: turns opened and closed
@@ -241,6 +249,8 @@ class GangTurns:
             self._pairs.pop(gpu, None)
             self._members_cache, self._turn_views_of, self._views_from = None, None, None
             self._views = {g: turns for g, turns in self._views.items() if g != gpu}
+            self._spanning_on = {g: groups for g, groups in self._spanning_on.items() if g != gpu}
+            self._spanning_from = None
 
     def open_turns(self) -> dict[int, frozenset[int]]:
         """Each group whose turn is open (clearing or going) and its GPUs."""
@@ -248,6 +258,20 @@ class GangTurns:
             return {group: turn.gpus for group, turn in self._open.items()}
 
     # -- under the lock ----------------------------------------------------------------------------
+
+    def _spanning_changed(self, spanning: dict[int, frozenset[int]]) -> set[int]:
+        """`spanning_on` brought up to `spanning` (the groups with a job over several GPUs); the GPUs whose
+        groups changed (they may share now, or take turns again)."""
+        if spanning is self._spanning_from:
+            return set()
+        on: dict[int, set[int]] = {}
+        for group, gpus in spanning.items():
+            for gpu in gpus:
+                on.setdefault(gpu, set()).add(group)
+        before, self._spanning_from = self._spanning_on, spanning
+        self._spanning_on = {gpu: frozenset(groups) for gpu, groups in on.items()}
+        return {gpu for gpu in before.keys() | self._spanning_on.keys()
+                if before.get(gpu) != self._spanning_on.get(gpu)}
 
     def _unshared(self, members: dict[int, frozenset[int]]) -> dict[int, frozenset[int]]:
         """The gangs of `members` that take turns: those with a GPU that would not share (Decision.sharable).

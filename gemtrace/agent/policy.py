@@ -32,9 +32,10 @@ interval of GPU time belongs to exactly one group and is charged to it, overrun 
   - Among the wanting groups of the highest priority, the rest (unreserved, or reserved and unused)
     goes to the one with the least GPU time over a decayed window (max-min fairness):
     work-conserving, and the holder keeps the GPU without a needless switch while nobody else wants it.
-  - Where nothing binds (no MinUtil, no MaxUtil, one priority, one process a group on the GPU), no turns:
-    the groups are released together (Decision.shared) and the driver's time slicing shares the GPU,
-    each charged the time it had work, shared out (`_sharing`; docs/scheduler.md, "Where nothing binds").
+  - Where a job spanning GPUs runs and nothing binds (no MinUtil, no MaxUtil, one priority, one process a
+    group on the GPU), no turns: the groups are released together (Decision.shared) and the driver's time
+    slicing shares the GPU, each charged the time it had work, shared out (`_sharing`; docs/scheduler.md,
+    "Where nothing binds").
 
 Cost: a step moves the accounts of the groups in play only (wanting the GPU, charged: the holder and
 overrunning groups); a group out of play only decays and refills, brought up to date in one go when
@@ -153,8 +154,9 @@ class PolicyParams:
     # A group in its turn across GPUs that goes quiet keeps the GPU this long (its ranks' CPU work
     # between steps) before it is revoked early as any quiet holder is.
     gang_pause_ns: int = 5 * MS
-    # Groups that nothing binds share the GPU under the driver's time slicing (Decision.shared). Off:
-    # they take turns like any (the fake GPU of tests/test_policy.py, which models turns only).
+    # Groups that nothing binds share a GPU where a job spanning GPUs runs under the driver's time slicing
+    # (Decision.shared). Off: they take turns like any (the fake GPU of tests/test_policy.py, which models
+    # turns only).
     share_unbound: bool = True
 
 
@@ -194,6 +196,8 @@ class Observation:
         charged no further, or its MaxUtil bucket would hold that turn off (_step_draining).
     crowded: groups with more than one live process on this GPU (the driver slices its time by process,
         not by group: such a group takes turns, `_sharable`).
+    spanning: groups with a job here that spans GPUs, in gang turns or not (gang.py): where one is, and
+        nothing binds, the GPU is shared (`_sharable`).
     shared_busy: of the groups released together at the last look (Decision.shared), how long each had
         work queued since then (ns, the gates' bursts): what their time is charged by.
     """
@@ -212,6 +216,7 @@ class Observation:
     stranded: frozenset[int] = frozenset()
     crowded: frozenset[int] = frozenset()
     shared_busy: Mapping[int, int] = field(default_factory=dict)
+    spanning: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -247,8 +252,9 @@ class Decision:
     # that ring alone (other rings bring a look only where wake_on_wait says so), with wake_at (the
     # slice's end at the latest) as the net, not a poll every poll_ns.
     quiet_rings: bool = False
-    # The groups released together, none holding a turn: nothing any of them has binds (no MinUtil, no
-    # MaxUtil, one priority, one process each here), so the driver's own time slicing shares the GPU
+    # The groups released together, none holding a turn: a job spanning GPUs runs here and nothing any of them
+    # has binds (no MinUtil, no MaxUtil, one priority, one process each here), so the driver's own time slicing
+    # shares the GPU
     # among them (`TimeSharePolicy._sharing`; each keeps the long queue of a group alone: GpuScheduler says why).
     shared: frozenset[int] = frozenset()
     # By this GPU's own groups, it would share (`_sharable`): reported to the turns across GPUs
@@ -431,7 +437,7 @@ class TimeSharePolicy:
         self._ready = (self._gang_readiness(now, obs.holder_idle_since) if self._barred or self._clearing
                        else frozenset())
         here = frozenset(obs.present & self._accounts.keys())  # (the processes the driver slices among)
-        sharable = self._sharable(here, obs.crowded)
+        sharable = self._sharable(here, obs.crowded, obs.spanning)
         shared = self._sharing(here) if sharable else frozenset()
         if shared:
             self._share(now, shared, obs)
@@ -490,18 +496,22 @@ class TimeSharePolicy:
 
     # -- groups that nothing binds: the driver's own time slicing ---------------------------------
 
-    def _sharable(self, groups: frozenset[int], crowded: frozenset[int]) -> bool:
+    def _sharable(self, groups: frozenset[int], crowded: frozenset[int], spanning: frozenset[int]) -> bool:
         """Would this GPU's groups (`groups`: those present here) share it (no turns), by this GPU alone? Where
-        every group present here has no MinUtil, no MaxUtil, the same priority as the others and one process
-        here: then no rule of this policy tells them apart, and the driver's time slicing (by process) gives
-        each what turns would, and more: it runs one's kernels in the other's gaps (a CPU pause, a sync, a
-        collective), which exclusive turns leave idle. A job over two H200s beside single-GPU jobs, none with a
-        quota, did 0.42-0.56 of its solo work in turns and 0.64-0.66 under the driver's slicing
-        (bench/results/gang_ddp.md). A group spanning GPUs shares only where each of its GPUs would (gang.py: it
-        is barred or due here otherwise, `_sharing`). Opportunistic groups with no production group here take
-        turns: their word keeps the beside bound, so that a production process's first request waits for half a
-        millisecond of their work, not for a shared group's long queue."""
-        if not groups or not self.params.share_unbound or crowded & groups:
+        a job spanning GPUs runs here (`spanning`) and every group present here has no MinUtil, no MaxUtil, the
+        same priority as the others and one process here: then no rule of this policy tells them apart, and
+        the driver's time slicing (by process) gives each what turns would, and more: it runs the others'
+        kernels while the job's collective waits for its peers on other GPUs, time that exclusive turns leave
+        to the spinning collective. A job over two H200s beside single-GPU jobs, none with a quota, did
+        0.42-0.56 of its solo work in turns and 0.64-0.66 under the driver's slicing (bench/results/gang_ddp.md).
+        Groups that all live on this GPU alone keep turns: two ResNet-50 trainings did 0.91-0.92 of one solo
+        together under the driver's finer slicing against 0.95-0.98 in turns (bench/results/colocation.md,
+        2026-12-07), and turns' fairness evens out a loop that pauses. A group spanning GPUs shares only where
+        each of its GPUs would (gang.py: it is barred or due here otherwise, `_sharing`). Opportunistic groups
+        with no production group here take turns: their word keeps the beside bound, so that a production
+        process's first request waits for half a millisecond of their work, not for a shared group's long
+        queue."""
+        if not groups or not self.params.share_unbound or crowded & groups or not spanning & groups:
             return False
         priority = None
         for group in groups:

@@ -443,17 +443,18 @@ class GpuScheduler:
                   gangs={g: self._policy.figures(g) for g in sorted(gangs)})
 
     def _with_turns(self, observation: Observation) -> Observation:
-        """The observation with the groups spanning GPUs that are barred and due here (gang.py)."""
+        """The observation with the groups spanning GPUs here (gang.py): those barred and due, and all of them,
+        in turns or not."""
         if self._gang is None:
             return observation
-        turns = self._gang.view(self.gpu)
+        turns, spanning = self._gang.view(self.gpu), self._gang.spanning_on(self.gpu)
         self._gang_here = bool(turns)
-        if not turns:
+        if not turns and not spanning:
             return observation
         scheduled = self._scheduled
         return dataclasses.replace(observation, barred=turns.barred & scheduled, clearing=turns.clearing & scheduled,
                                    due=turns.due & scheduled, pending=turns.pending & scheduled,
-                                   stranded=turns.stranded & scheduled)
+                                   stranded=turns.stranded & scheduled, spanning=spanning & scheduled)
 
     def _apply_quotas(self, now: int, quotas: dict[int, Quota]) -> None:
         self._policy.set_quotas(now, quotas)
