@@ -404,12 +404,14 @@ def test_groups_that_nothing_binds_share_the_gpu_and_take_turns_as_soon_as_somet
     three = frozenset({0, 1, 2})
     decision = policy.step(0, Observation(three, present=three, spanning=job))
     assert decision.shared == both and decision.beside == {2}
-    # Off (PolicyParams.share_unbound), or no job over GPUs here: turns.
+    # Off (PolicyParams.share_unbound), or no job over GPUs here: turns. (With none here, the GPU still says
+    # it would share were one here: so the first look of a job that spans it opens no turn across GPUs.)
     for params, spanning in ((PolicyParams(share_unbound=False), job), (PolicyParams(), frozenset())):
         policy = TimeSharePolicy(params, now=0)
         policy.set_quotas(0, {0: Quota(), 1: Quota()})
         decision = policy.step(0, Observation(both, present=both, spanning=spanning))
-        assert decision.released is not None and not decision.sharable
+        assert decision.released is not None and not decision.shared
+        assert decision.sharable == params.share_unbound
 
 
 def test_a_group_alone_is_released_as_the_holder_though_sharable() -> None:

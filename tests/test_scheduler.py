@@ -698,6 +698,7 @@ def test_groups_that_nothing_binds_share_the_gpu_until_one_runs_two_processes_th
     clock.advance(MS)
     scheduler.step()
     assert turns.spanning_on(GPU) == {a} and not turns.view(GPU)  # a job over both GPUs, that shares
+    assert turns.turns == 0  # from its first look on: every GPU of it said it would share
     assert word(a) == word(b) == rg.RELEASED_LONG_QUEUE
     slot_a.waiting[GPU] = slot_b.waiting[GPU] = 0
     before = scheduler.gpu_seconds()

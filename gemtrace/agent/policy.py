@@ -254,11 +254,13 @@ class Decision:
     quiet_rings: bool = False
     # The groups released together, none holding a turn: a job spanning GPUs runs here and nothing any of them
     # has binds (no MinUtil, no MaxUtil, one priority, one process each here), so the driver's own time slicing
-    # shares the GPU
-    # among them (`TimeSharePolicy._sharing`; each keeps the long queue of a group alone: GpuScheduler says why).
+    # shares the GPU among them (`TimeSharePolicy._sharing`; each keeps the long queue of a group alone:
+    # GpuScheduler says why).
     shared: frozenset[int] = frozenset()
-    # By this GPU's own groups, it would share (`_sharable`): reported to the turns across GPUs
-    # (gang.py), where a group spanning GPUs shares only where every GPU of it would.
+    # By this GPU's own groups, it would share, were a job spanning GPUs here (`_sharable`): reported to the
+    # turns across GPUs (gang.py), where a group spanning GPUs shares only where every GPU of it would. (A
+    # gang is such a job on each of its GPUs: the GPUs need not have seen it yet, or its first look would
+    # open a turn.)
     sharable: bool = False
 
 
@@ -437,8 +439,8 @@ class TimeSharePolicy:
         self._ready = (self._gang_readiness(now, obs.holder_idle_since) if self._barred or self._clearing
                        else frozenset())
         here = frozenset(obs.present & self._accounts.keys())  # (the processes the driver slices among)
-        sharable = self._sharable(here, obs.crowded, obs.spanning)
-        shared = self._sharing(here) if sharable else frozenset()
+        sharable = self._sharable(here, obs.crowded)
+        shared = self._sharing(here) if sharable and here & obs.spanning else frozenset()
         if shared:
             self._share(now, shared, obs)
         elif self._phase is Phase.SHARED:
@@ -496,14 +498,15 @@ class TimeSharePolicy:
 
     # -- groups that nothing binds: the driver's own time slicing ---------------------------------
 
-    def _sharable(self, groups: frozenset[int], crowded: frozenset[int], spanning: frozenset[int]) -> bool:
-        """Would this GPU's groups (`groups`: those present here) share it (no turns), by this GPU alone? Where
-        a job spanning GPUs runs here (`spanning`) and every group present here has no MinUtil, no MaxUtil, the
-        same priority as the others and one process here: then no rule of this policy tells them apart, and
-        the driver's time slicing (by process) gives each what turns would, and more: it runs the others'
-        kernels while the job's collective waits for its peers on other GPUs, time that exclusive turns leave
-        to the spinning collective. A job over two H200s beside single-GPU jobs, none with a quota, did
-        0.42-0.56 of its solo work in turns and 0.64-0.66 under the driver's slicing (bench/results/gang_ddp.md).
+    def _sharable(self, groups: frozenset[int], crowded: frozenset[int]) -> bool:
+        """Would this GPU's groups (`groups`: those present here) share it (no turns), by this GPU alone, were a
+        job spanning GPUs among them (`step` asks that of Observation.spanning)? Where one runs here and every
+        group present here has no MinUtil, no MaxUtil, the same priority as the others and one process here:
+        then no rule of this policy tells them apart, and the driver's time slicing (by process) gives each
+        what turns would, and more: it runs the others' kernels while the job's collective waits for its peers
+        on other GPUs, time that exclusive turns leave to the spinning collective. A job over two H200s beside
+        single-GPU jobs, none with a quota, did 0.42-0.56 of its solo work in turns and 0.64-0.66 under the
+        driver's slicing (bench/results/gang_ddp.md).
         Groups that all live on this GPU alone keep turns: two ResNet-50 trainings did 0.91-0.92 of one solo
         together under the driver's finer slicing against 0.95-0.98 in turns (bench/results/colocation.md,
         2026-12-07), and turns' fairness evens out a loop that pauses. A group spanning GPUs shares only where
@@ -511,7 +514,7 @@ class TimeSharePolicy:
         with no production group here take turns: their word keeps the beside bound, so that a production
         process's first request waits for half a millisecond of their work, not for a shared group's long
         queue."""
-        if not groups or not self.params.share_unbound or crowded & groups or not spanning & groups:
+        if not groups or not self.params.share_unbound or crowded & groups:
             return False
         priority = None
         for group in groups:
