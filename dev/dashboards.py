@@ -205,8 +205,8 @@ def fleet() -> Json:
                                  "Value #D": "libcuda files"}}},
         ]),
         panel("table", "GPUs", "Each GPU, how much of its memory the groups hold, and how much of the last 5 "
-              "minutes its groups shared it under the driver's time slicing (nothing bound them) rather than "
-              "taking turns.", [
+              "minutes its groups shared it under the driver's time slicing (a job across GPUs ran there and "
+              "nothing bound them) rather than taking turns.", [
             target(sel("gemtrace_gpu_info", only=("instance", "gpu")), ref="A", instant=True),
             target(f"sum by (job, instance, gpu) ({mem}) / on (job, instance, gpu) "
                    f"{sel('gemtrace_gpu_memory_total_bytes', only=('instance', 'gpu'))}",

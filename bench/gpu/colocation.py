@@ -198,7 +198,10 @@ def judge(rows: list[dict[str, Any]], solo: dict[str, dict[str, Any]]) -> None:
             r["result"] = "met" if all(checks) else "missed"
         else:
             r["prod_ratio"] = r["prod_rate"] / train
-            r["result"] = "-" if r["setting"] in PRODUCTION_ONLY else "met" if r["prod_ratio"] >= PAIR_PRODUCTION and \
+            if r["setting"] in PRODUCTION_ONLY:
+                r["result"] = "-"
+                continue
+            r["result"] = "met" if r["prod_ratio"] >= PAIR_PRODUCTION and \
                 r["prod_ratio"] + r["train_ratio"] >= PAIR_TOTAL else "missed"
 
 

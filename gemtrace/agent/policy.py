@@ -440,7 +440,7 @@ class TimeSharePolicy:
                        else frozenset())
         here = frozenset(obs.present & self._accounts.keys())  # (the processes the driver slices among)
         sharable = self._sharable(here, obs.crowded)
-        shared = self._sharing(here) if sharable and here & obs.spanning else frozenset()
+        shared = self._sharing(here, obs.spanning) if sharable else frozenset()
         if shared:
             self._share(now, shared, obs)
         elif self._phase is Phase.SHARED:
@@ -500,20 +500,19 @@ class TimeSharePolicy:
 
     def _sharable(self, groups: frozenset[int], crowded: frozenset[int]) -> bool:
         """Would this GPU's groups (`groups`: those present here) share it (no turns), by this GPU alone, were a
-        job spanning GPUs among them (`step` asks that of Observation.spanning)? Where one runs here and every
+        job spanning GPUs among them (`_sharing` asks that of Observation.spanning)? Where one runs here and every
         group present here has no MinUtil, no MaxUtil, the same priority as the others and one process here:
         then no rule of this policy tells them apart, and the driver's time slicing (by process) gives each
         what turns would, and more: it runs the others' kernels while the job's collective waits for its peers
         on other GPUs, time that exclusive turns leave to the spinning collective. A job over two H200s beside
         single-GPU jobs, none with a quota, did 0.42-0.56 of its solo work in turns and 0.64-0.66 under the
-        driver's slicing (bench/results/gang_ddp.md).
-        Groups that all live on this GPU alone keep turns: two ResNet-50 trainings did 0.91-0.92 of one solo
-        together under the driver's finer slicing against 0.95-0.98 in turns (bench/results/colocation.md,
-        2026-12-07), and turns' fairness evens out a loop that pauses. A group spanning GPUs shares only where
-        each of its GPUs would (gang.py: it is barred or due here otherwise, `_sharing`). Opportunistic groups
-        with no production group here take turns: their word keeps the beside bound, so that a production
-        process's first request waits for half a millisecond of their work, not for a shared group's long
-        queue."""
+        driver's slicing (bench/results/gang_ddp.md). Groups that all live on this GPU alone keep turns: two
+        ResNet-50 trainings did 0.91-0.92 of one solo together under the driver's finer slicing against
+        0.95-0.98 in turns (bench/results/colocation.md, 2026-12-07), and turns' fairness evens out a loop that
+        pauses. A group spanning GPUs shares only where each of its GPUs would (gang.py: it is barred or due
+        here otherwise, `_sharing`). Opportunistic groups with no production group here take turns: their
+        word keeps the beside bound, so that a production process's first request waits for half a
+        millisecond of their work, not for a shared group's long queue."""
         if not groups or not self.params.share_unbound or crowded & groups:
             return False
         priority = None
@@ -525,12 +524,13 @@ class TimeSharePolicy:
             priority = quota.priority
         return True
 
-    def _sharing(self, groups: frozenset[int]) -> frozenset[int]:
-        """The groups to release together: those present here, where two or more are and this GPU is
-        sharable, and none of them is in a turn across GPUs (a group spanning GPUs one of which would not
-        share takes its turns, and the others here take theirs); else none (a group alone runs as the
-        holder, with the long queue)."""
-        if len(groups) < 2 or groups & self._spanning:
+    def _sharing(self, groups: frozenset[int], spanning: frozenset[int]) -> frozenset[int]:
+        """The groups to release together on this sharable GPU: those present here (`groups`), where two or
+        more are, a job spanning GPUs is among them (`spanning`), and none of them is in a turn across GPUs
+        (a group spanning GPUs one of which would not share takes its turns, and the others here take
+        theirs); else none (groups of this GPU alone take turns; a group alone runs as the holder, with the
+        long queue)."""
+        if len(groups) < 2 or not groups & spanning or groups & self._spanning:
             return frozenset()
         return groups
 
